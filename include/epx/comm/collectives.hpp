@@ -1,0 +1,103 @@
+// epx/comm/collectives.hpp: typed collectives over any communicator, and mesh sub-groups.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "epx/comm/communicator.hpp"
+#include "epx/core/error.hpp"
+#include "epx/core/span.hpp"
+#include "epx/mesh/mesh.hpp"
+
+namespace epx {
+
+// The communicator of the group of kind `g` that holds this rank. Collective over `comm`,
+// whose size must be the mesh's world.
+template <class Comm>
+Comm sub_communicator(const Comm& comm, const mesh& m, group_kind g) {
+  m.validate_world(comm.size());
+  return comm.split(m.group_color(g, comm.rank()), m.group_rank(g, comm.rank()));
+}
+
+// Equal counts: `send` holds size()*count elements, block p goes to peer p.
+template <class Comm, class T>
+void all_to_all(Comm& comm, span<const T> send, span<T> recv) {
+  const auto n = static_cast<std::size_t>(comm.size());
+  EPX_REQUIRE(send.size() % n == 0 && recv.size() == send.size(), errc::input,
+              "all_to_all: send (", send.size(), ") and recv (", recv.size(),
+              ") must hold the same multiple of the communicator size (", n, ")");
+  comm.all_to_all(send.data(), recv.data(), send.size() / n, datatype_of<T>());
+}
+
+// Per-peer counts and displacements, in elements.
+template <class Comm, class T>
+void all_to_allv(Comm& comm, const T* send, span<const std::size_t> send_counts,
+                 span<const std::size_t> send_displs, T* recv, span<const std::size_t> recv_counts,
+                 span<const std::size_t> recv_displs) {
+  const auto n = static_cast<std::size_t>(comm.size());
+  EPX_REQUIRE(send_counts.size() == n && send_displs.size() == n && recv_counts.size() == n &&
+                  recv_displs.size() == n,
+              errc::input, "all_to_allv: counts and displacements need one entry per peer (", n, ")");
+  comm.all_to_allv(send, send_counts.data(), send_displs.data(), recv, recv_counts.data(),
+                   recv_displs.data(), datatype_of<T>());
+}
+
+// Rows of `row_elems` elements each: counts and offsets are in rows. Moves whole rows
+// without the caller multiplying by the row length.
+template <class Comm, class T>
+void all_to_allv_rows(Comm& comm, const T* send, span<const std::size_t> send_rows,
+                      span<const std::size_t> send_row_offsets, T* recv, span<const std::size_t> recv_rows,
+                      span<const std::size_t> recv_row_offsets, std::size_t row_elems) {
+  const auto n = static_cast<std::size_t>(comm.size());
+  EPX_REQUIRE(send_rows.size() == n && send_row_offsets.size() == n && recv_rows.size() == n &&
+                  recv_row_offsets.size() == n,
+              errc::input, "all_to_allv_rows: counts and offsets need one entry per peer (", n, ")");
+  std::vector<std::size_t> v(4 * n);
+  for (std::size_t p = 0; p < n; ++p) {
+    v[p] = send_rows[p] * row_elems;
+    v[n + p] = send_row_offsets[p] * row_elems;
+    v[2 * n + p] = recv_rows[p] * row_elems;
+    v[3 * n + p] = recv_row_offsets[p] * row_elems;
+  }
+  comm.all_to_allv(send, v.data(), v.data() + n, recv, v.data() + 2 * n, v.data() + 3 * n,
+                   datatype_of<T>());
+}
+
+// In place: data = scale * sum over ranks of data.
+template <class Comm, class T>
+void all_reduce(Comm& comm, span<T> data, double scale = 1.0) {
+  comm.all_reduce(data.data(), data.data(), data.size(), datatype_of<T>(), scale);
+}
+
+template <class Comm, class T>
+void all_reduce(Comm& comm, span<const T> send, span<T> recv, double scale = 1.0) {
+  EPX_REQUIRE(send.size() == recv.size(), errc::input, "all_reduce: send (", send.size(),
+              ") and recv (", recv.size(), ") sizes differ");
+  comm.all_reduce(send.data(), recv.data(), send.size(), datatype_of<T>(), scale);
+}
+
+// send: size()*recv.size() elements; block r (summed over ranks, times scale) lands on rank r.
+template <class Comm, class T>
+void reduce_scatter(Comm& comm, span<const T> send, span<T> recv, double scale = 1.0) {
+  EPX_REQUIRE(send.size() == recv.size() * static_cast<std::size_t>(comm.size()), errc::input,
+              "reduce_scatter: send (", send.size(), ") must hold size (", comm.size(), ") x recv (",
+              recv.size(), ") elements");
+  comm.reduce_scatter(send.data(), recv.data(), recv.size(), datatype_of<T>(), scale);
+}
+
+template <class Comm, class T>
+void all_gather(Comm& comm, span<const T> send, span<T> recv) {
+  EPX_REQUIRE(recv.size() == send.size() * static_cast<std::size_t>(comm.size()), errc::input,
+              "all_gather: recv (", recv.size(), ") must hold size (", comm.size(), ") x send (",
+              send.size(), ") elements");
+  comm.all_gather(send.data(), recv.data(), send.size(), datatype_of<T>());
+}
+
+template <class Comm, class T>
+void broadcast(Comm& comm, span<T> data, int root) {
+  EPX_REQUIRE(root >= 0 && root < comm.size(), errc::input, "broadcast: root (", root,
+              ") out of range [0, ", comm.size(), ")");
+  comm.broadcast(data.data(), data.size(), datatype_of<T>(), root);
+}
+
+}  // namespace epx

@@ -1,0 +1,38 @@
+// epx/core/config.hpp: version, host/device annotation and small portability macros.
+#pragma once
+
+#define EPX_VERSION_MAJOR 0
+#define EPX_VERSION_MINOR 1
+#define EPX_VERSION_PATCH 0
+
+// EPX_HOST_DEVICE marks per-element work that runs both on the CPU and on a CUDA device.
+// Under a plain C++ compiler it expands to nothing, so the same functor body is what the
+// CPU tests execute and what the GPU kernels execute.
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define EPX_HOST_DEVICE __host__ __device__
+#define EPX_DEVICE __device__
+#else
+#define EPX_HOST_DEVICE
+#define EPX_DEVICE
+#endif
+
+#if defined(__CUDA_ARCH__)
+#define EPX_IS_DEVICE_CODE 1
+#else
+#define EPX_IS_DEVICE_CODE 0
+#endif
+
+#if defined(_OPENMP)
+#define EPX_HAS_OPENMP 1
+#else
+#define EPX_HAS_OPENMP 0
+#endif
+
+namespace epx {
+
+// Used in static_assert inside `if constexpr` chains so that an invalid policy composition
+// fails with a sentence instead of a template wall.
+template <class...>
+inline constexpr bool dependent_false = false;
+
+}  // namespace epx

@@ -1,0 +1,128 @@
+// epx/core/numeric.hpp: 16-bit floating-point storage types and the accumulation rule.
+//
+// `epx::bf16` and `epx::fp16` are plain 16-bit storage types, bit-compatible with
+// `__nv_bfloat16`/`__half` and with NCCL's ncclBfloat16/ncclFloat16, usable in host and
+// device code alike. Conversions round to nearest even. Arithmetic happens in the
+// accumulation type: float for the 16-bit types and float, double for double.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "epx/core/config.hpp"
+
+namespace epx {
+namespace detail {
+
+EPX_HOST_DEVICE inline std::uint32_t float_bits(float f) noexcept {
+#if EPX_IS_DEVICE_CODE
+  return __float_as_uint(f);
+#else
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+EPX_HOST_DEVICE inline float bits_float(std::uint32_t u) noexcept {
+#if EPX_IS_DEVICE_CODE
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+EPX_HOST_DEVICE inline std::uint16_t float_to_bf16_bits(float f) noexcept {
+  std::uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+
+EPX_HOST_DEVICE inline float bf16_bits_to_float(std::uint16_t b) noexcept {
+  return bits_float(static_cast<std::uint32_t>(b) << 16);
+}
+
+EPX_HOST_DEVICE inline std::uint16_t float_to_fp16_bits(float f) noexcept {
+  std::uint32_t x = float_bits(f);
+  const std::uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return static_cast<std::uint16_t>(sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (x >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to inf
+  if (x < 0x38800000u) {  // below the smallest normal half: subnormal or zero
+    if (x < 0x33000000u) return static_cast<std::uint16_t>(sign);
+    const std::uint32_t e = x >> 23;
+    const std::uint32_t m = (x & 0x7fffffu) | 0x800000u;
+    const std::uint32_t shift = 126u - e;
+    std::uint32_t r = m >> shift;
+    const std::uint32_t rem = m & ((1u << shift) - 1u);
+    const std::uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return static_cast<std::uint16_t>(sign | r);
+  }
+  std::uint32_t h = ((((x >> 23) - 112u) << 10) | ((x & 0x7fffffu) >> 13));
+  const std::uint32_t rem = x & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+  return static_cast<std::uint16_t>(sign | h);
+}
+
+EPX_HOST_DEVICE inline float fp16_bits_to_float(std::uint16_t h) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t e = (h >> 10) & 0x1fu;
+  const std::uint32_t m = h & 0x3ffu;
+  if (e == 0) {
+    const float v = static_cast<float>(m) * 5.9604644775390625e-8f;  // m * 2^-24, exact
+    return sign ? -v : v;
+  }
+  if (e == 31) return bits_float(sign | 0x7f800000u | (m << 13));
+  return bits_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+}  // namespace detail
+
+struct bf16 {
+  std::uint16_t bits;
+  bf16() = default;
+  EPX_HOST_DEVICE explicit bf16(float f) noexcept : bits(detail::float_to_bf16_bits(f)) {}
+  EPX_HOST_DEVICE explicit operator float() const noexcept { return detail::bf16_bits_to_float(bits); }
+  EPX_HOST_DEVICE static bf16 from_bits(std::uint16_t b) noexcept { bf16 v; v.bits = b; return v; }
+};
+
+struct fp16 {
+  std::uint16_t bits;
+  fp16() = default;
+  EPX_HOST_DEVICE explicit fp16(float f) noexcept : bits(detail::float_to_fp16_bits(f)) {}
+  EPX_HOST_DEVICE explicit operator float() const noexcept { return detail::fp16_bits_to_float(bits); }
+  EPX_HOST_DEVICE static fp16 from_bits(std::uint16_t b) noexcept { fp16 v; v.bits = b; return v; }
+};
+
+static_assert(sizeof(bf16) == 2 && std::is_trivially_copyable_v<bf16>);
+static_assert(sizeof(fp16) == 2 && std::is_trivially_copyable_v<fp16>);
+
+// Accumulation type of an activation type: double for double, float otherwise.
+template <class T>
+using accum_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// Converts between activation and accumulation types (float, double, bf16, fp16).
+template <class To, class From>
+EPX_HOST_DEVICE inline To convert(From v) noexcept {
+  if constexpr (std::is_same_v<To, From>) {
+    return v;
+  } else if constexpr (std::is_same_v<From, bf16> || std::is_same_v<From, fp16>) {
+    return static_cast<To>(static_cast<float>(v));
+  } else if constexpr (std::is_same_v<To, bf16> || std::is_same_v<To, fp16>) {
+    return To(static_cast<float>(v));
+  } else {
+    return static_cast<To>(v);
+  }
+}
+
+template <class T>
+inline constexpr bool is_activation_type_v =
+    std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bf16> ||
+    std::is_same_v<T, fp16>;
+
+}  // namespace epx
