@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstddef>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "epx/comm/communicator.hpp"
@@ -61,6 +63,59 @@ void all_to_allv_rows(Comm& comm, const T* send, span<const std::size_t> send_ro
   }
   comm.all_to_allv(send, v.data(), v.data() + n, recv, v.data() + 2 * n, v.data() + 3 * n,
                    datatype_of<T>());
+}
+
+namespace detail {
+template <class C, class = void>
+struct has_native_segments : std::false_type {};
+template <class C>
+struct has_native_segments<C, std::void_t<decltype(std::declval<C&>().all_to_allv_segments(
+                                  std::declval<const void*>(), std::declval<const std::size_t*>(),
+                                  std::declval<const std::size_t*>(), std::declval<void*>(),
+                                  std::declval<const std::size_t*>(), std::declval<const std::size_t*>(),
+                                  std::size_t{}, datatype::byte))>> : std::true_type {};
+}  // namespace detail
+
+// Segmented all-to-all of rows: every peer pair exchanges `nseg` segments. Arrays are
+// [peers][nseg], in rows of `row_elems` elements: segment i that this rank sends to peer q
+// (send_seg_counts[q*nseg+i] rows at send_seg_displs[q*nseg+i]) lands at q in the place q
+// names for segment i from this rank (its recv_seg_displs[me*nseg+i]); counts must agree.
+// This is how rows land expert-major at the receiver with no second permutation. Backends
+// with a native `all_to_allv_segments` (same arguments, in elements) are used directly;
+// otherwise it runs as `nseg` rounds of all_to_allv.
+template <class Comm, class T>
+void all_to_allv_segments(Comm& comm, const T* send, span<const std::size_t> send_seg_counts,
+                          span<const std::size_t> send_seg_displs, T* recv,
+                          span<const std::size_t> recv_seg_counts, span<const std::size_t> recv_seg_displs,
+                          std::size_t nseg, std::size_t row_elems) {
+  const auto n = static_cast<std::size_t>(comm.size());
+  const std::size_t m = n * nseg;
+  EPX_REQUIRE(send_seg_counts.size() == m && send_seg_displs.size() == m && recv_seg_counts.size() == m &&
+                  recv_seg_displs.size() == m,
+              errc::input, "all_to_allv_segments: counts and displacements need peers*nseg (", n, "*", nseg,
+              " = ", m, ") entries");
+  if constexpr (detail::has_native_segments<Comm>::value) {
+    std::vector<std::size_t> v(4 * m);
+    for (std::size_t i = 0; i < m; ++i) {
+      v[i] = send_seg_counts[i] * row_elems;
+      v[m + i] = send_seg_displs[i] * row_elems;
+      v[2 * m + i] = recv_seg_counts[i] * row_elems;
+      v[3 * m + i] = recv_seg_displs[i] * row_elems;
+    }
+    comm.all_to_allv_segments(send, v.data(), v.data() + m, recv, v.data() + 2 * m, v.data() + 3 * m, nseg,
+                              datatype_of<T>());
+  } else {
+    std::vector<std::size_t> v(4 * n);
+    for (std::size_t i = 0; i < nseg; ++i) {
+      for (std::size_t p = 0; p < n; ++p) {
+        v[p] = send_seg_counts[p * nseg + i] * row_elems;
+        v[n + p] = send_seg_displs[p * nseg + i] * row_elems;
+        v[2 * n + p] = recv_seg_counts[p * nseg + i] * row_elems;
+        v[3 * n + p] = recv_seg_displs[p * nseg + i] * row_elems;
+      }
+      comm.all_to_allv(send, v.data(), v.data() + n, recv, v.data() + 2 * n, v.data() + 3 * n, datatype_of<T>());
+    }
+  }
 }
 
 // In place: data = scale * sum over ranks of data.
