@@ -1,0 +1,70 @@
+# Builds and runs the consumer project (consumer/) against epx, one way (cmake -P):
+#   -DMODE=find_package|add_subdirectory|fetchcontent
+#   -DEPX_SOURCE_DIR=<epx source>  -DEPX_BINARY_DIR=<a configured epx build, for install>
+#   -DWORK_DIR=<scratch dir>  -DGENERATOR=<cmake generator>  -DCXX=<C++ compiler>
+#   -DEXPECT=<file with the expected stdout>
+#   -DVERSION=<version asked of find_package>  -DEXPECT_CONFIGURE_FAILURE=ON
+cmake_minimum_required(VERSION 3.25)
+
+function(run what)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  set(run_rc "${rc}" PARENT_SCOPE)
+  set(run_out "${out}" PARENT_SCOPE)
+  set(run_err "${err}" PARENT_SCOPE)
+  if(NOT rc EQUAL 0 AND NOT what STREQUAL "may-fail")
+    message(FATAL_ERROR "${what} failed (${rc}):\n${out}\n${err}")
+  endif()
+endfunction()
+
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR})
+set(prefix ${WORK_DIR}/prefix)
+set(extra)
+
+if(MODE STREQUAL "find_package")
+  run("install" ${CMAKE_COMMAND} --install ${EPX_BINARY_DIR} --prefix ${prefix})
+  foreach(f IN ITEMS include/epx/epx.hpp include/epx/mesh/mesh.hpp share/epx/cmake/epxConfig.cmake
+                     share/epx/cmake/epxConfigVersion.cmake share/epx/cmake/epxTargets.cmake)
+    if(NOT EXISTS ${prefix}/${f})
+      message(FATAL_ERROR "install is missing ${f}")
+    endif()
+  endforeach()
+  list(APPEND extra -DCMAKE_PREFIX_PATH=${prefix})
+  # The installed package must not point back into the source or build tree.
+  file(GLOB cfgs ${prefix}/share/epx/cmake/*.cmake)
+  foreach(f IN LISTS cfgs)
+    file(READ ${f} text)
+    string(FIND "${text}" "${EPX_SOURCE_DIR}/include" at)
+    if(NOT at EQUAL -1)
+      message(FATAL_ERROR "${f} refers to the source tree")
+    endif()
+  endforeach()
+endif()
+if(VERSION)
+  list(APPEND extra -DEPX_CONSUMER_VERSION=${VERSION})
+endif()
+
+set(configure ${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR}/consumer -B ${WORK_DIR}/build -G ${GENERATOR}
+    -DCMAKE_CXX_COMPILER=${CXX} -DCMAKE_BUILD_TYPE=Release -DEPX_CONSUMER_MODE=${MODE}
+    -DEPX_CONSUMER_SOURCE_DIR=${EPX_SOURCE_DIR} -DEPX_ENABLE_CUDA=${EPX_ENABLE_CUDA} ${extra})
+if(EXPECT_CONFIGURE_FAILURE)
+  run("may-fail" ${configure})
+  if(run_rc EQUAL 0)
+    message(FATAL_ERROR "configure succeeded but was expected to fail:\n${run_out}")
+  endif()
+  string(FIND "${run_err}" "requested version" at)
+  if(at EQUAL -1)
+    message(FATAL_ERROR "configure failed, but not for the version:\n${run_err}")
+  endif()
+  message(STATUS "configure failed as expected:\n${run_err}")
+  return()
+endif()
+run("configure" ${configure})
+message(STATUS "${run_out}")
+run("build" ${CMAKE_COMMAND} --build ${WORK_DIR}/build -j2)
+run("run" ${WORK_DIR}/build/epx_consumer)
+file(READ ${EXPECT} want)
+if(NOT run_out STREQUAL want)
+  message(FATAL_ERROR "consumer output differs; got:\n${run_out}\nexpected:\n${want}")
+endif()
+message(STATUS "consumer (${MODE}) output:\n${run_out}")
