@@ -95,6 +95,13 @@ struct buffer_for<T, openmp> { using type = host_buffer<T>; };
 template <class T, class P>
 using buffer = typename buffer_for<T, std::remove_cv_t<P>>::type;
 
+// A buffer of n elements in the policy's memory space (host memory for host policies);
+// the CUDA policy's overload allocates in the order of its stream.
+template <class T, class P, std::enable_if_t<is_host_policy_v<P>, int> = 0>
+host_buffer<T> make_buffer(const P&, std::size_t n) {
+  return host_buffer<T>(n);
+}
+
 template <class P, class T, std::enable_if_t<is_host_policy_v<P>, int> = 0>
 void copy_n(const P&, const T* src, std::size_t n, T* dst) {
   if (n) std::memcpy(static_cast<void*>(dst), static_cast<const void*>(src), n * sizeof(T));
@@ -103,6 +110,19 @@ void copy_n(const P&, const T* src, std::size_t n, T* dst) {
 template <class P, class T, std::enable_if_t<is_host_policy_v<P>, int> = 0>
 void fill_zero(const P&, T* dst, std::size_t n) {
   if (n) std::memset(static_cast<void*>(dst), 0, n * sizeof(T));
+}
+
+// Copies between host memory and the policy's memory space (the same space for host
+// policies). Library code uses these for the small arrays it reads on the host (counts,
+// offsets, status flags); a device policy provides the same two functions.
+template <class P, class T, std::enable_if_t<is_host_policy_v<P>, int> = 0>
+void copy_to_host(const P& p, const T* src, std::size_t n, T* host_dst) {
+  copy_n(p, src, n, host_dst);
+}
+
+template <class P, class T, std::enable_if_t<is_host_policy_v<P>, int> = 0>
+void copy_from_host(const P& p, const T* host_src, std::size_t n, T* dst) {
+  copy_n(p, host_src, n, dst);
 }
 
 // Host policies finish their work before returning.
