@@ -1,0 +1,548 @@
+// MPI communicator backend: run under mpiexec with 1, 2, 4 and 8 ranks (see tests/CMakeLists.txt).
+//
+// Every rank can regenerate what every other rank sends (values are a hash of source,
+// destination, index and a salt), so each receiver checks its data bitwise, and sums are
+// checked against a float64 reference computed from all ranks' regenerated inputs.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "epx/comm/collectives.hpp"
+#include "epx/comm/mpi.hpp"
+#include "epx/mesh/mesh.hpp"
+
+namespace {
+
+using epx::bf16;
+using epx::fp16;
+using epx::mpi::communicator;
+
+static_assert(epx::is_communicator_v<communicator>);
+
+std::uint64_t mix(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+std::uint64_t key(std::uint64_t salt, std::uint64_t src, std::uint64_t dst, std::uint64_t i) {
+  return mix(mix(mix(mix(salt) ^ src) ^ dst) ^ i);
+}
+
+// A deterministic value of T from a hash: small integers, or floats in [-4, 4).
+template <class T>
+T value_of(std::uint64_t h) {
+  if constexpr (std::is_same_v<T, std::byte>) {
+    return static_cast<std::byte>(h & 0xff);
+  } else if constexpr (std::is_integral_v<T>) {
+    return static_cast<T>(static_cast<std::int64_t>(h % 2001) - 1000);
+  } else {
+    const double v = (static_cast<double>(h >> 11) * 0x1.0p-53) * 8.0 - 4.0;
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) return static_cast<T>(v);
+    else return T(static_cast<float>(v));
+  }
+}
+
+template <class T>
+double to_double(T v) {
+  if constexpr (std::is_same_v<T, bf16> || std::is_same_v<T, fp16>) return static_cast<double>(static_cast<float>(v));
+  else return static_cast<double>(v);
+}
+
+template <class T>
+bool same_bits(const T& a, const T& b) {
+  return std::memcmp(&a, &b, sizeof(T)) == 0;
+}
+
+template <class T>
+T sentinel() {
+  T v;
+  std::memset(&v, 0x5a, sizeof v);
+  return v;
+}
+
+template <class T>
+const char* type_name() {
+  return epx::to_string(epx::datatype_of<T>());
+}
+
+// Elements rank `src` sends to rank `dst` in the uneven pattern: some pairs send nothing.
+std::size_t uneven_count(int src, int dst, std::size_t salt) {
+  return static_cast<std::size_t>((src * 7 + dst * 3 + static_cast<int>(salt)) % 5) * 3;
+}
+
+// all_to_allv with uneven counts, gaps between blocks (checked untouched) and every
+// peer's data regenerated and compared bitwise.
+template <class T>
+void check_all_to_allv(communicator& comm, std::size_t salt) {
+  const int n = comm.size(), me = comm.rank();
+  std::vector<std::size_t> sc(n), sd(n), rc(n), rd(n);
+  std::size_t stotal = 0, rtotal = 0;
+  for (int p = 0; p < n; ++p) {
+    sc[p] = uneven_count(me, p, salt);
+    sd[p] = stotal;
+    stotal += sc[p] + 1;  // one element gap after every block
+    rc[p] = uneven_count(p, me, salt);
+    rd[p] = rtotal;
+    rtotal += rc[p] + 2;
+  }
+  std::vector<T> send(stotal, sentinel<T>()), recv(rtotal, sentinel<T>());
+  for (int p = 0; p < n; ++p)
+    for (std::size_t i = 0; i < sc[p]; ++i) send[sd[p] + i] = value_of<T>(key(salt, me, p, i));
+  epx::all_to_allv(comm, send.data(), epx::make_span(sc), epx::make_span(sd), recv.data(), epx::make_span(rc),
+                   epx::make_span(rd));
+  std::size_t wrong = 0, gap_touched = 0;
+  for (int p = 0; p < n; ++p) {
+    for (std::size_t i = 0; i < rc[p]; ++i)
+      if (!same_bits(recv[rd[p] + i], value_of<T>(key(salt, p, me, i)))) ++wrong;
+    for (std::size_t i = rc[p]; i < rc[p] + 2; ++i)
+      if (!same_bits(recv[rd[p] + i], sentinel<T>())) ++gap_touched;
+  }
+  CHECK_MESSAGE(wrong == 0, type_name<T>(), " rank ", me, " of ", n);
+  CHECK(gap_touched == 0);
+}
+
+template <class T>
+void check_all_to_all(communicator& comm, std::size_t count, std::size_t salt) {
+  const int n = comm.size(), me = comm.rank();
+  std::vector<T> send(count * n), recv(count * n, sentinel<T>());
+  for (int p = 0; p < n; ++p)
+    for (std::size_t i = 0; i < count; ++i) send[p * count + i] = value_of<T>(key(salt, me, p, i));
+  epx::all_to_all(comm, epx::span<const T>(send.data(), send.size()), epx::span<T>(recv.data(), recv.size()));
+  std::size_t wrong = 0;
+  for (int p = 0; p < n; ++p)
+    for (std::size_t i = 0; i < count; ++i)
+      if (!same_bits(recv[p * count + i], value_of<T>(key(salt, p, me, i)))) ++wrong;
+  CHECK_MESSAGE(wrong == 0, type_name<T>(), " count ", count);
+}
+
+template <class T>
+void check_all_gather_broadcast(communicator& comm, std::size_t count, std::size_t salt) {
+  const int n = comm.size(), me = comm.rank();
+  std::vector<T> send(count), recv(count * n, sentinel<T>());
+  for (std::size_t i = 0; i < count; ++i) send[i] = value_of<T>(key(salt, me, 0, i));
+  epx::all_gather(comm, epx::span<const T>(send.data(), count), epx::span<T>(recv.data(), recv.size()));
+  std::size_t wrong = 0;
+  for (int p = 0; p < n; ++p)
+    for (std::size_t i = 0; i < count; ++i)
+      if (!same_bits(recv[p * count + i], value_of<T>(key(salt, p, 0, i)))) ++wrong;
+  CHECK_MESSAGE(wrong == 0, "all_gather ", type_name<T>(), " count ", count);
+  for (int root = 0; root < n; ++root) {
+    std::vector<T> data(count);
+    for (std::size_t i = 0; i < count; ++i) data[i] = value_of<T>(key(salt + 1, me, root, i));
+    epx::broadcast(comm, epx::span<T>(data.data(), count), root);
+    wrong = 0;
+    for (std::size_t i = 0; i < count; ++i)
+      if (!same_bits(data[i], value_of<T>(key(salt + 1, root, root, i)))) ++wrong;
+    CHECK_MESSAGE(wrong == 0, "broadcast ", type_name<T>(), " root ", root);
+  }
+}
+
+// Bound on |result - float64 reference| for one element: the accumulation-type rounding of
+// every partial sum plus the final rounding to T.
+template <class T>
+double tolerance(double ref, double abs_sum, int n) {
+  if constexpr (std::is_integral_v<T>) {
+    (void)ref, (void)abs_sum, (void)n;
+    return 0.0;
+  } else {
+    const double acc_eps = std::is_same_v<T, double> ? 0x1.0p-52 : 0x1.0p-23;
+    const double out_eps = std::is_same_v<T, bf16> ? 0x1.0p-8 : std::is_same_v<T, fp16> ? 0x1.0p-11 : acc_eps;
+    const double out_abs = std::is_same_v<T, fp16> ? 0x1.0p-25 : std::is_same_v<T, bf16> ? 0x1.0p-134 : 0.0;
+    return (n + 1) * acc_eps * abs_sum + out_eps * std::fabs(ref) + out_abs;
+  }
+}
+
+// Result bits of every rank are gathered and compared with rank 0's.
+template <class T>
+bool identical_on_all_ranks(communicator& comm, const std::vector<T>& v) {
+  const int n = comm.size();
+  const std::size_t bytes = v.size() * sizeof(T);
+  std::vector<unsigned char> all(bytes * n);
+  epx::all_gather(comm, epx::span<const unsigned char>(reinterpret_cast<const unsigned char*>(v.data()), bytes),
+                  epx::span<unsigned char>(all.data(), all.size()));
+  for (int p = 1; p < n; ++p)
+    if (std::memcmp(all.data(), all.data() + p * bytes, bytes) != 0) return false;
+  return true;
+}
+
+template <class T>
+void check_all_reduce(communicator& comm, std::size_t count, double scale, bool in_place, std::size_t salt) {
+  const int n = comm.size(), me = comm.rank();
+  std::vector<T> send(count), recv(count, sentinel<T>());
+  for (std::size_t i = 0; i < count; ++i) send[i] = value_of<T>(key(salt, me, 0, i));
+  if (in_place) {
+    recv = send;
+    epx::all_reduce(comm, epx::span<T>(recv.data(), count), scale);
+  } else {
+    epx::all_reduce(comm, epx::span<const T>(send.data(), count), epx::span<T>(recv.data(), count), scale);
+  }
+  std::size_t bad = 0;
+  double worst = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    double sum = 0, abs_sum = 0;
+    for (int p = 0; p < n; ++p) {
+      const double x = to_double(value_of<T>(key(salt, p, 0, i)));
+      sum += x;
+      abs_sum += std::fabs(x);
+    }
+    double ref = sum * scale;
+    if constexpr (std::is_integral_v<T>) ref = scale == 1.0 ? sum : static_cast<double>(std::llround(sum * scale));
+    const double err = std::fabs(to_double(recv[i]) - ref);
+    worst = std::max(worst, err);
+    if (!(err <= tolerance<T>(ref, abs_sum * std::fabs(scale), n))) ++bad;
+  }
+  CHECK_MESSAGE(bad == 0, "all_reduce ", type_name<T>(), " count ", count, " scale ", scale, " worst ", worst);
+  CHECK_MESSAGE(identical_on_all_ranks(comm, recv), "all_reduce ", type_name<T>(), " differs between ranks");
+}
+
+template <class T>
+void check_reduce_scatter(communicator& comm, std::size_t count, double scale, std::size_t salt) {
+  const int n = comm.size(), me = comm.rank();
+  std::vector<T> send(count * n), recv(count, sentinel<T>());
+  for (std::size_t i = 0; i < send.size(); ++i) send[i] = value_of<T>(key(salt, me, 1, i));
+  epx::reduce_scatter(comm, epx::span<const T>(send.data(), send.size()), epx::span<T>(recv.data(), count), scale);
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    double sum = 0, abs_sum = 0;
+    for (int p = 0; p < n; ++p) {
+      const double x = to_double(value_of<T>(key(salt, p, 1, me * count + i)));
+      sum += x;
+      abs_sum += std::fabs(x);
+    }
+    double ref = sum * scale;
+    if constexpr (std::is_integral_v<T>) ref = scale == 1.0 ? sum : static_cast<double>(std::llround(sum * scale));
+    if (!(std::fabs(to_double(recv[i]) - ref) <= tolerance<T>(ref, abs_sum * std::fabs(scale), n))) ++bad;
+  }
+  CHECK_MESSAGE(bad == 0, "reduce_scatter ", type_name<T>(), " count ", count, " scale ", scale);
+}
+
+// Runs `f` and expects epx::error of category `c` whose message contains `part`.
+template <class F>
+void check_error(F&& f, epx::errc c, const std::string& part) {
+  bool thrown = false;
+  try {
+    f();
+  } catch (const epx::error& e) {
+    thrown = true;
+    CHECK_MESSAGE(e.category() == c, e.what());
+    CHECK_MESSAGE(e.message().find(part) != std::string::npos, "message \"", e.message(), "\" lacks \"", part,
+                  "\"");
+  }
+  CHECK_MESSAGE(thrown, "expected an epx::error containing \"", part, "\"");
+}
+
+communicator small_chunks(std::size_t max_count) {
+  epx::mpi::options o;
+  o.max_count = max_count;
+  return communicator::world(o);
+}
+
+}  // namespace
+
+TEST_CASE("mpi: world communicator, environment guard and wrapping") {
+  epx::mpi::environment env;  // MPI is already up: the guard neither initializes nor finalizes
+  CHECK_FALSE(env.owns_mpi());
+  communicator w;
+  int r = -1, s = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  MPI_Comm_size(MPI_COMM_WORLD, &s);
+  CHECK(w.rank() == r);
+  CHECK(w.size() == s);
+  CHECK(w.native() == MPI_COMM_WORLD);
+  communicator copy = w;  // copies share the wrapped communicator
+  CHECK(copy.native() == MPI_COMM_WORLD);
+  communicator moved = std::move(copy);
+  CHECK(moved.size() == s);
+  MPI_Comm dup = MPI_COMM_NULL;
+  MPI_Comm_dup(MPI_COMM_WORLD, &dup);
+  {
+    communicator user(dup);  // wrapped, not owned
+    user.barrier();
+  }
+  int cmp = -1;
+  CHECK(MPI_Comm_compare(dup, MPI_COMM_WORLD, &cmp) == MPI_SUCCESS);  // still valid after the wrapper died
+  CHECK(cmp == MPI_CONGRUENT);
+  MPI_Comm_free(&dup);
+  check_error([] { communicator bad(MPI_COMM_NULL); }, epx::errc::input, "MPI_COMM_NULL");
+  epx::mpi::options o;
+  o.max_count = 0;
+  check_error([&] { communicator bad(MPI_COMM_WORLD, o); }, epx::errc::input, "max_count (0)");
+}
+
+TEST_CASE_TEMPLATE("mpi: all_to_allv with uneven counts and silent peers", T, std::int32_t, std::int64_t, float,
+                   double, bf16, fp16, std::byte) {
+  communicator w = communicator::world();
+  for (std::size_t salt = 0; salt < 5; ++salt) check_all_to_allv<T>(w, salt);
+}
+
+TEST_CASE_TEMPLATE("mpi: all_to_all, all_gather and broadcast", T, std::int32_t, std::int64_t, float, double, bf16,
+                   fp16, std::byte) {
+  communicator w = communicator::world();
+  for (std::size_t count : {std::size_t{1}, std::size_t{3}, std::size_t{1000}}) {
+    check_all_to_all<T>(w, count, 11 + count);
+    check_all_gather_broadcast<T>(w, count, 17 + count);
+  }
+}
+
+TEST_CASE_TEMPLATE("mpi: scaled all_reduce and reduce_scatter against float64", T, std::int32_t, std::int64_t, float,
+                   double, bf16, fp16) {
+  communicator w = communicator::world();
+  const int n = w.size();
+  for (std::size_t count : {std::size_t{1}, static_cast<std::size_t>(n + 1), std::size_t{4099}}) {
+    for (double scale : {1.0, 1.0 / n, 0.37}) {
+      if (std::is_integral_v<T> && scale != 1.0 && scale != 0.37) continue;
+      check_all_reduce<T>(w, count, scale, false, 100 + count);
+      check_all_reduce<T>(w, count, scale, true, 200 + count);
+      check_reduce_scatter<T>(w, count, scale, 300 + count);
+    }
+  }
+}
+
+TEST_CASE("mpi: zero-length messages") {
+  communicator w = communicator::world();
+  const auto n = static_cast<std::size_t>(w.size());
+  std::vector<std::size_t> zeros(n, 0);
+  float* none = nullptr;
+  epx::all_to_allv(w, static_cast<const float*>(none), epx::make_span(zeros), epx::make_span(zeros), none,
+                   epx::make_span(zeros), epx::make_span(zeros));
+  epx::all_to_allv_rows(w, static_cast<const float*>(none), epx::make_span(zeros), epx::make_span(zeros), none,
+                        epx::make_span(zeros), epx::make_span(zeros), 64);
+  epx::all_to_all(w, epx::span<const float>(), epx::span<float>());
+  epx::all_reduce(w, epx::span<float>(), 0.5);
+  epx::reduce_scatter(w, epx::span<const bf16>(), epx::span<bf16>(), 0.5);
+  epx::all_gather(w, epx::span<const double>(), epx::span<double>());
+  epx::broadcast(w, epx::span<std::int64_t>(), 0);
+  w.barrier();
+  // The communicator still works afterwards.
+  check_all_to_allv<float>(w, 3);
+}
+
+TEST_CASE("mpi: large all_to_allv of rows (64 MiB per peer at 2 ranks)") {
+  communicator w = communicator::world();
+  const int n = w.size(), me = w.rank();
+  const std::size_t H = 1024;                                                   // int32 row of 4 KiB
+  const std::size_t rows = (std::size_t{64} << 20) / (H * 4) / (n <= 2 ? 1 : n);  // per peer
+  std::vector<std::size_t> cnt(n, rows), off(n);
+  for (int p = 0; p < n; ++p) off[p] = p * rows;
+  std::vector<std::int32_t> send(rows * H * n), recv(rows * H * n, -1);
+  // [n, rows, H]: element (p, r, h) = hash of (me, p, r) + h, cheap to regenerate.
+  for (int p = 0; p < n; ++p)
+    for (std::size_t r = 0; r < rows; ++r) {
+      const auto base = static_cast<std::int32_t>(key(7, me, p, r) & 0xffffff);
+      std::int32_t* row = send.data() + (p * rows + r) * H;
+      for (std::size_t h = 0; h < H; ++h) row[h] = base + static_cast<std::int32_t>(h);
+    }
+  epx::all_to_allv_rows(w, send.data(), epx::make_span(cnt), epx::make_span(off), recv.data(), epx::make_span(cnt),
+                        epx::make_span(off), H);
+  std::size_t wrong = 0;
+  for (int p = 0; p < n; ++p)
+    for (std::size_t r = 0; r < rows; ++r) {
+      const auto base = static_cast<std::int32_t>(key(7, p, me, r) & 0xffffff);
+      const std::int32_t* row = recv.data() + (p * rows + r) * H;
+      for (std::size_t h = 0; h < H; ++h) wrong += row[h] != base + static_cast<std::int32_t>(h);
+    }
+  CHECK_MESSAGE(wrong == 0, rows * H * 4, " bytes per peer");
+}
+
+TEST_CASE("mpi: chunked path (counts over max_count) matches the direct path") {
+  // max_count stands in for INT_MAX: every transfer above it goes in point-to-point rounds.
+  for (std::size_t limit : {std::size_t{1}, std::size_t{2}, std::size_t{7}}) {
+    communicator c = small_chunks(limit);
+    const int n = c.size();
+    CHECK(c.opts().max_count == limit);
+    const std::size_t before = c.chunked_rounds();
+    check_all_to_allv<float>(c, 1);
+    check_all_to_allv<bf16>(c, 2);
+    check_all_to_allv<std::int64_t>(c, 4);
+    check_all_to_all<double>(c, 10, 5);
+    check_all_to_all<fp16>(c, limit, 6);  // exactly at the limit: direct path
+    check_all_gather_broadcast<std::int32_t>(c, 23, 7);
+    check_all_reduce<float>(c, 50, 0.25, false, 8);
+    check_all_reduce<bf16>(c, 33, 1.0 / n, true, 9);
+    check_reduce_scatter<double>(c, 19, 0.5, 10);
+    if (n > 1) CHECK(c.chunked_rounds() > before);  // the chunked path really ran
+  }
+  // The same communicator can also switch options: a 9-element limit with 4 KiB rows of bytes.
+  communicator c = communicator::world();
+  epx::mpi::options o = c.opts();
+  o.max_count = 9;
+  c.set_options(o);
+  check_all_to_allv<std::byte>(c, 3);
+}
+
+TEST_CASE("mpi: sub-communicators of every mesh group match group_members") {
+  communicator w = communicator::world();
+  const int n = w.size(), me = w.rank();
+  int meshes = 0;
+  // Every factorization of n into pp * dp_replicate * fsdp * tp and every valid ep.
+  for (int pp = 1; pp <= n; ++pp) {
+    if (n % pp) continue;
+    for (int rep = 1; rep <= n / pp; ++rep) {
+      if ((n / pp) % rep) continue;
+      for (int fsdp = 1; fsdp <= n / pp / rep; ++fsdp) {
+        if ((n / pp / rep) % fsdp) continue;
+        const int tp = n / pp / rep / fsdp;
+        for (int ep = tp; ep <= fsdp * tp; ep += tp) {
+          if ((fsdp * tp) % ep) continue;
+          epx::mesh_config mc;
+          mc.tp = tp, mc.fsdp = fsdp, mc.pp = pp, mc.dp_replicate = rep, mc.ep = ep, mc.experts = 2 * ep;
+          const epx::mesh m(mc);
+          ++meshes;
+          for (epx::group_kind g : epx::all_group_kinds) {
+            communicator sub = epx::sub_communicator(w, m, g);
+            const std::vector<int> expect = m.group_members(g, me);
+            REQUIRE(sub.size() == static_cast<int>(expect.size()));
+            CHECK(sub.rank() == m.group_rank(g, me));
+            // Who is in my group, in sub-communicator rank order, as world ranks.
+            std::vector<std::int32_t> got(sub.size());
+            const std::int32_t mine = me;
+            epx::all_gather(sub, epx::span<const std::int32_t>(&mine, 1), epx::make_span(got));
+            CHECK_MESSAGE(std::equal(got.begin(), got.end(), expect.begin()), epx::to_string(g), " tp ", tp,
+                          " fsdp ", fsdp, " pp ", pp, " rep ", rep, " ep ", ep);
+            // A collective inside the group sums over exactly its members.
+            std::int64_t x = me + 1, sum = 0;
+            epx::all_reduce(sub, epx::span<const std::int64_t>(&x, 1), epx::span<std::int64_t>(&sum, 1));
+            std::int64_t expect_sum = 0;
+            for (int r : expect) expect_sum += r + 1;
+            CHECK(sum == expect_sum);
+          }
+        }
+      }
+    }
+  }
+  CHECK(meshes >= 1);
+}
+
+TEST_CASE("mpi: split by color and key") {
+  communicator w = communicator::world();
+  const int n = w.size(), me = w.rank();
+  communicator sub = w.split(me % 2, -me);  // reversed order inside each parity class
+  int members = 0, my_pos = 0;
+  for (int r = n - 1; r >= 0; --r)
+    if (r % 2 == me % 2) {
+      if (r == me) my_pos = members;
+      ++members;
+    }
+  CHECK(sub.size() == members);
+  CHECK(sub.rank() == my_pos);
+  CHECK(sub.native() != w.native());
+  communicator subsub = sub.split(0, 0);  // owned splits of owned splits are freed in turn
+  CHECK(subsub.size() == sub.size());
+  check_all_to_allv<double>(subsub, 2);
+  check_error([&] { (void)w.split(me == n - 1 ? -3 : 0, 0); }, epx::errc::input,
+              "split: color (-3) on rank " + std::to_string(n - 1));
+}
+
+TEST_CASE("mpi: mismatched counts are reported on every rank") {
+  communicator w = communicator::world();
+  const int n = w.size(), me = w.rank();
+  if (n >= 2) {
+    // Rank 0 expects one more element from rank 1 than rank 1 sends.
+    std::vector<std::size_t> sc(n, 2), sd(n), rc(n, 2), rd(n);
+    for (int p = 0; p < n; ++p) sd[p] = rd[p] = 3 * p;
+    if (me == 0) rc[1] = 3;
+    std::vector<float> send(3 * n, 1.0f), recv(3 * n, 0.0f);
+    check_error(
+        [&] {
+          epx::all_to_allv(w, send.data(), epx::make_span(sc), epx::make_span(sd), recv.data(), epx::make_span(rc),
+                           epx::make_span(rd));
+        },
+        epx::errc::communicator, "rank 0 expects 3 float32 elements from rank 1, which sends 2");
+  }
+  // Equal-count collectives: rank-dependent counts, datatypes or roots.
+  std::vector<double> buf(n + 8, 1.0), out(n + 8);
+  if (n > 1) {
+    check_error([&] { w.all_reduce(buf.data(), out.data(), me == 0 ? 3 : 4, epx::datatype::float64, 1.0); },
+                epx::errc::communicator, "all_reduce: ranks disagree on the count (values from 3 to 4");
+    check_error([&] { w.all_gather(buf.data(), out.data(), 1, me == 1 ? epx::datatype::int64 : epx::datatype::float64); },
+                epx::errc::communicator, "ranks disagree on the datatype");
+    check_error([&] { w.broadcast(buf.data(), 2, epx::datatype::float64, me == 0 ? 1 : 0); },
+                epx::errc::communicator, "ranks disagree on the root");
+  }
+  check_error([&] { w.broadcast(buf.data(), 2, epx::datatype::float64, me == 0 ? n : 0); },
+              epx::errc::input, "broadcast: root (" + std::to_string(n) + ") on rank 0 out of range");
+  check_error([&] { w.all_reduce(buf.data(), out.data(), 2, epx::datatype::byte, 1.0); }, epx::errc::input,
+              "datatype byte cannot be summed");
+  // Nothing is left half-done: the communicator still works.
+  check_all_to_allv<std::int32_t>(w, 4);
+  check_all_reduce<float>(w, 9, 1.0, false, 5);
+}
+
+TEST_CASE("mpi: unchecked communicator still agrees on the chunked path") {
+  epx::mpi::options o;
+  o.check_counts = false;
+  o.max_count = 5;
+  communicator w = communicator::world(o);
+  const int n = w.size(), me = w.rank();
+  // Only rank 0 has a message over the limit: every rank must take the chunked path.
+  std::vector<std::size_t> sc(n, 1), sd(n), rc(n, 1), rd(n);
+  for (int p = 0; p < n; ++p) sd[p] = rd[p] = p;
+  if (me == 0) {
+    sc[0] = 12;
+    rc[0] = 12;
+    for (int p = 1; p < n; ++p) sd[p] = rd[p] = 12 + p;
+  }
+  std::vector<std::int64_t> send(12 + 2 * n), recv(12 + 2 * n, -1);
+  for (std::size_t i = 0; i < send.size(); ++i) send[i] = 1000 * me + static_cast<std::int64_t>(i);
+  w.all_to_allv(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), epx::datatype::int64);
+  std::size_t wrong = 0;
+  for (int p = 0; p < n; ++p)
+    for (std::size_t i = 0; i < rc[p]; ++i) {
+      const std::size_t src_off = (p == 0 ? (me == 0 ? 0 : 12 + me) : me) + i;
+      wrong += recv[rd[p] + i] != 1000 * p + static_cast<std::int64_t>(src_off);
+    }
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("mpi: MPI failures become epx::error(errc::mpi)") {
+  communicator w = communicator::world();
+  // A negative count is refused by MPI on every rank (argument checking happens before any
+  // communication), and the wrapped communicator returns the error instead of aborting.
+  int x = 0;
+  bool thrown = false;
+  try {
+    EPX_MPI_CHECK(MPI_Bcast(&x, -1, MPI_INT, 0, w.native()));
+  } catch (const epx::error& e) {
+    thrown = true;
+    CHECK(e.category() == epx::errc::mpi);
+    CHECK(e.status() != 0);
+    CHECK(e.message().find("MPI_Bcast") != std::string::npos);
+    CHECK(e.message().find("MPI error code") != std::string::npos);
+  }
+  CHECK(thrown);
+  check_error([] { epx::detail::mpi_check(MPI_ERR_TRUNCATE, "MPI_Recv", EPX_HERE); }, epx::errc::mpi,
+              "MPI_Recv failed: " + epx::detail::mpi_error_string(MPI_ERR_TRUNCATE));
+  w.barrier();
+}
+
+// Failure injection, run by ctest with --no-skip (see tests/CMakeLists.txt): the last rank
+// throws inside run() while the others wait in a collective; run() must print the message
+// and MPI_Abort the job instead of hanging.
+TEST_CASE("mpi: injected failure inside run aborts every rank" * doctest::skip()) {
+  int argc = 1;
+  char name[] = "test";
+  char* args[] = {name, nullptr};
+  char** argv = args;
+  epx::mpi::run(argc, argv, [](communicator& w) {
+    if (w.rank() == w.size() - 1) throw epx::error(epx::errc::input, "injected failure");
+    std::vector<float> x(4, 1.0f);
+    epx::all_reduce(w, epx::make_span(x));  // never completes: the last rank is gone
+  });
+}
+
+// A failed assertion on one rank while the others wait: the test main aborts the job.
+TEST_CASE("mpi: injected assertion failure on one rank aborts every rank" * doctest::skip()) {
+  communicator w = communicator::world();
+  CHECK_MESSAGE(w.rank() != w.size() - 1, "injected assertion failure");
+  w.barrier();
+}
