@@ -219,4 +219,21 @@ void fill_zero(const cuda& p, T* dst, std::size_t n) {
 // failure of that work (e.g. a kernel fault).
 inline void synchronize(const cuda& p) { EPX_CUDA_CHECK(cudaStreamSynchronize(p.stream)); }
 
+// Device (or host) memory -> host memory, after the stream's earlier work; `host_dst` is
+// readable when this returns (it synchronises the stream: use for small arrays such as
+// counts, offsets and status flags).
+template <class T>
+void copy_to_host(const cuda& p, const T* src, std::size_t n, T* host_dst) {
+  copy_n(p, src, n, host_dst);
+  synchronize(p);
+}
+
+// Host memory -> device memory in stream order; `host_src` may be reused or freed when
+// this returns (it synchronises the stream, so pinned host sources are safe too).
+template <class T>
+void copy_from_host(const cuda& p, const T* host_src, std::size_t n, T* dst) {
+  copy_n(p, host_src, n, dst);
+  synchronize(p);
+}
+
 }  // namespace epx::exec
