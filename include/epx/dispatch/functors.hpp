@@ -1,0 +1,192 @@
+// epx/dispatch/functors.hpp: per-element work of dispatch and combine, forward and backward.
+//
+// Each functor is EPX_HOST_DEVICE, trivially copyable and holds raw pointers, so the
+// CPU tests run exactly what a device launch runs:
+//
+//   exec::for_each_n(policy, n, functor{...});
+//
+// Work is split over tokens (or rows); every output element is written by exactly one
+// call, and sums run in a fixed order (slot order j = 0..k-1, then h order), never with
+// atomics: results are bitwise reproducible.
+//
+// Positions `pos[t*k+j]` index rows of a buffer in send order ([S, H], S = pairs of the
+// slice). A negative position means "not here" (the masked all-reduce path: the slot's
+// expert lives on another rank); such slots contribute nothing and get a zero weight
+// gradient.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "epx/core/config.hpp"
+#include "epx/core/numeric.hpp"
+
+namespace epx::dispatch {
+
+// dst[p, :] = x[src_row[p], :]; a negative src_row gives a zero row. Call with p in [0, rows).
+template <class T>
+struct gather_rows {
+  const T* x;                    // [*, H] source rows
+  const std::int64_t* src_row;   // [rows]
+  T* dst;                        // [rows, H]
+  std::size_t hidden;
+
+  EPX_HOST_DEVICE void operator()(std::size_t p) const {
+    T* d = dst + p * hidden;
+    const std::int64_t r = src_row[p];
+    if (r < 0) {
+      for (std::size_t h = 0; h < hidden; ++h) d[h] = convert<T>(0.0f);
+      return;
+    }
+    const T* s = x + static_cast<std::size_t>(r) * hidden;
+    for (std::size_t h = 0; h < hidden; ++h) d[h] = s[h];
+  }
+};
+
+// dst[r, :] = 0. Call with r in [0, rows).
+template <class T>
+struct zero_rows {
+  T* dst;  // [rows, H]
+  std::size_t hidden;
+  EPX_HOST_DEVICE void operator()(std::size_t r) const {
+    T* d = dst + r * hidden;
+    for (std::size_t h = 0; h < hidden; ++h) d[h] = convert<T>(0.0f);
+  }
+};
+
+// out[t, :] = sum_j w[t, j] * y[pos[t*k+j], :], in accum_t<T>, slot order. Call with t in [0, n).
+template <class T>
+struct combine {
+  const T* y;                  // [S, H] expert outputs in send order
+  const float* weights;        // [n, k]
+  const std::int64_t* pos;     // [n, k]
+  T* out;                      // [n, H]
+  std::size_t hidden;
+  int top_k;
+
+  EPX_HOST_DEVICE void operator()(std::size_t t) const {
+    using A = accum_t<T>;
+    const std::size_t k = static_cast<std::size_t>(top_k);
+    T* o = out + t * hidden;
+    for (std::size_t h = 0; h < hidden; ++h) {
+      A acc = A(0);
+      for (std::size_t j = 0; j < k; ++j) {
+        const std::int64_t p = pos[t * k + j];
+        if (p < 0) continue;
+        acc += static_cast<A>(weights[t * k + j]) * convert<A>(y[static_cast<std::size_t>(p) * hidden + h]);
+      }
+      o[h] = convert<T>(acc);
+    }
+  }
+};
+
+// Backward of combine. Call with t in [0, n):
+//   grad_y[pos[t*k+j], :] = w[t, j] * grad_out[t, :]
+//   grad_w[t, j]          = sum_h y[pos[t*k+j], h] * grad_out[t, h]   (accum_t, h order)
+// Slots with a negative position get grad_w = 0 and write no grad_y row.
+template <class T>
+struct combine_backward {
+  const T* y;                  // [S, H] expert outputs saved by forward
+  const T* grad_out;           // [n, H]
+  const float* weights;        // [n, k]
+  const std::int64_t* pos;     // [n, k]
+  T* grad_y;                   // [S, H]
+  float* grad_weights;         // [n, k]
+  std::size_t hidden;
+  int top_k;
+
+  EPX_HOST_DEVICE void operator()(std::size_t t) const {
+    using A = accum_t<T>;
+    const std::size_t k = static_cast<std::size_t>(top_k);
+    const T* g = grad_out + t * hidden;
+    for (std::size_t j = 0; j < k; ++j) {
+      const std::int64_t p = pos[t * k + j];
+      if (p < 0) {
+        grad_weights[t * k + j] = 0.0f;
+        continue;
+      }
+      const A w = static_cast<A>(weights[t * k + j]);
+      const T* yr = y + static_cast<std::size_t>(p) * hidden;
+      T* gy = grad_y + static_cast<std::size_t>(p) * hidden;
+      A dot = A(0);
+      for (std::size_t h = 0; h < hidden; ++h) {
+        const A gh = convert<A>(g[h]);
+        gy[h] = convert<T>(w * gh);
+        dot += convert<A>(yr[h]) * gh;
+      }
+      grad_weights[t * k + j] = static_cast<float>(dot);
+    }
+  }
+};
+
+// grad_x[t, :] = sum_j grad_rows[pos[t*k+j], :], slot order. Call with t in [0, n).
+template <class T>
+struct reduce_grad_rows {
+  const T* grad_rows;          // [S, H] input-row gradients in send order
+  const std::int64_t* pos;     // [n, k]
+  T* grad_x;                   // [n, H]
+  std::size_t hidden;
+  int top_k;
+
+  EPX_HOST_DEVICE void operator()(std::size_t t) const {
+    using A = accum_t<T>;
+    const std::size_t k = static_cast<std::size_t>(top_k);
+    T* o = grad_x + t * hidden;
+    for (std::size_t h = 0; h < hidden; ++h) {
+      A acc = A(0);
+      for (std::size_t j = 0; j < k; ++j) {
+        const std::int64_t p = pos[t * k + j];
+        if (p < 0) continue;
+        acc += convert<A>(grad_rows[static_cast<std::size_t>(p) * hidden + h]);
+      }
+      o[h] = convert<T>(acc);
+    }
+  }
+};
+
+// Masked path: maps the plan's send positions to positions in this rank's expert-major
+// buffer, or -1 for slots whose expert is not local. Call with i in [0, n*k).
+//   local_pos[i] = local_offset[l] + (pos[i] - expert_offset[e])  if e = ids[i] is local (l = e - first)
+struct masked_positions {
+  const std::int32_t* ids;            // [n*k]
+  const std::int64_t* pos;            // [n*k] send positions from the plan
+  const std::int64_t* expert_offset;  // [E+1] from the plan
+  const std::int64_t* local_offset;   // [L+1] expert-major offsets (with padding)
+  std::int64_t* local_pos;            // [n*k]
+  int first_expert;
+  int num_local;
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    const int l = ids[i] - first_expert;
+    if (l < 0 || l >= num_local) {
+      local_pos[i] = -1;
+      return;
+    }
+    local_pos[i] = local_offset[l] + (pos[i] - expert_offset[ids[i]]);
+  }
+};
+
+// Masked path: the source row of every row of the expert-major buffer (-1 for padding).
+// Call with l in [0, L): rows of local expert l come from send positions
+// [expert_offset[first+l], expert_offset[first+l+1]) in order.
+struct masked_source_rows {
+  const std::int64_t* src_row;        // [n*k] from the plan
+  const std::int64_t* expert_offset;  // [E+1] from the plan
+  const std::int64_t* local_offset;   // [L+1]
+  std::int64_t* row_source;           // [R]
+  int first_expert;
+
+  EPX_HOST_DEVICE void operator()(std::size_t l) const {
+    const std::int64_t b = expert_offset[first_expert + static_cast<int>(l)];
+    const std::int64_t count = expert_offset[first_expert + static_cast<int>(l) + 1] - b;
+    const std::int64_t r0 = local_offset[l];
+    const std::int64_t r1 = local_offset[l + 1];
+    for (std::int64_t r = r0; r < r1; ++r) {
+      const std::int64_t q = r - r0;
+      row_source[r] = q < count ? src_row[b + q] : -1;
+    }
+  }
+};
+
+}  // namespace epx::dispatch

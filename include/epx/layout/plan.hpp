@@ -1,0 +1,242 @@
+// epx/layout/plan.hpp: the send layout of one rank's (row, slot) pairs, by counting sort.
+//
+// Input: expert ids [n, k] (n = this rank's TP slice) and routing weights [n, k]. Output:
+// every pair's position in the send buffer, with pairs grouped by global expert id, then
+// row, then slot: what a stable sequential counting sort gives, so no comparison sort is
+// needed and the order is deterministic.
+//
+// Three passes, each an EPX_HOST_DEVICE functor launched through exec::for_each_n:
+//   1. histogram_chunks (one call per chunk of pairs): chunk_counts[c][e], and the first
+//      pair of the chunk with a bad id (< 0 or >= E) or a non-finite weight;
+//   2. scan_chunks (one call per expert): exclusive scan over chunks, expert_counts[e];
+//      expert_offsets (one call): exclusive scan over experts, expert_offset[E+1];
+//   3. scatter_pairs (one call per chunk): pos[t*k+j] and src_row[p].
+// The number of chunks C is a parameter: 1 for exec::serial, the thread count for
+// exec::openmp, a few hundred on a device.
+//
+// Because ep rank d owns experts [d*L, (d+1)*L), expert_counts[E] read as [ep][L] is the
+// count matrix of the count exchange, and the send block for peer d is the positions
+// [expert_offset[d*L], expert_offset[(d+1)*L]).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "epx/core/config.hpp"
+#include "epx/core/error.hpp"
+#include "epx/core/numeric.hpp"
+#include "epx/exec/host.hpp"
+#include "epx/layout/detail/host_copy.hpp"
+
+#if EPX_HAS_OPENMP
+#include <omp.h>
+#endif
+
+namespace epx::layout {
+
+// True for finite floats; bit test so that it behaves the same on host and device and
+// under -ffast-math.
+EPX_HOST_DEVICE inline bool is_finite_bits(float w) noexcept {
+  return (epx::detail::float_bits(w) & 0x7f800000u) != 0x7f800000u;
+}
+
+// Pass 1. Call with c in [0, C). chunk_counts: [C, E]; chunk_bad: [C], the first pair
+// index of the chunk whose id or weight is bad, -1 if none. Bad pairs are not counted.
+struct histogram_chunks {
+  const std::int32_t* ids;       // [pairs]
+  const float* weights;          // [pairs], or null to skip the weight check
+  std::size_t pairs;
+  std::size_t chunk_pairs;       // pairs per chunk (>= 1)
+  int num_experts;
+  std::int64_t* chunk_counts;    // [C, E]
+  std::int64_t* chunk_bad;       // [C]
+
+  EPX_HOST_DEVICE void operator()(std::size_t c) const {
+    std::int64_t* row = chunk_counts + c * static_cast<std::size_t>(num_experts);
+    for (int e = 0; e < num_experts; ++e) row[e] = 0;
+    const std::size_t begin = c * chunk_pairs;
+    const std::size_t end = begin + chunk_pairs < pairs ? begin + chunk_pairs : pairs;
+    std::int64_t bad = -1;
+    for (std::size_t i = begin; i < end; ++i) {
+      const std::int32_t e = ids[i];
+      const bool ok = e >= 0 && e < num_experts && (weights == nullptr || is_finite_bits(weights[i]));
+      if (!ok) {
+        if (bad < 0) bad = static_cast<std::int64_t>(i);
+        continue;
+      }
+      ++row[e];
+    }
+    chunk_bad[c] = bad;
+  }
+};
+
+// Pass 2a. Call with e in [0, E): chunk_counts[c][e] becomes the exclusive prefix over
+// chunks; expert_counts[e] the total.
+struct scan_chunks {
+  std::int64_t* chunk_counts;    // [C, E]
+  std::int64_t* expert_counts;   // [E]
+  std::size_t chunks;
+  int num_experts;
+
+  EPX_HOST_DEVICE void operator()(std::size_t e) const {
+    std::int64_t running = 0;
+    for (std::size_t c = 0; c < chunks; ++c) {
+      std::int64_t& v = chunk_counts[c * static_cast<std::size_t>(num_experts) + e];
+      const std::int64_t n = v;
+      v = running;
+      running += n;
+    }
+    expert_counts[e] = running;
+  }
+};
+
+// Pass 2b. Call once (i == 0): expert_offset[0] = 0, expert_offset[e+1] = sum of counts <= e.
+struct expert_offsets {
+  const std::int64_t* expert_counts;  // [E]
+  std::int64_t* expert_offset;        // [E+1]
+  int num_experts;
+
+  EPX_HOST_DEVICE void operator()(std::size_t) const {
+    std::int64_t running = 0;
+    expert_offset[0] = 0;
+    for (int e = 0; e < num_experts; ++e) {
+      running += expert_counts[e];
+      expert_offset[e + 1] = running;
+    }
+  }
+};
+
+// Pass 3. Call with c in [0, C), only after pass 1 found no bad pair. Uses the scanned
+// chunk_counts row of chunk c as its cursor (so they are consumed). pos[i] is the send
+// position of pair i = t*k+j; src_row[p] = t for every send position p.
+struct scatter_pairs {
+  const std::int32_t* ids;             // [pairs]
+  std::size_t pairs;
+  std::size_t chunk_pairs;
+  int num_experts;
+  int top_k;
+  const std::int64_t* expert_offset;   // [E+1]
+  std::int64_t* chunk_counts;          // [C, E] cursors
+  std::int64_t* pos;                   // [pairs]
+  std::int64_t* src_row;               // [pairs]
+
+  EPX_HOST_DEVICE void operator()(std::size_t c) const {
+    std::int64_t* cursor = chunk_counts + c * static_cast<std::size_t>(num_experts);
+    const std::size_t begin = c * chunk_pairs;
+    const std::size_t end = begin + chunk_pairs < pairs ? begin + chunk_pairs : pairs;
+    for (std::size_t i = begin; i < end; ++i) {
+      const std::int32_t e = ids[i];
+      const std::int64_t p = expert_offset[e] + cursor[e]++;
+      pos[i] = p;
+      src_row[p] = static_cast<std::int64_t>(i / static_cast<std::size_t>(top_k));
+    }
+  }
+};
+
+// Chunk count used when the caller passes 0: one per thread on the host.
+inline std::size_t default_chunks(const exec::serial&) { return 1; }
+inline std::size_t default_chunks(const exec::openmp& p) {
+#if EPX_HAS_OPENMP
+  return static_cast<std::size_t>(p.threads > 0 ? p.threads : omp_get_max_threads());
+#else
+  (void)p;
+  return 1;
+#endif
+}
+template <class Exec>
+std::size_t default_chunks(const Exec&) {
+  return 256;
+}
+
+// What pass 1 found: the first bad pair (lowest index) and its values.
+struct input_check {
+  enum kind_t : int { ok = 0, bad_expert_id = 1, non_finite_weight = 2 };
+  int kind = ok;
+  std::int64_t pair = -1;  // index t*k+j inside the slice
+  std::int32_t id = 0;
+  float weight = 0.0f;
+  explicit operator bool() const noexcept { return kind == ok; }
+};
+
+// The send layout of one slice. Buffers live in the policy's memory space; the small
+// per-expert arrays are also kept on the host (host_counts, host_offset).
+template <class Exec>
+struct send_plan {
+  std::size_t pairs = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  std::size_t chunks = 0;
+  exec::buffer<std::int64_t, Exec> chunk_counts;   // [C, E]
+  exec::buffer<std::int64_t, Exec> chunk_bad;      // [C]
+  exec::buffer<std::int64_t, Exec> expert_counts;  // [E]
+  exec::buffer<std::int64_t, Exec> expert_offset;  // [E+1]
+  exec::buffer<std::int64_t, Exec> pos;            // [n*k] send position of pair (t, j)
+  exec::buffer<std::int64_t, Exec> src_row;        // [n*k] slice row of send position p
+  std::vector<std::int64_t> host_counts;           // [E]
+  std::vector<std::int64_t> host_offset;           // [E+1]
+  input_check check;
+};
+
+// Builds the plan for `n` rows of `k` pairs. ids, weights: [n, k] in the policy's memory
+// (weights may be null). On bad input the plan holds zero counts and `check` names the
+// first bad pair; no exception is raised here, so the caller can still join the count
+// exchange and let every rank of the group raise together.
+template <class Exec>
+send_plan<Exec> build_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n, int k,
+                           int E, std::size_t chunks = 0) {
+  EPX_REQUIRE(E >= 1 && k >= 1, errc::input, "build_plan: num_experts (", E, ") and top_k (", k,
+              ") must be at least 1");
+  send_plan<Exec> p;
+  p.pairs = n * static_cast<std::size_t>(k);
+  p.num_experts = E;
+  p.top_k = k;
+  std::size_t C = chunks ? chunks : default_chunks(ex);
+  C = std::max<std::size_t>(1, std::min(C, p.pairs));
+  const std::size_t per = p.pairs ? (p.pairs + C - 1) / C : 1;
+  C = p.pairs ? (p.pairs + per - 1) / per : 1;
+  p.chunks = C;
+  const auto Es = static_cast<std::size_t>(E);
+  p.chunk_counts = exec::make_buffer<std::int64_t>(ex, C * Es);
+  p.chunk_bad = exec::make_buffer<std::int64_t>(ex, C);
+  p.expert_counts = exec::make_buffer<std::int64_t>(ex, Es);
+  p.expert_offset = exec::make_buffer<std::int64_t>(ex, Es + 1);
+  p.pos = exec::make_buffer<std::int64_t>(ex, p.pairs);
+  p.src_row = exec::make_buffer<std::int64_t>(ex, p.pairs);
+  p.host_counts.assign(Es, 0);
+  p.host_offset.assign(Es + 1, 0);
+
+  exec::for_each_n(ex, C, histogram_chunks{ids, weights, p.pairs, per, E, p.chunk_counts.data(), p.chunk_bad.data()});
+  std::vector<std::int64_t> bad(C);
+  detail::to_host(ex, p.chunk_bad.data(), C, bad.data());
+  for (std::size_t c = 0; c < C; ++c) {
+    if (bad[c] < 0) continue;
+    p.check.pair = bad[c];
+    detail::to_host(ex, ids + bad[c], 1, &p.check.id);
+    if (weights != nullptr) detail::to_host(ex, weights + bad[c], 1, &p.check.weight);
+    p.check.kind = (p.check.id < 0 || p.check.id >= E) ? input_check::bad_expert_id : input_check::non_finite_weight;
+    return p;  // counts stay zero on the host
+  }
+  exec::for_each_n(ex, Es, scan_chunks{p.chunk_counts.data(), p.expert_counts.data(), C, E});
+  exec::for_each_n(ex, 1, expert_offsets{p.expert_counts.data(), p.expert_offset.data(), E});
+  exec::for_each_n(ex, C,
+                   scatter_pairs{ids, p.pairs, per, E, k, p.expert_offset.data(), p.chunk_counts.data(),
+                                 p.pos.data(), p.src_row.data()});
+  detail::to_host(ex, p.expert_counts.data(), Es, p.host_counts.data());
+  detail::to_host(ex, p.expert_offset.data(), Es + 1, p.host_offset.data());
+  return p;
+}
+
+// A sentence describing a failed input_check, naming the token, slot and value.
+inline std::string describe(const input_check& c, int k, int E, std::size_t row0 = 0) {
+  if (c.kind == input_check::ok) return {};
+  const auto t = static_cast<std::size_t>(c.pair) / static_cast<std::size_t>(k) + row0;
+  const auto j = static_cast<std::size_t>(c.pair) % static_cast<std::size_t>(k);
+  if (c.kind == input_check::bad_expert_id)
+    return epx::detail::concat("expert id (", c.id, ") of token ", t, " slot ", j, " out of range [0, ", E, ")");
+  return epx::detail::concat("routing weight (", c.weight, ") of token ", t, " slot ", j, " is not finite");
+}
+
+}  // namespace epx::layout

@@ -1,0 +1,228 @@
+// Counting-sort send layout, TP slicing and the per-element functors, single rank.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "epx/epx.hpp"
+#include "support/reference.hpp"
+
+namespace {
+
+using epx::ref::rng;
+
+// Independent model: pairs sorted stably by expert id (row, then slot, within an expert).
+struct naive_layout {
+  std::vector<std::int64_t> pos, src_row, counts, offset;
+};
+
+naive_layout naive(const std::vector<std::int32_t>& ids, int k, int E) {
+  naive_layout l;
+  l.counts.assign(E, 0);
+  for (auto e : ids) ++l.counts[e];
+  l.offset.assign(E + 1, 0);
+  for (int e = 0; e < E; ++e) l.offset[e + 1] = l.offset[e] + l.counts[e];
+  l.pos.assign(ids.size(), -1);
+  l.src_row.assign(ids.size(), -1);
+  std::int64_t p = 0;
+  for (int e = 0; e < E; ++e)
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      if (ids[i] == e) {
+        l.pos[i] = p;
+        l.src_row[p] = static_cast<std::int64_t>(i / k);
+        ++p;
+      }
+  return l;
+}
+
+template <class Exec>
+void check_plan(const Exec& ex, std::size_t N, int k, int E, std::size_t chunks, std::uint64_t seed) {
+  const auto ids = epx::ref::uneven_routing(N, E, k, seed);
+  const auto w = epx::ref::random_weights(N, k, seed);
+  std::vector<float> wf(w.begin(), w.end());
+  const auto p = epx::layout::build_plan(ex, ids.data(), wf.data(), N, k, E, chunks);
+  const auto want = naive(ids, k, E);
+  CAPTURE(N);
+  CAPTURE(k);
+  CAPTURE(E);
+  CAPTURE(chunks);
+  REQUIRE(static_cast<bool>(p.check));
+  CHECK(p.host_counts == want.counts);
+  CHECK(p.host_offset == want.offset);
+  CHECK(std::vector<std::int64_t>(p.pos.data(), p.pos.data() + p.pairs) == want.pos);
+  CHECK(std::vector<std::int64_t>(p.src_row.data(), p.src_row.data() + p.pairs) == want.src_row);
+}
+
+}  // namespace
+
+TEST_CASE("layout: counting sort equals a stable sort by expert, any chunk count") {
+  std::uint64_t seed = 11;
+  for (int E : {1, 4, 7, 64})
+    for (int k : {1, 2, 8})
+      for (std::size_t N : {std::size_t{0}, std::size_t{1}, std::size_t{5}, std::size_t{37}}) {
+        if (k > E) continue;
+        for (std::size_t C : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{1000}}) {
+          check_plan(epx::exec::serial{}, N, k, E, C, ++seed);
+          check_plan(epx::exec::openmp{2}, N, k, E, C, seed);
+        }
+      }
+}
+
+TEST_CASE("layout: bad ids and non-finite weights are reported with the first bad pair") {
+  const int E = 8, k = 2;
+  const std::size_t N = 10;
+  auto ids = epx::ref::random_routing(N, E, k, 3);
+  std::vector<float> w(N * k, 0.25f);
+  SUBCASE("id too large") {
+    ids[7] = E;
+    ids[12] = -3;
+    const auto p = epx::layout::build_plan(epx::exec::serial{}, ids.data(), w.data(), N, k, E, 4);
+    CHECK_FALSE(static_cast<bool>(p.check));
+    CHECK(p.check.kind == epx::layout::input_check::bad_expert_id);
+    CHECK(p.check.pair == 7);
+    CHECK(p.check.id == E);
+    const auto msg = epx::layout::describe(p.check, k, E, 100);
+    CHECK(msg.find("expert id (8) of token 103 slot 1 out of range [0, 8)") != std::string::npos);
+    for (auto c : p.host_counts) CHECK(c == 0);
+  }
+  SUBCASE("negative id") {
+    ids[0] = -1;
+    const auto p = epx::layout::build_plan(epx::exec::openmp{2}, ids.data(), w.data(), N, k, E, 0);
+    CHECK(p.check.kind == epx::layout::input_check::bad_expert_id);
+    CHECK(p.check.pair == 0);
+    CHECK(p.check.id == -1);
+  }
+  SUBCASE("NaN and inf weights") {
+    w[5] = std::nanf("");
+    w[9] = INFINITY;
+    const auto p = epx::layout::build_plan(epx::exec::serial{}, ids.data(), w.data(), N, k, E, 3);
+    CHECK(p.check.kind == epx::layout::input_check::non_finite_weight);
+    CHECK(p.check.pair == 5);
+    CHECK(epx::layout::describe(p.check, k, E).find("routing weight (nan) of token 2 slot 1 is not finite") !=
+          std::string::npos);
+    w[5] = 1.0f;
+    const auto q = epx::layout::build_plan(epx::exec::serial{}, ids.data(), w.data(), N, k, E, 1);
+    CHECK(q.check.pair == 9);
+  }
+}
+
+TEST_CASE("slicing: floor bounds, uneven and empty slices, 64-bit") {
+  CHECK(epx::slice_bounds(1, 2, 0).empty());
+  CHECK(epx::slice_bounds(1, 2, 1).size() == 1);
+  for (std::size_t N : {0, 1, 2, 5, 7, 64})
+    for (int tp : {1, 2, 3, 4, 8}) {
+      std::size_t next = 0;
+      for (int t = 0; t < tp; ++t) {
+        const auto s = epx::slice_bounds(N, tp, t);
+        CHECK(s.begin == next);
+        CHECK(s.begin == N * t / tp);
+        next = s.end;
+      }
+      CHECK(next == N);
+    }
+  const std::size_t big = std::size_t{1} << 40;
+  CHECK(epx::slice_bounds(big, 8, 7).begin == big / 8 * 7);
+  CHECK_THROWS_AS(epx::slice_bounds(4, 2, 2), epx::error);
+}
+
+TEST_CASE_TEMPLATE("functors: combine, its backward and the row reduction against float64", T, float, double,
+                   epx::bf16) {
+  const std::size_t n = 9, H = 5;
+  const int k = 3;
+  const std::size_t S = n * k;
+  rng g(77);
+  // A random permutation as send positions, one slot masked out (-1) per token 4.
+  std::vector<std::int64_t> pos(S);
+  for (std::size_t i = 0; i < S; ++i) pos[i] = static_cast<std::int64_t>(i);
+  for (std::size_t i = S - 1; i > 0; --i) std::swap(pos[i], pos[static_cast<std::size_t>(g.below(static_cast<int>(i + 1)))]);
+  pos[4 * k + 1] = -1;
+  const auto yd = epx::ref::round_through<T>(epx::ref::random_normal(S, H, 5));
+  const auto god = epx::ref::round_through<T>(epx::ref::random_normal(n, H, 6));
+  const auto wd = epx::ref::round_through<float>(epx::ref::random_weights(n, k, 7, -1.0, 1.0));
+  const auto y = epx::ref::from_double<T>(yd);
+  const auto go = epx::ref::from_double<T>(god);
+  std::vector<float> w(wd.begin(), wd.end());
+
+  std::vector<T> out(n * H);
+  epx::exec::for_each_n(epx::exec::serial{}, n, epx::dispatch::combine<T>{y.data(), w.data(), pos.data(), out.data(), H, k});
+  std::vector<double> want(n * H, 0.0);
+  for (std::size_t t = 0; t < n; ++t)
+    for (int j = 0; j < k; ++j) {
+      const auto p = pos[t * k + j];
+      if (p < 0) continue;
+      for (std::size_t h = 0; h < H; ++h) want[t * H + h] += wd[t * k + j] * yd[p * H + h];
+    }
+  const double tol = std::is_same_v<T, epx::bf16> ? 3e-2 : 1e-6;
+  epx::ref::check_close(out, want, tol, tol, "combine");
+
+  std::vector<T> gy(S * H, epx::convert<T>(0.0f));
+  std::vector<float> gw(n * k, 9.0f);
+  epx::exec::for_each_n(epx::exec::openmp{2}, n,
+                        epx::dispatch::combine_backward<T>{y.data(), go.data(), w.data(), pos.data(), gy.data(),
+                                                           gw.data(), H, k});
+  std::vector<double> want_gy(S * H, 0.0), want_gw(n * k, 0.0);
+  for (std::size_t t = 0; t < n; ++t)
+    for (int j = 0; j < k; ++j) {
+      const auto p = pos[t * k + j];
+      if (p < 0) continue;
+      for (std::size_t h = 0; h < H; ++h) {
+        want_gy[p * H + h] = wd[t * k + j] * god[t * H + h];
+        want_gw[t * k + j] += yd[p * H + h] * god[t * H + h];
+      }
+    }
+  epx::ref::check_close(gy, want_gy, tol, tol, "combine_backward grad_y");
+  epx::ref::check_close(gw, want_gw, tol, tol, "combine_backward grad_w");
+
+  std::vector<T> gx(n * H);
+  epx::exec::for_each_n(epx::exec::serial{}, n, epx::dispatch::reduce_grad_rows<T>{y.data(), pos.data(), gx.data(), H, k});
+  std::vector<double> want_gx(n * H, 0.0);
+  for (std::size_t t = 0; t < n; ++t)
+    for (int j = 0; j < k; ++j) {
+      const auto p = pos[t * k + j];
+      if (p < 0) continue;
+      for (std::size_t h = 0; h < H; ++h) want_gx[t * H + h] += yd[p * H + h];
+    }
+  epx::ref::check_close(gx, want_gx, tol, tol, "reduce_grad_rows");
+
+  // gather_rows with a padding row (-1 source)
+  std::vector<std::int64_t> src = {2, -1, 0, 8};
+  std::vector<T> dst(src.size() * H, epx::convert<T>(5.0f));
+  epx::exec::for_each_n(epx::exec::serial{}, src.size(), epx::dispatch::gather_rows<T>{go.data(), src.data(), dst.data(), H});
+  std::vector<double> want_dst(src.size() * H, 0.0);
+  for (std::size_t r = 0; r < src.size(); ++r)
+    for (std::size_t h = 0; h < H; ++h) want_dst[r * H + h] = src[r] < 0 ? 0.0 : god[src[r] * H + h];
+  epx::ref::check_close(dst, want_dst, 0, 0, "gather_rows");
+}
+
+TEST_CASE("functors are trivially copyable (device-launchable)") {
+  static_assert(std::is_trivially_copyable_v<epx::layout::histogram_chunks>);
+  static_assert(std::is_trivially_copyable_v<epx::layout::scan_chunks>);
+  static_assert(std::is_trivially_copyable_v<epx::layout::expert_offsets>);
+  static_assert(std::is_trivially_copyable_v<epx::layout::scatter_pairs>);
+  static_assert(std::is_trivially_copyable_v<epx::dispatch::gather_rows<epx::bf16>>);
+  static_assert(std::is_trivially_copyable_v<epx::dispatch::combine<float>>);
+  static_assert(std::is_trivially_copyable_v<epx::dispatch::combine_backward<epx::fp16>>);
+  static_assert(std::is_trivially_copyable_v<epx::dispatch::reduce_grad_rows<double>>);
+  static_assert(std::is_trivially_copyable_v<epx::dispatch::masked_positions>);
+  static_assert(std::is_trivially_copyable_v<epx::dispatch::masked_source_rows>);
+  CHECK(true);
+}
+
+TEST_CASE("padding policy") {
+  epx::padding p;
+  CHECK(p.padded_rows(0) == 1);
+  CHECK(p.padded_rows(5) == 6);
+  epx::padding off{0, 1};
+  CHECK(off.padded_rows(0) == 0);
+  CHECK(off.padded_rows(5) == 5);
+  epx::padding al{1, 4};
+  CHECK(al.padded_rows(0) == 4);
+  CHECK(al.padded_rows(3) == 4);
+  CHECK(al.padded_rows(4) == 8);
+  epx::padding al0{0, 4};
+  CHECK(al0.padded_rows(0) == 0);
+  CHECK(al0.padded_rows(5) == 8);
+  CHECK_THROWS_AS((epx::padding{-1, 1}.validate()), epx::error);
+  CHECK_THROWS_AS((epx::padding{1, 0}.validate()), epx::error);
+}
