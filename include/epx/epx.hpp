@@ -12,4 +12,5 @@
 #include "epx/comm/datatype.hpp"
 #include "epx/comm/communicator.hpp"
 #include "epx/comm/collectives.hpp"
+#include "epx/comm/threads.hpp"
 #include "epx/exec/host.hpp"

@@ -1,0 +1,301 @@
+// epx/comm/detail/threads_state.hpp: shared state behind epx::threads::communicator.
+//
+// A `threads_world` is one call of epx::threads::run: the abort state shared by every
+// communicator split from it. A `threads_group` is one communicator's members: a slot per
+// member where each rank publishes its call (buffers, counts) and a generation barrier.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "epx/comm/datatype.hpp"
+#include "epx/core/error.hpp"
+
+namespace epx::detail {
+
+enum class threads_op : int {
+  none,
+  barrier,
+  all_to_all,
+  all_to_allv,
+  all_reduce,
+  reduce_scatter,
+  all_gather,
+  broadcast,
+  split,
+};
+
+inline const char* to_string(threads_op k) noexcept {
+  switch (k) {
+    case threads_op::none: return "none";
+    case threads_op::barrier: return "barrier";
+    case threads_op::all_to_all: return "all_to_all";
+    case threads_op::all_to_allv: return "all_to_allv";
+    case threads_op::all_reduce: return "all_reduce";
+    case threads_op::reduce_scatter: return "reduce_scatter";
+    case threads_op::all_gather: return "all_gather";
+    case threads_op::broadcast: return "broadcast";
+    case threads_op::split: return "split";
+  }
+  return "?";
+}
+
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Message of an in-flight exception: epx::error's message, what() otherwise.
+inline std::string describe_exception(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const epx::error& x) {
+    return x.message();
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+class threads_group;
+
+// What a rank published for the current collective. Written by its owner before the entry
+// barrier, read by everyone between the entry and the exit barrier.
+struct alignas(64) threads_slot {
+  threads_op op = threads_op::none;
+  datatype type = datatype::byte;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  std::size_t count = 0;
+  const std::size_t* send_counts = nullptr;
+  const std::size_t* send_displs = nullptr;
+  const std::size_t* recv_counts = nullptr;
+  const std::size_t* recv_displs = nullptr;
+  double scale = 1.0;
+  int root = 0;
+  int color = 0;
+  int key = 0;
+  std::shared_ptr<threads_group> new_group;  // split: created by the lowest rank of a color
+};
+
+struct alignas(64) padded_counter {
+  std::atomic<std::uint64_t> value{0};
+};
+
+enum class wait_result { passed, cancelled, timed_out };
+
+class threads_world;
+
+class threads_group {
+ public:
+  threads_group(threads_world* world, std::vector<int> world_ranks)
+      : world_(world),
+        world_ranks_(std::move(world_ranks)),
+        n_(static_cast<int>(world_ranks_.size())),
+        slots_(new threads_slot[world_ranks_.size()]),
+        entered_(new padded_counter[world_ranks_.size()]) {}
+
+  int size() const noexcept { return n_; }
+  int world_rank(int r) const noexcept { return world_ranks_[static_cast<std::size_t>(r)]; }
+  const std::vector<int>& world_ranks() const noexcept { return world_ranks_; }
+  threads_slot& slot(int r) noexcept { return slots_[r]; }
+  const threads_slot& slot(int r) const noexcept { return slots_[r]; }
+
+  // Number of collectives rank r has entered on this group (written by r only).
+  std::uint64_t entered(int r) const noexcept { return entered_[r].value.load(std::memory_order_acquire); }
+  void set_entered(int r, std::uint64_t v) noexcept { entered_[r].value.store(v, std::memory_order_release); }
+
+  // Generation barrier. `abortable` waits give up when the world aborts or `deadline`
+  // passes, and then cancel the generation so that no member can pass it: once any member
+  // has left early, nobody reads its buffers. Non-abortable waits (the exit barrier of a
+  // collective, where every member is known to be running bounded copy code) always pass.
+  inline wait_result arrive_and_wait(bool abortable, std::chrono::steady_clock::time_point deadline);
+
+  // Wakes the sleepers so that they re-check the world's abort flag.
+  void poke() noexcept {
+    { std::lock_guard<std::mutex> lk(m_); }
+    cv_.notify_all();
+  }
+
+ private:
+  static constexpr std::uint64_t cancel_bit = std::uint64_t{1} << 31;
+  static constexpr std::uint64_t count_mask = cancel_bit - 1;
+
+  static std::uint32_t gen_of(std::uint64_t s) noexcept { return static_cast<std::uint32_t>(s >> 32); }
+
+  void wake() noexcept {
+    if (sleepers_.load() > 0) {
+      { std::lock_guard<std::mutex> lk(m_); }
+      cv_.notify_all();
+    }
+  }
+
+  // Sets the cancel bit if generation `gen` has not passed yet.
+  // 0: it passed; 1: we cancelled it; 2: someone else had cancelled it.
+  int try_cancel(std::uint32_t gen) noexcept {
+    std::uint64_t s = state_.load();
+    for (;;) {
+      if (gen_of(s) != gen) return 0;
+      if (s & cancel_bit) return 2;
+      if (state_.compare_exchange_weak(s, s | cancel_bit)) {
+        { std::lock_guard<std::mutex> lk(m_); }
+        cv_.notify_all();
+        return 1;
+      }
+    }
+  }
+
+  threads_world* world_;
+  std::vector<int> world_ranks_;
+  int n_;
+  std::unique_ptr<threads_slot[]> slots_;
+  std::unique_ptr<padded_counter[]> entered_;
+  // [generation:32][cancelled:1][arrived:31]
+  alignas(64) std::atomic<std::uint64_t> state_{0};
+  alignas(64) std::atomic<int> sleepers_{0};
+  std::mutex m_;
+  std::condition_variable cv_;
+};
+
+class threads_world {
+ public:
+  threads_world(int n, std::chrono::milliseconds timeout) : timeout_(timeout) {
+    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+    // With more ranks than cores a spinning waiter steals the core of the rank it waits for.
+    spin_limit_ = static_cast<unsigned>(n) <= hw ? 4000 : 0;
+  }
+
+  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  int spin_limit() const noexcept { return spin_limit_; }
+  bool aborted() const noexcept { return aborted_.load(); }
+
+  std::shared_ptr<threads_group> make_group(std::vector<int> world_ranks) {
+    auto g = std::make_shared<threads_group>(this, std::move(world_ranks));
+    std::lock_guard<std::mutex> lk(m_);
+    groups_.push_back(g);
+    return g;
+  }
+
+  // Records the first failure and wakes every waiter of every group. Later calls keep the
+  // first failure.
+  void fail(int world_rank, std::exception_ptr e) noexcept {
+    std::vector<std::shared_ptr<threads_group>> groups;
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      if (!aborted_.load()) {
+        failed_rank_ = world_rank;
+        first_ = e;
+        try {
+          message_ = describe_exception(e);
+        } catch (...) {
+          message_.clear();
+        }
+        aborted_.store(true);
+      }
+      groups = groups_;
+    }
+    for (auto& g : groups) g->poke();
+  }
+
+  [[noreturn]] void throw_aborted(int world_rank) const {
+    int r;
+    std::string m;
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      r = failed_rank_;
+      m = message_;
+    }
+    EPX_THROW(errc::communicator, "rank ", r, " failed: ", m, " (collective aborted on rank ", world_rank, ")");
+  }
+
+  void throw_if_aborted(int world_rank) const {
+    if (aborted()) throw_aborted(world_rank);
+  }
+
+  // The first failure, or null.
+  std::exception_ptr first_failure() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return first_;
+  }
+
+ private:
+  std::chrono::milliseconds timeout_;
+  int spin_limit_ = 0;
+  std::atomic<bool> aborted_{false};
+  mutable std::mutex m_;
+  int failed_rank_ = -1;
+  std::string message_;
+  std::exception_ptr first_;
+  std::vector<std::shared_ptr<threads_group>> groups_;
+};
+
+inline wait_result threads_group::arrive_and_wait(bool abortable,
+                                                  std::chrono::steady_clock::time_point deadline) {
+  std::uint64_t s = state_.load();
+  std::uint32_t gen;
+  for (;;) {
+    if (s & cancel_bit) return wait_result::cancelled;
+    gen = gen_of(s);
+    const std::uint64_t arrived = (s & count_mask) + 1;
+    const bool last = arrived == static_cast<std::uint64_t>(n_);
+    const std::uint64_t next = last ? (static_cast<std::uint64_t>(gen + 1u) << 32) : s + 1;
+    if (state_.compare_exchange_weak(s, next)) {
+      if (last) {
+        wake();
+        return wait_result::passed;
+      }
+      break;
+    }
+  }
+
+  // Spin briefly, then yield, then sleep on the condition variable.
+  const int spins = world_->spin_limit();
+  for (int i = 0; i < spins + 16; ++i) {
+    const std::uint64_t v = state_.load();
+    if (gen_of(v) != gen) return wait_result::passed;
+    if (v & cancel_bit) return wait_result::cancelled;
+    if (abortable && world_->aborted()) break;
+    if (i < spins) cpu_relax();
+    else std::this_thread::yield();
+  }
+
+  bool timed_out = false;
+  {
+    std::unique_lock<std::mutex> lk(m_);
+    sleepers_.fetch_add(1);
+    auto ready = [&] {
+      const std::uint64_t v = state_.load();
+      return gen_of(v) != gen || (v & cancel_bit) != 0 || (abortable && world_->aborted());
+    };
+    if (abortable) {
+      timed_out = !cv_.wait_until(lk, deadline, ready);
+    } else {
+      cv_.wait(lk, ready);
+    }
+    sleepers_.fetch_sub(1);
+  }
+  const std::uint64_t v = state_.load();
+  if (gen_of(v) != gen) return wait_result::passed;
+  if (v & cancel_bit) return wait_result::cancelled;
+  // Abortable and (aborted or timed out): make sure nobody passes this generation.
+  const int c = try_cancel(gen);
+  if (c == 0) return wait_result::passed;
+  return c == 1 && timed_out && !world_->aborted() ? wait_result::timed_out : wait_result::cancelled;
+}
+
+}  // namespace epx::detail

@@ -1,0 +1,473 @@
+// epx/comm/threads.hpp: the in-process communicator: N ranks as N threads of one process.
+//
+//   epx::threads::run(8, [](epx::threads::communicator& comm) {
+//     auto tp = epx::sub_communicator(comm, mesh, epx::group_kind::tp);
+//     epx::all_reduce(tp, epx::span<float>(grad), 0.5);
+//   });
+//
+// Collectives go through shared memory. Every rank publishes its buffers and counts in a
+// slot of the communicator, waits at an entry barrier, then pulls its blocks straight from
+// the peers' send buffers into its own receive buffer with one memcpy per block (no staging
+// copy), and waits at an exit barrier so that the senders' buffers outlive the reads.
+// all_reduce splits the elements into one chunk per rank; each rank sums its chunk over the
+// ranks in rank order and writes the result into every rank's receive buffer, so every
+// rank gets bitwise the same result.
+//
+// Nothing hangs: an exception escaping any rank's function aborts the run, and every
+// pending or later collective of every rank (sub-communicators included) throws
+// epx::error(errc::communicator) naming the failed rank and its message. A watchdog turns a
+// collective that some members never enter into an error listing them. Calls that disagree
+// (different collectives, datatypes, counts, roots or scales) are detected on every rank
+// and reported with the values.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "epx/comm/communicator.hpp"
+#include "epx/comm/datatype.hpp"
+#include "epx/comm/detail/reduce.hpp"
+#include "epx/comm/detail/threads_state.hpp"
+#include "epx/core/error.hpp"
+
+namespace epx {
+namespace threads {
+
+// Settings of one epx::threads::run.
+struct options {
+  // A collective that some members have not entered after this long fails with an error
+  // listing them (on every rank).
+  std::chrono::milliseconds timeout = std::chrono::seconds(60);
+};
+
+class communicator;
+
+}  // namespace threads
+
+namespace detail {
+struct threads_access;
+}
+
+namespace threads {
+
+// One rank's handle on a group of threads. Only the thread that runs this rank may use it.
+// Movable, not copyable.
+class communicator {
+ public:
+  communicator(communicator&&) noexcept = default;
+  communicator& operator=(communicator&&) noexcept = default;
+  communicator(const communicator&) = delete;
+  communicator& operator=(const communicator&) = delete;
+  ~communicator() = default;
+
+  // This rank in [0, size()).
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return group_->size(); }
+  // This rank's index in the communicator of epx::threads::run.
+  int world_rank() const noexcept { return group_->world_rank(rank_); }
+
+  // Collective: members with the same color form one new communicator, ordered by
+  // (key, rank). Failures inside the new communicator abort the whole run.
+  communicator split(int color, int key) const {
+    detail::threads_slot d;
+    d.op = detail::threads_op::split;
+    d.color = color;
+    d.key = key;
+    const int n = size();
+    std::vector<std::pair<int, int>> members;  // (key, rank) of this color
+    members.reserve(static_cast<std::size_t>(n));
+    int leader = n;
+    int new_rank = 0;
+    std::string failure;
+    enter(d, [&] {
+      for (int r = 0; r < n; ++r)
+        if (group_->slot(r).color == color) members.emplace_back(group_->slot(r).key, r);
+      std::sort(members.begin(), members.end());
+      for (std::size_t i = 0; i < members.size(); ++i) {
+        leader = std::min(leader, members[i].second);
+        if (members[i].second == rank_) new_rank = static_cast<int>(i);
+      }
+      if (leader == rank_) {
+        std::shared_ptr<detail::threads_group> created;
+        try {
+          std::vector<int> world_ranks;
+          world_ranks.reserve(members.size());
+          for (const auto& m : members) world_ranks.push_back(group_->world_rank(m.second));
+          created = world_->make_group(std::move(world_ranks));
+        } catch (const std::exception& e) {
+          failure = e.what();
+        }
+        group_->slot(rank_).new_group = created;
+      }
+    });
+    // Second phase: the leaders have published the new groups; pick ours up.
+    wait_exit();
+    std::shared_ptr<detail::threads_group> g = group_->slot(leader).new_group;
+    wait_exit();
+    EPX_REQUIRE(g != nullptr, errc::communicator, "split: could not create the group of color ", color,
+                failure.empty() ? "" : ": ", failure);
+    return communicator(world_, std::move(g), new_rank);
+  }
+
+  // Equal counts: send holds size()*count elements, block p goes to peer p.
+  void all_to_all(const void* send, void* recv, std::size_t count, datatype t) {
+    require_buffer(send, count * static_cast<std::size_t>(size()), "all_to_all", "send");
+    require_buffer(recv, count * static_cast<std::size_t>(size()), "all_to_all", "recv");
+    EPX_REQUIRE(send != recv || count == 0 || size() == 1, errc::input,
+                "all_to_all: send and recv must be distinct buffers (in place is not supported)");
+    detail::threads_slot d;
+    d.op = detail::threads_op::all_to_all;
+    d.type = t;
+    d.send = send;
+    d.recv = recv;
+    d.count = count;
+    const std::size_t es = size_of(t);
+    enter_and_finish(d, [&] {
+      const int n = size();
+      const std::size_t bytes = count * es;
+      for (int k = 0; k < n; ++k) {
+        const int p = (rank_ + k) % n;
+        const auto* src = static_cast<const char*>(group_->slot(p).send) + static_cast<std::size_t>(rank_) * bytes;
+        copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, src, bytes);
+      }
+    });
+  }
+
+  // Per-peer counts and displacements in elements: send_counts[p] elements from
+  // send + send_displs[p] go to peer p, recv_counts[p] elements from peer p land at
+  // recv + recv_displs[p]. send_counts on p's side must equal recv_counts on ours.
+  void all_to_allv(const void* send, const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
+                   const std::size_t* recv_counts, const std::size_t* recv_displs, datatype t) {
+    EPX_REQUIRE(send_counts && send_displs && recv_counts && recv_displs, errc::input,
+                "all_to_allv: counts and displacements must not be null");
+    const int n = size();
+    std::size_t total_send = 0, total_recv = 0;
+    for (int p = 0; p < n; ++p) {
+      total_send += send_counts[p];
+      total_recv += recv_counts[p];
+    }
+    require_buffer(send, total_send, "all_to_allv", "send");
+    require_buffer(recv, total_recv, "all_to_allv", "recv");
+    EPX_REQUIRE(send != recv || total_send + total_recv == 0 || n == 1, errc::input,
+                "all_to_allv: send and recv must be distinct buffers (in place is not supported)");
+    detail::threads_slot d;
+    d.op = detail::threads_op::all_to_allv;
+    d.type = t;
+    d.send = send;
+    d.recv = recv;
+    d.send_counts = send_counts;
+    d.send_displs = send_displs;
+    d.recv_counts = recv_counts;
+    d.recv_displs = recv_displs;
+    const std::size_t es = size_of(t);
+    enter_and_finish(d, [&] {
+      for (int k = 0; k < n; ++k) {
+        const int p = (rank_ + k) % n;
+        const auto& s = group_->slot(p);
+        const auto* src = static_cast<const char*>(s.send) + s.send_displs[rank_] * es;
+        copy_bytes(static_cast<char*>(recv) + recv_displs[p] * es, src, recv_counts[p] * es);
+      }
+    });
+  }
+
+  // recv = scale * sum over ranks of send (send == recv allowed). Summed in rank order;
+  // every rank gets bitwise the same result.
+  void all_reduce(const void* send, void* recv, std::size_t count, datatype t, double scale) {
+    require_reducible(t, "all_reduce");
+    require_buffer(send, count, "all_reduce", "send");
+    require_buffer(recv, count, "all_reduce", "recv");
+    detail::threads_slot d;
+    d.op = detail::threads_op::all_reduce;
+    d.type = t;
+    d.send = send;
+    d.recv = recv;
+    d.count = count;
+    d.scale = scale;
+    const int n = size();
+    std::vector<const void*> srcs(static_cast<std::size_t>(n));
+    const std::size_t es = size_of(t);
+    enter_and_finish(d, [&] {
+      // This rank's chunk, in whole 64-element pieces so chunks do not share cache lines.
+      const std::size_t pieces = (count + 63) / 64;
+      const std::size_t begin = std::min(count, pieces * static_cast<std::size_t>(rank_) / n * 64);
+      const std::size_t end = std::min(count, pieces * static_cast<std::size_t>(rank_ + 1) / n * 64);
+      // Blocks of the chunk: sum into our recv, then copy to the peers' recv. Each block of
+      // every send buffer is read before the same block of any recv buffer is written, so
+      // send == recv works.
+      constexpr std::size_t block = 16 * 1024;
+      for (std::size_t b = begin; b < end; b += block) {
+        const std::size_t m = std::min(block, end - b);
+        for (int k = 0; k < n; ++k)
+          srcs[static_cast<std::size_t>(k)] = static_cast<const char*>(group_->slot(k).send) + b * es;
+        char* mine = static_cast<char*>(recv) + b * es;
+        detail::reduce_sum(t, srcs.data(), n, mine, m, scale);
+        for (int k = 1; k < n; ++k) {
+          const int p = (rank_ + k) % n;
+          copy_bytes(static_cast<char*>(group_->slot(p).recv) + b * es, mine, m * es);
+        }
+      }
+    });
+  }
+
+  // send holds size()*recv_count elements; block r, summed over ranks and times scale,
+  // lands in rank r's recv.
+  void reduce_scatter(const void* send, void* recv, std::size_t recv_count, datatype t, double scale) {
+    require_reducible(t, "reduce_scatter");
+    require_buffer(send, recv_count * static_cast<std::size_t>(size()), "reduce_scatter", "send");
+    require_buffer(recv, recv_count, "reduce_scatter", "recv");
+    detail::threads_slot d;
+    d.op = detail::threads_op::reduce_scatter;
+    d.type = t;
+    d.send = send;
+    d.recv = recv;
+    d.count = recv_count;
+    d.scale = scale;
+    const int n = size();
+    std::vector<const void*> srcs(static_cast<std::size_t>(n));
+    const std::size_t es = size_of(t);
+    enter_and_finish(d, [&] {
+      for (int k = 0; k < n; ++k)
+        srcs[static_cast<std::size_t>(k)] =
+            static_cast<const char*>(group_->slot(k).send) + static_cast<std::size_t>(rank_) * recv_count * es;
+      detail::reduce_sum(t, srcs.data(), n, recv, recv_count, scale);
+    });
+  }
+
+  // recv holds size()*count elements: block p is rank p's send.
+  void all_gather(const void* send, void* recv, std::size_t count, datatype t) {
+    require_buffer(send, count, "all_gather", "send");
+    require_buffer(recv, count * static_cast<std::size_t>(size()), "all_gather", "recv");
+    detail::threads_slot d;
+    d.op = detail::threads_op::all_gather;
+    d.type = t;
+    d.send = send;
+    d.recv = recv;
+    d.count = count;
+    const std::size_t bytes = count * size_of(t);
+    enter_and_finish(d, [&] {
+      const int n = size();
+      for (int k = 0; k < n; ++k) {
+        const int p = (rank_ + k) % n;
+        copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, group_->slot(p).send, bytes);
+      }
+    });
+  }
+
+  // data on every rank = data on root.
+  void broadcast(void* data, std::size_t count, datatype t, int root) {
+    EPX_REQUIRE(root >= 0 && root < size(), errc::input, "broadcast: root (", root, ") out of range [0, ",
+                size(), ")");
+    require_buffer(data, count, "broadcast", "data");
+    detail::threads_slot d;
+    d.op = detail::threads_op::broadcast;
+    d.type = t;
+    d.send = data;
+    d.recv = data;
+    d.count = count;
+    d.root = root;
+    enter_and_finish(d, [&] {
+      if (rank_ != root) copy_bytes(data, group_->slot(root).send, count * size_of(t));
+    });
+  }
+
+  void barrier() {
+    detail::threads_slot d;
+    d.op = detail::threads_op::barrier;
+    enter_and_finish(d, [] {});
+  }
+
+ private:
+  friend struct epx::detail::threads_access;
+
+  communicator(std::shared_ptr<detail::threads_world> world, std::shared_ptr<detail::threads_group> group,
+               int rank) noexcept
+      : world_(std::move(world)), group_(std::move(group)), rank_(rank) {}
+
+  static void copy_bytes(void* dst, const void* src, std::size_t bytes) noexcept {
+    if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
+  }
+
+  static void require_buffer(const void* p, std::size_t count, const char* op, const char* what) {
+    EPX_REQUIRE(p != nullptr || count == 0, errc::input, op, ": ", what, " is null but holds ", count,
+                " elements");
+  }
+  static void require_reducible(datatype t, const char* op) {
+    EPX_REQUIRE(is_reducible(t), errc::input, op, ": datatype ", to_string(t), " cannot be summed");
+  }
+
+  // "rank 2", or "rank 2 (world rank 6)" inside a sub-communicator.
+  std::string who(int r) const {
+    std::string s = "rank " + std::to_string(r);
+    if (group_->world_rank(r) != r) s += " (world rank " + std::to_string(group_->world_rank(r)) + ")";
+    return s;
+  }
+
+  // The exit barrier: every member has passed the entry barrier and runs bounded copy
+  // code, so this wait always completes.
+  void wait_exit() const noexcept {
+    group_->arrive_and_wait(false, std::chrono::steady_clock::time_point::max());
+  }
+
+  [[noreturn]] void on_wait_failure(detail::wait_result w, detail::threads_op op) const {
+    if (w == detail::wait_result::timed_out) {
+      const std::uint64_t seq = group_->entered(rank_);
+      std::string missing;
+      for (int r = 0; r < size(); ++r)
+        if (group_->entered(r) < seq) missing += (missing.empty() ? "" : ", ") + who(r);
+      if (missing.empty()) missing = "none at the time of the check";
+      epx::error e(errc::communicator,
+                   detail::concat("watchdog: ", to_string(op), " (collective #", seq, " on a communicator of ",
+                                  size(), " ranks) still waits after ", world_->timeout().count(),
+                                  " ms; ranks that never entered it: ", missing),
+                   EPX_HERE);
+      world_->fail(world_rank(), std::make_exception_ptr(e));
+      throw e;
+    }
+    // Cancelled: whoever cancelled records the failure right after; wait for it.
+    while (!world_->aborted()) std::this_thread::yield();
+    world_->throw_aborted(world_rank());
+  }
+
+  // Publishes `d`, waits at the entry barrier, checks that every member called the same
+  // collective with matching arguments, then runs `work` (which must not throw). On a
+  // mismatch every member sees the same disagreement, passes the exit barrier and throws.
+  // The caller must call wait_exit afterwards (split runs a second phase first).
+  template <class Work>
+  void enter(const detail::threads_slot& d, Work&& work) const {
+    world_->throw_if_aborted(world_rank());
+    const std::uint64_t seq = group_->entered(rank_) + 1;
+    group_->slot(rank_) = d;
+    group_->set_entered(rank_, seq);
+    const auto deadline = std::chrono::steady_clock::now() + world_->timeout();
+    const auto w = group_->arrive_and_wait(true, deadline);
+    if (w != detail::wait_result::passed) on_wait_failure(w, d.op);
+    std::string mismatch;
+    try {
+      mismatch = check_match();
+    } catch (...) {
+      mismatch = "could not compare the members' calls";
+    }
+    if (!mismatch.empty()) {
+      wait_exit();
+      EPX_THROW(errc::communicator, mismatch);
+    }
+    work();
+  }
+
+  template <class Work>
+  void enter_and_finish(const detail::threads_slot& d, Work&& work) const {
+    enter(d, std::forward<Work>(work));
+    wait_exit();
+  }
+
+  // Empty if every member's published call agrees; otherwise names the values. Every
+  // member reads the same slots, so every member reaches the same verdict.
+  std::string check_match() const {
+    const int n = size();
+    const auto& s0 = group_->slot(0);
+    for (int r = 1; r < n; ++r) {
+      const auto& s = group_->slot(r);
+      if (s.op != s0.op)
+        return detail::concat("mismatched collectives: ", who(0), " called ", to_string(s0.op), ", ", who(r),
+                              " called ", to_string(s.op));
+    }
+    const auto op = s0.op;
+    if (op == detail::threads_op::barrier || op == detail::threads_op::split) return {};
+    for (int r = 1; r < n; ++r) {
+      const auto& s = group_->slot(r);
+      if (s.type != s0.type)
+        return detail::concat(to_string(op), ": mismatched datatypes: ", who(0), " passed ", to_string(s0.type),
+                              ", ", who(r), " passed ", to_string(s.type));
+    }
+    if (op == detail::threads_op::all_to_allv) {
+      for (int src = 0; src < n; ++src)
+        for (int dst = 0; dst < n; ++dst) {
+          const std::size_t sent = group_->slot(src).send_counts[dst];
+          const std::size_t expected = group_->slot(dst).recv_counts[src];
+          if (sent != expected)
+            return detail::concat("all_to_allv: mismatched counts: ", who(src), " sends ", sent, " elements to ",
+                                  who(dst), ", which expects ", expected, " from it");
+        }
+      return {};
+    }
+    for (int r = 1; r < n; ++r) {
+      const auto& s = group_->slot(r);
+      if (s.count != s0.count)
+        return detail::concat(to_string(op), ": mismatched counts: ", who(0), " passed ", s0.count, ", ", who(r),
+                              " passed ", s.count);
+      if (op == detail::threads_op::broadcast && s.root != s0.root)
+        return detail::concat("broadcast: mismatched roots: ", who(0), " passed ", s0.root, ", ", who(r),
+                              " passed ", s.root);
+      if ((op == detail::threads_op::all_reduce || op == detail::threads_op::reduce_scatter) &&
+          s.scale != s0.scale)
+        return detail::concat(to_string(op), ": mismatched scales: ", who(0), " passed ", s0.scale, ", ", who(r),
+                              " passed ", s.scale);
+    }
+    return {};
+  }
+
+  std::shared_ptr<detail::threads_world> world_;
+  std::shared_ptr<detail::threads_group> group_;
+  int rank_ = 0;
+};
+
+}  // namespace threads
+
+namespace detail {
+struct threads_access {
+  static threads::communicator make(std::shared_ptr<threads_world> w, std::shared_ptr<threads_group> g, int r) {
+    return threads::communicator(std::move(w), std::move(g), r);
+  }
+};
+}  // namespace detail
+
+namespace threads {
+
+// Runs f(comm) on n threads, comm being rank i of n (an `epx::threads::communicator&`).
+// Returns when every thread has finished. If any rank's function threw, the run is
+// aborted (the other ranks' collectives throw epx::error(errc::communicator)) and, after
+// all threads have joined, the first failure is rethrown on the calling thread as it was
+// thrown (an epx::error keeps its category and message).
+template <class F>
+void run(int n, F&& f, const options& opts = {}) {
+  EPX_REQUIRE(n >= 1, errc::configuration, "threads::run: number of ranks (", n, ") must be at least 1");
+  EPX_REQUIRE(opts.timeout.count() > 0, errc::configuration, "threads::run: watchdog timeout (",
+              opts.timeout.count(), " ms) must be positive");
+  auto world = std::make_shared<detail::threads_world>(n, opts.timeout);
+  std::vector<int> ranks(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) ranks[static_cast<std::size_t>(i)] = i;
+  auto group = world->make_group(std::move(ranks));
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(n));
+  auto body = [&world, &group, &f](int i) {
+    try {
+      communicator comm = detail::threads_access::make(world, group, i);
+      f(comm);
+    } catch (...) {
+      world->fail(i, std::current_exception());
+    }
+  };
+  try {
+    for (int i = 0; i < n; ++i) threads.emplace_back(body, i);
+  } catch (...) {
+    world->fail(-1, std::make_exception_ptr(epx::error(errc::internal, detail::concat(
+        "threads::run: could not start thread ", threads.size(), " of ", n, ": ",
+        detail::describe_exception(std::current_exception())), EPX_HERE)));
+  }
+  for (auto& t : threads) t.join();
+  if (auto e = world->first_failure()) std::rethrow_exception(e);
+}
+
+}  // namespace threads
+
+static_assert(is_communicator_v<threads::communicator>, "threads::communicator must satisfy the communicator concept");
+
+}  // namespace epx

@@ -1,0 +1,393 @@
+// The threads communicator: the shared test body for world sizes 1, 2, 3, 4, 8, and the
+// failure paths (a rank that throws, a rank that never arrives, mismatched calls).
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/comm_cases.hpp"
+#include "epx/comm/collectives.hpp"
+#include "epx/comm/threads.hpp"
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+const int world_sizes[] = {1, 2, 3, 4, 8};
+
+// A generous watchdog for the passing cases: a bug fails the test instead of hanging it.
+epx::threads::options normal_options() {
+  epx::threads::options o;
+  o.timeout = std::chrono::seconds(30);
+  return o;
+}
+
+// A short watchdog for the failure cases.
+epx::threads::options short_options() {
+  epx::threads::options o;
+  o.timeout = std::chrono::seconds(2);
+  return o;
+}
+
+template <class F>
+void for_each_world_size(F f) {
+  for (int n : world_sizes) {
+    CAPTURE(n);
+    epx::threads::run(n, [&](epx::threads::communicator& comm) { f(comm); }, normal_options());
+  }
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// Per-rank record of the error a rank saw.
+struct seen_errors {
+  explicit seen_errors(int n) : messages(static_cast<std::size_t>(n)), categories(static_cast<std::size_t>(n)) {}
+  void record(int rank, const epx::error& e) {
+    std::lock_guard<std::mutex> lk(m);
+    messages[static_cast<std::size_t>(rank)] = e.what();
+    categories[static_cast<std::size_t>(rank)] = e.category();
+  }
+  std::mutex m;
+  std::vector<std::string> messages;
+  std::vector<epx::errc> categories;
+};
+
+// A run that must work after a failed one.
+void check_next_run_works(int n) {
+  std::atomic<int> ok{0};
+  epx::threads::run(n, [&](epx::threads::communicator& comm) {
+    std::vector<double> x{1.0 + comm.rank()};
+    epx::all_reduce(comm, epx::span<double>(x));
+    if (x[0] == n * (n + 1) / 2.0) ++ok;
+  }, short_options());
+  CHECK(ok.load() == n);
+}
+
+}  // namespace
+
+static_assert(epx::is_communicator_v<epx::threads::communicator>);
+static_assert(epx::is_communicator_v<epx::threads::communicator&>);
+
+TEST_CASE("threads: rank and size") {
+  for (int n : world_sizes) {
+    std::vector<int> ranks(static_cast<std::size_t>(n), -1);
+    epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      CHECK(comm.size() == n);
+      CHECK(comm.world_rank() == comm.rank());
+      ranks[static_cast<std::size_t>(comm.rank())] = comm.rank();
+    });
+    for (int r = 0; r < n; ++r) CHECK(ranks[static_cast<std::size_t>(r)] == r);
+  }
+  CHECK_THROWS_AS(epx::threads::run(0, [](epx::threads::communicator&) {}), epx::error);
+}
+
+TEST_CASE("threads: all_to_all, every type") { for_each_world_size([](auto& c) { comm_cases::case_all_to_all(c); }); }
+TEST_CASE("threads: all_to_allv, uneven counts, zero-length messages, every type") {
+  for_each_world_size([](auto& c) { comm_cases::case_all_to_allv(c); });
+}
+TEST_CASE("threads: all_to_allv_rows") { for_each_world_size([](auto& c) { comm_cases::case_all_to_allv_rows(c); }); }
+TEST_CASE("threads: all_reduce, scaled, every type") { for_each_world_size([](auto& c) { comm_cases::case_all_reduce(c); }); }
+TEST_CASE("threads: reduce_scatter") { for_each_world_size([](auto& c) { comm_cases::case_reduce_scatter(c); }); }
+TEST_CASE("threads: all_gather") { for_each_world_size([](auto& c) { comm_cases::case_all_gather(c); }); }
+TEST_CASE("threads: broadcast") { for_each_world_size([](auto& c) { comm_cases::case_broadcast(c); }); }
+TEST_CASE("threads: barrier") { for_each_world_size([](auto& c) { comm_cases::case_barrier(c); }); }
+TEST_CASE("threads: split by color and key") { for_each_world_size([](auto& c) { comm_cases::case_split(c); }); }
+TEST_CASE("threads: sub-communicators of every mesh group") {
+  for_each_world_size([](auto& c) { comm_cases::case_sub_communicators(c); });
+}
+TEST_CASE("threads: 64 MiB messages") {
+  for (int n : {2, 8}) {
+    CAPTURE(n);
+    epx::threads::run(n, [](auto& c) { comm_cases::case_large(c); }, normal_options());
+  }
+}
+
+TEST_CASE("threads: a rank that throws before a collective fails every rank, and the next run works") {
+  const int n = 4;
+  seen_errors seen(n);
+  const auto t0 = clock_type::now();
+  bool threw = false;
+  try {
+    epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      if (comm.rank() == 2) throw std::runtime_error("boom from rank two");
+      try {
+        comm.barrier();
+      } catch (const epx::error& e) {
+        seen.record(comm.rank(), e);
+        throw;
+      }
+    }, short_options());
+  } catch (const std::runtime_error& e) {
+    threw = true;
+    // The first failure is rethrown as it was thrown.
+    CHECK(std::string(e.what()) == "boom from rank two");
+    CHECK(dynamic_cast<const epx::error*>(&e) == nullptr);
+  }
+  CHECK(threw);
+  CHECK(clock_type::now() - t0 < milliseconds(1500));  // well before the watchdog
+  for (int r : {0, 1, 3}) {
+    CAPTURE(r);
+    CHECK(seen.categories[r] == epx::errc::communicator);
+    CHECK(contains(seen.messages[r], "rank 2 failed: boom from rank two"));
+  }
+  check_next_run_works(n);
+}
+
+TEST_CASE("threads: a rank that throws while the others wait inside a collective") {
+  for (int n : {2, 3, 8}) {
+    CAPTURE(n);
+    seen_errors seen(n);
+    const auto t0 = clock_type::now();
+    bool threw = false;
+    try {
+      epx::threads::run(n, [&](epx::threads::communicator& comm) {
+        std::vector<float> x(1000, 1.0f);
+        epx::all_reduce(comm, epx::span<float>(x));  // a collective that succeeds first
+        if (comm.rank() == n - 1) {
+          std::this_thread::sleep_for(milliseconds(100));  // the others are waiting by now
+          EPX_THROW(epx::errc::input, "expert id (99) out of range on the last rank");
+        }
+        try {
+          epx::all_reduce(comm, epx::span<float>(x));
+        } catch (const epx::error& e) {
+          seen.record(comm.rank(), e);
+          throw;
+        }
+      }, short_options());
+    } catch (const epx::error& e) {
+      threw = true;
+      // The first failure keeps its category and message.
+      CHECK(e.category() == epx::errc::input);
+      CHECK(e.message() == "expert id (99) out of range on the last rank");
+    }
+    CHECK(threw);
+    CHECK(clock_type::now() - t0 < milliseconds(1500));
+    for (int r = 0; r + 1 < n; ++r) {
+      CAPTURE(r);
+      CHECK(seen.categories[r] == epx::errc::communicator);
+      CHECK(contains(seen.messages[r], "rank " + std::to_string(n - 1) + " failed: expert id (99) out of range"));
+    }
+    check_next_run_works(n);
+  }
+}
+
+TEST_CASE("threads: invalid arguments inside a collective on one rank reach the others") {
+  const int n = 3;
+  seen_errors seen(n);
+  CHECK_THROWS_WITH_AS(
+      epx::threads::run(n, [&](epx::threads::communicator& comm) {
+        std::vector<std::size_t> counts(n, 0);
+        try {
+          comm.all_to_allv(nullptr, comm.rank() == 1 ? nullptr : counts.data(), counts.data(), nullptr,
+                           counts.data(), counts.data(), epx::datatype::float32);
+        } catch (const epx::error& e) {
+          seen.record(comm.rank(), e);
+          throw;
+        }
+      }, short_options()),
+      doctest::Contains("counts and displacements must not be null"), epx::error);
+  CHECK(seen.categories[1] == epx::errc::input);
+  CHECK(contains(seen.messages[0], "rank 1 failed: all_to_allv: counts and displacements must not be null"));
+  CHECK(contains(seen.messages[2], "rank 1 failed"));
+  check_next_run_works(n);
+}
+
+TEST_CASE("threads: the watchdog names the ranks that never enter a collective") {
+  const int n = 4;
+  epx::threads::options o;
+  o.timeout = milliseconds(300);
+  seen_errors seen(n);
+  const auto t0 = clock_type::now();
+  bool threw = false;
+  try {
+    epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      std::vector<int> x(3, 1);
+      epx::all_reduce(comm, epx::span<int>(x));
+      if (comm.rank() == 1 || comm.rank() == 3) {
+        std::this_thread::sleep_for(milliseconds(900));  // late: missing from the collective
+      }
+      try {
+        epx::all_reduce(comm, epx::span<int>(x));
+      } catch (const epx::error& e) {
+        seen.record(comm.rank(), e);
+        throw;
+      }
+    }, o);
+  } catch (const epx::error& e) {
+    threw = true;
+    CHECK(e.category() == epx::errc::communicator);
+    CHECK(contains(e.message(), "watchdog"));
+    CHECK(contains(e.message(), "all_reduce"));
+    CHECK(contains(e.message(), "never entered it: rank 1, rank 3"));
+  }
+  CHECK(threw);
+  const auto elapsed = clock_type::now() - t0;
+  CHECK(elapsed >= milliseconds(300));
+  CHECK(elapsed < milliseconds(2500));
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r);
+    CHECK(seen.categories[r] == epx::errc::communicator);
+    CHECK(contains(seen.messages[r], "rank 1, rank 3"));
+  }
+  check_next_run_works(n);
+}
+
+TEST_CASE("threads: a rank that returns without entering a collective trips the watchdog") {
+  const int n = 3;
+  epx::threads::options o;
+  o.timeout = milliseconds(200);
+  CHECK_THROWS_WITH_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
+    if (comm.rank() == 0) return;
+    comm.barrier();
+  }, o), doctest::Contains("never entered it: rank 0"), epx::error);
+  check_next_run_works(n);
+}
+
+TEST_CASE("threads: mismatched all_to_allv counts are detected on every rank") {
+  const int n = 4;
+  seen_errors seen(n);
+  std::atomic<int> recovered{0};
+  epx::threads::run(n, [&](epx::threads::communicator& comm) {
+    const int me = comm.rank();
+    std::vector<std::size_t> sc(n, 2), sd(n), rc(n, 2), rd(n);
+    for (int p = 0; p < n; ++p) sd[p] = rd[p] = 2 * static_cast<std::size_t>(p);
+    if (me == 2) rc[0] = 1;  // rank 0 sends 2 elements to rank 2, which expects 1
+    std::vector<float> send(2 * n, 1.0f), recv(2 * n, 0.0f);
+    try {
+      comm.all_to_allv(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), epx::datatype::float32);
+    } catch (const epx::error& e) {
+      seen.record(me, e);
+    }
+    // Every rank saw the same disagreement, so the communicator is still usable.
+    std::vector<double> x{1.0};
+    epx::all_reduce(comm, epx::span<double>(x));
+    if (x[0] == n) ++recovered;
+  }, short_options());
+  CHECK(recovered.load() == n);
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r);
+    CHECK(seen.categories[r] == epx::errc::communicator);
+    CHECK(contains(seen.messages[r], "rank 0 sends 2 elements to rank 2, which expects 1 from it"));
+  }
+}
+
+TEST_CASE("threads: mismatched collectives, datatypes, counts, roots and scales are detected on every rank") {
+  struct scenario {
+    const char* name;
+    void (*call)(epx::threads::communicator&);
+    const char* expect;
+  };
+  const scenario scenarios[] = {
+      {"kinds",
+       [](epx::threads::communicator& c) {
+         std::vector<float> x(4, 1.0f);
+         if (c.rank() == 1) c.barrier();
+         else epx::all_reduce(c, epx::span<float>(x));
+       },
+       "mismatched collectives: rank 0 called all_reduce, rank 1 called barrier"},
+      {"datatypes",
+       [](epx::threads::communicator& c) {
+         std::vector<double> x(4, 1.0);
+         if (c.rank() == 2) c.all_reduce(x.data(), x.data(), 8, epx::datatype::float32, 1.0);
+         else c.all_reduce(x.data(), x.data(), 4, epx::datatype::float64, 1.0);
+       },
+       "all_reduce: mismatched datatypes: rank 0 passed float64, rank 2 passed float32"},
+      {"counts",
+       [](epx::threads::communicator& c) {
+         std::vector<float> x(8, 1.0f);
+         epx::all_reduce(c, epx::span<float>(x.data(), c.rank() == 1 ? 7 : 8));
+       },
+       "all_reduce: mismatched counts: rank 0 passed 8, rank 1 passed 7"},
+      {"roots",
+       [](epx::threads::communicator& c) {
+         std::vector<int> x(5, 0);
+         epx::broadcast(c, epx::span<int>(x), c.rank() == 2 ? 1 : 0);
+       },
+       "broadcast: mismatched roots: rank 0 passed 0, rank 2 passed 1"},
+      {"scales",
+       [](epx::threads::communicator& c) {
+         std::vector<float> x(8, 1.0f);
+         epx::all_reduce(c, epx::span<float>(x), c.rank() == 1 ? 0.5 : 0.25);
+       },
+       "all_reduce: mismatched scales: rank 0 passed 0.25, rank 1 passed 0.5"},
+  };
+  const int n = 3;
+  for (const auto& s : scenarios) {
+    CAPTURE(s.name);
+    seen_errors seen(n);
+    CHECK_THROWS_WITH_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      try {
+        s.call(comm);
+      } catch (const epx::error& e) {
+        seen.record(comm.rank(), e);
+        throw;
+      }
+    }, short_options()), doctest::Contains(s.expect), epx::error);
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(contains(seen.messages[r], s.expect));
+    }
+  }
+  check_next_run_works(n);
+}
+
+TEST_CASE("threads: a failure inside a sub-communicator aborts the whole run") {
+  const int n = 8;
+  seen_errors seen(n);
+  const auto t0 = clock_type::now();
+  CHECK_THROWS_WITH_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
+    epx::mesh_config cfg;
+    cfg.tp = 2;
+    cfg.fsdp = 4;
+    cfg.ep = 4;
+    cfg.experts = 8;
+    const epx::mesh m(cfg);
+    auto tp = epx::sub_communicator(comm, m, epx::group_kind::tp);
+    auto ep = epx::sub_communicator(comm, m, epx::group_kind::ep);
+    std::vector<float> x(16, 1.0f);
+    try {
+      if (comm.rank() == 5) {
+        epx::all_reduce(tp, epx::span<float>(x));  // the partner (rank 4) is in it too
+        throw std::logic_error("rank five gives up");
+      }
+      if (comm.rank() == 4) epx::all_reduce(tp, epx::span<float>(x));
+      // Everyone else (and rank 4 next) waits in a collective of another group or the world.
+      if (comm.rank() < 4) epx::all_reduce(ep, epx::span<float>(x));
+      else comm.barrier();
+    } catch (const epx::error& e) {
+      seen.record(comm.rank(), e);
+      throw;
+    }
+  }, short_options()), doctest::Contains("rank five gives up"), std::logic_error);
+  CHECK(clock_type::now() - t0 < milliseconds(1500));
+  for (int r : {4, 6, 7}) {
+    CAPTURE(r);
+    CHECK(contains(seen.messages[r], "rank 5 failed: rank five gives up"));
+  }
+  check_next_run_works(n);
+}
+
+TEST_CASE("threads: after an aborted run, collectives on a rank that caught the error still throw") {
+  const int n = 2;
+  std::atomic<int> threw_again{0};
+  CHECK_THROWS_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
+    if (comm.rank() == 0) throw std::runtime_error("first");
+    try {
+      comm.barrier();
+    } catch (const epx::error&) {
+    }
+    try {
+      comm.barrier();  // a later collective fails at once
+    } catch (const epx::error& e) {
+      if (contains(e.what(), "rank 0 failed: first")) ++threw_again;
+    }
+  }, short_options()), std::runtime_error);
+  CHECK(threw_again.load() == 1);
+  check_next_run_works(n);
+}
