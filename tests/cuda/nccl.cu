@@ -1,0 +1,361 @@
+// The NCCL communicator on device memory: world size 1 (blocking and nonblocking NCCL
+// modes), and every visible GPU of this process through init_all (one host thread per
+// device) when there are two or more. Needs a GPU (label cuda).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "epx/comm/collectives.hpp"
+#include "epx/comm/nccl.cuh"
+#include "epx/exec/cuda.cuh"
+
+namespace {
+
+using epx::datatype;
+using epx::exec::device_buffer;
+using epx::nccl::communicator;
+
+template <class T>
+device_buffer<T> to_device(const communicator& c, const std::vector<T>& v) {
+  device_buffer<T> b(v.size());
+  epx::exec::copy_from_host(c.execution(), v.data(), v.size(), b.data());
+  return b;
+}
+
+template <class T>
+std::vector<T> to_host(communicator& c, const device_buffer<T>& d) {
+  c.wait();
+  std::vector<T> v(d.size());
+  epx::exec::copy_to_host(c.execution(), d.data(), d.size(), v.data());
+  return v;
+}
+
+communicator world_of_one(bool blocking, cudaStream_t s) {
+  ncclUniqueId id;
+  EPX_NCCL_CHECK(ncclGetUniqueId(&id));
+  epx::nccl::options o;
+  o.blocking = blocking;
+  o.timeout = std::chrono::seconds(60);
+  return communicator::from_unique_id(id, 1, 0, -1, s, o);
+}
+
+struct test_stream {
+  cudaStream_t s = nullptr;
+  test_stream() { EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~test_stream() { (void)cudaStreamDestroy(s); }
+};
+
+}  // namespace
+
+static_assert(epx::is_communicator_v<communicator>);
+
+TEST_CASE("nccl communicator at world size 1: every collective, both NCCL modes") {
+  for (bool blocking : {true, false}) {
+    CAPTURE(blocking);
+    test_stream ts;
+    auto c = world_of_one(blocking, ts.s);
+    REQUIRE(c.size() == 1);
+    REQUIRE(c.rank() == 0);
+    CHECK(c.stream() == ts.s);
+    int dev = -1;
+    EPX_CUDA_CHECK(cudaGetDevice(&dev));
+    CHECK(c.device() == dev);
+
+    std::mt19937 rng(5);
+    std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+
+    SUBCASE("all_to_allv and the segmented all-to-all land rows where the receiver names them") {
+      // 3 segments of rows of H = 5 floats; the receiver puts them in reverse order.
+      const std::size_t H = 5;
+      std::vector<std::size_t> rows = {4, 0, 7};
+      const std::size_t R = 11;
+      std::vector<float> send(R * H);
+      for (auto& v : send) v = u(rng);
+      std::vector<std::size_t> sc = rows, sd = {0, 4, 4}, rc = rows, rd = {7, 7, 0};
+      auto d_send = to_device(c, send);
+      device_buffer<float> d_recv(R * H);
+      epx::exec::fill_zero(c.execution(), d_recv.data(), R * H);
+      epx::all_to_allv_segments(c, d_send.data(), epx::span<const std::size_t>(sc.data(), 3),
+                                epx::span<const std::size_t>(sd.data(), 3), d_recv.data(),
+                                epx::span<const std::size_t>(rc.data(), 3), epx::span<const std::size_t>(rd.data(), 3),
+                                3, H);
+      const auto got = to_host(c, d_recv);
+      std::vector<float> want(R * H);
+      std::copy(send.begin(), send.begin() + 4 * H, want.begin() + 7 * H);
+      std::copy(send.begin() + 4 * H, send.end(), want.begin());
+      CHECK(got == want);
+
+      // Plain all_to_allv (elements) and all_to_all.
+      std::vector<std::size_t> c1 = {R * H}, d0 = {0};
+      device_buffer<float> d_r2(R * H);
+      c.all_to_allv(d_send.data(), c1.data(), d0.data(), d_r2.data(), c1.data(), d0.data(), datatype::float32);
+      CHECK(to_host(c, d_r2) == send);
+      device_buffer<float> d_r3(R * H);
+      c.all_to_all(d_send.data(), d_r3.data(), R * H, datatype::float32);
+      CHECK(to_host(c, d_r3) == send);
+
+      // Counts to itself that disagree are found before anything moves.
+      std::vector<std::size_t> bad = {R * H - 1};
+      try {
+        c.all_to_allv(d_send.data(), c1.data(), d0.data(), d_r2.data(), bad.data(), d0.data(), datatype::float32);
+        FAIL("mismatched self counts were accepted");
+      } catch (const epx::error& e) {
+        CHECK(e.category() == epx::errc::communicator);
+        CHECK(e.message().find("expects to receive 54") != std::string::npos);
+      }
+    }
+
+    SUBCASE("all_reduce: sum and pre-multiplied sum for float, double, bf16, fp16, int32") {
+      const std::size_t n = 1000;
+      std::vector<float> f(n);
+      for (auto& v : f) v = u(rng);
+      auto d_f = to_device(c, f);
+      device_buffer<float> d_out(n);
+      c.all_reduce(d_f.data(), d_out.data(), n, datatype::float32, 1.0);
+      CHECK(to_host(c, d_out) == f);  // one rank: the sum is the input
+      c.all_reduce(d_f.data(), d_out.data(), n, datatype::float32, 0.25);
+      auto got = to_host(c, d_out);
+      double err = 0;
+      for (std::size_t i = 0; i < n; ++i) err = std::max(err, std::fabs(got[i] - 0.25 * f[i]));
+      CHECK(err <= 1e-6);
+      // In place.
+      c.all_reduce(d_f.data(), d_f.data(), n, datatype::float32, 2.0);
+      got = to_host(c, d_f);
+      for (std::size_t i = 0; i < n; ++i) err = std::max(err, std::fabs(got[i] - 2.0 * f[i]));
+      CHECK(err <= 1e-6);
+
+      std::vector<double> dd(n);
+      for (auto& v : dd) v = u(rng);
+      auto d_d = to_device(c, dd);
+      c.all_reduce(d_d.data(), d_d.data(), n, datatype::float64, 1.0 / 3.0);
+      const auto gd = to_host(c, d_d);
+      double errd = 0;
+      for (std::size_t i = 0; i < n; ++i) errd = std::max(errd, std::fabs(gd[i] - dd[i] / 3.0));
+      CHECK(errd <= 1e-15);
+
+      std::vector<epx::bf16> b(n);
+      for (auto& v : b) v = epx::bf16(u(rng));
+      auto d_b = to_device(c, b);
+      c.all_reduce(d_b.data(), d_b.data(), n, datatype::bfloat16, 0.5);
+      const auto gb = to_host(c, d_b);
+      double errb = 0;
+      for (std::size_t i = 0; i < n; ++i)
+        errb = std::max(errb, std::fabs(static_cast<double>(static_cast<float>(gb[i])) -
+                                        0.5 * static_cast<double>(static_cast<float>(b[i]))));
+      CHECK(errb == 0.0);  // halving is exact in bf16
+
+      std::vector<epx::fp16> h(n);
+      for (auto& v : h) v = epx::fp16(u(rng));
+      auto d_h = to_device(c, h);
+      c.all_reduce(d_h.data(), d_h.data(), n, datatype::float16, 0.1);
+      const auto gh = to_host(c, d_h);
+      double errh = 0;
+      for (std::size_t i = 0; i < n; ++i)
+        errh = std::max(errh, std::fabs(static_cast<double>(static_cast<float>(gh[i])) -
+                                        0.1 * static_cast<double>(static_cast<float>(h[i]))));
+      CHECK(errh <= 2e-3);  // scale and result rounded to fp16
+
+      std::vector<std::int32_t> iv(n);
+      std::iota(iv.begin(), iv.end(), -300);
+      auto d_i = to_device(c, iv);
+      c.all_reduce(d_i.data(), d_i.data(), n, datatype::int32, 3.0);
+      const auto gi = to_host(c, d_i);
+      bool ok = true;
+      for (std::size_t i = 0; i < n; ++i) ok = ok && gi[i] == 3 * iv[i];
+      CHECK(ok);
+
+      try {
+        c.all_reduce(d_i.data(), d_i.data(), n, datatype::int32, 0.5);
+        FAIL("a fractional scale on int32 was accepted");
+      } catch (const epx::error& e) {
+        CHECK(e.category() == epx::errc::input);
+        CHECK(e.message().find("0.5") != std::string::npos);
+      }
+      CHECK_THROWS_AS(c.all_reduce(d_i.data(), d_i.data(), n, datatype::byte, 1.0), epx::error);
+    }
+
+    SUBCASE("reduce_scatter, all_gather, broadcast, barrier, split") {
+      const std::size_t n = 64;
+      std::vector<float> f(n);
+      for (auto& v : f) v = u(rng);
+      auto d_f = to_device(c, f);
+      device_buffer<float> d_o(n);
+      c.reduce_scatter(d_f.data(), d_o.data(), n, datatype::float32, 0.5);
+      auto got = to_host(c, d_o);
+      double err = 0;
+      for (std::size_t i = 0; i < n; ++i) err = std::max(err, std::fabs(got[i] - 0.5 * f[i]));
+      CHECK(err <= 1e-6);
+      device_buffer<float> d_g(n);
+      c.all_gather(d_f.data(), d_g.data(), n, datatype::float32);
+      CHECK(to_host(c, d_g) == f);
+      c.broadcast(d_f.data(), n, datatype::float32, 0);
+      CHECK(to_host(c, d_f) == f);
+      CHECK_THROWS_AS(c.broadcast(d_f.data(), n, datatype::float32, 1), epx::error);
+      c.barrier();
+      auto s = c.split(3, 0);
+      CHECK(s.size() == 1);
+      CHECK(s.rank() == 0);
+      CHECK(s.stream() == c.stream());
+      s.barrier();
+      CHECK_THROWS_AS(c.split(-1, 0), epx::error);
+      // Zero counts are no-ops.
+      c.all_reduce(nullptr, nullptr, 0, datatype::float32, 1.0);
+      c.all_gather(nullptr, nullptr, 0, datatype::float32);
+      c.wait();
+    }
+
+    SUBCASE("a wrapped communicator is not destroyed; moved-from and empty ones raise") {
+      {
+        communicator w(c.native_handle(), ts.s);
+        CHECK(w.size() == 1);
+        w.barrier();
+      }
+      c.barrier();  // still alive after the wrapper went away
+      communicator m(std::move(c));
+      CHECK_THROWS_AS(c.barrier(), epx::error);
+      m.barrier();
+      communicator empty;
+      CHECK_THROWS_AS(empty.barrier(), epx::error);
+    }
+  }
+}
+
+TEST_CASE("nccl communicator over every GPU of this process (init_all, one thread per device)") {
+  int ndev = 0;
+  EPX_CUDA_CHECK(cudaGetDeviceCount(&ndev));
+  if (ndev < 2) {
+    MESSAGE("only ", ndev, " device: multi-GPU case not run");
+    return;
+  }
+  auto comms = communicator::init_all(ndev);
+  REQUIRE(static_cast<int>(comms.size()) == ndev);
+  const auto n = static_cast<std::size_t>(ndev);
+  const std::size_t H = 33;
+  // rows[s][d]: rows s sends to d, uneven and some zero; in nseg = 2 segments.
+  auto rows = [](std::size_t s, std::size_t d, std::size_t i) { return (s * 7 + d * 3 + i * 5) % 6; };
+  auto value = [](std::size_t s, std::size_t d, std::size_t i, std::size_t r, std::size_t h) {
+    return static_cast<float>(s * 1000 + d * 100 + i * 10 + r) + static_cast<float>(h) / 64.0f;
+  };
+  std::vector<std::string> failures(n);
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  for (std::size_t me = 0; me < n; ++me) {
+    threads.emplace_back([&, me] {
+      try {
+        auto& c = comms[me];
+        EPX_CUDA_CHECK(cudaSetDevice(c.device()));
+        const std::size_t nseg = 2;
+        std::vector<std::size_t> sc(n * nseg), sd(n * nseg), rc(n * nseg), rd(n * nseg);
+        std::size_t so = 0;
+        for (std::size_t d = 0; d < n; ++d)
+          for (std::size_t i = 0; i < nseg; ++i) {
+            sc[d * nseg + i] = rows(me, d, i);
+            sd[d * nseg + i] = so;
+            so += sc[d * nseg + i];
+          }
+        // Receiver: segment-major (all peers' segment 0, then all peers' segment 1).
+        std::size_t ro = 0;
+        for (std::size_t i = 0; i < nseg; ++i)
+          for (std::size_t s = 0; s < n; ++s) {
+            rc[s * nseg + i] = rows(s, me, i);
+            rd[s * nseg + i] = ro;
+            ro += rc[s * nseg + i];
+          }
+        std::vector<epx::bf16> send(so * H);
+        for (std::size_t d = 0; d < n; ++d)
+          for (std::size_t i = 0; i < nseg; ++i)
+            for (std::size_t r = 0; r < sc[d * nseg + i]; ++r)
+              for (std::size_t h = 0; h < H; ++h)
+                send[(sd[d * nseg + i] + r) * H + h] = epx::bf16(value(me, d, i, r, h));
+        auto d_send = to_device(c, send);
+        device_buffer<epx::bf16> d_recv(std::max<std::size_t>(ro * H, 1));
+        epx::all_to_allv_segments(c, d_send.data(), epx::span<const std::size_t>(sc.data(), sc.size()),
+                                  epx::span<const std::size_t>(sd.data(), sd.size()), d_recv.data(),
+                                  epx::span<const std::size_t>(rc.data(), rc.size()),
+                                  epx::span<const std::size_t>(rd.data(), rd.size()), nseg, H);
+        const auto got = to_host(c, d_recv);
+        for (std::size_t s = 0; s < n; ++s)
+          for (std::size_t i = 0; i < nseg; ++i)
+            for (std::size_t r = 0; r < rc[s * nseg + i]; ++r)
+              for (std::size_t h = 0; h < H; ++h)
+                if (got[(rd[s * nseg + i] + r) * H + h].bits != epx::bf16(value(s, me, i, r, h)).bits)
+                  throw std::runtime_error("segment row mismatch from rank " + std::to_string(s));
+
+        // bf16 scaled all-reduce: every rank contributes (rank+1) * x; scale 1/n.
+        const std::size_t m = 4096;
+        std::vector<epx::bf16> x(m);
+        for (std::size_t i = 0; i < m; ++i) x[i] = epx::bf16(static_cast<float>((i % 17) * (me + 1)) / 8.0f);
+        auto d_x = to_device(c, x);
+        c.all_reduce(d_x.data(), d_x.data(), m, datatype::bfloat16, 1.0 / static_cast<double>(n));
+        const auto gx = to_host(c, d_x);
+        const double tri = static_cast<double>(n * (n + 1) / 2);
+        for (std::size_t i = 0; i < m; ++i) {
+          const double ref = static_cast<double>(i % 17) / 8.0 * tri / static_cast<double>(n);
+          if (std::fabs(static_cast<float>(gx[i]) - ref) > 0.02 * (1.0 + ref))
+            throw std::runtime_error("bf16 all_reduce value " + std::to_string(static_cast<float>(gx[i])) +
+                                     " vs " + std::to_string(ref));
+        }
+        // Sub-communicators: even and odd ranks.
+        auto sub = c.split(static_cast<int>(me % 2), static_cast<int>(me));
+        if (sub.size() != static_cast<int>((n - me % 2 + 1) / 2)) throw std::runtime_error("split size");
+        if (sub.rank() != static_cast<int>(me / 2)) throw std::runtime_error("split rank");
+        sub.barrier();
+        c.barrier();
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        failures[me] = e.what();
+        comms[me].abort();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (std::size_t r = 0; r < n; ++r) {
+    CAPTURE(r);
+    CHECK(failures[r] == "");
+  }
+}
+
+// Last in the file: it leaves an aborted communicator behind.
+TEST_CASE("nccl errors carry the call and NCCL's text; wait() aborts a collective that never completes") {
+  try {
+    EPX_NCCL_CHECK(ncclCommInitRank(nullptr, 1, ncclUniqueId{}, 0));
+    FAIL("ncclCommInitRank(nullptr) did not fail");
+  } catch (const epx::error& e) {
+    CHECK(e.category() == epx::errc::nccl);
+    CHECK(e.status() != 0);
+    CHECK(e.message().find("ncclCommInitRank") != std::string::npos);
+  }
+
+  // A receive that no send matches: the stream never drains. wait(timeout) must abort the
+  // communicator and raise instead of hanging.
+  test_stream ts;
+  // Nonblocking mode: no NCCL call can block this thread, whatever NCCL does with the receive.
+  auto c = world_of_one(false, ts.s);
+  device_buffer<float> d(256);
+  const auto t0 = std::chrono::steady_clock::now();
+  bool raised = false;
+  try {
+    const ncclResult_t r = ncclRecv(d.data(), 256, ncclFloat32, 0, c.native_handle(), c.stream());
+    if (r != ncclSuccess && r != ncclInProgress) throw epx::error(epx::errc::nccl, "unmatched ncclRecv rejected at enqueue");
+    c.wait(std::chrono::milliseconds(500));
+  } catch (const epx::error& e) {
+    raised = true;
+    MESSAGE("raised: ", e.what());
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(raised);
+  CHECK(secs < 30.0);
+  if (c.aborted()) CHECK_THROWS_AS(c.barrier(), epx::error);
+}
