@@ -1,0 +1,143 @@
+// all_to_allv of rows over the threads communicator, against a memcpy of the same bytes.
+//
+//   ./bench_comm --benchmark_out=threads.json --benchmark_out_format=json
+//
+// Every rank sends `bytes_per_peer` (rows of H = 1024 floats) to every rank, itself
+// included. Rank 0 drives Google Benchmark's loop; the other ranks follow it. Each
+// iteration is timed on rank 0 between two barriers that bracket the call, and handed to
+// Google Benchmark as manual time. In the same iteration the floor is timed the same way:
+// every rank memcpys exactly the blocks it receives, from the same peers' send buffers
+// into the same places of its receive buffer, with as many threads copying at once, and no
+// protocol (no publishing, no entry/exit barrier, no checks). Counters:
+//   GB/s          bytes moved by all ranks per call / time
+//   memcpy_GB/s   the same bytes moved by the plain memcpys / their time
+//   floor_ratio   all_to_allv time / memcpy time (1.0 would be the copy floor)
+//
+// The exchange is written against the communicator concept (`exchange_rows`); another host
+// backend gets its variant by driving the same function from its own ranks (the MPI one
+// lives in bench_comm_mpi.cpp, one process per rank).
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "epx/comm/collectives.hpp"
+#include "epx/comm/threads.hpp"
+
+namespace {
+
+constexpr std::size_t kRowElems = 1024;  // floats per row: 4 KiB rows
+
+using clock_type = std::chrono::steady_clock;
+
+// One rank's buffers: [rows, H] peer-major, `rows_per_peer` rows for each peer.
+struct rank_buffers {
+  std::vector<float> send, recv;
+  std::vector<std::size_t> counts, offsets;
+};
+
+rank_buffers make_buffers(int rank, std::size_t n, std::size_t rows_per_peer) {
+  rank_buffers b;
+  b.send.resize(n * rows_per_peer * kRowElems);
+  b.recv.assign(b.send.size(), 0.0f);  // touched: no page faults inside the timed region
+  for (std::size_t i = 0; i < b.send.size(); ++i) b.send[i] = static_cast<float>((i + rank) % 1000) * 0.5f;
+  b.counts.assign(n, rows_per_peer);
+  b.offsets.resize(n);
+  for (std::size_t p = 0; p < n; ++p) b.offsets[p] = p * rows_per_peer;
+  return b;
+}
+
+template <class Comm>
+void exchange_rows(Comm& comm, rank_buffers& b) {
+  epx::all_to_allv_rows(comm, b.send.data(), epx::make_span(b.counts), epx::make_span(b.offsets), b.recv.data(),
+                        epx::make_span(b.counts), epx::make_span(b.offsets), kRowElems);
+}
+
+void threads_all_to_allv_rows(benchmark::State& state) {
+  const int n = static_cast<int>(state.range(0));
+  const auto bytes_per_peer = static_cast<std::size_t>(state.range(1));
+  const std::size_t rows_per_peer = std::max<std::size_t>(1, bytes_per_peer / (kRowElems * sizeof(float)));
+  const std::size_t block_bytes = rows_per_peer * kRowElems * sizeof(float);
+
+  std::vector<const float*> sends(static_cast<std::size_t>(n));  // every rank's send buffer
+  std::atomic<bool> go{false};
+  double total = 0, copy_total = 0;
+
+  epx::threads::run(n, [&](epx::threads::communicator& comm) {
+    const int me = comm.rank();
+    rank_buffers b = make_buffers(me, static_cast<std::size_t>(n), rows_per_peer);
+    sends[static_cast<std::size_t>(me)] = b.send.data();
+    // The floor: the very copies the exchange makes, without the protocol.
+    auto copy_floor = [&] {
+      for (int k = 0; k < n; ++k) {
+        const int p = (me + k) % n;
+        std::memcpy(b.recv.data() + static_cast<std::size_t>(p) * rows_per_peer * kRowElems,
+                    sends[static_cast<std::size_t>(p)] + static_cast<std::size_t>(me) * rows_per_peer * kRowElems,
+                    block_bytes);
+      }
+    };
+    comm.barrier();  // sends[] complete
+    for (int w = 0; w < 2; ++w) {  // warm-up
+      exchange_rows(comm, b);
+      copy_floor();
+      comm.barrier();
+    }
+    if (me == 0) {
+      for (auto _ : state) {
+        go.store(true);
+        comm.barrier();
+        const auto t0 = clock_type::now();
+        exchange_rows(comm, b);
+        comm.barrier();
+        const auto t1 = clock_type::now();
+        copy_floor();
+        comm.barrier();
+        const auto t2 = clock_type::now();
+        const double t = std::chrono::duration<double>(t1 - t0).count();
+        state.SetIterationTime(t);
+        total += t;
+        copy_total += std::chrono::duration<double>(t2 - t1).count();
+      }
+      go.store(false);
+      comm.barrier();
+    } else {
+      for (;;) {
+        comm.barrier();
+        if (!go.load()) break;
+        exchange_rows(comm, b);
+        comm.barrier();
+        copy_floor();
+        comm.barrier();
+      }
+    }
+    benchmark::DoNotOptimize(b.recv.data());
+  });
+
+  const double moved = static_cast<double>(block_bytes) * n * n;  // every pair, self included
+  const auto iters = static_cast<double>(state.iterations());
+  const double per_call = total / iters, per_copy = copy_total / iters;
+  state.counters["ranks"] = n;
+  state.counters["bytes_per_peer"] = static_cast<double>(block_bytes);
+  state.counters["GB/s"] = moved / per_call * 1e-9;
+  state.counters["memcpy_GB/s"] = moved / per_copy * 1e-9;
+  state.counters["floor_ratio"] = per_call / per_copy;
+  state.SetBytesProcessed(static_cast<std::int64_t>(moved) * state.iterations());
+}
+
+// 2, 4, 8 ranks; 64 KiB .. 16 MiB per peer pair.
+void args(benchmark::internal::Benchmark* b) {
+  for (std::int64_t ranks : {2, 4, 8})
+    for (std::int64_t kib : {64, 256, 1024, 4096, 16384}) b->Args({ranks, kib * 1024});
+  b->ArgNames({"ranks", "bytes_per_peer"});
+}
+
+BENCHMARK(threads_all_to_allv_rows)->Apply(args)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();
