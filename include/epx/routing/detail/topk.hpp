@@ -1,0 +1,62 @@
+// epx/routing/detail/topk.hpp: per-token building blocks of the routing functors.
+//
+// Everything here is EPX_HOST_DEVICE, allocation-free and works on fixed-size local
+// arrays, so the same code runs in the host policies and in a CUDA kernel.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "epx/core/config.hpp"
+#include "epx/core/numeric.hpp"
+
+namespace epx::routing::detail {
+
+// exp in float32 on host and device.
+EPX_HOST_DEVICE inline float exp_f32(float x) noexcept {
+#if EPX_IS_DEVICE_CODE
+  return ::expf(x);
+#else
+  return std::exp(x);
+#endif
+}
+
+// 1 / (1 + exp(-x)): saturates to 0 and 1 without producing NaN.
+EPX_HOST_DEVICE inline float sigmoid_f32(float x) noexcept { return 1.0f / (1.0f + exp_f32(-x)); }
+
+// Neither NaN nor +-inf (exponent bits not all ones); no <cmath> dependency on device.
+EPX_HOST_DEVICE inline bool is_finite_f32(float x) noexcept {
+  return (epx::detail::float_bits(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+EPX_HOST_DEVICE inline bool is_finite_f64(double x) noexcept {
+  return x - x == 0.0;  // NaN - NaN and inf - inf are NaN
+}
+
+// A running top-k list: keys descending, ties in insertion order. Candidates are offered
+// in ascending expert id, so ties end up ordered by the lower expert id first.
+template <int Capacity>
+struct topk_list {
+  float key[Capacity];
+  std::int32_t id[Capacity];
+  int size = 0;
+  int k = 0;
+
+  EPX_HOST_DEVICE explicit topk_list(int k_) noexcept : k(k_) {}
+
+  EPX_HOST_DEVICE void offer(float v, std::int32_t e) noexcept {
+    if (size == k && !(v > key[k - 1])) return;  // not better than the current k-th
+    int pos = size < k ? size : k - 1;
+    // Shift strictly smaller keys down; an equal key stays ahead (it has a lower id).
+    while (pos > 0 && key[pos - 1] < v) {
+      key[pos] = key[pos - 1];
+      id[pos] = id[pos - 1];
+      --pos;
+    }
+    key[pos] = v;
+    id[pos] = e;
+    if (size < k) ++size;
+  }
+};
+
+}  // namespace epx::routing::detail

@@ -1,0 +1,543 @@
+// Routing policies (spec section 2) against the float64 reference: ids exactly, weights
+// and logit gradients within float32 tolerances, for every policy, logit type and host
+// execution policy; ties; group-limited selection; bad inputs with their messages.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "epx/routing/routing.hpp"
+#include "support/reference.hpp"
+
+namespace ref = epx::ref;
+namespace routing = epx::routing;
+
+namespace {
+
+// Below this selection margin float32 and float64 may legitimately pick different experts.
+constexpr double near_tie = 1e-4;
+
+struct lib_routing {
+  std::vector<std::int32_t> ids;
+  std::vector<float> weights;
+};
+
+template <class T, class Policy, class Exec>
+lib_routing run_route(const Policy& p, const Exec& ex, const std::vector<T>& logits, std::size_t N, int E, int k) {
+  lib_routing r{std::vector<std::int32_t>(N * k, -7), std::vector<float>(N * k, -7.0f)};
+  routing::route(p, ex, epx::span<const T>(logits.data(), logits.size()), E, k, epx::make_span(r.ids),
+                 epx::make_span(r.weights));
+  return r;
+}
+
+template <class T, class Policy, class Exec>
+std::vector<float> run_backward(const Policy& p, const Exec& ex, const std::vector<T>& logits, std::size_t N, int E,
+                                int k, const std::vector<std::int32_t>& ids, const std::vector<float>& gw) {
+  std::vector<float> gl(N * E, -7.0f);
+  routing::route_backward(p, ex, epx::span<const T>(logits.data(), logits.size()), E, k, epx::make_span(ids),
+                          epx::span<const float>(), epx::make_span(gw), epx::make_span(gl));
+  return gl;
+}
+
+ref::sigmoid_bias_params ref_params(const routing::sigmoid_bias& p, int E) {
+  ref::sigmoid_bias_params r;
+  if (p.bias != nullptr) r.bias.assign(p.bias, p.bias + E);
+  r.n_group = p.n_group;
+  r.topk_group = p.topk_group;
+  r.scaling = p.scaling;
+  r.normalize = p.normalize;
+  return r;
+}
+
+ref::routing_result ref_route(const routing::softmax_topk& p, const std::vector<double>& l, std::size_t N, int E,
+                              int k) {
+  return ref::softmax_topk(l, N, E, k, p.renormalize);
+}
+ref::routing_result ref_route(const routing::topk_softmax&, const std::vector<double>& l, std::size_t N, int E,
+                              int k) {
+  return ref::topk_softmax(l, N, E, k);
+}
+ref::routing_result ref_route(const routing::sigmoid_bias& p, const std::vector<double>& l, std::size_t N, int E,
+                              int k) {
+  return ref::sigmoid_bias(l, N, E, k, ref_params(p, E));
+}
+
+std::vector<double> ref_backward(const routing::softmax_topk& p, const std::vector<double>& l, std::size_t N, int E,
+                                 int k, const std::vector<std::int32_t>& ids, const std::vector<double>& gw) {
+  return ref::softmax_topk_backward(l, N, E, k, p.renormalize, ids, gw);
+}
+std::vector<double> ref_backward(const routing::topk_softmax&, const std::vector<double>& l, std::size_t N, int E,
+                                 int k, const std::vector<std::int32_t>& ids, const std::vector<double>& gw) {
+  return ref::topk_softmax_backward(l, N, E, k, ids, gw);
+}
+std::vector<double> ref_backward(const routing::sigmoid_bias& p, const std::vector<double>& l, std::size_t N, int E,
+                                 int k, const std::vector<std::int32_t>& ids, const std::vector<double>& gw) {
+  return ref::sigmoid_bias_backward(l, N, E, k, ref_params(p, E), ids, gw);
+}
+
+// Compares one routing call with the reference on the same (T-rounded) logits. Returns
+// the number of near-tie tokens whose ids were not compared.
+template <class T, class Policy, class Exec>
+std::size_t check_route(const Policy& p, const Exec& ex, std::size_t N, int E, int k, std::uint64_t seed) {
+  const auto ld = ref::round_through<T>(ref::random_logits(N, E, seed));
+  const auto lt = ref::from_double<T>(ld);
+  const auto got = run_route(p, ex, lt, N, E, k);
+  const auto want = ref_route(p, ld, N, E, k);
+  std::size_t skipped = 0;
+  std::vector<double> want_w(N * k);
+  for (std::size_t t = 0; t < N; ++t) {
+    const bool comparable = want.margin[t] == 0.0 || want.margin[t] > near_tie;
+    for (int j = 0; j < k; ++j) {
+      const auto i = t * k + j;
+      if (comparable) {
+        if (got.ids[i] != want.ids[i]) {
+          FAIL_CHECK("token " << t << " slot " << j << ": id " << got.ids[i] << " != reference " << want.ids[i]
+                              << " (margin " << want.margin[t] << ")");
+          return skipped;
+        }
+        want_w[i] = want.weights[i];
+      } else {
+        want_w[i] = got.weights[i];  // different but equally valid selection; not compared
+      }
+    }
+    skipped += comparable ? 0 : 1;
+  }
+  ref::check_close(got.weights, want_w, 2e-6, 2e-5, "weights");
+  return skipped;
+}
+
+struct shape {
+  std::size_t N;
+  int E;
+  int k;
+};
+
+const std::vector<shape> shapes = {{1, 1, 1},  {7, 4, 2},   {33, 8, 8},  {64, 16, 1}, {50, 64, 8},
+                                   {20, 64, 32}, {9, 40, 32}, {128, 32, 2}, {3, 128, 4}, {0, 8, 2}};
+
+template <class T, class Exec>
+void check_all_policies(const Exec& ex) {
+  std::size_t skipped = 0, tokens = 0;
+  std::uint64_t seed = 1000;
+  for (const auto& s : shapes) {
+    CAPTURE(s.N);
+    CAPTURE(s.E);
+    CAPTURE(s.k);
+    for (bool renorm : {false, true}) skipped += check_route<T>(routing::softmax_topk{renorm}, ex, s.N, s.E, s.k, ++seed);
+    skipped += check_route<T>(routing::topk_softmax{}, ex, s.N, s.E, s.k, ++seed);
+    const auto bias = ref::from_double<float>(ref::random_normal(1, s.E, ++seed, 0.05));
+    for (bool norm : {true, false}) {
+      routing::sigmoid_bias p;
+      p.normalize = norm;
+      p.scaling = norm ? 2.5f : 1.0f;
+      skipped += check_route<T>(p, ex, s.N, s.E, s.k, ++seed);
+      p.bias = bias.data();
+      skipped += check_route<T>(p, ex, s.N, s.E, s.k, ++seed);
+      // Group-limited: every (n_group, topk_group) that divides E and leaves room for k.
+      for (int ng : {2, 4, 8}) {
+        if (s.E % ng != 0) continue;
+        for (int tg : {1, 2, ng / 2 + 1, ng}) {
+          if (tg > ng || s.k > tg * (s.E / ng)) continue;
+          p.n_group = ng;
+          p.topk_group = tg;
+          CAPTURE(ng);
+          CAPTURE(tg);
+          skipped += check_route<T>(p, ex, s.N, s.E, s.k, ++seed);
+        }
+      }
+    }
+    tokens += 12 * s.N;
+  }
+  MESSAGE("near-tie tokens not compared: " << skipped << " of ~" << tokens);
+  CHECK(skipped * 50 < tokens);
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("route matches the float64 reference", T, float, double, epx::bf16, epx::fp16) {
+  SUBCASE("serial") { check_all_policies<T>(epx::exec::serial{}); }
+  SUBCASE("openmp") { check_all_policies<T>(epx::exec::openmp{2}); }
+}
+
+TEST_CASE("route: serial and openmp agree bitwise") {
+  const std::size_t N = 301;
+  const int E = 64, k = 8;
+  const auto l = ref::from_double<float>(ref::random_logits(N, E, 17));
+  const auto bias = ref::from_double<float>(ref::random_normal(1, E, 18, 0.05));
+  routing::sigmoid_bias p{bias.data(), 8, 3, 2.5f, true};
+  const auto a = run_route(p, epx::exec::serial{}, l, N, E, k);
+  const auto b = run_route(p, epx::exec::openmp{2}, l, N, E, k);
+  CHECK(a.ids == b.ids);
+  CHECK(std::memcmp(a.weights.data(), b.weights.data(), a.weights.size() * sizeof(float)) == 0);
+  const auto gw = ref::from_double<float>(ref::random_normal(N, k, 19));
+  const auto ga = run_backward(p, epx::exec::serial{}, l, N, E, k, a.ids, gw);
+  const auto gb = run_backward(p, epx::exec::openmp{2}, l, N, E, k, a.ids, gw);
+  CHECK(std::memcmp(ga.data(), gb.data(), ga.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("route: ties go to the lower expert id") {
+  const epx::exec::serial ex;
+  SUBCASE("all logits equal") {
+    const std::vector<float> l(3 * 10, 0.25f);
+    for (int k : {1, 3, 10}) {
+      const auto s = run_route(routing::softmax_topk{}, ex, l, 3, 10, k);
+      const auto t = run_route(routing::topk_softmax{}, ex, l, 3, 10, k);
+      const auto g = run_route(routing::sigmoid_bias{}, ex, l, 3, 10, k);
+      for (std::size_t t0 = 0; t0 < 3; ++t0)
+        for (int j = 0; j < k; ++j) {
+          CHECK(s.ids[t0 * k + j] == j);
+          CHECK(t.ids[t0 * k + j] == j);
+          CHECK(g.ids[t0 * k + j] == j);
+          CHECK(s.weights[t0 * k + j] == doctest::Approx(0.1f));
+          CHECK(t.weights[t0 * k + j] == doctest::Approx(1.0 / k));
+          CHECK(g.weights[t0 * k + j] == doctest::Approx(1.0 / k));
+        }
+    }
+  }
+  SUBCASE("repeated values, slots ordered by score then id") {
+    const std::vector<epx::bf16> l = ref::from_double<epx::bf16>({1.0, 3.0, -2.0, 3.0, 0.5, 3.0, 1.0});
+    const auto r = run_route(routing::topk_softmax{}, ex, l, 1, 7, 5);
+    CHECK(r.ids == std::vector<std::int32_t>{1, 3, 5, 0, 6});
+    CHECK(r.weights[0] == r.weights[1]);
+    CHECK(r.weights[3] == r.weights[4]);
+  }
+  SUBCASE("bias ties") {
+    // s + bias equal for experts 2 and 5 (same logit, same bias): lower id first.
+    const std::vector<float> l = {0.0f, 0.0f, 1.0f, 0.0f, 0.0f, 1.0f};
+    const std::vector<float> bias = {0.5f, 0.0f, 0.25f, 0.0f, 0.0f, 0.25f};
+    routing::sigmoid_bias p;
+    p.bias = bias.data();
+    const auto r = run_route(p, ex, l, 1, 6, 3);
+    CHECK(r.ids == std::vector<std::int32_t>{0, 2, 5});  // s(0) + 0.5 = 1 beats s(1) + 0.25
+  }
+  SUBCASE("group ties keep the lower group") {
+    const std::vector<float> l = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+    routing::sigmoid_bias p;
+    p.n_group = 4;
+    p.topk_group = 2;
+    const auto r = run_route(p, ex, l, 1, 8, 4);
+    CHECK(r.ids == std::vector<std::int32_t>{0, 1, 2, 3});
+  }
+}
+
+TEST_CASE("route: sigmoid_bias group-limited selection by hand") {
+  const epx::exec::serial ex;
+  // 4 groups of 2. Expert 7 is the single best, but its partner is poor, so group 3
+  // (score s7 + s6) loses to groups 0 and 1 (two good members each).
+  const std::vector<float> l = {2.0f, 2.0f, 1.9f, 1.9f, -5.0f, -5.0f, -5.0f, 4.0f};
+  routing::sigmoid_bias p;
+  p.n_group = 4;
+  p.topk_group = 2;
+  auto r = run_route(p, ex, l, 1, 8, 2);
+  CHECK(r.ids == std::vector<std::int32_t>{0, 1});
+  CHECK(r.weights[0] == doctest::Approx(0.5));
+  p.topk_group = 3;  // third group: 3 (s7 + s6 > 2*sigmoid(-5))
+  r = run_route(p, ex, l, 1, 8, 3);
+  CHECK(r.ids == std::vector<std::int32_t>{7, 0, 1});
+  p.n_group = 1;
+  p.topk_group = 1;
+  r = run_route(p, ex, l, 1, 8, 2);
+  CHECK(r.ids == std::vector<std::int32_t>{7, 0});
+  // The bias changes selection, not the weights.
+  const std::vector<float> bias = {0, 0, 0, 1.0f, 0, 0, 0, 0};
+  p.bias = bias.data();
+  p.normalize = false;
+  p.scaling = 2.0f;
+  r = run_route(p, ex, l, 1, 8, 2);
+  CHECK(r.ids == std::vector<std::int32_t>{3, 7});
+  CHECK(r.weights[0] == doctest::Approx(2.0 * ref::sigmoid(1.9)).epsilon(1e-6));
+  CHECK(r.weights[1] == doctest::Approx(2.0 * ref::sigmoid(4.0)).epsilon(1e-6));
+}
+
+// ---- backward ------------------------------------------------------------------------------
+
+namespace {
+
+template <class T, class Policy>
+void check_backward(const Policy& p, std::size_t N, int E, int k, std::uint64_t seed, bool finite_differences) {
+  const epx::exec::openmp ex{2};
+  const auto ld = ref::round_through<T>(ref::random_logits(N, E, seed));
+  const auto lt = ref::from_double<T>(ld);
+  const auto fwd = run_route(p, ex, lt, N, E, k);
+  const auto gwd = ref::round_through<float>(ref::random_normal(N, k, seed + 1));
+  const auto gw = ref::from_double<float>(gwd);
+  const auto got = run_backward(p, ex, lt, N, E, k, fwd.ids, gw);
+  // Analytic float64 reference with the same ids.
+  const auto want = ref_backward(p, ld, N, E, k, fwd.ids, gwd);
+  ref::check_close(got, want, 2e-6, 2e-5, "grad_logits vs analytic reference");
+  if (!finite_differences) return;
+  // Finite differences of the float64 reference forward, on tokens whose selection is
+  // stable under the step.
+  const auto r0 = ref_route(p, ld, N, E, k);
+  const auto fd = ref::finite_difference(
+      [&](const std::vector<double>& l) {
+        const auto r = ref_route(p, l, N, E, k);
+        double s = 0;
+        for (std::size_t i = 0; i < r.weights.size(); ++i) s += r.weights[i] * gwd[i];
+        return s;
+      },
+      ld, 1e-6);
+  std::vector<float> got_stable;
+  std::vector<double> fd_stable;
+  for (std::size_t t = 0; t < N; ++t) {
+    if (r0.margin[t] < 1e-3) continue;
+    for (int e = 0; e < E; ++e) {
+      got_stable.push_back(got[t * E + e]);
+      fd_stable.push_back(fd[t * E + e]);
+    }
+  }
+  CHECK(fd_stable.size() >= N * E / 2);
+  ref::check_close(got_stable, fd_stable, 1e-5, 1e-4, "grad_logits vs finite differences");
+}
+
+template <class T>
+void check_backward_all(bool fd) {
+  std::uint64_t seed = 5000;
+  const std::vector<shape> bshapes = fd ? std::vector<shape>{{6, 4, 1}, {6, 8, 2}, {5, 16, 4}, {3, 12, 12}}
+                                        : std::vector<shape>{{1, 1, 1}, {40, 64, 8}, {17, 40, 32}, {64, 16, 2}};
+  for (const auto& s : bshapes) {
+    CAPTURE(s.N);
+    CAPTURE(s.E);
+    CAPTURE(s.k);
+    for (bool renorm : {false, true}) check_backward<T>(routing::softmax_topk{renorm}, s.N, s.E, s.k, ++seed, fd);
+    check_backward<T>(routing::topk_softmax{}, s.N, s.E, s.k, ++seed, fd);
+    const auto bias = ref::from_double<float>(ref::random_normal(1, s.E, ++seed, 0.05));
+    for (bool norm : {true, false}) {
+      routing::sigmoid_bias p{bias.data(), 1, 1, norm ? 2.5f : 0.75f, norm};
+      check_backward<T>(p, s.N, s.E, s.k, ++seed, fd);
+      if (s.E % 4 == 0 && s.k <= 2 * (s.E / 4)) {
+        p.n_group = 4;
+        p.topk_group = 2;
+        check_backward<T>(p, s.N, s.E, s.k, ++seed, fd);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("route_backward matches the analytic float64 reference", T, float, double, epx::bf16,
+                   epx::fp16) {
+  check_backward_all<T>(false);
+}
+
+TEST_CASE_TEMPLATE("route_backward matches finite differences of the float64 reference", T, float, double) {
+  check_backward_all<T>(true);
+}
+
+TEST_CASE("route_backward: unselected experts get zero gradient except through the full softmax") {
+  const epx::exec::serial ex;
+  const std::size_t N = 4;
+  const int E = 8, k = 2;
+  const auto l = ref::from_double<float>(ref::random_logits(N, E, 3));
+  const std::vector<float> gw(N * k, 1.0f);
+  for (int which = 0; which < 3; ++which) {
+    CAPTURE(which);
+    std::vector<float> gl;
+    lib_routing r;
+    if (which == 0) {
+      r = run_route(routing::topk_softmax{}, ex, l, N, E, k);
+      gl = run_backward(routing::topk_softmax{}, ex, l, N, E, k, r.ids, gw);
+    } else if (which == 1) {
+      r = run_route(routing::sigmoid_bias{}, ex, l, N, E, k);
+      gl = run_backward(routing::sigmoid_bias{}, ex, l, N, E, k, r.ids, gw);
+    } else {
+      r = run_route(routing::softmax_topk{true}, ex, l, N, E, k);
+      gl = run_backward(routing::softmax_topk{true}, ex, l, N, E, k, r.ids, gw);
+    }
+    for (std::size_t t = 0; t < N; ++t)
+      for (int e = 0; e < E; ++e) {
+        const bool sel = r.ids[t * k] == e || r.ids[t * k + 1] == e;
+        if (!sel) CHECK(gl[t * E + e] == 0.0f);
+      }
+  }
+  // softmax_topk without renormalisation: d(sum of selected p)/dl is nonzero everywhere.
+  const auto r = run_route(routing::softmax_topk{}, ex, l, N, E, k);
+  const auto gl = run_backward(routing::softmax_topk{}, ex, l, N, E, k, r.ids, gw);
+  for (std::size_t t = 0; t < N; ++t) {
+    double row = 0;
+    for (int e = 0; e < E; ++e) {
+      CHECK(gl[t * E + e] != 0.0f);
+      row += gl[t * E + e];
+    }
+    CHECK(std::abs(row) < 1e-6);  // softmax gradients sum to zero over the row
+  }
+}
+
+// ---- bad input -----------------------------------------------------------------------------
+
+namespace {
+
+template <class F>
+std::string error_of(F&& f, epx::errc want) {
+  try {
+    f();
+  } catch (const epx::error& e) {
+    CHECK(e.category() == want);
+    return e.message();
+  }
+  FAIL_CHECK("no epx::error was raised");
+  return "";
+}
+
+bool has(const std::string& s, const std::string& part) {
+  const bool ok = s.find(part) != std::string::npos;
+  if (!ok) MESSAGE("message '" << s << "' lacks '" << part << "'");
+  return ok;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("route: non-finite logits name the token, expert and value", T, float, double, epx::bf16,
+                   epx::fp16) {
+  const std::size_t N = 6;
+  const int E = 8, k = 2;
+  for (int exi = 0; exi < 2; ++exi) {
+    auto ld = ref::random_logits(N, E, 9);
+    ld[3 * E + 5] = std::numeric_limits<double>::quiet_NaN();
+    ld[4 * E + 1] = std::numeric_limits<double>::infinity();  // a later token: not the first
+    const auto l = ref::from_double<T>(ld);
+    std::vector<std::int32_t> ids(N * k);
+    std::vector<float> w(N * k);
+    const auto call = [&](const auto& policy) {
+      if (exi == 0)
+        routing::route(policy, epx::exec::serial{}, l.data(), N, E, k, ids.data(), w.data());
+      else
+        routing::route(policy, epx::exec::openmp{2}, l.data(), N, E, k, ids.data(), w.data());
+    };
+    for (int pi = 0; pi < 3; ++pi) {
+      std::string m;
+      if (pi == 0) m = error_of([&] { call(routing::softmax_topk{}); }, epx::errc::input);
+      if (pi == 1) m = error_of([&] { call(routing::topk_softmax{}); }, epx::errc::input);
+      if (pi == 2) m = error_of([&] { call(routing::sigmoid_bias{}); }, epx::errc::input);
+      CHECK(has(m, "token 3"));
+      CHECK(has(m, "expert 5"));
+      CHECK(has(m, "nan"));
+    }
+    ld[3 * E + 5] = 0.0;
+    ld[4 * E + 1] = -std::numeric_limits<double>::infinity();
+    const auto l2 = ref::from_double<T>(ld);
+    const auto m = error_of(
+        [&] { routing::route(routing::topk_softmax{}, epx::exec::serial{}, l2.data(), N, E, k, ids.data(), w.data()); },
+        epx::errc::input);
+    CHECK(has(m, "token 4"));
+    CHECK(has(m, "expert 1"));
+    CHECK(has(m, "-inf"));
+  }
+}
+
+TEST_CASE("route: double logits beyond float32 range are reported") {
+  std::vector<double> l = {0.0, 1e300, 0.5};
+  std::vector<std::int32_t> ids(1);
+  std::vector<float> w(1);
+  const auto m = error_of(
+      [&] { routing::route(routing::topk_softmax{}, epx::exec::serial{}, l.data(), 1, 3, 1, ids.data(), w.data()); },
+      epx::errc::input);
+  CHECK(has(m, "token 0"));
+  CHECK(has(m, "expert 1"));
+  CHECK(has(m, "1e+300"));
+}
+
+TEST_CASE("route: bad k, E and group parameters") {
+  const epx::exec::serial ex;
+  const std::vector<float> l(4 * 40, 0.0f);
+  std::vector<std::int32_t> ids(4 * 40);
+  std::vector<float> w(4 * 40);
+  const auto call = [&](const auto& p, int E, int k) {
+    routing::route(p, ex, l.data(), 4, E, k, ids.data(), w.data());
+  };
+  auto m = error_of([&] { call(routing::softmax_topk{}, 8, 0); }, epx::errc::input);
+  CHECK(has(m, "top_k (0)"));
+  m = error_of([&] { call(routing::topk_softmax{}, 8, 9); }, epx::errc::input);
+  CHECK(has(m, "top_k (9)"));
+  CHECK(has(m, "E = 8"));
+  m = error_of([&] { call(routing::topk_softmax{}, 40, 33); }, epx::errc::input);
+  CHECK(has(m, "max_top_k (32)"));
+  m = error_of([&] { call(routing::topk_softmax{}, 0, 1); }, epx::errc::input);
+  CHECK(has(m, "E (0)"));
+  m = error_of([&] { call(routing::sigmoid_bias{nullptr, 3, 1}, 8, 2); }, epx::errc::configuration);
+  CHECK(has(m, "E (8) is not divisible by n_group (3)"));
+  m = error_of([&] { call(routing::sigmoid_bias{nullptr, 4, 0}, 8, 2); }, epx::errc::configuration);
+  CHECK(has(m, "topk_group (0)"));
+  m = error_of([&] { call(routing::sigmoid_bias{nullptr, 4, 5}, 8, 2); }, epx::errc::configuration);
+  CHECK(has(m, "topk_group (5)"));
+  m = error_of([&] { call(routing::sigmoid_bias{nullptr, 4, 1}, 8, 3); }, epx::errc::configuration);
+  CHECK(has(m, "top_k (3)"));
+  CHECK(has(m, "= 2"));
+  m = error_of([&] { call(routing::sigmoid_bias{nullptr, 0, 1}, 8, 2); }, epx::errc::configuration);
+  CHECK(has(m, "n_group (0)"));
+  m = error_of([&] { call(routing::sigmoid_bias{nullptr, 80, 1}, 160, 1); }, epx::errc::configuration);
+  CHECK(has(m, "max_groups"));
+  m = error_of([&] { call(routing::sigmoid_bias{nullptr, 1, 1, std::nanf("")}, 8, 2); }, epx::errc::configuration);
+  CHECK(has(m, "scaling"));
+  std::vector<float> bias(8, 0.0f);
+  bias[6] = std::numeric_limits<float>::infinity();
+  m = error_of([&] { call(routing::sigmoid_bias{bias.data()}, 8, 2); }, epx::errc::input);
+  CHECK(has(m, "bias of expert 6"));
+  // Span shapes.
+  m = error_of(
+      [&] {
+        routing::route(routing::topk_softmax{}, ex, epx::span<const float>(l.data(), 10), 4, 1, epx::make_span(ids),
+                       epx::make_span(w));
+      },
+      epx::errc::input);
+  CHECK(has(m, "not a multiple of E (4)"));
+  m = error_of(
+      [&] {
+        routing::route(routing::topk_softmax{}, ex, epx::span<const float>(l.data(), 16), 4, 2,
+                       epx::span<std::int32_t>(ids.data(), 8), epx::span<float>(w.data(), 7));
+      },
+      epx::errc::input);
+  CHECK(has(m, "weights (7)"));
+  // Zero tokens: nothing to do, but the parameters are still validated.
+  routing::route(routing::topk_softmax{}, ex, static_cast<const float*>(nullptr), 0, 8, 2, nullptr, nullptr);
+  CHECK_THROWS_AS(routing::route(routing::topk_softmax{}, ex, static_cast<const float*>(nullptr), 0, 8, 9, nullptr,
+                                 nullptr),
+                  epx::error);
+}
+
+TEST_CASE("route_backward: bad ids, gradients and shapes") {
+  const epx::exec::serial ex;
+  const std::size_t N = 5;
+  const int E = 6, k = 2;
+  const auto l = ref::from_double<float>(ref::random_logits(N, E, 4));
+  auto r = run_route(routing::topk_softmax{}, ex, l, N, E, k);
+  std::vector<float> gw(N * k, 0.5f);
+  std::vector<float> gl(N * E);
+  const auto call = [&](const auto& p) {
+    routing::route_backward(p, ex, l.data(), N, E, k, r.ids.data(), nullptr, gw.data(), gl.data());
+  };
+  r.ids[2 * k + 1] = 6;
+  auto m = error_of([&] { call(routing::topk_softmax{}); }, epx::errc::input);
+  CHECK(has(m, "token 2, slot 1 (6)"));
+  r.ids[2 * k + 1] = -1;
+  m = error_of([&] { call(routing::softmax_topk{true}); }, epx::errc::input);
+  CHECK(has(m, "(-1)"));
+  r.ids[2 * k + 1] = 0;
+  gw[3 * k] = std::nanf("");
+  m = error_of([&] { call(routing::sigmoid_bias{}); }, epx::errc::input);
+  CHECK(has(m, "grad_weights of token 3, slot 0"));
+  gw[3 * k] = 0.0f;
+  auto lbad = l;
+  lbad[E + 2] = std::numeric_limits<float>::infinity();
+  m = error_of(
+      [&] {
+        routing::route_backward(routing::topk_softmax{}, ex, lbad.data(), N, E, k, r.ids.data(), nullptr, gw.data(),
+                                gl.data());
+      },
+      epx::errc::input);
+  CHECK(has(m, "token 1, expert 2"));
+  m = error_of(
+      [&] {
+        routing::route_backward(routing::topk_softmax{}, ex, epx::span<const float>(l.data(), l.size()), E, k,
+                                epx::make_span(r.ids), epx::span<const float>(), epx::make_span(gw),
+                                epx::span<float>(gl.data(), 7));
+      },
+      epx::errc::input);
+  CHECK(has(m, "grad_logits (7)"));
+  m = error_of([&] { routing::route_backward(routing::topk_softmax{}, ex, l.data(), N, E, 7, r.ids.data(), nullptr,
+                                             gw.data(), gl.data()); },
+               epx::errc::input);
+  CHECK(has(m, "top_k (7)"));
+}
