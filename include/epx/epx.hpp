@@ -14,3 +14,4 @@
 #include "epx/comm/collectives.hpp"
 #include "epx/comm/threads.hpp"
 #include "epx/exec/host.hpp"
+#include "epx/routing/routing.hpp"
