@@ -1,0 +1,125 @@
+// epx/dispatch/detail/exchange.hpp: the count exchange and group-wide input checks.
+//
+// Every rank of the EP group contributes one int64 record
+//   [status, N, H, k, world rank, counts[0..ncounts)]
+// and all_gathers them. status != 0 means the rank found bad input (shapes, expert ids,
+// non-finite weights). H and k must agree across the group, N within each TP group (tp
+// consecutive ep ranks). If anything is wrong every rank sees it in the same records, so
+// every rank raises epx::error(errc::input) naming the offending ranks and values before
+// any row moves, and nobody hangs. Only on that error path a second all_gather carries
+// each failing rank's own message (fixed 256 bytes).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "epx/comm/collectives.hpp"
+#include "epx/core/error.hpp"
+#include "epx/exec/host.hpp"
+#include "epx/layout/detail/host_copy.hpp"
+
+namespace epx::detail {
+
+inline constexpr std::size_t record_header = 5;
+inline constexpr std::size_t message_bytes = 256;
+
+// The gathered records of a group: [size][record_header + ncounts].
+struct group_records {
+  std::vector<std::int64_t> data;
+  std::size_t stride = record_header;
+  int size = 0;
+
+  std::int64_t status(int r) const { return data[static_cast<std::size_t>(r) * stride + 0]; }
+  std::int64_t rows(int r) const { return data[static_cast<std::size_t>(r) * stride + 1]; }
+  std::int64_t hidden(int r) const { return data[static_cast<std::size_t>(r) * stride + 2]; }
+  std::int64_t top_k(int r) const { return data[static_cast<std::size_t>(r) * stride + 3]; }
+  std::int64_t world_rank(int r) const { return data[static_cast<std::size_t>(r) * stride + 4]; }
+  const std::int64_t* counts(int r) const { return data.data() + static_cast<std::size_t>(r) * stride + record_header; }
+};
+
+// Collective over `comm`. `counts` (host memory, ncounts entries) may be null when
+// ncounts == 0. `what` names the call in messages; `tp` is the TP group size inside comm
+// (N must agree within each run of tp consecutive ranks; pass comm.size() when every rank
+// must hold the same N).
+template <class Comm, class Exec>
+group_records exchange_records(Comm& comm, const Exec& ex, std::int64_t status, std::size_t N, std::size_t H, int k,
+                               int world_rank, const std::int64_t* counts, std::size_t ncounts,
+                               const std::string& message, const char* what, int tp) {
+  group_records g;
+  g.size = comm.size();
+  g.stride = record_header + ncounts;
+  std::vector<std::int64_t> mine(g.stride, 0);
+  mine[0] = status;
+  mine[1] = static_cast<std::int64_t>(N);
+  mine[2] = static_cast<std::int64_t>(H);
+  mine[3] = k;
+  mine[4] = world_rank;
+  if (ncounts) std::memcpy(mine.data() + record_header, counts, ncounts * sizeof(std::int64_t));
+  const std::size_t total = g.stride * static_cast<std::size_t>(g.size);
+  g.data.assign(total, 0);
+  {
+    auto send = exec::make_buffer<std::int64_t>(ex, g.stride);
+    auto recv = exec::make_buffer<std::int64_t>(ex, total);
+    detail::from_host(ex, mine.data(), g.stride, send.data());
+    all_gather(comm, span<const std::int64_t>(send.data(), g.stride), span<std::int64_t>(recv.data(), total));
+    detail::to_host(ex, recv.data(), total, g.data.data());
+  }
+
+  std::string why;
+  bool failed = false;
+  for (int r = 0; r < g.size; ++r) failed = failed || g.status(r) != 0;
+  const int group_tp = std::max(1, tp);
+  for (int r = 0; r < g.size; ++r) {
+    if (g.status(r) != 0) continue;
+    // Compare with the first rank whose own input was fine.
+    int ref = -1;
+    for (int s = 0; s < g.size; ++s)
+      if (g.status(s) == 0) { ref = s; break; }
+    const int tp_first = (r / group_tp) * group_tp;
+    int tref = -1;
+    for (int s = tp_first; s < std::min(g.size, tp_first + group_tp); ++s)
+      if (g.status(s) == 0) { tref = s; break; }
+    if (g.hidden(r) != g.hidden(ref)) {
+      why += concat("; rank ", g.world_rank(r), " has hidden size H=", g.hidden(r), " but rank ", g.world_rank(ref),
+                    " has H=", g.hidden(ref));
+      failed = true;
+    }
+    if (g.top_k(r) != g.top_k(ref)) {
+      why += concat("; rank ", g.world_rank(r), " has top_k=", g.top_k(r), " but rank ", g.world_rank(ref),
+                    " has top_k=", g.top_k(ref));
+      failed = true;
+    }
+    if (g.rows(r) != g.rows(tref)) {
+      why += concat("; rank ", g.world_rank(r), " has N=", g.rows(r), " rows but rank ", g.world_rank(tref),
+                    " of the same tensor-parallel group has N=", g.rows(tref));
+      failed = true;
+    }
+  }
+  if (!failed) return g;
+
+  // Error path: every rank gets there from the same records, so this all_gather matches.
+  std::vector<char> msg(message_bytes, '\0');
+  std::memcpy(msg.data(), message.data(), std::min(message.size(), message_bytes - 1));
+  std::vector<char> all(message_bytes * static_cast<std::size_t>(g.size), '\0');
+  {
+    auto send = exec::make_buffer<char>(ex, message_bytes);
+    auto recv = exec::make_buffer<char>(ex, all.size());
+    detail::from_host(ex, msg.data(), message_bytes, send.data());
+    all_gather(comm, span<const char>(send.data(), message_bytes), span<char>(recv.data(), all.size()));
+    detail::to_host(ex, recv.data(), all.size(), all.data());
+  }
+  std::string full = concat(what, ": bad input in the expert-parallel group");
+  for (int r = 0; r < g.size; ++r) {
+    if (g.status(r) == 0) continue;
+    const char* m = all.data() + static_cast<std::size_t>(r) * message_bytes;
+    full += concat("; rank ", g.world_rank(r), ": ", std::string(m, std::find(m, m + message_bytes, '\0')));
+  }
+  full += why;
+  throw error(errc::input, full, EPX_HERE);
+}
+
+}  // namespace epx::detail

@@ -1,0 +1,144 @@
+// epx/dispatch/implementation.hpp: the implementation concept of a MoE layer.
+//
+// An implementation moves rows between the ranks of an EP group and runs the user's
+// experts. epx ships impl::all_to_all (token dispatch), impl::all_reduce (masked path,
+// ep == tp) and impl::automatic. The set is open: any class with this shape plugs into
+// epx::moe_layer<Comm, T, Impl, Exec>:
+//
+//   struct my_impl {
+//     explicit my_impl(const epx::layer_context<Comm>& ctx);   // collective-free; may validate
+//     static constexpr const char* name = "my_impl";            // optional, shown in stats
+//     template <class T, class Exec, class Experts>
+//     void forward(const Exec&, const epx::forward_args<T>& a, Experts& experts,
+//                  epx::saved_state<T>* saved);                 // null for inference
+//     template <class T, class Exec, class Experts>
+//     void backward(const Exec&, const epx::backward_args<T>& a, Experts& experts,
+//                   epx::saved_state<T>& saved);
+//   };
+//
+// forward must write all of a.out ([N, H]); backward all of a.grad_x ([N, H]) and
+// a.grad_weights ([N, k]). Whatever backward needs is stored in the saved state with
+// `saved->emplace<my_state>(...)` and read back with `saved.get<my_state>()`. The
+// context gives the mesh, the ep and tp communicators of this rank (made once by the
+// layer), the padding policy and the stats object to fill.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+#include <utility>
+
+#include "epx/core/error.hpp"
+#include "epx/layer/options.hpp"
+#include "epx/layer/stats.hpp"
+#include "epx/mesh/mesh.hpp"
+
+namespace epx {
+
+template <class Comm>
+struct layer_context {
+  const mesh* topology = nullptr;
+  int rank = 0;               // in the world communicator
+  Comm* ep = nullptr;         // this rank's EP group
+  Comm* tp = nullptr;         // this rank's TP group
+  layer_options options = {};
+  layer_stats* stats = nullptr;
+
+  int ep_size() const noexcept { return topology->ep(); }
+  int tp_size() const noexcept { return topology->tp(); }
+  int ep_rank() const { return topology->ep_rank(rank); }
+  int tp_rank() const { return topology->coords(rank).tp; }
+  int num_experts() const noexcept { return topology->experts(); }
+  int local_experts() const noexcept { return topology->local_experts(); }
+  int first_expert() const { return topology->expert_begin(rank); }
+};
+
+// One forward call. Pointers are in the execution policy's memory space.
+template <class T>
+struct forward_args {
+  const T* x = nullptr;               // [N, H]
+  const std::int32_t* ids = nullptr;  // [N, k] global expert ids
+  const float* weights = nullptr;     // [N, k] routing weights
+  T* out = nullptr;                   // [N, H]
+  std::size_t rows = 0;               // N
+  std::size_t hidden = 0;             // H
+  int top_k = 0;                      // k
+  int status = 0;                     // non-zero: this rank's shapes failed local checks
+  const char* status_message = "";    // why (shown on every rank of the group)
+};
+
+template <class T>
+struct backward_args {
+  const T* grad_out = nullptr;        // [N, H]
+  T* grad_x = nullptr;                // [N, H]
+  float* grad_weights = nullptr;      // [N, k]
+  std::size_t rows = 0;
+  std::size_t hidden = 0;
+  int top_k = 0;
+  int status = 0;
+  const char* status_message = "";
+};
+
+// What a training forward keeps for backward: an opaque, move-only handle. Empty after an
+// inference call, after backward consumed it, or when default-constructed.
+template <class T>
+class saved_state {
+ public:
+  saved_state() = default;
+  saved_state(saved_state&&) noexcept = default;
+  saved_state& operator=(saved_state&&) noexcept = default;
+  saved_state(const saved_state&) = delete;
+  saved_state& operator=(const saved_state&) = delete;
+
+  bool empty() const noexcept { return state_ == nullptr; }
+  explicit operator bool() const noexcept { return !empty(); }
+
+  // For implementations: store / read their own state type.
+  template <class S, class... Args>
+  S& emplace(Args&&... args) {
+    auto* s = new S(std::forward<Args>(args)...);
+    state_ = holder(s, [](void* p) noexcept { delete static_cast<S*>(p); });
+    type_ = type_id<S>();
+    return *s;
+  }
+  template <class S>
+  bool holds() const noexcept {
+    return state_ != nullptr && type_ == type_id<S>();
+  }
+  template <class S>
+  S& get() {
+    EPX_REQUIRE(!empty(), errc::input,
+                "backward needs the saved state of a training forward (this one is empty: an inference "
+                "call, already consumed by backward, or default-constructed)");
+    EPX_REQUIRE(holds<S>(), errc::input, "the saved state was made by a different implementation");
+    return *static_cast<S*>(state_.get());
+  }
+  void reset() noexcept {
+    state_.reset();
+    type_ = nullptr;
+  }
+
+ private:
+  using holder = std::unique_ptr<void, void (*)(void*) noexcept>;
+  template <class S>
+  static const void* type_id() noexcept {
+    static const char id = 0;
+    return &id;
+  }
+  holder state_{nullptr, [](void*) noexcept {}};
+  const void* type_ = nullptr;
+};
+
+namespace detail {
+template <class I, class = void>
+struct impl_name {
+  static constexpr const char* value = "user";
+};
+template <class I>
+struct impl_name<I, std::void_t<decltype(I::name)>> {
+  static constexpr const char* value = I::name;
+};
+}  // namespace detail
+
+}  // namespace epx

@@ -1,0 +1,179 @@
+// epx/layer/moe_layer.hpp: the expert-parallel MoE layer a user instantiates.
+//
+//   epx::moe_layer<Comm, T, Impl, Exec> layer(mesh, world, {.hidden = H, .top_k = k});
+//   auto saved = layer.forward(x, ids, weights, out, experts, epx::mode::train);
+//   layer.backward(std::move(saved), grad_out, grad_x, grad_weights, experts);
+//   layer.stats();   // load of the last call
+//
+// Comm: a communicator (threads, MPI, NCCL). T: float, double, bf16 or fp16 activations.
+// Impl: impl::all_to_all (default), impl::all_reduce (ep == tp), impl::automatic, or a
+// user type meeting the concept of epx/dispatch/implementation.hpp. Exec: an execution
+// policy (exec::serial, exec::openmp, exec::cuda).
+//
+// Construction is collective over `world` (it makes the ep and tp sub-communicators once).
+// Every call is collective over the EP group. Bad input on any rank (shapes, expert ids,
+// non-finite weights) raises epx::error(errc::input) on every rank of the EP group before
+// any row moves.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "epx/comm/collectives.hpp"
+#include "epx/comm/communicator.hpp"
+#include "epx/core/error.hpp"
+#include "epx/core/numeric.hpp"
+#include "epx/core/span.hpp"
+#include "epx/dispatch/all_reduce.hpp"
+#include "epx/dispatch/all_to_all.hpp"
+#include "epx/dispatch/implementation.hpp"
+#include "epx/exec/host.hpp"
+#include "epx/layer/experts.hpp"
+#include "epx/layer/options.hpp"
+#include "epx/layer/stats.hpp"
+#include "epx/mesh/mesh.hpp"
+
+namespace epx {
+namespace detail {
+template <class Impl, class Comm, class = void>
+struct bind_impl {
+  using type = Impl;  // a user implementation written for one communicator type
+};
+template <class Impl, class Comm>
+struct bind_impl<Impl, Comm, std::void_t<typename Impl::template with<Comm>>> {
+  using type = typename Impl::template with<Comm>;  // a tag with `template <class C> using with`
+};
+}  // namespace detail
+
+template <class Impl, class Comm>
+using impl_for_t = typename detail::bind_impl<Impl, Comm>::type;
+
+template <class Comm, class T, class Impl = impl::all_to_all, class Exec = exec::serial>
+class moe_layer {
+  static_assert(is_activation_type_v<T>, "epx::moe_layer: T must be float, double, epx::bf16 or epx::fp16");
+  static_assert(is_communicator_v<Comm>,
+                "epx::moe_layer: Comm must meet the communicator concept of epx/comm/communicator.hpp");
+
+ public:
+  using value_type = T;
+  using impl_type = impl_for_t<Impl, Comm>;
+  static_assert(std::is_constructible_v<impl_type, const layer_context<Comm>&>,
+                "epx::moe_layer: the implementation must be constructible from const epx::layer_context<Comm>& "
+                "(see epx/dispatch/implementation.hpp)");
+
+  // Collective over `world`. Validates the options against the mesh and the mesh against
+  // the communicator (errc::configuration).
+  moe_layer(const mesh& m, Comm& world, const layer_options& options, Exec policy = Exec{})
+      : mesh_(std::make_unique<mesh>(m)), exec_(policy), options_(validated(m, world, options)) {
+    ep_ = std::make_unique<Comm>(sub_communicator(world, m, group_kind::ep));
+    tp_ = std::make_unique<Comm>(sub_communicator(world, m, group_kind::tp));
+    stats_ = std::make_unique<layer_stats>();
+    layer_context<Comm> ctx;
+    ctx.topology = mesh_.get();
+    ctx.rank = world.rank();
+    ctx.ep = ep_.get();
+    ctx.tp = tp_.get();
+    ctx.options = options_;
+    ctx.stats = stats_.get();
+    impl_ = std::make_unique<impl_type>(ctx);
+  }
+
+  // x: [N, H]; ids, weights: [N, k]; out: [N, H] (fully written). Returns what backward
+  // needs for mode::train, an empty handle for mode::inference.
+  template <class Experts>
+  saved_state<T> forward(span<const T> x, span<const std::int32_t> ids, span<const float> weights, span<T> out,
+                         Experts& experts, mode m = mode::train) {
+    const std::size_t H = options_.hidden;
+    const auto k = static_cast<std::size_t>(options_.top_k);
+    forward_args<T> a;
+    a.x = x.data();
+    a.ids = ids.data();
+    a.weights = weights.data();
+    a.out = out.data();
+    a.rows = x.size() / H;
+    a.hidden = H;
+    a.top_k = options_.top_k;
+    std::string msg;
+    const std::size_t N = a.rows;
+    if (x.size() % H != 0)
+      msg = detail::concat("x has ", x.size(), " elements, not a multiple of the hidden size H=", H);
+    else if (ids.size() != N * k)
+      msg = detail::concat("expert ids have ", ids.size(), " elements but N*k = ", N, "*", k, " = ", N * k);
+    else if (weights.size() != N * k)
+      msg = detail::concat("routing weights have ", weights.size(), " elements but N*k = ", N, "*", k, " = ", N * k);
+    else if (out.size() != N * H)
+      msg = detail::concat("out has ", out.size(), " elements but N*H = ", N, "*", H, " = ", N * H);
+    if (!msg.empty()) a.status = 1;
+    a.status_message = msg.c_str();
+    saved_state<T> saved;
+    impl_->forward(exec_, a, experts, m == mode::train ? &saved : nullptr);
+    stats_->calls += 1;
+    if (stats_->path == nullptr || stats_->path[0] == '\0') stats_->path = detail::impl_name<impl_type>::value;
+    return saved;
+  }
+
+  // grad_out: [N, H]; grad_x: [N, H]; grad_weights: [N, k] (both fully written, per batch,
+  // unscaled). The user's experts accumulate their parameter gradients; reduce them with
+  // epx/grad/hooks.hpp. Consumes the saved state.
+  template <class Experts>
+  void backward(saved_state<T>&& saved, span<const T> grad_out, span<T> grad_x, span<float> grad_weights,
+                Experts& experts) {
+    saved_state<T> s = std::move(saved);
+    EPX_REQUIRE(!s.empty(), errc::input,
+                "backward needs the saved state of a training forward (this one is empty: an inference call, "
+                "already consumed, or default-constructed)");
+    const std::size_t H = options_.hidden;
+    const auto k = static_cast<std::size_t>(options_.top_k);
+    backward_args<T> a;
+    a.grad_out = grad_out.data();
+    a.grad_x = grad_x.data();
+    a.grad_weights = grad_weights.data();
+    a.rows = grad_out.size() / H;
+    a.hidden = H;
+    a.top_k = options_.top_k;
+    const std::size_t N = a.rows;
+    std::string msg;
+    if (grad_out.size() % H != 0)
+      msg = detail::concat("grad_out has ", grad_out.size(), " elements, not a multiple of the hidden size H=", H);
+    else if (grad_x.size() != N * H)
+      msg = detail::concat("grad_x has ", grad_x.size(), " elements but N*H = ", N, "*", H, " = ", N * H);
+    else if (grad_weights.size() != N * k)
+      msg = detail::concat("grad_weights have ", grad_weights.size(), " elements but N*k = ", N, "*", k, " = ", N * k);
+    if (!msg.empty()) a.status = 1;
+    a.status_message = msg.c_str();
+    impl_->backward(exec_, a, experts, s);
+  }
+
+  const layer_stats& stats() const noexcept { return *stats_; }
+  const mesh& topology() const noexcept { return *mesh_; }
+  const layer_options& options() const noexcept { return options_; }
+  const Exec& policy() const noexcept { return exec_; }
+  Comm& ep_communicator() noexcept { return *ep_; }
+  Comm& tp_communicator() noexcept { return *tp_; }
+
+ private:
+  static layer_options validated(const mesh& m, const Comm& world, const layer_options& o) {
+    m.validate_world(world.size());
+    m.validate_top_k(o.top_k);
+    EPX_REQUIRE(o.hidden >= 1, errc::configuration, "layer_options.hidden (", o.hidden, ") must be at least 1");
+    o.pad.validate();
+    EPX_REQUIRE(o.counts == count_exchange::host, errc::configuration,
+                "layer_options.counts: the device-side count exchange is not available yet; use count_exchange::host");
+    return o;
+  }
+
+  // Heap-held so that the layer can move while the implementation keeps pointers to them.
+  std::unique_ptr<mesh> mesh_;
+  Exec exec_;
+  layer_options options_;
+  std::unique_ptr<Comm> ep_;
+  std::unique_ptr<Comm> tp_;
+  std::unique_ptr<layer_stats> stats_;
+  std::unique_ptr<impl_type> impl_;
+};
+
+}  // namespace epx

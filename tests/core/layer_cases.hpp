@@ -1,0 +1,379 @@
+// tests/core/layer_cases.hpp: the MoE layer test bodies, templated over the communicator.
+//
+// Each function runs on ONE rank (a thread of epx::threads::run, or an MPI process) and
+// returns a text listing what failed on that rank (empty when everything matched), so the
+// caller checks it on its own thread: the threads tests gather one string per rank, the
+// MPI tests check their own. No doctest assertion is made inside a rank.
+//
+// Data: batch b (of B = dp_replicate * fsdp) is generated from (seed, b) on every rank, so
+// the ranks of a TP group hold the same rows and every rank can compute the float64
+// reference of every batch (for the expert gradients after the hook).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "epx/epx.hpp"
+#include "support/reference.hpp"
+
+namespace epx::test {
+
+enum class routing_kind { random, balanced, uneven, one_expert, first_rank_only };
+
+inline const char* to_string(routing_kind r) {
+  switch (r) {
+    case routing_kind::random: return "random";
+    case routing_kind::balanced: return "balanced";
+    case routing_kind::uneven: return "uneven";
+    case routing_kind::one_expert: return "one_expert";
+    case routing_kind::first_rank_only: return "first_rank_only";
+  }
+  return "?";
+}
+
+struct layer_case {
+  mesh_config topology;                 // tp, fsdp, ep, dp_replicate, experts
+  int top_k = 2;
+  int hidden = 8;
+  routing_kind routing = routing_kind::random;
+  std::function<std::size_t(int)> rows;  // rows of batch b; default 12
+  padding pad = {};
+  std::uint64_t seed = 1;
+  std::size_t chunks = 0;
+
+  std::size_t rows_of(int b) const { return rows ? rows(b) : 12; }
+  std::string describe() const {
+    return detail::concat("tp=", topology.tp, " fsdp=", topology.fsdp, " ep=", topology.ep, " dp_replicate=",
+                          topology.dp_replicate, " E=", topology.experts, " k=", top_k, " H=", hidden,
+                          " routing=", to_string(routing), " pad=", pad.rows_per_expert, "/", pad.align);
+  }
+};
+
+// The inputs of one batch, in float64 (rounded through T where the layer sees T).
+struct batch_data {
+  std::vector<double> x;         // [N, H], rounded through T
+  std::vector<std::int32_t> ids; // [N, k]
+  std::vector<double> w;         // [N, k], rounded through float
+  std::vector<double> grad_out;  // [N, H], rounded through T
+};
+
+template <class T>
+batch_data make_batch(const layer_case& c, int b) {
+  const std::size_t N = c.rows_of(b);
+  const int E = c.topology.experts, k = c.top_k, H = c.hidden;
+  const std::uint64_t s = c.seed * 1000003ull + static_cast<std::uint64_t>(b) * 7919ull;
+  batch_data d;
+  d.x = ref::round_through<T>(ref::random_x(N, H, s));
+  d.grad_out = ref::round_through<T>(ref::random_normal(N, static_cast<std::size_t>(H), s ^ 0x96ull));
+  d.w = ref::round_through<float>(ref::random_weights(N, k, s));
+  switch (c.routing) {
+    case routing_kind::random: d.ids = ref::random_routing(N, E, k, s); break;
+    case routing_kind::balanced:
+      d.ids = (N * static_cast<std::size_t>(k)) % static_cast<std::size_t>(E) == 0 ? ref::balanced_routing(N, E, k, s)
+                                                                                    : ref::random_routing(N, E, k, s);
+      break;
+    case routing_kind::uneven: d.ids = ref::uneven_routing(N, E, k, s); break;
+    case routing_kind::one_expert: d.ids = ref::one_expert_routing(N, E, k, static_cast<int>(s % static_cast<std::uint64_t>(E))); break;
+    case routing_kind::first_rank_only: {
+      auto allowed = ref::experts_of_ranks(E, c.topology.ep, {0});
+      while (static_cast<int>(allowed.size()) < k) allowed.push_back(static_cast<int>(allowed.size()));
+      d.ids = ref::subset_routing(N, k, allowed, s);
+      break;
+    }
+  }
+  return d;
+}
+
+template <class T>
+double atol_for() {
+  if constexpr (std::is_same_v<T, double>) return 1e-10;
+  else if constexpr (std::is_same_v<T, float>) return 2e-4;
+  else if constexpr (std::is_same_v<T, fp16>) return 2e-2;
+  else return 8e-2;
+}
+template <class T>
+double rtol_for() {
+  if constexpr (std::is_same_v<T, double>) return 1e-10;
+  else if constexpr (std::is_same_v<T, float>) return 2e-4;
+  else if constexpr (std::is_same_v<T, fp16>) return 1e-2;
+  else return 4e-2;
+}
+
+// What one layer run produced on a rank.
+template <class T>
+struct layer_outputs {
+  std::vector<T> out, grad_x;
+  std::vector<float> grad_w;
+  std::vector<double> expert_grads;  // [L, P] after the hook
+  layer_stats stats;
+};
+
+// Runs forward (train), backward and the expert hook on this rank's batch.
+template <class Comm, class T, class Impl, class Exec = exec::serial>
+layer_outputs<T> run_layer(Comm& world, const layer_case& c, const ref::linear_experts& global, Exec policy = {}) {
+  const mesh m(c.topology);
+  const int rank = world.rank(), b = m.batch(rank);
+  const batch_data d = make_batch<T>(c, b);
+  const std::size_t N = c.rows_of(b), H = static_cast<std::size_t>(c.hidden);
+  layer_options o;
+  o.hidden = H;
+  o.top_k = c.top_k;
+  o.pad = c.pad;
+  o.chunks = c.chunks;
+  moe_layer<Comm, T, Impl, Exec> layer(m, world, o, policy);
+  ref::test_linear_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
+  const auto x = ref::from_double<T>(d.x);
+  const auto go = ref::from_double<T>(d.grad_out);
+  std::vector<float> w(d.w.begin(), d.w.end());
+  layer_outputs<T> r;
+  r.out.assign(N * H, convert<T>(7.0f));  // garbage: the layer must write everything
+  r.grad_x.assign(N * H, convert<T>(7.0f));
+  r.grad_w.assign(N * static_cast<std::size_t>(c.top_k), 7.0f);
+  auto saved = layer.forward(span<const T>(x), span<const std::int32_t>(d.ids), span<const float>(w), span<T>(r.out),
+                             experts, mode::train);
+  r.stats = layer.stats();
+  layer.backward(std::move(saved), span<const T>(go), span<T>(r.grad_x), span<float>(r.grad_w), experts);
+  gradient_hooks<Comm> hooks(m, world);
+  r.expert_grads = experts.grads();
+  hooks.reduce_expert(span<double>(r.expert_grads));
+  return r;
+}
+
+inline void append(std::string& f, const ref::comparison& c) {
+  if (!c.ok) f += c.message + "\n";
+}
+
+// The float64 oracle for this rank: out, grad_x, grad_w of its batch; expert gradients of
+// its local experts after the hook; tokens per local expert over its EP group.
+struct rank_expectation {
+  std::vector<double> out, grad_x, grad_w, expert_grads;
+  std::vector<std::int64_t> tokens_per_local_expert;
+};
+
+template <class T>
+rank_expectation expect(const layer_case& c, const ref::linear_experts& global, int rank) {
+  const mesh m(c.topology);
+  rank_expectation e;
+  const int b = m.batch(rank);
+  std::vector<std::vector<double>> per_batch;
+  for (int bb = 0; bb < m.batches(); ++bb) {
+    const batch_data d = make_batch<T>(c, bb);
+    const auto g = ref::moe_backward(d.x, d.ids, d.w, d.grad_out, global);
+    per_batch.push_back(g.grad_params);
+    if (bb == b) {
+      e.out = ref::moe_forward(d.x, d.ids, d.w, global);
+      e.grad_x = g.grad_x;
+      e.grad_w = g.grad_w;
+    }
+  }
+  const int L = m.local_experts(), first = m.expert_begin(rank);
+  e.expert_grads = ref::expert_slice(ref::expected_expert_grads_after_hook(per_batch), global.params_per_expert(),
+                                     first, L);
+  // Batches of the EP group: one per TP group inside it.
+  std::set<int> group_batches;
+  for (int member : m.group_members(group_kind::ep, rank)) group_batches.insert(m.batch(member));
+  e.tokens_per_local_expert.assign(static_cast<std::size_t>(L), 0);
+  for (int bb : group_batches) {
+    const batch_data d = make_batch<T>(c, bb);
+    for (auto id : d.ids)
+      if (id >= first && id < first + L) ++e.tokens_per_local_expert[static_cast<std::size_t>(id - first)];
+  }
+  return e;
+}
+
+// Forward/backward/hook against the float64 reference. Returns failures ("" when fine).
+template <class Comm, class T, class Impl = impl::all_to_all>
+std::string check_layer_case(Comm& world, const layer_case& c) {
+  std::string f;
+  try {
+    const auto global = ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+    const auto r = run_layer<Comm, T, Impl>(world, c, global);
+    const auto e = expect<T>(c, global, world.rank());
+    const double at = atol_for<T>(), rt = rtol_for<T>();
+    const std::string where = detail::concat(c.describe(), " rank ", world.rank());
+    append(f, ref::compare(r.out, e.out, at, rt, where + " out"));
+    append(f, ref::compare(r.grad_x, e.grad_x, at, rt, where + " grad_x"));
+    // grad_weights are float32 whatever T is.
+    append(f, ref::compare(r.grad_w, e.grad_w, std::max(2 * at, 1e-5), std::max(rt, 1e-5), where + " grad_weights"));
+    append(f, ref::compare(r.expert_grads, e.expert_grads, 2 * at, rt, where + " expert grads after hook"));
+    if (std::string(r.stats.path) != "all_reduce") {
+      std::vector<double> got(r.stats.tokens_per_local_expert.begin(), r.stats.tokens_per_local_expert.end());
+      std::vector<double> want(e.tokens_per_local_expert.begin(), e.tokens_per_local_expert.end());
+      append(f, ref::compare(got, want, 0, 0, where + " stats.tokens_per_local_expert"));
+    }
+  } catch (const std::exception& ex) {
+    f += detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
+  }
+  return f;
+}
+
+template <class T>
+bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+
+// Two runs (and a run with another chunk count / execution policy) give bitwise equal
+// outputs and gradients.
+template <class Comm, class T, class Impl = impl::all_to_all, class Exec2 = exec::serial>
+std::string check_determinism(Comm& world, const layer_case& c, Exec2 other = {}) {
+  std::string f;
+  try {
+    const auto global = ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+    const auto a = run_layer<Comm, T, Impl>(world, c, global);
+    const auto b = run_layer<Comm, T, Impl>(world, c, global);
+    layer_case c3 = c;
+    c3.chunks = 3;
+    const auto d = run_layer<Comm, T, Impl, Exec2>(world, c3, global, other);
+    for (const auto* o : {&b, &d}) {
+      if (!bitwise_equal(a.out, o->out)) f += c.describe() + ": out differs bitwise between runs\n";
+      if (!bitwise_equal(a.grad_x, o->grad_x)) f += c.describe() + ": grad_x differs bitwise between runs\n";
+      if (!bitwise_equal(a.grad_w, o->grad_w)) f += c.describe() + ": grad_weights differ bitwise between runs\n";
+      if (!bitwise_equal(a.expert_grads, o->expert_grads))
+        f += c.describe() + ": expert grads differ bitwise between runs\n";
+    }
+  } catch (const std::exception& ex) {
+    f += detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
+  }
+  return f;
+}
+
+// The masked all-reduce path against the all-to-all path (ep == tp): both close to each
+// other (and each to the reference, checked by check_layer_case).
+template <class Comm, class T>
+std::string check_paths_agree(Comm& world, const layer_case& c) {
+  std::string f;
+  try {
+    const auto global = ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+    const auto a = run_layer<Comm, T, impl::all_to_all>(world, c, global);
+    const auto r = run_layer<Comm, T, impl::all_reduce>(world, c, global);
+    if (std::string(r.stats.path) != "all_reduce") f += "all_reduce layer reported path " + std::string(r.stats.path) + "\n";
+    const double at = atol_for<T>(), rt = rtol_for<T>();
+    const std::string where = detail::concat(c.describe(), " rank ", world.rank(), " all_reduce vs all_to_all");
+    append(f, ref::compare(r.out, ref::to_double(a.out), at, rt, where + " out"));
+    append(f, ref::compare(r.grad_x, ref::to_double(a.grad_x), at, rt, where + " grad_x"));
+    append(f, ref::compare(r.grad_w, ref::to_double(a.grad_w), 2 * at, rt, where + " grad_weights"));
+    append(f, ref::compare(r.expert_grads, a.expert_grads, 2 * at, rt, where + " expert grads"));
+  } catch (const std::exception& ex) {
+    f += detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
+  }
+  return f;
+}
+
+// ---------------------------------------------------------------------------------------
+// Bad input: every rank of the group must raise epx::error, none may hang.
+// ---------------------------------------------------------------------------------------
+
+enum class bad_input {
+  id_too_large, id_negative, weight_nan, weight_inf, x_size, ids_size, weights_size, out_size,
+  rows_differ_in_tp_group, hidden_differs, top_k_differs, grad_x_size, grad_weights_size
+};
+
+inline const char* to_string(bad_input b) {
+  switch (b) {
+    case bad_input::id_too_large: return "id_too_large";
+    case bad_input::id_negative: return "id_negative";
+    case bad_input::weight_nan: return "weight_nan";
+    case bad_input::weight_inf: return "weight_inf";
+    case bad_input::x_size: return "x_size";
+    case bad_input::ids_size: return "ids_size";
+    case bad_input::weights_size: return "weights_size";
+    case bad_input::out_size: return "out_size";
+    case bad_input::rows_differ_in_tp_group: return "rows_differ_in_tp_group";
+    case bad_input::hidden_differs: return "hidden_differs";
+    case bad_input::top_k_differs: return "top_k_differs";
+    case bad_input::grad_x_size: return "grad_x_size";
+    case bad_input::grad_weights_size: return "grad_weights_size";
+  }
+  return "?";
+}
+
+// What a rank saw: the error it raised (category, message) or none.
+struct raised {
+  bool thrown = false;
+  errc category = errc::internal;
+  std::string message;
+};
+
+// Rank `bad_rank` (world rank) feeds bad input of kind `kind`; returns what this rank raised.
+template <class Comm, class T, class Impl = impl::all_to_all>
+raised run_bad_input(Comm& world, const layer_case& c, bad_input kind, int bad_rank) {
+  const mesh m(c.topology);
+  const int rank = world.rank();
+  const bool me = rank == bad_rank;
+  const int b = m.batch(rank);
+  const batch_data d = make_batch<T>(c, b);
+  std::size_t N = c.rows_of(b);
+  std::size_t H = static_cast<std::size_t>(c.hidden);
+  int k = c.top_k;
+  layer_options o;
+  o.hidden = me && kind == bad_input::hidden_differs ? H + 1 : H;
+  o.top_k = me && kind == bad_input::top_k_differs ? (k > 1 ? k - 1 : k + 1) : k;
+  o.pad = c.pad;
+  const auto global = ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+  ref::test_linear_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
+  std::vector<T> x = ref::from_double<T>(d.x);
+  std::vector<std::int32_t> ids = d.ids;
+  std::vector<float> w(d.w.begin(), d.w.end());
+  std::vector<T> out(N * H);
+  std::vector<T> go = ref::from_double<T>(d.grad_out);
+  std::vector<T> gx(N * H);
+  std::vector<float> gw(N * static_cast<std::size_t>(k));
+  if (me) {
+    // Inside this rank's own TP slice: ids and weights are checked where they are read.
+    const auto sl = slice_bounds(N, m.tp(), m.coords(rank).tp);
+    const std::size_t at = (sl.begin + sl.size() / 2) * static_cast<std::size_t>(k) + (sl.empty() ? 0 : 1) % k;
+    switch (kind) {
+      case bad_input::id_too_large: if (!ids.empty()) ids[at] = c.topology.experts; break;
+      case bad_input::id_negative: if (!ids.empty()) ids[at] = -1; break;
+      case bad_input::weight_nan: if (!w.empty()) w[at] = std::nanf(""); break;
+      case bad_input::weight_inf: if (!w.empty()) w[at] = -INFINITY; break;
+      case bad_input::x_size: x.resize(x.size() + 1); break;
+      case bad_input::ids_size: ids.push_back(0); break;
+      case bad_input::weights_size: w.pop_back(); break;
+      case bad_input::out_size: out.resize(out.size() + H); break;
+      case bad_input::rows_differ_in_tp_group:
+        x.resize(x.size() + H);
+        out.resize(out.size() + H);
+        for (int j = 0; j < k; ++j) {
+          ids.push_back(j);
+          w.push_back(0.5f);
+        }
+        break;
+      case bad_input::hidden_differs: {
+        // Consistent shapes for H+1 on this rank only.
+        x.assign(N * (H + 1), convert<T>(0.5f));
+        out.assign(N * (H + 1), convert<T>(0.0f));
+        break;
+      }
+      case bad_input::top_k_differs: {
+        const std::size_t k2 = static_cast<std::size_t>(o.top_k);
+        ids.assign(N * k2, 0);
+        w.assign(N * k2, 0.5f);
+        break;
+      }
+      case bad_input::grad_x_size: gx.pop_back(); break;
+      case bad_input::grad_weights_size: gw.push_back(0.0f); break;
+    }
+  }
+  try {
+    moe_layer<Comm, T, Impl> layer(m, world, o);
+    auto saved = layer.forward(span<const T>(x), span<const std::int32_t>(ids), span<const float>(w), span<T>(out),
+                               experts, mode::train);
+    layer.backward(std::move(saved), span<const T>(go), span<T>(gx), span<float>(gw), experts);
+  } catch (const error& e) {
+    raised r;
+    r.thrown = true;
+    r.category = e.category();
+    r.message = e.what();
+    return r;
+  }
+  return raised{};
+}
+
+}  // namespace epx::test

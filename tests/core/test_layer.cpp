@@ -1,0 +1,138 @@
+// The MoE layer on the threads backend against the float64 reference (spec sections 3-7).
+#include <doctest/doctest.h>
+
+#include <array>
+#include <string>
+#include <vector>
+
+#include "core/layer_cases.hpp"
+#include "epx/comm/threads.hpp"
+
+namespace {
+
+using epx::test::layer_case;
+using epx::test::routing_kind;
+using comm_t = epx::threads::communicator;
+
+// Runs `body(comm)` on every rank of a world of the mesh's size; checks each rank's text.
+template <class Body>
+void on_ranks(int world, Body body) {
+  std::vector<std::string> failures(static_cast<std::size_t>(world));
+  epx::threads::run(world, [&](comm_t& comm) { failures[static_cast<std::size_t>(comm.rank())] = body(comm); });
+  for (int r = 0; r < world; ++r) CHECK_MESSAGE(failures[static_cast<std::size_t>(r)].empty(), failures[static_cast<std::size_t>(r)]);
+}
+
+int world_of(const epx::mesh_config& m) { return m.tp * m.fsdp * m.dp_replicate * m.pp; }
+
+template <class T, class Impl = epx::impl::all_to_all>
+void check_case(const layer_case& c) {
+  CAPTURE(c.describe());
+  on_ranks(world_of(c.topology), [&](comm_t& comm) { return epx::test::check_layer_case<comm_t, T, Impl>(comm, c); });
+}
+
+layer_case make(int tp, int fsdp, int ep, int E, int k, routing_kind r = routing_kind::random, int R = 1) {
+  layer_case c;
+  c.topology.tp = tp;
+  c.topology.fsdp = fsdp;
+  c.topology.ep = ep;
+  c.topology.dp_replicate = R;
+  c.topology.experts = E;
+  c.top_k = k;
+  c.routing = r;
+  c.seed = static_cast<std::uint64_t>(tp * 1000 + fsdp * 100 + ep * 10 + E + k * 7 + static_cast<int>(r) * 13 + R);
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("layer: the seed's eight-rank table and the picture's ep sizes (float32)") {
+  for (const auto& m : std::vector<std::array<int, 3>>{{4, 2, 4}, {1, 8, 4}, {2, 4, 4}, {8, 1, 8}, {2, 4, 2}, {2, 4, 8}}) {
+    for (int k : {1, 2}) {
+      check_case<float>(make(m[0], m[1], m[2], 16, k, routing_kind::random));
+    }
+  }
+  check_case<float>(make(2, 4, 4, 16, 8, routing_kind::uneven));
+}
+
+TEST_CASE("layer: ep=1, ep=world, dp_replicate=2, odd worlds 3 and 6") {
+  check_case<float>(make(1, 4, 1, 4, 2));                            // ep = 1
+  check_case<float>(make(1, 4, 4, 8, 2));                            // ep = world
+  check_case<float>(make(1, 2, 2, 4, 2, routing_kind::random, 2));   // dp_replicate = 2
+  check_case<float>(make(2, 2, 2, 8, 2, routing_kind::uneven, 2));   // dp_replicate = 2, tp = 2
+  check_case<float>(make(1, 3, 3, 6, 2));                            // world 3
+  check_case<float>(make(3, 1, 3, 9, 2));                            // world 3, tp = 3
+  check_case<float>(make(1, 6, 3, 6, 2, routing_kind::uneven));      // world 6
+  check_case<float>(make(3, 2, 3, 12, 2));                           // world 6, tp = 3
+  check_case<float>(make(2, 3, 6, 12, 1));                           // world 6, ep = 6
+}
+
+TEST_CASE("layer: routings (balanced, uneven, one expert, experts receiving nothing), k in {1,2,8}, E up to 64") {
+  for (auto r : {routing_kind::balanced, routing_kind::uneven, routing_kind::one_expert, routing_kind::first_rank_only})
+    for (int k : {1, 2, 8}) check_case<float>(make(2, 2, 4, 16, k, r));
+  auto big = make(1, 4, 4, 64, 8, routing_kind::uneven);
+  big.rows = [](int) { return std::size_t{32}; };
+  check_case<float>(big);
+}
+
+TEST_CASE("layer: ranks that send nothing, one-token decode with tp > 1, one efsdp replica idle") {
+  auto some_empty = make(1, 4, 4, 8, 2);
+  some_empty.rows = [](int b) { return b % 2 ? std::size_t{0} : std::size_t{10}; };
+  check_case<float>(some_empty);
+  auto all_empty = make(2, 2, 4, 8, 2);
+  all_empty.rows = [](int) { return std::size_t{0}; };
+  check_case<float>(all_empty);
+  for (int tp : {2, 4}) {
+    auto decode = make(tp, 8 / tp, 4, 8, 2);
+    decode.rows = [](int) { return std::size_t{1}; };
+    check_case<float>(decode);
+  }
+  auto decode3 = make(2, 4, 4, 8, 2);
+  decode3.rows = [](int b) { return static_cast<std::size_t>(b % 3); };  // 0, 1, 2 rows
+  check_case<float>(decode3);
+  // tp=2, fsdp=4, ep=4: efsdp = 2; EP group 0 holds batches 0-1, EP group 1 batches 2-3.
+  auto idle = make(2, 4, 4, 8, 2, routing_kind::uneven);
+  idle.rows = [](int b) { return b < 2 ? std::size_t{16} : std::size_t{0}; };
+  check_case<float>(idle);
+}
+
+TEST_CASE("layer: padding policies") {
+  for (auto pad : {epx::padding{0, 1}, epx::padding{1, 1}, epx::padding{2, 4}, epx::padding{0, 8}}) {
+    auto c = make(2, 2, 4, 8, 2, routing_kind::first_rank_only);
+    c.pad = pad;
+    check_case<float>(c);
+  }
+}
+
+TEST_CASE_TEMPLATE("layer: element types", T, double, epx::bf16, epx::fp16) {
+  check_case<T>(make(2, 4, 4, 16, 2, routing_kind::uneven));
+  check_case<T>(make(1, 4, 2, 8, 8));
+}
+
+TEST_CASE("layer: masked all-reduce path (ep == tp) against the reference and the all-to-all path") {
+  for (const auto& m : std::vector<std::array<int, 2>>{{2, 2}, {4, 1}, {8, 1}, {2, 3}}) {
+    auto c = make(m[0], m[1], m[0], 16, 2, routing_kind::uneven);
+    check_case<float, epx::impl::all_reduce>(c);
+    check_case<epx::bf16, epx::impl::all_reduce>(c);
+    check_case<float, epx::impl::automatic>(c);
+    on_ranks(world_of(c.topology), [&](comm_t& comm) { return epx::test::check_paths_agree<comm_t, float>(comm, c); });
+  }
+  auto decode = make(2, 2, 2, 4, 2);
+  decode.rows = [](int) { return std::size_t{1}; };
+  check_case<float, epx::impl::all_reduce>(decode);
+  auto pad = make(4, 2, 4, 8, 8, routing_kind::first_rank_only);
+  pad.pad = {2, 4};
+  check_case<float, epx::impl::all_reduce>(pad);
+}
+
+TEST_CASE("layer: determinism (bitwise equal across runs, chunk counts and host policies)") {
+  for (const auto& c : {make(2, 4, 4, 16, 2, routing_kind::uneven), make(1, 4, 4, 8, 8)}) {
+    on_ranks(world_of(c.topology), [&](comm_t& comm) {
+      return epx::test::check_determinism<comm_t, float, epx::impl::all_to_all, epx::exec::openmp>(comm, c,
+                                                                                                  epx::exec::openmp{2});
+    });
+    on_ranks(world_of(c.topology),
+             [&](comm_t& comm) { return epx::test::check_determinism<comm_t, epx::bf16>(comm, c); });
+  }
+  auto c = make(4, 1, 4, 8, 2);
+  on_ranks(4, [&](comm_t& comm) { return epx::test::check_determinism<comm_t, float, epx::impl::all_reduce>(comm, c); });
+}

@@ -1,0 +1,192 @@
+// Bad input and bad configuration: epx::error on every rank of the group, nobody hangs.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "core/layer_cases.hpp"
+#include "epx/comm/threads.hpp"
+
+namespace {
+
+using epx::test::bad_input;
+using epx::test::layer_case;
+using epx::test::raised;
+using comm_t = epx::threads::communicator;
+
+layer_case small(int tp, int fsdp, int ep, int E = 8, int k = 2) {
+  layer_case c;
+  c.topology.tp = tp;
+  c.topology.fsdp = fsdp;
+  c.topology.ep = ep;
+  c.topology.experts = E;
+  c.top_k = k;
+  c.hidden = 4;
+  c.rows = [](int) { return std::size_t{6}; };
+  return c;
+}
+
+// Every rank must raise errc::input whose message names the bad rank.
+template <class Impl = epx::impl::all_to_all>
+void expect_everyone_raises(const layer_case& c, bad_input kind, int bad_rank) {
+  const int world = c.topology.tp * c.topology.fsdp;
+  std::vector<raised> seen(static_cast<std::size_t>(world));
+  epx::threads::options opts;
+  opts.timeout = std::chrono::seconds(20);
+  epx::threads::run(
+      world,
+      [&](comm_t& comm) {
+        seen[static_cast<std::size_t>(comm.rank())] = epx::test::run_bad_input<comm_t, float, Impl>(comm, c, kind, bad_rank);
+      },
+      opts);
+  const epx::mesh m(c.topology);
+  const auto group = m.group_members(epx::group_kind::ep, bad_rank);
+  for (int r = 0; r < world; ++r) {
+    const auto& s = seen[static_cast<std::size_t>(r)];
+    const std::string kind_name = epx::test::to_string(kind);
+    CAPTURE(kind_name);
+    CAPTURE(bad_rank);
+    CAPTURE(r);
+    CAPTURE(s.message);
+    const bool in_group = std::find(group.begin(), group.end(), r) != group.end();
+    if (!in_group) {
+      // Other EP groups are independent: their calls succeed.
+      CHECK_FALSE(s.thrown);
+      continue;
+    }
+    REQUIRE(s.thrown);
+    CHECK(s.category == epx::errc::input);
+    CHECK(s.message.find("rank " + std::to_string(bad_rank)) != std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("bad input on any rank raises on every rank of its EP group (all-to-all path)") {
+  const auto c = small(2, 2, 4);  // world 4, one EP group
+  for (auto kind : {bad_input::id_too_large, bad_input::id_negative, bad_input::weight_nan, bad_input::weight_inf,
+                    bad_input::x_size, bad_input::ids_size, bad_input::weights_size, bad_input::out_size,
+                    bad_input::rows_differ_in_tp_group, bad_input::hidden_differs, bad_input::top_k_differs,
+                    bad_input::grad_x_size, bad_input::grad_weights_size})
+    for (int bad = 0; bad < 4; ++bad) expect_everyone_raises(c, kind, bad);
+}
+
+TEST_CASE("bad input raises only in the EP group that holds the bad rank") {
+  const auto c = small(1, 4, 2);  // two EP groups of two ranks
+  for (auto kind : {bad_input::id_too_large, bad_input::weight_nan, bad_input::out_size, bad_input::hidden_differs})
+    for (int bad : {0, 3}) expect_everyone_raises(c, kind, bad);
+}
+
+TEST_CASE("bad input on the masked all-reduce path") {
+  const auto c = small(2, 2, 2);
+  for (auto kind : {bad_input::id_too_large, bad_input::id_negative, bad_input::weight_inf, bad_input::ids_size,
+                    bad_input::rows_differ_in_tp_group, bad_input::top_k_differs, bad_input::grad_weights_size})
+    for (int bad : {0, 1, 3}) expect_everyone_raises<epx::impl::all_reduce>(c, kind, bad);
+}
+
+TEST_CASE("the error message names the token, slot and value") {
+  const auto c = small(1, 2, 2);
+  std::vector<raised> seen(2);
+  epx::threads::run(2, [&](comm_t& comm) {
+    seen[static_cast<std::size_t>(comm.rank())] = epx::test::run_bad_input<comm_t, float>(comm, c, bad_input::id_too_large, 1);
+  });
+  for (const auto& s : seen) {
+    CAPTURE(s.message);
+    CHECK(s.message.find("expert id (8) of token 3 slot 1 out of range [0, 8)") != std::string::npos);
+    CHECK(s.message.find("moe_layer forward") != std::string::npos);
+  }
+}
+
+namespace {
+struct nothing_experts {
+  template <class Exec>
+  void forward(const Exec&, const epx::expert_rows<const float>&, float*) {}
+  template <class Exec>
+  void backward(const Exec&, const epx::expert_rows<const float>&, const float*, float*) {}
+};
+
+template <class Impl = epx::impl::all_to_all>
+void expect_configuration_error(int world, epx::mesh_config mc, epx::layer_options o, const std::string& words) {
+  std::vector<raised> seen(static_cast<std::size_t>(world));
+  epx::threads::run(world, [&](comm_t& comm) {
+    raised r;
+    try {
+      const epx::mesh m(mc);
+      epx::moe_layer<comm_t, float, Impl> layer(m, comm, o);
+    } catch (const epx::error& e) {
+      r.thrown = true;
+      r.category = e.category();
+      r.message = e.what();
+    }
+    seen[static_cast<std::size_t>(comm.rank())] = r;
+  });
+  for (const auto& s : seen) {
+    CAPTURE(s.message);
+    REQUIRE(s.thrown);
+    CHECK(s.category == epx::errc::configuration);
+    CHECK(s.message.find(words) != std::string::npos);
+  }
+}
+}  // namespace
+
+TEST_CASE("bad configuration raises on every rank before any collective") {
+  epx::layer_options o;
+  o.hidden = 4;
+  o.top_k = 2;
+  SUBCASE("mesh does not fit the communicator") {
+    expect_configuration_error(4, {2, 4, 1, 1, 4, 8, 0}, o, "communicator size (4)");
+  }
+  SUBCASE("E not divisible by ep") { expect_configuration_error(4, {1, 4, 1, 1, 4, 6, 0}, o, "num_experts (6)"); }
+  SUBCASE("k out of range") {
+    o.top_k = 9;
+    expect_configuration_error(4, {1, 4, 1, 1, 4, 8, 0}, o, "top_k (9)");
+    o.top_k = 0;
+    expect_configuration_error(4, {1, 4, 1, 1, 4, 8, 0}, o, "top_k (0)");
+  }
+  SUBCASE("hidden size zero") {
+    o.hidden = 0;
+    expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, "hidden (0)");
+  }
+  SUBCASE("padding") {
+    o.pad.align = 0;
+    expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, "padding.align (0)");
+  }
+  SUBCASE("device count exchange is not built yet") {
+    o.counts = epx::count_exchange::device;
+    expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, "device-side count exchange");
+  }
+  SUBCASE("all_reduce path with ep != tp") {
+    expect_configuration_error<epx::impl::all_reduce>(4, {1, 4, 1, 1, 4, 8, 0}, o, "requires ep_size (4) == tp_size (1)");
+  }
+}
+
+TEST_CASE("saved state: inference keeps nothing; backward of an empty state raises") {
+  epx::threads::run(2, [](comm_t& comm) {
+    const epx::mesh m(epx::mesh_config{1, 2, 1, 1, 2, 4, 0});
+    epx::layer_options o;
+    o.hidden = 2;
+    o.top_k = 1;
+    epx::moe_layer<comm_t, float> layer(m, comm, o);
+    nothing_experts ex;
+    std::vector<float> x(4, 1.0f), w(2, 1.0f), out(4), gx(4), gw(2);
+    std::vector<std::int32_t> ids = {0, 3};
+    auto s = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                           epx::span<float>(out), ex, epx::mode::inference);
+    if (!s.empty()) throw std::runtime_error("inference returned a non-empty saved state");
+    bool raised_input = false;
+    try {
+      layer.backward(std::move(s), epx::span<const float>(out), epx::span<float>(gx), epx::span<float>(gw), ex);
+    } catch (const epx::error& e) {
+      raised_input = e.category() == epx::errc::input;
+    }
+    if (!raised_input) throw std::runtime_error("backward of an empty saved state did not raise errc::input");
+    auto t = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                           epx::span<float>(out), ex, epx::mode::train);
+    if (t.empty()) throw std::runtime_error("training forward returned an empty saved state");
+    layer.backward(std::move(t), epx::span<const float>(out), epx::span<float>(gx), epx::span<float>(gw), ex);
+    if (!t.empty()) throw std::runtime_error("backward did not consume the saved state");
+  });
+  CHECK(true);
+}
