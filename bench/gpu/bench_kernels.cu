@@ -1,0 +1,341 @@
+// bench/gpu/bench_kernels.cu: device kernels of dispatch/combine against the device's copy
+// bandwidth, and the NCCL path's round trip at world size 1. Timed with CUDA events.
+//
+//   epx_bench_gpu_kernels [--quick]
+//
+// Metrics (bytes counted once per element read and once per element written):
+//   copy floor   max(cudaMemcpyAsync D2D, a 16-byte-vector copy kernel), GB/s of read+write
+//   gather_rows  send[p,:] = x[src_row[p],:]          bytes 2*S*H*sizeof(T)
+//   combine      out[t,:] = sum_j w*y[pos[t,j],:]      bytes (S+N)*H*sizeof(T)
+//   fraction     GB/s of the kernel / copy floor GB/s (target >= 0.85)
+//   round trip   gather_rows -> all_to_allv_segments (E segments) -> back -> combine on an
+//                epx::nccl::communicator of one rank; floor_ratio = time / (bytes / floor)
+// Rows "functor" launch the library's functors (epx/dispatch/functors.hpp) through
+// exec::for_each_n(exec::cuda); rows "vec16" are this file's reference kernels that give
+// each thread 16 contiguous bytes of a row (what reaching the floor takes), for comparison.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "epx/comm/collectives.hpp"
+#include "epx/comm/nccl.cuh"
+#include "epx/core/numeric.hpp"
+#include "epx/exec/cuda.cuh"
+
+#if __has_include("epx/dispatch/functors.hpp")
+#include "epx/dispatch/functors.hpp"
+#define EPX_BENCH_HAVE_FUNCTORS 1
+#else
+#define EPX_BENCH_HAVE_FUNCTORS 0
+#endif
+
+namespace {
+
+using epx::exec::device_buffer;
+
+struct event_timer {
+  cudaEvent_t a{}, b{};
+  cudaStream_t s;
+  explicit event_timer(cudaStream_t st) : s(st) {
+    EPX_CUDA_CHECK(cudaEventCreate(&a));
+    EPX_CUDA_CHECK(cudaEventCreate(&b));
+  }
+  ~event_timer() {
+    (void)cudaEventDestroy(a);
+    (void)cudaEventDestroy(b);
+  }
+  // Mean seconds per call of f over `iters` calls after `warmup` calls.
+  template <class F>
+  double time(F&& f, int warmup, int iters) {
+    for (int i = 0; i < warmup; ++i) f();
+    EPX_CUDA_CHECK(cudaStreamSynchronize(s));
+    EPX_CUDA_CHECK(cudaEventRecord(a, s));
+    for (int i = 0; i < iters; ++i) f();
+    EPX_CUDA_CHECK(cudaEventRecord(b, s));
+    EPX_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    return static_cast<double>(ms) * 1e-3 / iters;
+  }
+};
+
+// 16 bytes per call: i indexes uint4 words.
+struct copy_vec16 {
+  const uint4* src;
+  uint4* dst;
+  EPX_HOST_DEVICE void operator()(std::size_t i) const { dst[i] = src[i]; }
+};
+
+template <class T>
+struct alignas(16) pack16 {
+  static constexpr std::size_t n = 16 / sizeof(T);
+  T v[n];
+};
+
+// Reference: send[p, c] for every 16-byte word c of row p.
+template <class T>
+struct gather_rows_vec16 {
+  const pack16<T>* x;
+  const std::int64_t* src_row;
+  pack16<T>* dst;
+  std::size_t words;  // 16-byte words per row
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    const std::size_t p = i / words, c = i - p * words;
+    const std::int64_t r = src_row[p];
+    if (r < 0) {
+      dst[i] = pack16<T>{};
+      return;
+    }
+    dst[i] = x[static_cast<std::size_t>(r) * words + c];
+  }
+};
+
+// Reference: out[t, word c] = sum_j w[t,j] * y[pos[t,j], word c] in accum_t, slot order.
+template <class T>
+struct combine_vec16 {
+  const pack16<T>* y;
+  const float* weights;
+  const std::int64_t* pos;
+  pack16<T>* out;
+  std::size_t words;
+  int top_k;
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    using A = epx::accum_t<T>;
+    constexpr std::size_t V = pack16<T>::n;
+    const std::size_t t = i / words, c = i - t * words;
+    A acc[V];
+    for (std::size_t e = 0; e < V; ++e) acc[e] = A(0);
+    for (int j = 0; j < top_k; ++j) {
+      const std::int64_t p = pos[t * static_cast<std::size_t>(top_k) + static_cast<std::size_t>(j)];
+      if (p < 0) continue;
+      const A w = static_cast<A>(weights[t * static_cast<std::size_t>(top_k) + static_cast<std::size_t>(j)]);
+      const pack16<T> v = y[static_cast<std::size_t>(p) * words + c];
+      for (std::size_t e = 0; e < V; ++e) acc[e] += w * epx::convert<A>(v.v[e]);
+    }
+    pack16<T> o;
+    for (std::size_t e = 0; e < V; ++e) o.v[e] = epx::convert<T>(acc[e]);
+    out[i] = o;
+  }
+};
+
+// A balanced random routing of N tokens x k slots over E experts, laid out by a stable
+// counting sort (send order: expert, then token, then slot), as the layout plan does.
+struct routing {
+  std::size_t N, k, S;
+  int E;
+  std::vector<std::int64_t> pos, src_row, expert_offset;
+  std::vector<float> w;
+};
+
+routing make_routing(std::size_t N, std::size_t k, int E, unsigned seed) {
+  routing r{N, k, N * k, E, {}, {}, {}, {}};
+  std::mt19937 rng(seed);
+  std::vector<int> ids(r.S);
+  std::vector<int> experts(static_cast<std::size_t>(E));
+  std::iota(experts.begin(), experts.end(), 0);
+  for (std::size_t t = 0; t < N; ++t) {
+    // k distinct experts per token.
+    for (std::size_t j = 0; j < k; ++j) std::swap(experts[j], experts[j + rng() % (static_cast<std::size_t>(E) - j)]);
+    for (std::size_t j = 0; j < k; ++j) ids[t * k + j] = experts[j];
+  }
+  r.expert_offset.assign(static_cast<std::size_t>(E) + 1, 0);
+  for (int e : ids) ++r.expert_offset[static_cast<std::size_t>(e) + 1];
+  for (int e = 0; e < E; ++e) r.expert_offset[static_cast<std::size_t>(e) + 1] += r.expert_offset[static_cast<std::size_t>(e)];
+  std::vector<std::int64_t> next(r.expert_offset.begin(), r.expert_offset.end() - 1);
+  r.pos.resize(r.S);
+  r.src_row.resize(r.S);
+  for (std::size_t i = 0; i < r.S; ++i) {
+    const auto p = next[static_cast<std::size_t>(ids[i])]++;
+    r.pos[i] = p;
+    r.src_row[static_cast<std::size_t>(p)] = static_cast<std::int64_t>(i / k);
+  }
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  r.w.resize(r.S);
+  for (auto& v : r.w) v = u(rng);
+  return r;
+}
+
+template <class T>
+device_buffer<T> upload(cudaStream_t s, const std::vector<T>& v) {
+  device_buffer<T> b(v.size());
+  epx::exec::copy_from_host(epx::exec::cuda{s}, v.data(), v.size(), b.data());
+  return b;
+}
+
+double gbps(double bytes, double secs) { return bytes / secs * 1e-9; }
+
+void row(const char* name, const std::string& shape, double bytes, double secs, double floor_gbps) {
+  const double g = gbps(bytes, secs);
+  std::printf("| %-26s | %-30s | %9.3f | %8.1f | %6.3f |\n", name, shape.c_str(), secs * 1e3, g, g / floor_gbps);
+}
+
+template <class T>
+const char* type_name() {
+  if constexpr (std::is_same_v<T, float>) return "f32";
+  else if constexpr (std::is_same_v<T, epx::bf16>) return "bf16";
+  else return "?";
+}
+
+template <class T>
+void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, std::size_t H, std::size_t k, int E,
+                 double floor_gbps, int iters) {
+  const auto r = make_routing(N, k, E, 1234u);
+  const std::size_t S = r.S;
+  const std::size_t words = H * sizeof(T) / 16;
+  const epx::exec::cuda dev{s};
+  std::vector<T> hx(N * H);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (auto& v : hx) v = epx::convert<T>(u(rng));
+  auto x = upload(s, hx);
+  auto pos = upload(s, r.pos);
+  auto src = upload(s, r.src_row);
+  auto w = upload(s, r.w);
+  device_buffer<T> send(S * H), recv(S * H), back(S * H), out(N * H);
+  epx::exec::fill_zero(dev, send.data(), S * H);
+  epx::exec::fill_zero(dev, recv.data(), S * H);
+  epx::exec::fill_zero(dev, back.data(), S * H);
+  event_timer tm(s);
+  char shape[128];
+  std::snprintf(shape, sizeof shape, "N=%zu H=%zu k=%zu E=%d %s", N, H, k, E, type_name<T>());
+  const double gather_bytes = 2.0 * static_cast<double>(S * H * sizeof(T));
+  const double combine_bytes = static_cast<double>((S + N) * H * sizeof(T));
+
+#if EPX_BENCH_HAVE_FUNCTORS
+  {
+    const epx::dispatch::gather_rows<T> g{x.data(), src.data(), send.data(), H};
+    row("gather_rows (functor)", shape, gather_bytes, tm.time([&] { epx::exec::for_each_n(dev, S, g); }, 2, iters),
+        floor_gbps);
+    const epx::dispatch::combine<T> c{send.data(), w.data(), pos.data(), out.data(), H, static_cast<int>(k)};
+    row("combine (functor)", shape, combine_bytes, tm.time([&] { epx::exec::for_each_n(dev, N, c); }, 2, iters),
+        floor_gbps);
+  }
+#endif
+  const gather_rows_vec16<T> gv{reinterpret_cast<const pack16<T>*>(x.data()), src.data(),
+                                reinterpret_cast<pack16<T>*>(send.data()), words};
+  row("gather_rows (vec16 ref)", shape, gather_bytes,
+      tm.time([&] { epx::exec::for_each_n(dev, S * words, gv); }, 2, iters), floor_gbps);
+  const combine_vec16<T> cv{reinterpret_cast<const pack16<T>*>(send.data()), w.data(), pos.data(),
+                            reinterpret_cast<pack16<T>*>(out.data()), words, static_cast<int>(k)};
+  row("combine (vec16 ref)", shape, combine_bytes, tm.time([&] { epx::exec::for_each_n(dev, N * words, cv); }, 2, iters),
+      floor_gbps);
+
+  // Round trip through the NCCL communicator: E segments (one per expert) each way.
+  const auto E_ = static_cast<std::size_t>(E);
+  std::vector<std::size_t> cnt(E_), off(E_);
+  for (std::size_t e = 0; e < E_; ++e) {
+    off[e] = static_cast<std::size_t>(r.expert_offset[e]);
+    cnt[e] = static_cast<std::size_t>(r.expert_offset[e + 1] - r.expert_offset[e]);
+  }
+  const epx::span<const std::size_t> c_(cnt.data(), E_), o_(off.data(), E_);
+  comm.set_stream(s);
+  const double trip_bytes = gather_bytes + 2.0 * gather_bytes + combine_bytes;
+  auto trip = [&](auto&& gather, std::size_t gn, auto&& comb, std::size_t cn) {
+    epx::exec::for_each_n(dev, gn, gather);
+    epx::all_to_allv_segments(comm, send.data(), c_, o_, recv.data(), c_, o_, E_, H);
+    epx::all_to_allv_segments(comm, recv.data(), c_, o_, back.data(), c_, o_, E_, H);
+    epx::exec::for_each_n(dev, cn, comb);
+  };
+  const combine_vec16<T> cvb{reinterpret_cast<const pack16<T>*>(back.data()), w.data(), pos.data(),
+                             reinterpret_cast<pack16<T>*>(out.data()), words, static_cast<int>(k)};
+  row("round trip nccl ws1 (vec16)", shape, trip_bytes,
+      tm.time([&] { trip(gv, S * words, cvb, N * words); }, 1, std::max(1, iters / 2)), floor_gbps);
+#if EPX_BENCH_HAVE_FUNCTORS
+  {
+    const epx::dispatch::gather_rows<T> g{x.data(), src.data(), send.data(), H};
+    const epx::dispatch::combine<T> cb{back.data(), w.data(), pos.data(), out.data(), H, static_cast<int>(k)};
+    row("round trip nccl ws1 (functor)", shape, trip_bytes, tm.time([&] { trip(g, S, cb, N); }, 1, std::max(1, iters / 2)),
+        floor_gbps);
+  }
+#endif
+  comm.wait();
+
+  // Correctness of the round trip (last run): out == combine of x rows, checked on a few tokens.
+  std::vector<T> ho(N * H);
+  epx::exec::copy_to_host(dev, out.data(), N * H, ho.data());
+  double err = 0;
+  for (std::size_t t = 0; t < N; t += std::max<std::size_t>(1, N / 64))
+    for (std::size_t h = 0; h < H; ++h) {
+      double ref = 0;
+      for (std::size_t j = 0; j < k; ++j)
+        ref += static_cast<double>(r.w[t * k + j]) * epx::convert<double>(hx[t * H + h]);
+      err = std::max(err, std::fabs(epx::convert<double>(ho[t * H + h]) - ref) / (1.0 + std::fabs(ref)));
+    }
+  const double tol = std::is_same_v<T, float> ? 1e-5 : 1.0 / 64;
+  std::printf("|   round trip check: max rel err %.2e (tol %.1e) %s\n", err, tol, err <= tol ? "ok" : "FAILED");
+  if (err > tol) throw epx::error(epx::errc::internal, "round trip result differs from the reference");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    else {
+      std::fprintf(stderr, "usage: %s [--quick]\n", argv[0]);
+      return 2;
+    }
+  }
+  try {
+    int count = 0;
+    EPX_CUDA_CHECK(cudaGetDeviceCount(&count));
+    cudaDeviceProp prop{};
+    EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    EPX_CUDA_CHECK(cudaSetDevice(0));
+    cudaStream_t s;
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    const int iters = quick ? 5 : 20;
+    std::printf("epx GPU kernels on %s (sm_%d%d, %d SMs, %.0f GiB)%s\n", prop.name, prop.major, prop.minor,
+                prop.multiProcessorCount, static_cast<double>(prop.totalGlobalMem) / (1 << 30),
+                quick ? " [quick]" : "");
+
+    // Copy floor: 1 GiB (256 MiB quick) read + written.
+    const std::size_t bytes = (quick ? std::size_t{256} : std::size_t{1024}) << 20;
+    device_buffer<uint4> a(bytes / 16), b(bytes / 16);
+    EPX_CUDA_CHECK(cudaMemsetAsync(a.data(), 1, bytes, s));
+    event_timer tm(s);
+    const double t_memcpy =
+        tm.time([&] { EPX_CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, s)); }, 2, iters);
+    const double t_kernel =
+        tm.time([&] { epx::exec::for_each_n(epx::exec::cuda{s}, bytes / 16, copy_vec16{a.data(), b.data()}); }, 2, iters);
+    const double g_memcpy = gbps(2.0 * bytes, t_memcpy), g_kernel = gbps(2.0 * bytes, t_kernel);
+    const double floor_gbps = std::max(g_memcpy, g_kernel);
+    std::printf("copy bandwidth (read+write): cudaMemcpy D2D %.1f GB/s, copy kernel %.1f GB/s; floor %.1f GB/s\n",
+                g_memcpy, g_kernel, floor_gbps);
+    a = device_buffer<uint4>();
+    b = device_buffer<uint4>();
+
+    ncclUniqueId id;
+    EPX_NCCL_CHECK(ncclGetUniqueId(&id));
+    auto comm = epx::nccl::communicator::from_unique_id(id, 1, 0, 0, s);
+    comm.barrier();
+
+    std::printf("| %-26s | %-30s | %9s | %8s | %6s |\n", "kernel", "shape", "ms", "GB/s", "frac");
+    std::printf("|%s|%s|%s|%s|%s|\n", std::string(28, '-').c_str(), std::string(32, '-').c_str(),
+                std::string(11, '-').c_str(), std::string(10, '-').c_str(), std::string(8, '-').c_str());
+    if (quick) {
+      bench_shape<epx::bf16>(s, comm, 1024, 4096, 8, 64, floor_gbps, iters);
+    } else {
+      bench_shape<epx::bf16>(s, comm, 4096, 4096, 8, 64, floor_gbps, iters);
+      bench_shape<epx::bf16>(s, comm, 4096, 7168, 8, 256, floor_gbps, iters);
+      bench_shape<float>(s, comm, 4096, 4096, 2, 8, floor_gbps, iters);
+      bench_shape<epx::bf16>(s, comm, 128, 4096, 8, 64, floor_gbps, iters);
+    }
+    comm.barrier();
+    std::printf("frac = GB/s / copy floor (target >= 0.85). \"functor\": epx/dispatch/functors.hpp through "
+                "exec::cuda; \"vec16 ref\": 16 bytes per thread.\n");
+    EPX_CUDA_CHECK(cudaStreamDestroy(s));
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "epx_bench_gpu_kernels: %s\n", e.what());
+    return 1;
+  }
+}
