@@ -304,7 +304,7 @@ class communicator {
       const std::size_t k = me * nseg + i;
       if (send_counts[k] != 0)
         EPX_CUDA_CHECK(cudaMemcpyAsync(d + recv_displs[k] * es, s + send_displs[k] * es, send_counts[k] * es,
-                                       cudaMemcpyDeviceToDevice, stream_));
+                                       cudaMemcpyDefault, stream_));
     }
     if (n == 1) return;
     group_guard g;
@@ -582,7 +582,14 @@ class communicator {
   }
 
   void release_() noexcept {
-    scratch_ = exec::device_buffer<std::int32_t>();
+    if (scratch_.size() != 0) {
+      // Free on the communicator's device, then restore the caller's.
+      int prev = -1;
+      const bool switched = cudaGetDevice(&prev) == cudaSuccess && prev != device_ && cudaSetDevice(device_) == cudaSuccess;
+      scratch_ = exec::device_buffer<std::int32_t>();
+      if (switched) (void)cudaSetDevice(prev);
+      (void)cudaGetLastError();
+    }
     if (comm_ != nullptr && owned_ && !aborted_) (void)ncclCommDestroy(comm_);
     comm_ = nullptr;
     owned_ = false;
