@@ -89,7 +89,7 @@ class communicator {
     std::string failure;
     enter(d, [&] {
       for (int r = 0; r < n; ++r)
-        if (group_->slot(r).color == color) members.emplace_back(group_->slot(r).key, r);
+        if (slot(r).color == color) members.emplace_back(slot(r).key, r);
       std::sort(members.begin(), members.end());
       for (std::size_t i = 0; i < members.size(); ++i) {
         leader = std::min(leader, members[i].second);
@@ -105,13 +105,13 @@ class communicator {
         } catch (const std::exception& e) {
           failure = e.what();
         }
-        group_->slot(rank_).new_group = created;
+        slot(rank_).new_group = created;
       }
     });
-    // Second phase: the leaders have published the new groups; pick ours up.
+    // Second phase: the leaders have published the new groups; pick ours up. (The slots are
+    // double-buffered, so nobody overwrites the leader's before we have read it.)
     wait_exit();
-    std::shared_ptr<detail::threads_group> g = group_->slot(leader).new_group;
-    wait_exit();
+    std::shared_ptr<detail::threads_group> g = slot(leader).new_group;
     EPX_REQUIRE(g != nullptr, errc::communicator, "split: could not create the group of color ", color,
                 failure.empty() ? "" : ": ", failure);
     return communicator(world_, std::move(g), new_rank);
@@ -135,7 +135,7 @@ class communicator {
       const std::size_t bytes = count * es;
       for (int k = 0; k < n; ++k) {
         const int p = (rank_ + k) % n;
-        const auto* src = static_cast<const char*>(group_->slot(p).send) + static_cast<std::size_t>(rank_) * bytes;
+        const auto* src = static_cast<const char*>(slot(p).send) + static_cast<std::size_t>(rank_) * bytes;
         copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, src, bytes);
       }
     });
@@ -171,7 +171,7 @@ class communicator {
     enter_and_finish(d, [&] {
       for (int k = 0; k < n; ++k) {
         const int p = (rank_ + k) % n;
-        const auto& s = group_->slot(p);
+        const auto& s = slot(p);
         const auto* src = static_cast<const char*>(s.send) + s.send_displs[rank_] * es;
         copy_bytes(static_cast<char*>(recv) + recv_displs[p] * es, src, recv_counts[p] * es);
       }
@@ -206,12 +206,12 @@ class communicator {
       for (std::size_t b = begin; b < end; b += block) {
         const std::size_t m = std::min(block, end - b);
         for (int k = 0; k < n; ++k)
-          srcs[static_cast<std::size_t>(k)] = static_cast<const char*>(group_->slot(k).send) + b * es;
+          srcs[static_cast<std::size_t>(k)] = static_cast<const char*>(slot(k).send) + b * es;
         char* mine = static_cast<char*>(recv) + b * es;
         detail::reduce_sum(t, srcs.data(), n, mine, m, scale);
         for (int k = 1; k < n; ++k) {
           const int p = (rank_ + k) % n;
-          copy_bytes(static_cast<char*>(group_->slot(p).recv) + b * es, mine, m * es);
+          copy_bytes(static_cast<char*>(slot(p).recv) + b * es, mine, m * es);
         }
       }
     });
@@ -236,7 +236,7 @@ class communicator {
     enter_and_finish(d, [&] {
       for (int k = 0; k < n; ++k)
         srcs[static_cast<std::size_t>(k)] =
-            static_cast<const char*>(group_->slot(k).send) + static_cast<std::size_t>(rank_) * recv_count * es;
+            static_cast<const char*>(slot(k).send) + static_cast<std::size_t>(rank_) * recv_count * es;
       detail::reduce_sum(t, srcs.data(), n, recv, recv_count, scale);
     });
   }
@@ -256,7 +256,7 @@ class communicator {
       const int n = size();
       for (int k = 0; k < n; ++k) {
         const int p = (rank_ + k) % n;
-        copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, group_->slot(p).send, bytes);
+        copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, slot(p).send, bytes);
       }
     });
   }
@@ -274,14 +274,15 @@ class communicator {
     d.count = count;
     d.root = root;
     enter_and_finish(d, [&] {
-      if (rank_ != root) copy_bytes(data, group_->slot(root).send, count * size_of(t));
+      if (rank_ != root) copy_bytes(data, slot(root).send, count * size_of(t));
     });
   }
 
   void barrier() {
     detail::threads_slot d;
     d.op = detail::threads_op::barrier;
-    enter_and_finish(d, [] {});
+    // The entry barrier is the barrier: no buffers to keep alive, so no exit barrier.
+    enter(d, [] {});
   }
 
  private:
@@ -290,6 +291,9 @@ class communicator {
   communicator(std::shared_ptr<detail::threads_world> world, std::shared_ptr<detail::threads_group> group,
                int rank) noexcept
       : world_(std::move(world)), group_(std::move(group)), rank_(rank) {}
+
+  // Rank r's slot for the collective in progress (this rank's sequence number's parity).
+  detail::threads_slot& slot(int r) const noexcept { return group_->slot(group_->entered(rank_), r); }
 
   static void copy_bytes(void* dst, const void* src, std::size_t bytes) noexcept {
     if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
@@ -344,7 +348,7 @@ class communicator {
   void enter(const detail::threads_slot& d, Work&& work) const {
     world_->throw_if_aborted(world_rank());
     const std::uint64_t seq = group_->entered(rank_) + 1;
-    group_->slot(rank_) = d;
+    group_->slot(seq, rank_) = d;
     group_->set_entered(rank_, seq);
     const auto deadline = std::chrono::steady_clock::now() + world_->timeout();
     const auto w = group_->arrive_and_wait(true, deadline);
@@ -372,9 +376,9 @@ class communicator {
   // member reads the same slots, so every member reaches the same verdict.
   std::string check_match() const {
     const int n = size();
-    const auto& s0 = group_->slot(0);
+    const auto& s0 = slot(0);
     for (int r = 1; r < n; ++r) {
-      const auto& s = group_->slot(r);
+      const auto& s = slot(r);
       if (s.op != s0.op)
         return detail::concat("mismatched collectives: ", who(0), " called ", to_string(s0.op), ", ", who(r),
                               " called ", to_string(s.op));
@@ -382,7 +386,7 @@ class communicator {
     const auto op = s0.op;
     if (op == detail::threads_op::barrier || op == detail::threads_op::split) return {};
     for (int r = 1; r < n; ++r) {
-      const auto& s = group_->slot(r);
+      const auto& s = slot(r);
       if (s.type != s0.type)
         return detail::concat(to_string(op), ": mismatched datatypes: ", who(0), " passed ", to_string(s0.type),
                               ", ", who(r), " passed ", to_string(s.type));
@@ -390,8 +394,8 @@ class communicator {
     if (op == detail::threads_op::all_to_allv) {
       for (int src = 0; src < n; ++src)
         for (int dst = 0; dst < n; ++dst) {
-          const std::size_t sent = group_->slot(src).send_counts[dst];
-          const std::size_t expected = group_->slot(dst).recv_counts[src];
+          const std::size_t sent = slot(src).send_counts[dst];
+          const std::size_t expected = slot(dst).recv_counts[src];
           if (sent != expected)
             return detail::concat("all_to_allv: mismatched counts: ", who(src), " sends ", sent, " elements to ",
                                   who(dst), ", which expects ", expected, " from it");
@@ -399,7 +403,7 @@ class communicator {
       return {};
     }
     for (int r = 1; r < n; ++r) {
-      const auto& s = group_->slot(r);
+      const auto& s = slot(r);
       if (s.count != s0.count)
         return detail::concat(to_string(op), ": mismatched counts: ", who(0), " passed ", s0.count, ", ", who(r),
                               " passed ", s.count);

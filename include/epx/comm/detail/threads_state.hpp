@@ -74,8 +74,8 @@ inline std::string describe_exception(const std::exception_ptr& e) {
 
 class threads_group;
 
-// What a rank published for the current collective. Written by its owner before the entry
-// barrier, read by everyone between the entry and the exit barrier.
+// What a rank published for a collective. Written by its owner before the entry barrier,
+// read by every member after it.
 struct alignas(64) threads_slot {
   threads_op op = threads_op::none;
   datatype type = datatype::byte;
@@ -107,14 +107,16 @@ class threads_group {
       : world_(world),
         world_ranks_(std::move(world_ranks)),
         n_(static_cast<int>(world_ranks_.size())),
-        slots_(new threads_slot[world_ranks_.size()]),
+        slots_(new threads_slot[2 * world_ranks_.size()]),
         entered_(new padded_counter[world_ranks_.size()]) {}
 
   int size() const noexcept { return n_; }
   int world_rank(int r) const noexcept { return world_ranks_[static_cast<std::size_t>(r)]; }
   const std::vector<int>& world_ranks() const noexcept { return world_ranks_; }
-  threads_slot& slot(int r) noexcept { return slots_[r]; }
-  const threads_slot& slot(int r) const noexcept { return slots_[r]; }
+  // Slots are double-buffered by the parity of the collective's sequence number: a rank
+  // writes the slots of collective s+2 only after every member has entered s+1, that is,
+  // after every member has finished reading the slots of s.
+  threads_slot& slot(std::uint64_t seq, int r) noexcept { return slots_[static_cast<std::size_t>(seq & 1) * n_ + r]; }
 
   // Number of collectives rank r has entered on this group (written by r only).
   std::uint64_t entered(int r) const noexcept { return entered_[r].value.load(std::memory_order_acquire); }
@@ -176,7 +178,8 @@ class threads_world {
  public:
   threads_world(int n, std::chrono::milliseconds timeout) : timeout_(timeout) {
     const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-    // With more ranks than cores a spinning waiter steals the core of the rank it waits for.
+    // With more ranks than cores a spinning or yielding waiter steals the core of the rank
+    // it waits for (or hands a whole time slice to another process): sleep at once.
     spin_limit_ = static_cast<unsigned>(n) <= hw ? 4000 : 0;
   }
 
@@ -187,6 +190,9 @@ class threads_world {
   std::shared_ptr<threads_group> make_group(std::vector<int> world_ranks) {
     auto g = std::make_shared<threads_group>(this, std::move(world_ranks));
     std::lock_guard<std::mutex> lk(m_);
+    // Communicators own their groups; the world only needs to wake the live ones.
+    groups_.erase(std::remove_if(groups_.begin(), groups_.end(), [](const auto& w) { return w.expired(); }),
+                  groups_.end());
     groups_.push_back(g);
     return g;
   }
@@ -194,7 +200,7 @@ class threads_world {
   // Records the first failure and wakes every waiter of every group. Later calls keep the
   // first failure.
   void fail(int world_rank, std::exception_ptr e) noexcept {
-    std::vector<std::shared_ptr<threads_group>> groups;
+    std::vector<std::weak_ptr<threads_group>> groups;
     {
       std::lock_guard<std::mutex> lk(m_);
       if (!aborted_.load()) {
@@ -209,7 +215,8 @@ class threads_world {
       }
       groups = groups_;
     }
-    for (auto& g : groups) g->poke();
+    for (auto& w : groups)
+      if (auto g = w.lock()) g->poke();
   }
 
   [[noreturn]] void throw_aborted(int world_rank) const {
@@ -241,7 +248,7 @@ class threads_world {
   int failed_rank_ = -1;
   std::string message_;
   std::exception_ptr first_;
-  std::vector<std::shared_ptr<threads_group>> groups_;
+  std::vector<std::weak_ptr<threads_group>> groups_;
 };
 
 inline wait_result threads_group::arrive_and_wait(bool abortable,
@@ -263,15 +270,14 @@ inline wait_result threads_group::arrive_and_wait(bool abortable,
     }
   }
 
-  // Spin briefly, then yield, then sleep on the condition variable.
+  // Spin briefly (when every rank has a core), then sleep on the condition variable.
   const int spins = world_->spin_limit();
-  for (int i = 0; i < spins + 16; ++i) {
+  for (int i = 0; i < spins; ++i) {
     const std::uint64_t v = state_.load();
     if (gen_of(v) != gen) return wait_result::passed;
     if (v & cancel_bit) return wait_result::cancelled;
     if (abortable && world_->aborted()) break;
-    if (i < spins) cpu_relax();
-    else std::this_thread::yield();
+    cpu_relax();
   }
 
   bool timed_out = false;
