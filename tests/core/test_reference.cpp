@@ -5,6 +5,8 @@
 
 #include <set>
 
+#include "epx/exec/host.hpp"
+#include "epx/layer/experts.hpp"
 #include "support/reference.hpp"
 
 namespace ref = epx::ref;
@@ -257,6 +259,47 @@ TEST_CASE("test_linear_experts matches linear_experts") {
   rows_view bad = in;
   bad.first_global_expert = 0;
   CHECK_THROWS(local.forward(0, bad, y.data()));
+}
+
+// The test experts meet the library's experts concept for every activation type.
+static_assert(epx::detail::has_expert_forward<ref::test_linear_experts<float>, epx::exec::serial, float>::value);
+static_assert(epx::detail::has_expert_backward<ref::test_linear_experts<float>, epx::exec::serial, float>::value);
+static_assert(epx::detail::has_expert_forward<ref::test_linear_experts<epx::bf16>, epx::exec::openmp, epx::bf16>::value);
+static_assert(epx::detail::has_expert_backward<ref::test_linear_experts<double>, epx::exec::serial, double>::value);
+
+TEST_CASE_TEMPLATE("test_linear_experts through epx::expert_rows", T, float, double, epx::bf16, epx::fp16) {
+  const int E = 8, H = 4, L = 4, rank = 1;
+  const auto global = ref::linear_experts::random(E, H, 91);
+  ref::test_linear_experts<T> local(global, rank, L);
+  const std::vector<std::size_t> offsets = {0, 2, 2, 5, 6};  // local expert 1 has no rows
+  const auto xd = ref::round_through<T>(ref::random_x(6, H, 92));
+  const auto gyd = ref::round_through<T>(ref::random_normal(6, H, 93));
+  const auto x = ref::from_double<T>(xd);
+  const auto gy = ref::from_double<T>(gyd);
+  epx::expert_rows<const T> in;
+  in.rows = x.data();
+  in.num_rows = 6;
+  in.hidden = H;
+  in.offsets = offsets.data();
+  in.num_local = L;
+  in.first_global_expert = rank * L;
+  std::vector<T> y(6 * H), gx(6 * H);
+  local.forward(epx::exec::serial{}, in, y.data());
+  local.backward(epx::exec::serial{}, in, gy.data(), gx.data());
+  std::vector<double> want_y(6 * H), want_gx(6 * H);
+  auto want_grads = global.zero_grads();
+  for (int l = 0; l < L; ++l)
+    for (std::size_t r = offsets[l]; r < offsets[l + 1]; ++r) {
+      global.forward_row(rank * L + l, &xd[r * H], &want_y[r * H]);
+      global.backward_row(rank * L + l, &xd[r * H], &gyd[r * H], &want_gx[r * H], want_grads);
+    }
+  const double tol = sizeof(T) == 2 ? (std::is_same_v<T, epx::bf16> ? 2e-2 : 3e-3) : 1e-5;
+  ref::check_close(y, want_y, tol, tol, "y");
+  ref::check_close(gx, want_gx, tol, tol, "grad_in");
+  ref::check_close(local.grads(), ref::expert_slice(want_grads, global.params_per_expert(), rank * L, L), 1e-5, 1e-5,
+                   "grads");
+  CHECK(local.forward_calls() == 1);
+  CHECK(local.backward_calls() == 1);
 }
 
 TEST_CASE("compare reports the worst index") {
