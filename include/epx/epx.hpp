@@ -21,6 +21,7 @@
 #include "epx/dispatch/implementation.hpp"
 #include "epx/dispatch/all_to_all.hpp"
 #include "epx/dispatch/all_reduce.hpp"
+#include "epx/dispatch/automatic.hpp"
 #include "epx/layer/options.hpp"
 #include "epx/layer/stats.hpp"
 #include "epx/layer/experts.hpp"

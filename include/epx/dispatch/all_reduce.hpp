@@ -94,6 +94,7 @@ class all_reduce_impl {
 
     exec::for_each_n(ex, N,
                      dispatch::combine<T>{y_local.data(), a.weights, local_pos.data(), a.out, H, a.top_k});
+    exec::synchronize(ex);
     all_reduce(*ctx_.ep, span<T>(a.out, N * H));
 
     if (saved != nullptr) {
@@ -139,6 +140,7 @@ class all_reduce_impl {
     experts.backward(ex, rows, static_cast<const T*>(grad_y.data()), grad_in.data());
     exec::for_each_n(ex, N,
                      dispatch::reduce_grad_rows<T>{grad_in.data(), s.local_pos.data(), a.grad_x, H, s.top_k});
+    exec::synchronize(ex);
     all_reduce(*ctx_.ep, span<T>(a.grad_x, N * H));
     all_reduce(*ctx_.ep, span<float>(a.grad_weights, N * k));
   }
@@ -170,39 +172,6 @@ class all_reduce_impl {
   layer_context<Comm> ctx_;
 };
 
-template <class Comm>
-class automatic_impl {
- public:
-  static constexpr const char* name = "automatic";
-
-  explicit automatic_impl(const layer_context<Comm>& ctx) : a2a_(ctx) {
-    if (ctx.ep_size() == ctx.tp_size()) masked_ = std::make_unique<all_reduce_impl<Comm>>(ctx);
-  }
-
-  template <class T, class Exec, class Experts>
-  void forward(const Exec& ex, const forward_args<T>& a, Experts& experts, saved_state<T>* saved) {
-    if (saved == nullptr && masked_) {
-      masked_->forward(ex, a, experts, saved);
-    } else {
-      a2a_.forward(ex, a, experts, saved);
-    }
-  }
-
-  template <class T, class Exec, class Experts>
-  void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
-    using masked_state = typename all_reduce_impl<Comm>::template state<T, Exec>;
-    if (masked_ && saved.template holds<masked_state>()) {
-      masked_->backward(ex, a, experts, saved);
-    } else {
-      a2a_.backward(ex, a, experts, saved);
-    }
-  }
-
- private:
-  all_to_all_impl<Comm> a2a_;
-  std::unique_ptr<all_reduce_impl<Comm>> masked_;
-};
-
 }  // namespace detail
 
 namespace impl {
@@ -210,12 +179,6 @@ namespace impl {
 struct all_reduce {
   template <class Comm>
   using with = detail::all_reduce_impl<Comm>;
-};
-// all_reduce for inference when the EP group shares one batch (ep == tp), all_to_all
-// otherwise (always all_to_all for training).
-struct automatic {
-  template <class Comm>
-  using with = detail::automatic_impl<Comm>;
 };
 }  // namespace impl
 

@@ -10,6 +10,8 @@
 //   5. the user's experts;
 //   6. the mirrored segmented all-to-all brings outputs back into send order;
 //   7. combine in accum_t, slot order, into the zero-filled [N, H] output; TP all-reduce.
+// Before every communicator call the execution policy is synchronised (a no-op for host
+// policies), so a communicator never reads buffers a device stream is still writing.
 // Backward runs the same path in reverse with the saved layout (no count exchange, only a
 // small shape check exchange).
 #pragma once
@@ -161,6 +163,7 @@ class all_to_all_impl {
     auto x_recv = exec::make_buffer<T>(ex, R * H);
     exec::for_each_n(ex, S, dispatch::gather_rows<T>{a.x + sl.begin * H, plan.src_row.data(), send.data(), H});
     zero_padding(ex, x_recv.data(), lay.offsets, lay.received, H);
+    exec::synchronize(ex);
     all_to_allv_segments(*ctx_.ep, send.data(), make_span(lay.send_counts), make_span(lay.send_displs),
                          x_recv.data(), make_span(lay.recv_counts), make_span(lay.recv_displs),
                          static_cast<std::size_t>(L), H);
@@ -171,6 +174,7 @@ class all_to_all_impl {
     experts.forward(ex, rows, y_recv.data());
 
     // 6: outputs back into send order (reusing the send buffer).
+    exec::synchronize(ex);
     all_to_allv_segments(*ctx_.ep, static_cast<const T*>(y_recv.data()), make_span(lay.recv_counts),
                          make_span(lay.recv_displs), send.data(), make_span(lay.send_counts),
                          make_span(lay.send_displs), static_cast<std::size_t>(L), H);
@@ -180,6 +184,7 @@ class all_to_all_impl {
     exec::for_each_n(ex, n,
                      dispatch::combine<T>{send.data(), a.weights + sl.begin * k, plan.pos.data(),
                                           a.out + sl.begin * H, H, a.top_k});
+    exec::synchronize(ex);
     if (tp > 1) all_reduce(*ctx_.tp, span<T>(a.out, a.rows * H));
 
     if (saved != nullptr) {
@@ -227,6 +232,7 @@ class all_to_all_impl {
                                                    s.pos.data(), grad_send.data(), a.grad_weights + sl.begin * k,
                                                    H, s.top_k});
     zero_padding(ex, grad_recv.data(), lay.offsets, lay.received, H);
+    exec::synchronize(ex);
     all_to_allv_segments(*ctx_.ep, static_cast<const T*>(grad_send.data()), make_span(lay.send_counts),
                          make_span(lay.send_displs), grad_recv.data(), make_span(lay.recv_counts),
                          make_span(lay.recv_displs), static_cast<std::size_t>(L), H);
@@ -235,6 +241,7 @@ class all_to_all_impl {
     const expert_rows<const T> rows{s.x_recv.data(), R, H, lay.offsets.data(), L, ctx_.first_expert()};
     experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in.data());
 
+    exec::synchronize(ex);
     all_to_allv_segments(*ctx_.ep, static_cast<const T*>(grad_in.data()), make_span(lay.recv_counts),
                          make_span(lay.recv_displs), grad_send.data(), make_span(lay.send_counts),
                          make_span(lay.send_displs), static_cast<std::size_t>(L), H);
@@ -243,6 +250,7 @@ class all_to_all_impl {
                      dispatch::reduce_grad_rows<T>{grad_send.data(), s.pos.data(), a.grad_x + sl.begin * H, H,
                                                    s.top_k});
     if (tp > 1) {
+      exec::synchronize(ex);
       all_reduce(*ctx_.tp, span<T>(a.grad_x, a.rows * H));
       all_reduce(*ctx_.tp, span<float>(a.grad_weights, a.rows * k));
     }

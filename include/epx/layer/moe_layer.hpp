@@ -29,6 +29,7 @@
 #include "epx/core/numeric.hpp"
 #include "epx/core/span.hpp"
 #include "epx/dispatch/all_reduce.hpp"
+#include "epx/dispatch/automatic.hpp"
 #include "epx/dispatch/all_to_all.hpp"
 #include "epx/dispatch/implementation.hpp"
 #include "epx/exec/host.hpp"

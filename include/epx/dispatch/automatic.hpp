@@ -1,0 +1,61 @@
+// epx/dispatch/automatic.hpp: impl::automatic, the implementation chosen per call.
+//
+// Inference on a mesh whose EP group shares one batch (ep == tp) takes the masked
+// all-reduce path (no rows move, no count exchange); everything else (training, ep > tp)
+// takes the all-to-all path. Backward follows whichever path its saved state came from.
+#pragma once
+
+#include <memory>
+
+#include "epx/dispatch/all_reduce.hpp"
+#include "epx/dispatch/all_to_all.hpp"
+#include "epx/dispatch/implementation.hpp"
+
+namespace epx {
+namespace detail {
+
+template <class Comm>
+class automatic_impl {
+ public:
+  static constexpr const char* name = "automatic";
+
+  explicit automatic_impl(const layer_context<Comm>& ctx) : a2a_(ctx) {
+    if (ctx.ep_size() == ctx.tp_size()) masked_ = std::make_unique<all_reduce_impl<Comm>>(ctx);
+  }
+
+  template <class T, class Exec, class Experts>
+  void forward(const Exec& ex, const forward_args<T>& a, Experts& experts, saved_state<T>* saved) {
+    if (saved == nullptr && masked_) {
+      masked_->forward(ex, a, experts, saved);
+    } else {
+      a2a_.forward(ex, a, experts, saved);
+    }
+  }
+
+  template <class T, class Exec, class Experts>
+  void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
+    using masked_state = typename all_reduce_impl<Comm>::template state<T, Exec>;
+    if (masked_ && saved.template holds<masked_state>()) {
+      masked_->backward(ex, a, experts, saved);
+    } else {
+      a2a_.backward(ex, a, experts, saved);
+    }
+  }
+
+ private:
+  all_to_all_impl<Comm> a2a_;
+  std::unique_ptr<all_reduce_impl<Comm>> masked_;
+};
+
+}  // namespace detail
+
+namespace impl {
+// all_reduce for inference when the EP group shares one batch (ep == tp), all_to_all
+// otherwise (always all_to_all for training).
+struct automatic {
+  template <class Comm>
+  using with = detail::automatic_impl<Comm>;
+};
+}  // namespace impl
+
+}  // namespace epx
