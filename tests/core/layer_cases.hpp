@@ -213,6 +213,39 @@ std::string check_layer_case(Comm& world, const layer_case& c) {
   return f;
 }
 
+// An inference call: output against the reference, an empty saved state, and the path
+// the implementation took (`want_path`).
+template <class Comm, class T, class Impl>
+std::string check_inference(Comm& world, const layer_case& c, const std::string& want_path) {
+  std::string f;
+  try {
+    const mesh m(c.topology);
+    const auto global = ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+    const int rank = world.rank(), b = m.batch(rank);
+    const batch_data d = make_batch<T>(c, b);
+    const std::size_t N = c.rows_of(b), H = static_cast<std::size_t>(c.hidden);
+    layer_options o;
+    o.hidden = H;
+    o.top_k = c.top_k;
+    o.pad = c.pad;
+    moe_layer<Comm, T, Impl> layer(m, world, o);
+    ref::test_linear_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
+    const auto x = ref::from_double<T>(d.x);
+    std::vector<float> w(d.w.begin(), d.w.end());
+    std::vector<T> out(N * H, convert<T>(7.0f));
+    auto saved = layer.forward(span<const T>(x), span<const std::int32_t>(d.ids), span<const float>(w), span<T>(out),
+                               experts, mode::inference);
+    const std::string where = detail::concat(c.describe(), " rank ", rank, " inference");
+    if (!saved.empty()) f += where + ": saved state not empty\n";
+    if (std::string(layer.stats().path) != want_path)
+      f += where + ": path " + layer.stats().path + ", expected " + want_path + "\n";
+    append(f, ref::compare(out, ref::moe_forward(d.x, d.ids, d.w, global), atol_for<T>(), rtol_for<T>(), where + " out"));
+  } catch (const std::exception& ex) {
+    f += detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
+  }
+  return f;
+}
+
 template <class T>
 bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);

@@ -1,0 +1,156 @@
+// Load statistics after a layer call: tokens per local expert, rows sent/received per peer,
+// max/mean load over the EP group, checked against counts taken from the routing itself.
+#include <doctest/doctest.h>
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/layer_cases.hpp"
+#include "epx/comm/threads.hpp"
+
+namespace {
+
+using comm_t = epx::threads::communicator;
+using epx::test::layer_case;
+
+// Per rank: the stats of one forward, plus the failures of the reference comparison.
+struct rank_view {
+  epx::layer_stats stats;
+  std::string failures;
+};
+
+std::vector<rank_view> run_stats(const layer_case& c) {
+  const epx::mesh m(c.topology);
+  std::vector<rank_view> v(static_cast<std::size_t>(m.world()));
+  epx::threads::run(m.world(), [&](comm_t& comm) {
+    auto& me = v[static_cast<std::size_t>(comm.rank())];
+    try {
+      const auto global = epx::ref::linear_experts::random(c.topology.experts, c.hidden, 5);
+      me.stats = epx::test::run_layer<comm_t, float, epx::impl::all_to_all>(comm, c, global).stats;
+    } catch (const std::exception& e) {
+      me.failures = e.what();
+    }
+  });
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("stats: per-peer rows, per-expert tokens and group load match the routing") {
+  layer_case c;
+  c.topology = epx::mesh_config{2, 4, 1, 1, 4, 16, 0};  // tp=2 fsdp=4 ep=4 E=16, L=4
+  c.top_k = 2;
+  c.hidden = 4;
+  c.routing = epx::test::routing_kind::uneven;
+  c.rows = [](int b) { return std::size_t{10} + static_cast<std::size_t>(b) * 3; };
+  c.pad = {1, 4};
+  const epx::mesh m(c.topology);
+  const auto v = run_stats(c);
+  const int E = m.experts(), L = m.local_experts(), ep = m.ep();
+  for (int r = 0; r < m.world(); ++r) {
+    CAPTURE(r);
+    const auto& s = v[static_cast<std::size_t>(r)].stats;
+    REQUIRE(v[static_cast<std::size_t>(r)].failures.empty());
+    CHECK(std::string(s.path) == "all_to_all");
+    CHECK(s.calls == 1);
+    REQUIRE(s.rows_sent.size() == static_cast<std::size_t>(ep));
+    REQUIRE(s.rows_received.size() == static_cast<std::size_t>(ep));
+    REQUIRE(s.tokens_per_local_expert.size() == static_cast<std::size_t>(L));
+    REQUIRE(s.tokens_per_expert.size() == static_cast<std::size_t>(E));
+    // Expected from the routing of this rank's slice and its EP group's batches.
+    const auto members = m.group_members(epx::group_kind::ep, r);
+    std::vector<std::int64_t> per_expert(static_cast<std::size_t>(E), 0);
+    std::vector<std::int64_t> sent(static_cast<std::size_t>(ep), 0), recv(static_cast<std::size_t>(ep), 0);
+    for (int src = 0; src < ep; ++src) {
+      const int g = members[static_cast<std::size_t>(src)];
+      const auto d = epx::test::make_batch<float>(c, m.batch(g));
+      const auto sl = epx::slice_bounds(c.rows_of(m.batch(g)), m.tp(), m.coords(g).tp);
+      for (std::size_t i = sl.begin * 2; i < sl.end * 2; ++i) {
+        const int e = d.ids[i];
+        ++per_expert[static_cast<std::size_t>(e)];
+        if (g == r) ++sent[static_cast<std::size_t>(e / L)];
+        if (e / L == m.ep_rank(r)) ++recv[static_cast<std::size_t>(src)];
+      }
+    }
+    CHECK(s.tokens_per_expert == per_expert);
+    CHECK(s.rows_sent == sent);
+    CHECK(s.rows_received == recv);
+    std::int64_t total = 0, mx = 0, rmx = 0;
+    for (auto x : per_expert) {
+      total += x;
+      mx = std::max(mx, x);
+    }
+    for (int q = 0; q < ep; ++q) {
+      std::int64_t rs = 0;
+      for (int l = 0; l < L; ++l) rs += per_expert[static_cast<std::size_t>(q * L + l)];
+      rmx = std::max(rmx, rs);
+    }
+    CHECK(s.max_expert_load == doctest::Approx(static_cast<double>(mx)));
+    CHECK(s.mean_expert_load == doctest::Approx(static_cast<double>(total) / E));
+    CHECK(s.max_rank_load == doctest::Approx(static_cast<double>(rmx)));
+    CHECK(s.mean_rank_load == doctest::Approx(static_cast<double>(total) / ep));
+    CHECK(s.imbalance() >= 1.0);
+    for (int l = 0; l < L; ++l) {
+      const auto got = s.tokens_per_local_expert[static_cast<std::size_t>(l)];
+      CHECK(got == per_expert[static_cast<std::size_t>(m.ep_rank(r) * L + l)]);
+      const auto pad = s.padding_per_local_expert[static_cast<std::size_t>(l)];
+      CHECK(pad >= 1);
+      CHECK((got + pad) % 4 == 0);
+    }
+  }
+}
+
+TEST_CASE("stats: the masked all-reduce path reports its path and no rows moved") {
+  layer_case c;
+  c.topology = epx::mesh_config{2, 2, 1, 1, 2, 4, 0};
+  c.top_k = 2;
+  c.hidden = 4;
+  const epx::mesh m(c.topology);
+  std::vector<epx::layer_stats> v(4);
+  epx::threads::run(4, [&](comm_t& comm) {
+    const auto global = epx::ref::linear_experts::random(4, 4, 5);
+    v[static_cast<std::size_t>(comm.rank())] =
+        epx::test::run_layer<comm_t, float, epx::impl::automatic>(comm, c, global).stats;
+  });
+  // Training goes through all_to_all even when ep == tp.
+  for (const auto& s : v) CHECK(std::string(s.path) == "all_to_all");
+  epx::threads::run(4, [&](comm_t& comm) {
+    const auto global = epx::ref::linear_experts::random(4, 4, 5);
+    v[static_cast<std::size_t>(comm.rank())] =
+        epx::test::run_layer<comm_t, float, epx::impl::all_reduce>(comm, c, global).stats;
+  });
+  for (int r = 0; r < 4; ++r) {
+    const auto& s = v[static_cast<std::size_t>(r)];
+    CHECK(std::string(s.path) == "all_reduce");
+    for (auto x : s.rows_sent) CHECK(x == 0);
+    const auto d = epx::test::make_batch<float>(c, m.batch(r));
+    std::int64_t mine = 0;
+    for (auto e : d.ids) mine += (e / 2 == m.ep_rank(r));
+    CHECK(s.tokens_per_local_expert[0] + s.tokens_per_local_expert[1] == mine);
+  }
+}
+
+TEST_CASE("automatic: inference takes the masked path when ep == tp, all_to_all otherwise") {
+  layer_case c;
+  c.topology = epx::mesh_config{2, 2, 1, 1, 2, 4, 0};
+  c.top_k = 2;
+  c.hidden = 4;
+  std::vector<std::string> f(4);
+  epx::threads::run(4, [&](comm_t& comm) {
+    f[static_cast<std::size_t>(comm.rank())] =
+        epx::test::check_inference<comm_t, float, epx::impl::automatic>(comm, c, "all_reduce") +
+        epx::test::check_inference<comm_t, float, epx::impl::all_to_all>(comm, c, "all_to_all");
+  });
+  layer_case d = c;
+  d.topology = epx::mesh_config{1, 4, 1, 1, 2, 4, 0};
+  std::vector<std::string> g(4);
+  epx::threads::run(4, [&](comm_t& comm) {
+    g[static_cast<std::size_t>(comm.rank())] =
+        epx::test::check_inference<comm_t, epx::bf16, epx::impl::automatic>(comm, d, "all_to_all");
+  });
+  for (int r = 0; r < 4; ++r) {
+    CHECK_MESSAGE(f[static_cast<std::size_t>(r)].empty(), f[static_cast<std::size_t>(r)]);
+    CHECK_MESSAGE(g[static_cast<std::size_t>(r)].empty(), g[static_cast<std::size_t>(r)]);
+  }
+}
