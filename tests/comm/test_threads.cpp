@@ -251,14 +251,31 @@ TEST_CASE("threads: the watchdog names the ranks that never enter a collective")
   check_next_run_works(n);
 }
 
-TEST_CASE("threads: a rank that returns without entering a collective trips the watchdog") {
+TEST_CASE("threads: a rank that returns without entering a collective fails the others at once") {
   const int n = 3;
-  epx::threads::options o;
-  o.timeout = milliseconds(200);
+  const auto t0 = clock_type::now();
+  seen_errors seen(n);
   CHECK_THROWS_WITH_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
     if (comm.rank() == 0) return;
-    comm.barrier();
-  }, o), doctest::Contains("never entered it: rank 0"), epx::error);
+    try {
+      comm.barrier();
+    } catch (const epx::error& e) {
+      seen.record(comm.rank(), e);
+      throw;
+    }
+  }, short_options()), doctest::Contains("returned from their function without entering it: rank 0"), epx::error);
+  CHECK(clock_type::now() - t0 < milliseconds(1500));  // well before the watchdog
+  for (int r : {1, 2}) {
+    CAPTURE(r);
+    CHECK(contains(seen.messages[r], "barrier (collective #1 on a communicator of 3 ranks) can never complete"));
+  }
+  // Inside a sub-communicator: the tp partner of rank 5 returns early.
+  CHECK_THROWS_WITH_AS(epx::threads::run(8, [&](epx::threads::communicator& comm) {
+    auto pair = comm.split(comm.rank() / 2, comm.rank());
+    if (comm.rank() == 5) return;
+    std::vector<int> x(4, 1);
+    epx::all_reduce(pair, epx::span<int>(x));
+  }, short_options()), doctest::Contains("without entering it: rank 1 (world rank 5)"), epx::error);
   check_next_run_works(n);
 }
 

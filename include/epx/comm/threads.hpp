@@ -15,8 +15,10 @@
 //
 // Nothing hangs: an exception escaping any rank's function aborts the run, and every
 // pending or later collective of every rank (sub-communicators included) throws
-// epx::error(errc::communicator) naming the failed rank and its message. A watchdog turns a
-// collective that some members never enter into an error listing them. Calls that disagree
+// epx::error(errc::communicator) naming the failed rank and its message. A rank that
+// returns from its function while others wait for it in a collective fails that
+// collective at once, and a watchdog (options::timeout) turns a collective that some
+// members have not entered in time into an error listing them. Calls that disagree
 // (different collectives, datatypes, counts, roots or scales) are detected on every rank
 // and reported with the values.
 #pragma once
@@ -321,16 +323,21 @@ class communicator {
   }
 
   [[noreturn]] void on_wait_failure(detail::wait_result w, detail::threads_op op) const {
-    if (w == detail::wait_result::timed_out) {
+    if (w == detail::wait_result::timed_out || w == detail::wait_result::member_gone) {
       const std::uint64_t seq = group_->entered(rank_);
+      const bool gone = w == detail::wait_result::member_gone;
       std::string missing;
       for (int r = 0; r < size(); ++r)
-        if (group_->entered(r) < seq) missing += (missing.empty() ? "" : ", ") + who(r);
+        if (group_->entered(r) < seq && (!gone || world_->finished(group_->world_rank(r))))
+          missing += (missing.empty() ? "" : ", ") + who(r);
       if (missing.empty()) missing = "none at the time of the check";
+      const std::string what = detail::concat(to_string(op), " (collective #", seq, " on a communicator of ",
+                                              size(), " ranks)");
       epx::error e(errc::communicator,
-                   detail::concat("watchdog: ", to_string(op), " (collective #", seq, " on a communicator of ",
-                                  size(), " ranks) still waits after ", world_->timeout().count(),
-                                  " ms; ranks that never entered it: ", missing),
+                   gone ? detail::concat(what, " can never complete: ranks that returned from their function "
+                                               "without entering it: ", missing)
+                        : detail::concat("watchdog: ", what, " still waits after ", world_->timeout().count(),
+                                         " ms; ranks that never entered it: ", missing),
                    EPX_HERE);
       world_->fail(world_rank(), std::make_exception_ptr(e));
       throw e;
@@ -351,7 +358,7 @@ class communicator {
     group_->slot(seq, rank_) = d;
     group_->set_entered(rank_, seq);
     const auto deadline = std::chrono::steady_clock::now() + world_->timeout();
-    const auto w = group_->arrive_and_wait(true, deadline);
+    const auto w = group_->arrive_and_wait(true, deadline, seq);
     if (w != detail::wait_result::passed) on_wait_failure(w, d.op);
     std::string mismatch;
     try {
@@ -458,6 +465,7 @@ void run(int n, F&& f, const options& opts = {}) {
     } catch (...) {
       world->fail(i, std::current_exception());
     }
+    world->mark_finished(i);
   };
   try {
     for (int i = 0; i < n; ++i) threads.emplace_back(body, i);

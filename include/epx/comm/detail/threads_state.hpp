@@ -97,7 +97,9 @@ struct alignas(64) padded_counter {
   std::atomic<std::uint64_t> value{0};
 };
 
-enum class wait_result { passed, cancelled, timed_out };
+// passed; cancelled (the run aborted); timed_out (the watchdog); member_gone (a member that
+// has not entered returned from its function, so it never will).
+enum class wait_result { passed, cancelled, timed_out, member_gone };
 
 class threads_world;
 
@@ -126,7 +128,12 @@ class threads_group {
   // passes, and then cancel the generation so that no member can pass it: once any member
   // has left early, nobody reads its buffers. Non-abortable waits (the exit barrier of a
   // collective, where every member is known to be running bounded copy code) always pass.
-  inline wait_result arrive_and_wait(bool abortable, std::chrono::steady_clock::time_point deadline);
+  // `seq` is the caller's collective number on this group (for member_gone).
+  inline wait_result arrive_and_wait(bool abortable, std::chrono::steady_clock::time_point deadline,
+                                     std::uint64_t seq = 0);
+
+  // Whether a member that has not entered collective `seq` has finished its function.
+  inline bool member_gone(std::uint64_t seq) const noexcept;
 
   // Wakes the sleepers so that they re-check the world's abort flag.
   void poke() noexcept {
@@ -176,7 +183,8 @@ class threads_group {
 
 class threads_world {
  public:
-  threads_world(int n, std::chrono::milliseconds timeout) : timeout_(timeout) {
+  threads_world(int n, std::chrono::milliseconds timeout)
+      : timeout_(timeout), finished_(new padded_counter[static_cast<std::size_t>(n)]) {
     const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
     // With more ranks than cores a spinning or yielding waiter steals the core of the rank
     // it waits for (or hands a whole time slice to another process): sleep at once.
@@ -184,6 +192,13 @@ class threads_world {
   }
 
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  bool finished(int world_rank) const noexcept { return finished_[static_cast<std::size_t>(world_rank)].value.load() != 0; }
+
+  // Rank `world_rank` returned from its function: waiters for it can stop waiting.
+  void mark_finished(int world_rank) noexcept {
+    finished_[static_cast<std::size_t>(world_rank)].value.store(1);
+    poke_all();
+  }
   int spin_limit() const noexcept { return spin_limit_; }
   bool aborted() const noexcept { return aborted_.load(); }
 
@@ -200,7 +215,6 @@ class threads_world {
   // Records the first failure and wakes every waiter of every group. Later calls keep the
   // first failure.
   void fail(int world_rank, std::exception_ptr e) noexcept {
-    std::vector<std::weak_ptr<threads_group>> groups;
     {
       std::lock_guard<std::mutex> lk(m_);
       if (!aborted_.load()) {
@@ -213,10 +227,8 @@ class threads_world {
         }
         aborted_.store(true);
       }
-      groups = groups_;
     }
-    for (auto& w : groups)
-      if (auto g = w.lock()) g->poke();
+    poke_all();
   }
 
   [[noreturn]] void throw_aborted(int world_rank) const {
@@ -241,7 +253,21 @@ class threads_world {
   }
 
  private:
+  void poke_all() noexcept {
+    std::vector<std::shared_ptr<threads_group>> live;
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      try {
+        for (auto& w : groups_)
+          if (auto g = w.lock()) live.push_back(std::move(g));
+      } catch (...) {  // out of memory: the waiters still see the flags at their deadline
+      }
+    }
+    for (auto& g : live) g->poke();
+  }
+
   std::chrono::milliseconds timeout_;
+  std::unique_ptr<padded_counter[]> finished_;
   int spin_limit_ = 0;
   std::atomic<bool> aborted_{false};
   mutable std::mutex m_;
@@ -251,8 +277,15 @@ class threads_world {
   std::vector<std::weak_ptr<threads_group>> groups_;
 };
 
+inline bool threads_group::member_gone(std::uint64_t seq) const noexcept {
+  for (int r = 0; r < n_; ++r)
+    if (entered(r) < seq && world_->finished(world_rank(r))) return true;
+  return false;
+}
+
 inline wait_result threads_group::arrive_and_wait(bool abortable,
-                                                  std::chrono::steady_clock::time_point deadline) {
+                                                  std::chrono::steady_clock::time_point deadline,
+                                                  std::uint64_t seq) {
   std::uint64_t s = state_.load();
   std::uint32_t gen;
   for (;;) {
@@ -280,13 +313,16 @@ inline wait_result threads_group::arrive_and_wait(bool abortable,
     cpu_relax();
   }
 
-  bool timed_out = false;
+  bool timed_out = false, gone = false;
   {
     std::unique_lock<std::mutex> lk(m_);
     sleepers_.fetch_add(1);
     auto ready = [&] {
       const std::uint64_t v = state_.load();
-      return gen_of(v) != gen || (v & cancel_bit) != 0 || (abortable && world_->aborted());
+      if (gen_of(v) != gen || (v & cancel_bit) != 0) return true;
+      if (!abortable) return false;
+      gone = member_gone(seq);
+      return gone || world_->aborted();
     };
     if (abortable) {
       timed_out = !cv_.wait_until(lk, deadline, ready);
@@ -301,7 +337,8 @@ inline wait_result threads_group::arrive_and_wait(bool abortable,
   // Abortable and (aborted or timed out): make sure nobody passes this generation.
   const int c = try_cancel(gen);
   if (c == 0) return wait_result::passed;
-  return c == 1 && timed_out && !world_->aborted() ? wait_result::timed_out : wait_result::cancelled;
+  if (c == 2 || world_->aborted()) return wait_result::cancelled;
+  return gone ? wait_result::member_gone : timed_out ? wait_result::timed_out : wait_result::cancelled;
 }
 
 }  // namespace epx::detail
