@@ -15,6 +15,10 @@
 //
 // Conventions: matrices are row-major std::vector<double>; ids are [N, k] int32 and
 // weights [N, k]; slot j = 0 is the best-scoring expert of a token.
+//
+// Test binaries get `check_close` (a doctest check). A program without doctest (an
+// example, a benchmark) defines EPX_REF_NO_DOCTEST before including this header and uses
+// `compare` instead.
 #pragma once
 
 #include <algorithm>
@@ -30,7 +34,9 @@
 #include <type_traits>
 #include <vector>
 
+#ifndef EPX_REF_NO_DOCTEST
 #include <doctest/doctest.h>
+#endif
 
 #include "epx/core/numeric.hpp"
 
@@ -903,6 +909,7 @@ double max_abs_err(const std::vector<G>& got, const std::vector<double>& want) {
   return m;
 }
 
+#ifndef EPX_REF_NO_DOCTEST
 // doctest check (main test thread only): fails with the worst index and values.
 template <class G>
 bool check_close(const std::vector<G>& got, const std::vector<double>& want, double atol, double rtol,
@@ -911,5 +918,6 @@ bool check_close(const std::vector<G>& got, const std::vector<double>& want, dou
   CHECK_MESSAGE(c.ok, c.message);
   return c.ok;
 }
+#endif  // EPX_REF_NO_DOCTEST
 
 }  // namespace epx::ref
