@@ -35,6 +35,12 @@
 #else
 #define EPX_BENCH_HAVE_FUNCTORS 0
 #endif
+#if __has_include("epx/layer/moe_layer.hpp")
+#include "epx/layer/moe_layer.hpp"
+#define EPX_BENCH_HAVE_LAYER 1
+#else
+#define EPX_BENCH_HAVE_LAYER 0
+#endif
 
 namespace {
 
@@ -130,14 +136,16 @@ struct combine_vec16 {
 struct routing {
   std::size_t N, k, S;
   int E;
+  std::vector<std::int32_t> ids;
   std::vector<std::int64_t> pos, src_row, expert_offset;
   std::vector<float> w;
 };
 
 routing make_routing(std::size_t N, std::size_t k, int E, unsigned seed) {
-  routing r{N, k, N * k, E, {}, {}, {}, {}};
+  routing r{N, k, N * k, E, {}, {}, {}, {}, {}};
   std::mt19937 rng(seed);
-  std::vector<int> ids(r.S);
+  std::vector<std::int32_t>& ids = r.ids;
+  ids.resize(r.S);
   std::vector<int> experts(static_cast<std::size_t>(E));
   std::iota(experts.begin(), experts.end(), 0);
   for (std::size_t t = 0; t < N; ++t) {
@@ -146,7 +154,7 @@ routing make_routing(std::size_t N, std::size_t k, int E, unsigned seed) {
     for (std::size_t j = 0; j < k; ++j) ids[t * k + j] = experts[j];
   }
   r.expert_offset.assign(static_cast<std::size_t>(E) + 1, 0);
-  for (int e : ids) ++r.expert_offset[static_cast<std::size_t>(e) + 1];
+  for (const int e : ids) ++r.expert_offset[static_cast<std::size_t>(e) + 1];
   for (int e = 0; e < E; ++e) r.expert_offset[static_cast<std::size_t>(e) + 1] += r.expert_offset[static_cast<std::size_t>(e)];
   std::vector<std::int64_t> next(r.expert_offset.begin(), r.expert_offset.end() - 1);
   r.pos.resize(r.S);
@@ -168,6 +176,36 @@ device_buffer<T> upload(cudaStream_t s, const std::vector<T>& v) {
   epx::exec::copy_from_host(epx::exec::cuda{s}, v.data(), v.size(), b.data());
   return b;
 }
+
+#if EPX_BENCH_HAVE_LAYER
+// Experts for the layer rows: out = (1 + e/4) * in per expert, one kernel per local expert.
+template <class T>
+struct scale_rows {
+  const T* in;
+  T* out;
+  float s;
+  EPX_HOST_DEVICE void operator()(std::size_t i) const { out[i] = epx::convert<T>(s * epx::convert<float>(in[i])); }
+};
+template <class T>
+struct scaling_experts {
+  template <class Exec>
+  void forward(const Exec& ex, const epx::expert_rows<const T>& in, T* out) {
+    for (int l = 0; l < in.num_local; ++l) {
+      const std::size_t b = in.offsets[l] * in.hidden;
+      epx::exec::for_each_n(ex, in.count(l) * in.hidden,
+                            scale_rows<T>{in.rows + b, out + b, 1.0f + 0.25f * static_cast<float>(in.first_global_expert + l)});
+    }
+  }
+  template <class Exec>
+  void backward(const Exec& ex, const epx::expert_rows<const T>& in, const T* grad_out, T* grad_in) {
+    for (int l = 0; l < in.num_local; ++l) {
+      const std::size_t b = in.offsets[l] * in.hidden;
+      epx::exec::for_each_n(ex, in.count(l) * in.hidden,
+                            scale_rows<T>{grad_out + b, grad_in + b, 1.0f + 0.25f * static_cast<float>(in.first_global_expert + l)});
+    }
+  }
+};
+#endif
 
 double gbps(double bytes, double secs) { return bytes / secs * 1e-9; }
 
@@ -255,6 +293,50 @@ void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, s
         floor_gbps);
   }
 #endif
+  comm.wait();
+
+  // NCCL itself at world size 1: an in-place scaled all-reduce of the [N, H] output.
+  row("nccl all_reduce ws1 x0.5", shape, 2.0 * static_cast<double>(N * H * sizeof(T)),
+      tm.time([&] { comm.all_reduce(out.data(), out.data(), N * H, epx::datatype_of<T>(), 0.5); }, 1, iters), floor_gbps);
+  comm.wait();
+
+#if EPX_BENCH_HAVE_LAYER
+  {
+    // The whole layer on the GPU path (counting-sort plan, count exchange, dispatch,
+    // experts, combine; backward): bytes as the round trip plus the experts' read+write.
+    epx::mesh_config mc;
+    mc.experts = E;
+    const epx::mesh m(mc);
+    epx::layer_options lo;
+    lo.hidden = H;
+    lo.top_k = static_cast<int>(k);
+    lo.pad.rows_per_expert = 0;
+    epx::moe_layer<epx::nccl::communicator, T, epx::impl::all_to_all, epx::exec::cuda> layer(m, comm, lo, dev);
+    auto ids = upload(s, r.ids);
+    device_buffer<T> gx(N * H);
+    device_buffer<float> gw(S);
+    scaling_experts<T> experts;
+    const epx::span<const T> xs(x.data(), N * H);
+    const epx::span<const std::int32_t> is(ids.data(), S);
+    const epx::span<const float> ws(w.data(), S);
+    const double expert_bytes = gather_bytes;
+    row("moe_layer forward (infer)", shape, trip_bytes + expert_bytes,
+        tm.time([&] { layer.forward(xs, is, ws, epx::span<T>(out.data(), N * H), experts, epx::mode::inference); }, 1,
+                std::max(1, iters / 2)),
+        floor_gbps);
+    row("moe_layer forward+backward", shape, 2.0 * (trip_bytes + expert_bytes),
+        tm.time(
+            [&] {
+              auto saved = layer.forward(xs, is, ws, epx::span<T>(out.data(), N * H), experts, epx::mode::train);
+              layer.backward(std::move(saved), epx::span<const T>(out.data(), N * H), epx::span<T>(gx.data(), N * H),
+                             epx::span<float>(gw.data(), S), experts);
+            },
+            1, std::max(1, iters / 4)),
+        floor_gbps);
+  }
+#endif
+  // `out` as one round trip computes it, for the check below.
+  trip(gv, S * words, cvb, N * words);
   comm.wait();
 
   // Correctness of the round trip (last run): out == combine of x rows, checked on a few tokens.

@@ -8,7 +8,7 @@
 # DOCTEST_INCLUDE (folder holding doctest/doctest.h), NCCL_HOME (NCCL's prefix if not in
 # the CUDA toolkit or /usr). Needs nvcc, NCCL and, for the tests, doctest. Prints the
 # benchmark table (bench/gpu/bench_kernels.cu explains the columns) and a summary; exits
-# non-zero if a build, a test or the benchmark failed. Builds three translation units
+# non-zero if a build, a test or the benchmark failed. Builds four CUDA translation units
 # directly with nvcc (no CMake, no Google Benchmark needed): a few minutes at most.
 set -euo pipefail
 
@@ -78,6 +78,7 @@ build() {  # build NAME SOURCES...
 if [[ $doctest_ok == 1 ]]; then
   build test_cuda_exec tests/cuda/exec.cu tests/cuda/support/device_main.cpp
   build test_cuda_nccl tests/cuda/nccl.cu tests/cuda/support/device_main.cpp
+  build test_cuda_layer tests/cuda/layer.cu tests/cuda/support/device_main.cpp
 fi
 build epx_bench_gpu_kernels bench/gpu/bench_kernels.cu
 build_failed=0
@@ -107,6 +108,7 @@ run_test() {  # run_test NAME: 0 passed, 77 skipped (no device), else failed
 if [[ $doctest_ok == 1 ]]; then
   run_test test_cuda_exec
   run_test test_cuda_nccl
+  run_test test_cuda_layer
 else
   result[tests]="NOT BUILT (doctest missing)"
 fi
