@@ -170,6 +170,74 @@ class communicator {
     exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, t, large);
   }
 
+  // Segmented all-to-all (see epx::all_to_allv_segments): arrays are [peers][nseg], in
+  // elements; segment i sent to peer q (send_counts[q*nseg+i] at send_displs[q*nseg+i])
+  // lands at q's recv_displs[me*nseg+i]. One MPI_Alltoallw with an hindexed datatype per peer
+  // (no staging copy, one synchronization instead of nseg); segments over max_count go as
+  // nseg rounds of chunked point-to-point transfers instead.
+  void all_to_allv_segments(const void* send, const std::size_t* send_counts, const std::size_t* send_displs,
+                            void* recv, const std::size_t* recv_counts, const std::size_t* recv_displs,
+                            std::size_t nseg, datatype t) {
+    const auto n = static_cast<std::size_t>(size());
+    const std::size_t m = n * nseg;
+    bool large = nseg > static_cast<std::size_t>(INT_MAX);
+    for (std::size_t j = 0; j < m; ++j) large = large || send_counts[j] > opt_.max_count || recv_counts[j] > opt_.max_count;
+    if (opt_.check_counts) {
+      std::vector<unsigned long long> mine(m), theirs(m);  // theirs[p*nseg+i]: what p sends me in segment i
+      for (std::size_t j = 0; j < m; ++j) mine[j] = send_counts[j];
+      if (m > 0 && nseg <= static_cast<std::size_t>(INT_MAX)) {
+        EPX_MPI_CHECK(MPI_Alltoall(mine.data(), static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG, theirs.data(),
+                                   static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG, s_->comm));
+      }
+      std::string bad;
+      for (std::size_t j = 0; j < m && bad.empty() && nseg <= static_cast<std::size_t>(INT_MAX); ++j) {
+        if (theirs[j] != recv_counts[j])
+          bad = detail::concat("all_to_allv_segments: send and receive counts disagree: rank ", rank(), " expects ",
+                               recv_counts[j], " ", to_string(t), " elements in segment ", j % nseg, " from rank ",
+                               j / nseg, ", which sends ", theirs[j]);
+      }
+      large = agree("all_to_allv_segments",
+                    {{"the datatype", static_cast<long long>(t)}, {"the segment count", static_cast<long long>(nseg)}},
+                    bad, errc::communicator, large ? 1 : 0) != 0;
+    } else {
+      int l = large ? 1 : 0;
+      EPX_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &l, 1, MPI_INT, MPI_MAX, s_->comm));
+      large = l != 0;
+    }
+    if (nseg == 0) return;
+    if (large) {
+      std::vector<std::size_t> v(4 * n);
+      for (std::size_t i = 0; i < nseg; ++i) {
+        for (std::size_t p = 0; p < n; ++p) {
+          v[p] = send_counts[p * nseg + i];
+          v[n + p] = send_displs[p * nseg + i];
+          v[2 * n + p] = recv_counts[p * nseg + i];
+          v[3 * n + p] = recv_displs[p * nseg + i];
+        }
+        exchange_chunked(send, v.data(), v.data() + n, recv, v.data() + 2 * n, v.data() + 3 * n, t);
+      }
+      return;
+    }
+    const MPI_Datatype mt = detail::mpi_type(t);
+    const auto es = static_cast<MPI_Aint>(size_of(t));
+    detail::mpi_type_list types(2 * n);  // [send types by peer, recv types by peer], freed on scope exit
+    std::vector<int> len(nseg), ones(n, 1), zeros(n, 0);
+    std::vector<MPI_Aint> disp(nseg);
+    for (std::size_t k = 0; k < 2 * n; ++k) {
+      const std::size_t p = k % n;
+      const std::size_t* c = k < n ? send_counts : recv_counts;
+      const std::size_t* d = k < n ? send_displs : recv_displs;
+      for (std::size_t i = 0; i < nseg; ++i) {
+        len[i] = static_cast<int>(c[p * nseg + i]);
+        disp[i] = static_cast<MPI_Aint>(d[p * nseg + i]) * es;
+      }
+      EPX_MPI_CHECK(MPI_Type_create_hindexed(static_cast<int>(nseg), len.data(), disp.data(), mt, &types[k]));
+      EPX_MPI_CHECK(MPI_Type_commit(&types[k]));
+    }
+    EPX_MPI_CHECK(MPI_Alltoallw(send, ones.data(), zeros.data(), types.data(), recv, ones.data(), zeros.data(),
+                                types.data() + n, s_->comm));
+  }
+
   // recv = scale * sum over ranks of send (send == recv allowed); bitwise equal on all ranks.
   void all_reduce(const void* send, void* recv, std::size_t count, datatype t, double scale) {
     if (opt_.check_counts) agree_same("all_reduce", t, count, 0, reducible_error("all_reduce", t));

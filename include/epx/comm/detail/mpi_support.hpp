@@ -51,6 +51,23 @@ inline MPI_Datatype mpi_type(datatype t) {
   EPX_THROW(errc::internal, "mpi_type: unknown datatype ", static_cast<int>(t));
 }
 
+// Derived datatypes of one call, freed when the list goes out of scope (also while unwinding).
+class mpi_type_list {
+ public:
+  explicit mpi_type_list(std::size_t n) : types_(n, MPI_DATATYPE_NULL) {}
+  mpi_type_list(const mpi_type_list&) = delete;
+  mpi_type_list& operator=(const mpi_type_list&) = delete;
+  ~mpi_type_list() {
+    for (MPI_Datatype& t : types_)
+      if (t != MPI_DATATYPE_NULL) MPI_Type_free(&t);
+  }
+  MPI_Datatype& operator[](std::size_t i) noexcept { return types_[i]; }
+  MPI_Datatype* data() noexcept { return types_.data(); }
+
+ private:
+  std::vector<MPI_Datatype> types_;
+};
+
 // out[i] = round(scale * sum over r of blocks[r][i]) for blocks [n, count], summed in rank
 // order by the rule shared with every host backend (epx/comm/detail/reduce.hpp).
 inline void mpi_reduce_blocks(const void* blocks, int n, std::size_t count, void* out, datatype t,
