@@ -326,7 +326,7 @@ TEST_CASE_TEMPLATE("dispatch functors on the device match the host policy and a 
         if (p >= 0)
           for (std::size_t h = 0; h < H; ++h)
             ref += as_double(y[static_cast<std::size_t>(p) * H + h]) * as_double(g[t * H + h]);
-        const double tol = std::is_same_v<T, double> ? 1e-12 : 1e-5;
+        const double tol = std::is_same_v<T, double> ? 1e-12 : 1e-4;  // float sum of H products
         err_gw = std::max(err_gw, std::fabs(gw_d[t * k + j] - ref) / (1.0 + std::fabs(ref)) / tol);
         if (p < 0) CHECK(gw_d[t * k + j] == 0.0f);
       }
