@@ -541,3 +541,25 @@ TEST_CASE("route_backward: bad ids, gradients and shapes") {
                epx::errc::input);
   CHECK(has(m, "top_k (7)"));
 }
+
+TEST_CASE("route: span forms accept mutable and const logits alike") {
+  const epx::exec::serial ex;
+  const std::size_t N = 9;
+  const int E = 12, k = 3;
+  auto l = ref::from_double<epx::fp16>(ref::random_logits(N, E, 31));
+  std::vector<std::int32_t> ids(N * k), ids2(N * k);
+  std::vector<float> w(N * k), w2(N * k);
+  routing::route(routing::softmax_topk{true}, ex, epx::make_span(l), E, k, epx::make_span(ids), epx::make_span(w));
+  const auto& cl = l;
+  routing::route(routing::softmax_topk{true}, ex, epx::make_span(cl), E, k, epx::make_span(ids2), epx::make_span(w2));
+  CHECK(ids == ids2);
+  CHECK(w == w2);
+  std::vector<float> gw(N * k, 1.0f), gl(N * E), gl2(N * E);
+  routing::route_backward(routing::softmax_topk{true}, ex, epx::make_span(l), E, k, epx::make_span(ids),
+                          epx::make_span(w), epx::make_span(gw), epx::make_span(gl));
+  routing::route_backward(routing::softmax_topk{true}, ex, l.data(), N, E, k, ids.data(), nullptr, gw.data(),
+                          gl2.data());
+  CHECK(gl == gl2);
+  // Renormalised weights sum to 1, so a constant upstream gradient gives zero.
+  for (float g : gl) CHECK(std::abs(g) < 1e-6f);
+}

@@ -518,17 +518,19 @@ void route(const Policy& policy, const Exec& exec, const T* logits, std::size_t 
   }
 }
 
-// Span form: N = logits.size() / E; ids and weights must hold N * k values.
-template <class Policy, class Exec, class T>
-void route(const Policy& policy, const Exec& exec, span<const T> logits, int E, int k, span<std::int32_t> ids,
+// Span form: N = logits.size() / E; ids and weights must hold N * k values. `logits` may
+// be a span of T or of const T.
+template <class Policy, class Exec, class L>
+void route(const Policy& policy, const Exec& exec, span<L> logits, int E, int k, span<std::int32_t> ids,
            span<float> weights) {
+  using T = std::remove_const_t<L>;
   EPX_REQUIRE(E >= 1 && logits.size() % static_cast<std::size_t>(E) == 0, errc::input,
               "route: logits hold ", logits.size(), " values, not a multiple of E (", E, ")");
   const std::size_t N = logits.size() / static_cast<std::size_t>(E);
   EPX_REQUIRE(k >= 1 && ids.size() == N * static_cast<std::size_t>(k) && weights.size() == ids.size(), errc::input,
               "route: ids (", ids.size(), ") and weights (", weights.size(), ") must hold N * k = ", N, " * ", k,
               " values");
-  route(policy, exec, logits.data(), N, E, k, ids.data(), weights.data());
+  route(policy, exec, static_cast<const T*>(logits.data()), N, E, k, ids.data(), weights.data());
 }
 
 // Gradient of the routing weights with respect to the logits: grad_weights [N, k] ->
@@ -571,9 +573,10 @@ void route_backward(const Policy& policy, const Exec& exec, const T* logits, std
   }
 }
 
-// Span form: N = logits.size() / E; ids, grad_weights [N, k]; grad_logits [N, E].
-template <class Policy, class Exec, class T>
-void route_backward(const Policy& policy, const Exec& exec, span<const T> logits, int E, int k,
+// Span form: N = logits.size() / E; ids, grad_weights [N, k]; grad_logits [N, E];
+// `weights` may be empty.
+template <class Policy, class Exec, class L>
+void route_backward(const Policy& policy, const Exec& exec, span<L> logits, int E, int k,
                     span<const std::int32_t> ids, span<const float> weights, span<const float> grad_weights,
                     span<float> grad_logits) {
   EPX_REQUIRE(E >= 1 && logits.size() % static_cast<std::size_t>(E) == 0, errc::input,
@@ -585,8 +588,9 @@ void route_backward(const Policy& policy, const Exec& exec, span<const T> logits
               grad_weights.size(), ") must hold N * k = ", N, " * ", k, " values");
   EPX_REQUIRE(grad_logits.size() == logits.size(), errc::input, "route_backward: grad_logits (", grad_logits.size(),
               ") must hold N * E = ", logits.size(), " values");
-  route_backward(policy, exec, logits.data(), N, E, k, ids.data(), weights.empty() ? nullptr : weights.data(),
-                 grad_weights.data(), grad_logits.data());
+  using T = std::remove_const_t<L>;
+  route_backward(policy, exec, static_cast<const T*>(logits.data()), N, E, k, ids.data(),
+                 weights.empty() ? nullptr : weights.data(), grad_weights.data(), grad_logits.data());
 }
 
 }  // namespace epx::routing
