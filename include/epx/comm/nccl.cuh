@@ -269,7 +269,9 @@ class communicator {
     const ncclResult_t r = ncclCommSplit(comm_, color, key, &c, nullptr);
     if (r != ncclSuccess && r != ncclInProgress) fail_(r, "ncclCommSplit", EPX_HERE);
     settle_new_(c, r, "ncclCommSplit", opt_);
-    return communicator(c, true, stream_, opt_);
+    communicator out(c, true, stream_, opt_);
+    if (r == ncclInProgress) check_(r, "ncclCommSplit (parent)", EPX_HERE);  // nonblocking: the parent settles too
+    return out;
   }
 
   // Per-peer counts and displacements in elements (device pointers). One NCCL group of
