@@ -563,3 +563,29 @@ TEST_CASE("route: span forms accept mutable and const logits alike") {
   // Renormalised weights sum to 1, so a constant upstream gradient gives zero.
   for (float g : gl) CHECK(std::abs(g) < 1e-6f);
 }
+
+TEST_CASE("route: extreme finite logits give finite weights and gradients") {
+  const epx::exec::serial ex;
+  const int E = 6, k = 3;
+  const std::vector<double> ld = {1000.0, -1000.0, 88.0, -88.0, 0.0, 30000.0,   // token 0
+                                  -1e4,   -1e4,    -1e4, -1e4,  -1e4, -1e4,     // token 1: all equal, very negative
+                                  -60.0,  -70.0,   -95.0, -90.0,  -85.0,  -75.0};   // token 2: tiny sigmoids
+  const std::size_t N = ld.size() / E;
+  const auto l = ref::from_double<float>(ld);
+  const auto gwd = ref::random_normal(N, k, 77);
+  const auto gw = ref::from_double<float>(gwd);
+  const auto check = [&](const auto& p) {
+    const auto r = run_route(p, ex, l, N, E, k);
+    const auto want = ref_route(p, ld, N, E, k);
+    CHECK(r.ids == want.ids);
+    ref::check_close(r.weights, want.weights, 1e-6, 1e-5, "weights");
+    const auto gl = run_backward(p, ex, l, N, E, k, r.ids, gw);
+    for (float g : gl) CHECK(std::isfinite(g));
+    ref::check_close(gl, ref_backward(p, ld, N, E, k, r.ids, gwd), 1e-6, 1e-5, "grad_logits");
+  };
+  check(routing::softmax_topk{});
+  check(routing::softmax_topk{true});
+  check(routing::topk_softmax{});
+  check(routing::sigmoid_bias{});
+  check(routing::sigmoid_bias{nullptr, 3, 2, 1.5f, false});
+}

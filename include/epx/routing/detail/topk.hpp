@@ -21,8 +21,14 @@ EPX_HOST_DEVICE inline float exp_f32(float x) noexcept {
 #endif
 }
 
-// 1 / (1 + exp(-x)): saturates to 0 and 1 without producing NaN.
-EPX_HOST_DEVICE inline float sigmoid_f32(float x) noexcept { return 1.0f / (1.0f + exp_f32(-x)); }
+// 1 / (1 + exp(-x)), never NaN. For x < 0 it is computed as e / (1 + e), e = exp(x), which
+// keeps relative precision down to the float32 subnormals (x > -103) instead of
+// rounding to 0 once exp(-x) overflows (x < -88).
+EPX_HOST_DEVICE inline float sigmoid_f32(float x) noexcept {
+  if (x >= 0.0f) return 1.0f / (1.0f + exp_f32(-x));
+  const float e = exp_f32(x);
+  return e / (1.0f + e);
+}
 
 // Neither NaN nor +-inf (exponent bits not all ones); no <cmath> dependency on device.
 EPX_HOST_DEVICE inline bool is_finite_f32(float x) noexcept {
