@@ -59,7 +59,8 @@ namespace epx::mpi {
 struct options {
   // Agree on datatype and counts before each collective, and check in all_to_allv that the
   // counts each rank sends match what the receivers expect. Costs one small MPI_Allreduce
-  // (plus, for all_to_allv, an all_to_all of one integer per peer) per call.
+  // (plus, for all_to_allv, an all_to_all of one integer per peer) per call. Without it,
+  // all_to_allv runs as point-to-point messages with no extra synchronization.
   bool check_counts = true;
   // Largest count or displacement, in elements, handed to one MPI call. Larger transfers go
   // in chunks of at most this many elements. MPI counts are int, hence the default; tests
@@ -159,14 +160,13 @@ class communicator {
       large = large || send_counts[p] > opt_.max_count || recv_counts[p] > opt_.max_count ||
               send_displs[p] > opt_.max_count || recv_displs[p] > opt_.max_count;
     }
-    if (opt_.check_counts) {
-      large = check_counts_v(send_counts, recv_counts, t, large);
-    } else {
-      // The path must be the same on every rank: agree on it.
-      int l = large ? 1 : 0;
-      EPX_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &l, 1, MPI_INT, MPI_MAX, s_->comm));
-      large = l != 0;
+    if (!opt_.check_counts) {
+      // Without the count exchange no rank knows whether a peer needs chunks, and all must
+      // take the same path: point-to-point always works (one round unless over max_count).
+      exchange_chunked(send, send_counts, send_displs, recv, recv_counts, recv_displs, t);
+      return;
     }
+    large = check_counts_v(send_counts, recv_counts, t, large);
     exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, t, large);
   }
 
