@@ -1,0 +1,115 @@
+// bench/baseline.hpp: the dispatch/combine a user writes by hand today, for comparison.
+//
+// This is the structure of the common hand-written expert-parallel layer (and of the
+// seed documents' description): one rank, one EP group, TP = 1.
+//   1. argsort of the flattened expert ids with a comparison sort (std::stable_sort, so the
+//      order is the same as epx's: expert, then row, then slot);
+//   2. per-peer row counts, exchanged with an all_to_all of the counts;
+//   3. gather of the rows into a staging buffer in sorted order;
+//   4. all_to_allv of the rows (they arrive peer-major: all of peer 0's rows, then peer 1's);
+//   5. the experts (here: identity, a copy);
+//   6. all_to_allv of the outputs back into sorted order;
+//   7. a separate un-permute: output rows back to (token, slot) order in another buffer;
+//   8. the weighted sum over the k slots of each token (in float, slot order).
+// Buffers live in a workspace kept between calls (what a framework's caching allocator
+// gives the hand-written code), so the baseline pays no page faults.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "epx/comm/collectives.hpp"
+#include "epx/core/numeric.hpp"
+#include "epx/core/span.hpp"
+#include "epx/exec/host.hpp"
+
+namespace epx::bench {
+
+// The argsort layout: send position p holds pair order[p]; counts per peer, in rows.
+struct baseline_layout {
+  std::vector<std::int64_t> order;         // [n*k] pair index (t*k+j) of send position p
+  std::vector<std::size_t> send_counts;    // [ep]
+  std::vector<std::size_t> send_displs;    // [ep]
+
+  void build(const std::int32_t* ids, std::size_t pairs, int num_experts, int ep) {
+    order.resize(pairs);
+    std::iota(order.begin(), order.end(), std::int64_t{0});
+    std::stable_sort(order.begin(), order.end(), [ids](std::int64_t a, std::int64_t b) { return ids[a] < ids[b]; });
+    const int L = num_experts / ep;
+    send_counts.assign(static_cast<std::size_t>(ep), 0);
+    send_displs.assign(static_cast<std::size_t>(ep), 0);
+    for (std::size_t i = 0; i < pairs; ++i) ++send_counts[static_cast<std::size_t>(ids[i] / L)];
+    for (std::size_t d = 1; d < send_counts.size(); ++d) send_displs[d] = send_displs[d - 1] + send_counts[d - 1];
+  }
+};
+
+template <class T>
+class baseline_layer {
+ public:
+  // x: [n, H]; ids, weights: [n, k]; out: [n, H]. Collective over `comm` (the EP group).
+  template <class Comm>
+  void forward(Comm& comm, const T* x, const std::int32_t* ids, const float* weights, std::size_t n, std::size_t H,
+               int k, int num_experts, T* out) {
+    const int ep = comm.size();
+    const std::size_t S = n * static_cast<std::size_t>(k);
+    // 1-2: argsort and counts.
+    layout_.build(ids, S, num_experts, ep);
+    std::vector<std::uint64_t> sc(layout_.send_counts.begin(), layout_.send_counts.end()), rc(sc.size());
+    comm.all_to_all(sc.data(), rc.data(), 1, datatype::int64);
+    recv_counts_.assign(rc.begin(), rc.end());
+    recv_displs_.assign(recv_counts_.size(), 0);
+    for (std::size_t d = 1; d < recv_counts_.size(); ++d) recv_displs_[d] = recv_displs_[d - 1] + recv_counts_[d - 1];
+    const std::size_t R = recv_displs_.back() + recv_counts_.back();
+    staging_.reserve_discard(S * H);
+    recv_.reserve_discard(R * H);
+    expert_out_.reserve_discard(R * H);
+    unpermuted_.reserve_discard(S * H);
+    // 3: gather into sorted order.
+    for (std::size_t p = 0; p < S; ++p)
+      std::memcpy(staging_.data() + p * H, x + static_cast<std::size_t>(layout_.order[p]) / k * H, H * sizeof(T));
+    // 4: rows to the experts' owners.
+    all_to_allv_rows(comm, static_cast<const T*>(staging_.data()), make_span(layout_.send_counts),
+                     make_span(layout_.send_displs), recv_.data(), make_span(recv_counts_), make_span(recv_displs_), H);
+    // 5: identity experts.
+    if (R) std::memcpy(expert_out_.data(), recv_.data(), R * H * sizeof(T));
+    // 6: outputs back, into sorted order (the staging buffer is free again).
+    all_to_allv_rows(comm, static_cast<const T*>(expert_out_.data()), make_span(recv_counts_), make_span(recv_displs_),
+                     staging_.data(), make_span(layout_.send_counts), make_span(layout_.send_displs), H);
+    // 7: un-permute to (token, slot) order.
+    for (std::size_t p = 0; p < S; ++p)
+      std::memcpy(unpermuted_.data() + static_cast<std::size_t>(layout_.order[p]) * H, staging_.data() + p * H,
+                  H * sizeof(T));
+    // 8: weighted sum.
+    using A = accum_t<T>;
+    const auto kk = static_cast<std::size_t>(k);
+    for (std::size_t t = 0; t < n; ++t) {
+      T* o = out + t * H;
+      for (std::size_t h = 0; h < H; ++h) {
+        A acc = A(0);
+        for (std::size_t j = 0; j < kk; ++j)
+          acc += static_cast<A>(weights[t * kk + j]) * convert<A>(unpermuted_[(t * kk + j) * H + h]);
+        o[h] = convert<T>(acc);
+      }
+    }
+  }
+
+  // Workspace bytes held between calls (the baseline's extra memory).
+  std::size_t workspace_bytes() const noexcept {
+    return (staging_.size() + recv_.size() + expert_out_.size() + unpermuted_.size()) * sizeof(T) +
+           layout_.order.size() * sizeof(std::int64_t);
+  }
+
+ private:
+  baseline_layout layout_;
+  std::vector<std::size_t> recv_counts_, recv_displs_;
+  exec::host_buffer<T> staging_;     // [S, H] sorted order, reused for the returned outputs
+  exec::host_buffer<T> recv_;        // [R, H] peer-major
+  exec::host_buffer<T> expert_out_;  // [R, H]
+  exec::host_buffer<T> unpermuted_;  // [S, H] (token, slot) order
+};
+
+}  // namespace epx::bench
