@@ -95,7 +95,11 @@ void for_each_n(const cuda& p, std::size_t n, F&& f) {
 // Device memory for `n` elements of T, freed in stream order on the stream it was made
 // for (cudaMallocAsync/cudaFreeAsync where the device supports memory pools, cudaMalloc/
 // cudaFree otherwise). Not value-initialised: use fill_zero. Move-only; the destructor
-// never throws (a failing free is ignored: there is nobody to tell).
+// never throws (a failing free is ignored: there is nobody to tell). A stream-ordered
+// buffer is freed on its stream, so that stream must outlive it, and work on other
+// streams that uses it must be ordered before the free (an event or a synchronize).
+// Library code that allocates per call should prefer make_buffer(policy, n): the
+// synchronous cudaMalloc/cudaFree pair of buffer(n) stalls the device on every free.
 template <class T>
 class device_buffer {
  public:
