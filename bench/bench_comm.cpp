@@ -157,6 +157,36 @@ void args(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(threads_all_to_allv_rows)->Apply(args)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
+// The fixed cost every collective pays: one barrier (entry barrier and check of the calls),
+// timed on rank 0 over batches of 100.
+void threads_barrier(benchmark::State& state) {
+  const int n = static_cast<int>(state.range(0));
+  std::atomic<bool> go{false};
+  epx::threads::run(n, [&](epx::threads::communicator& comm) {
+    constexpr int batch = 100;
+    if (comm.rank() == 0) {
+      for (auto _ : state) {
+        go.store(true);
+        comm.barrier();
+        const auto t0 = clock_type::now();
+        for (int i = 0; i < batch; ++i) comm.barrier();
+        state.SetIterationTime(std::chrono::duration<double>(clock_type::now() - t0).count() / batch);
+      }
+      go.store(false);
+      comm.barrier();
+    } else {
+      for (;;) {
+        comm.barrier();
+        if (!go.load()) break;
+        for (int i = 0; i < batch; ++i) comm.barrier();
+      }
+    }
+  });
+  state.counters["ranks"] = n;
+}
+
+BENCHMARK(threads_barrier)->ArgName("ranks")->Arg(2)->Arg(4)->Arg(8)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
 }  // namespace
 
 BENCHMARK_MAIN();
