@@ -4,6 +4,7 @@
 #   -DWORK_DIR=<scratch dir>  -DGENERATOR=<cmake generator>  -DCXX=<C++ compiler>
 #   -DEXPECT=<file with the expected stdout>
 #   -DVERSION=<version asked of find_package>  -DEXPECT_CONFIGURE_FAILURE=ON
+#   -DEPX_HAVE_CUDA=ON|OFF  whether the installed package must provide epx::cuda
 cmake_minimum_required(VERSION 3.25)
 
 function(run what)
@@ -29,7 +30,8 @@ if(MODE STREQUAL "find_package")
       message(FATAL_ERROR "install is missing ${f}")
     endif()
   endforeach()
-  list(APPEND extra -DCMAKE_PREFIX_PATH=${prefix})
+  # An install made with CUDA must export epx::cuda too.
+  list(APPEND extra -DCMAKE_PREFIX_PATH=${prefix} -DEPX_CONSUMER_EXPECT_CUDA=${EPX_HAVE_CUDA})
   # The installed package must not point back into the source or build tree.
   file(GLOB cfgs ${prefix}/share/epx/cmake/*.cmake)
   foreach(f IN LISTS cfgs)
