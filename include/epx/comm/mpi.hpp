@@ -102,6 +102,11 @@ class environment {
   bool owns_ = false;
 };
 
+// A communicator (see epx/comm/communicator.hpp) over an MPI_Comm. Copies share the
+// wrapped communicator (shared ownership: an owned MPI_Comm is freed with the last copy;
+// skipped if MPI is already finalized). A moved-from communicator may only be assigned to
+// or destroyed. One thread at a time per communicator (MPI_THREAD_FUNNELED suffices).
+// Every collective is collective over all ranks of the communicator, as in MPI.
 class communicator {
  public:
   // The world communicator (MPI_COMM_WORLD). MPI must be initialized.
@@ -473,7 +478,8 @@ class communicator {
     const MPI_Datatype mt = detail::mpi_type(t);
     const auto* sb = static_cast<const unsigned char*>(send);
     auto* rb = static_cast<unsigned char*>(recv);
-    if (sc[me] != 0) std::memmove(rb + rd[me] * es, sb + sd[me] * es, sc[me] * es);
+    const std::size_t self = std::min(sc[me], rc[me]);  // equal unless the caller skipped the check
+    if (self != 0) std::memmove(rb + rd[me] * es, sb + sd[me] * es, self * es);
     std::size_t rounds = 0;
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;
