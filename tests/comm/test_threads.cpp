@@ -121,6 +121,65 @@ TEST_CASE("threads: 64 MiB messages") {
   }
 }
 
+TEST_CASE("threads: long random sequences of small collectives (slot reuse between back-to-back calls)") {
+  for (int n : {2, 3, 8}) {
+    CAPTURE(n);
+    epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      const int me = comm.rank();
+      std::size_t bad = 0;
+      for (std::uint64_t it = 0; it < 400; ++it) {
+        const std::uint64_t h = comm_cases::hash(77, it, 0, 0);  // the same op on every rank
+        switch (h % 5) {
+          case 0: {  // all_to_allv with fresh counts each time
+            std::vector<std::size_t> sc(n), sd(n), rc(n), rd(n);
+            std::size_t so = 0, ro = 0;
+            for (int p = 0; p < n; ++p) {
+              sc[p] = comm_cases::hash(it, me, p, 1) % 4;
+              sd[p] = so;
+              so += sc[p];
+              rc[p] = comm_cases::hash(it, p, me, 1) % 4;
+              rd[p] = ro;
+              ro += rc[p];
+            }
+            std::vector<std::int64_t> send(so), recv(ro, -1);
+            for (int p = 0; p < n; ++p)
+              for (std::size_t i = 0; i < sc[p]; ++i) send[sd[p] + i] = static_cast<std::int64_t>(it * 1000 + me * 10 + p);
+            comm.all_to_allv(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), epx::datatype::int64);
+            for (int p = 0; p < n; ++p)
+              for (std::size_t i = 0; i < rc[p]; ++i) bad += recv[rd[p] + i] != static_cast<std::int64_t>(it * 1000 + p * 10 + me);
+            break;
+          }
+          case 1: {
+            std::vector<double> x(1 + h % 300, static_cast<double>(me + it));
+            epx::all_reduce(comm, epx::span<double>(x), 2.0);
+            const double want = 2.0 * (n * (n - 1) / 2.0 + static_cast<double>(n) * static_cast<double>(it));
+            for (double v : x) bad += v != want;
+            break;
+          }
+          case 2: {
+            const int root = static_cast<int>(h % static_cast<std::uint64_t>(n));
+            std::vector<std::int32_t> x(3, me == root ? static_cast<std::int32_t>(it) : -1);
+            epx::broadcast(comm, epx::span<std::int32_t>(x), root);
+            for (auto v : x) bad += v != static_cast<std::int32_t>(it);
+            break;
+          }
+          case 3: comm.barrier(); break;
+          case 4: {
+            auto sub = comm.split(me % 2, me);
+            std::vector<std::int32_t> x{me};
+            epx::all_reduce(sub, epx::span<std::int32_t>(x));
+            std::int32_t want = 0;
+            for (int r = me % 2; r < n; r += 2) want += r;
+            bad += x[0] != want;
+            break;
+          }
+        }
+      }
+      CHECK_MESSAGE(bad == 0, "rank " << me << ": " << bad << " wrong results");
+    }, normal_options());
+  }
+}
+
 TEST_CASE("threads: a rank that throws before a collective fails every rank, and the next run works") {
   const int n = 4;
   seen_errors seen(n);
