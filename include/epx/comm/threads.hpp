@@ -350,7 +350,8 @@ class communicator {
   // Publishes `d`, waits at the entry barrier, checks that every member called the same
   // collective with matching arguments, then runs `work` (which must not throw). On a
   // mismatch every member sees the same disagreement, passes the exit barrier and throws.
-  // The caller must call wait_exit afterwards (split runs a second phase first).
+  // Collectives that read peers' buffers call wait_exit afterwards (split runs a second
+  // phase first); barrier needs no exit barrier, because the slots are double-buffered.
   template <class Work>
   void enter(const detail::threads_slot& d, Work&& work) const {
     world_->throw_if_aborted(world_rank());
