@@ -21,6 +21,7 @@
 #include "comm/comm_cases.hpp"
 #include "epx/comm/collectives.hpp"
 #include "epx/comm/mpi.hpp"
+#include "epx/comm/threads.hpp"
 #include "epx/mesh/mesh.hpp"
 
 namespace {
@@ -428,6 +429,47 @@ TEST_CASE("mpi: native segmented all_to_allv (one MPI_Alltoallw) and its chunked
         },
         epx::errc::communicator, "rank 1 expects 2 float32 elements in segment 1 from rank 0, which sends 1");
   }
+}
+
+// Both host backends sum in rank order by the same rule, so a sum over MPI processes equals,
+// bit for bit, the same sum over threads of one process fed the same per-rank inputs.
+template <class T>
+void check_same_bits_as_threads(communicator& w, std::size_t count, double scale, std::size_t salt) {
+  const int n = w.size(), me = w.rank();
+  auto input = [&](int r) {
+    std::vector<T> v(count * n);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = value_of<T>(key(salt, r, 5, i));
+    return v;
+  };
+  const std::vector<T> mine = input(me);
+  std::vector<T> reduced(count * n), scattered(count);
+  epx::all_reduce(w, epx::span<const T>(mine.data(), mine.size()), epx::span<T>(reduced.data(), reduced.size()), scale);
+  epx::reduce_scatter(w, epx::span<const T>(mine.data(), mine.size()), epx::span<T>(scattered.data(), count), scale);
+  if (me != 0) return;  // rank 0 replays all ranks as threads; the others move on
+  std::vector<T> t_reduced(count * n), t_scattered0(count);
+  epx::threads::run(n, [&](epx::threads::communicator& tc) {
+    const std::vector<T> in = input(tc.rank());
+    std::vector<T> out(count * n), sc(count);
+    epx::all_reduce(tc, epx::span<const T>(in.data(), in.size()), epx::span<T>(out.data(), out.size()), scale);
+    epx::reduce_scatter(tc, epx::span<const T>(in.data(), in.size()), epx::span<T>(sc.data(), count), scale);
+    if (tc.rank() == 0) {
+      t_reduced = out;
+      t_scattered0 = sc;
+    }
+  });
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < reduced.size(); ++i) differ += !same_bits(reduced[i], t_reduced[i]);
+  for (std::size_t i = 0; i < count; ++i) differ += !same_bits(scattered[i], t_scattered0[i]);
+  CHECK_MESSAGE(differ == 0, type_name<T>(), ": MPI and threads sums differ in ", differ, " elements");
+}
+
+TEST_CASE("mpi: sums are bitwise those of the threads backend") {
+  communicator w = communicator::world();
+  check_same_bits_as_threads<float>(w, 257, 1.0 / w.size(), 1);
+  check_same_bits_as_threads<bf16>(w, 129, 0.3, 2);
+  check_same_bits_as_threads<fp16>(w, 65, 1.0, 3);
+  check_same_bits_as_threads<double>(w, 33, 0.125, 4);
+  check_same_bits_as_threads<std::int32_t>(w, 17, 3.0, 5);
 }
 
 TEST_CASE("mpi: zero-length messages") {
