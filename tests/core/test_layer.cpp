@@ -54,7 +54,7 @@ TEST_CASE("layer: the seed's eight-rank table and the picture's ep sizes (float3
   check_case<float>(make(2, 4, 4, 16, 8, routing_kind::uneven));
 }
 
-TEST_CASE("layer: ep=1, ep=world, dp_replicate=2, odd worlds 3 and 6") {
+TEST_CASE("layer: ep=1, ep=world, dp_replicate=2, odd worlds 3 and 6, pp=2") {
   check_case<float>(make(1, 4, 1, 4, 2));                            // ep = 1
   check_case<float>(make(1, 4, 4, 8, 2));                            // ep = world
   check_case<float>(make(1, 2, 2, 4, 2, routing_kind::random, 2));   // dp_replicate = 2
@@ -64,6 +64,9 @@ TEST_CASE("layer: ep=1, ep=world, dp_replicate=2, odd worlds 3 and 6") {
   check_case<float>(make(1, 6, 3, 6, 2, routing_kind::uneven));      // world 6
   check_case<float>(make(3, 2, 3, 12, 2));                           // world 6, tp = 3
   check_case<float>(make(2, 3, 6, 12, 1));                           // world 6, ep = 6
+  auto pp2 = make(2, 2, 2, 8, 2, routing_kind::uneven);                  // pp = 2: two stages of 4 ranks
+  pp2.topology.pp = 2;
+  check_case<float>(pp2);
 }
 
 TEST_CASE("layer: routings (balanced, uneven, one expert, experts receiving nothing), k in {1,2,8}, E up to 64") {
