@@ -472,6 +472,30 @@ TEST_CASE("mpi: sums are bitwise those of the threads backend") {
   check_same_bits_as_threads<std::int32_t>(w, 17, 3.0, 5);
 }
 
+TEST_CASE("mpi: all_reduce by gathering and by blocks give the same bits") {
+  epx::mpi::options gather, blocks;
+  gather.all_reduce_gather_bytes = std::size_t{1} << 30;
+  blocks.all_reduce_gather_bytes = 0;
+  communicator g = communicator::world(gather), b = communicator::world(blocks);
+  const int me = g.rank();
+  for (std::size_t count : {std::size_t{1}, std::size_t{3}, std::size_t{1000}}) {
+    std::vector<float> x(count), yg(count), yb(count);
+    std::vector<bf16> h(count), hg(count), hb(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      x[i] = value_of<float>(key(600 + count, me, 0, i));
+      h[i] = value_of<bf16>(key(700 + count, me, 0, i));
+    }
+    epx::all_reduce(g, epx::span<const float>(x.data(), count), epx::span<float>(yg.data(), count), 0.3);
+    epx::all_reduce(b, epx::span<const float>(x.data(), count), epx::span<float>(yb.data(), count), 0.3);
+    epx::all_reduce(g, epx::span<const bf16>(h.data(), count), epx::span<bf16>(hg.data(), count), 0.5);
+    epx::all_reduce(b, epx::span<const bf16>(h.data(), count), epx::span<bf16>(hb.data(), count), 0.5);
+    CHECK(std::memcmp(yg.data(), yb.data(), count * sizeof(float)) == 0);
+    CHECK(std::memcmp(hg.data(), hb.data(), count * sizeof(bf16)) == 0);
+  }
+  check_all_reduce<fp16>(g, 333, 0.25, true, 601);
+  check_all_reduce<fp16>(b, 333, 0.25, true, 602);
+}
+
 TEST_CASE("mpi: zero-length messages") {
   communicator w = communicator::world();
   const auto n = static_cast<std::size_t>(w.size());

@@ -20,9 +20,10 @@
 //   private duplicate of the communicator (so no tag can collide with the user's traffic).
 // - Sums (all_reduce, reduce_scatter) are not MPI_SUM: each rank receives the block it owns
 //   from every rank, adds the contributions in rank order in the accumulation type (float for
-//   bf16/fp16), multiplies by `scale` and rounds once; all_reduce then gathers the blocks.
-//   Every element is therefore computed by exactly one rank: the result is bitwise identical
-//   on every rank and independent of the MPI library's algorithm choice.
+//   bf16/fp16), multiplies by `scale` and rounds once; all_reduce then gathers the blocks
+//   (small all_reduces gather all inputs and every rank sums them, in the same order).
+//   The result is bitwise identical on every rank, independent of the MPI library's
+//   algorithm choice, and equal to the threads backend's (epx/comm/detail/reduce.hpp).
 // - With `options::check_counts` (default on) every collective first agrees, with one small
 //   MPI_Allreduce, that all ranks called it with the same datatype and counts; all_to_allv
 //   also exchanges the counts (an all_to_all of one integer per peer) and checks that what
@@ -66,6 +67,10 @@ struct options {
   // in chunks of at most this many elements. MPI counts are int, hence the default; tests
   // lower it to exercise the chunked path with small buffers. Must be at least 1.
   std::size_t max_count = static_cast<std::size_t>(INT_MAX);
+  // all_reduce of at most this many bytes over all ranks (size() * count * element size)
+  // gathers every rank's input and sums it locally in rank order: one round of messages
+  // instead of two, same bits. Larger ones split the sum by blocks over the ranks.
+  std::size_t all_reduce_gather_bytes = std::size_t{256} << 10;
 };
 
 // Initializes MPI on construction (MPI_Init_thread) unless it already is, and finalizes it on
@@ -250,6 +255,14 @@ class communicator {
     const auto n = static_cast<std::size_t>(size());
     const auto me = static_cast<std::size_t>(rank());
     const std::size_t es = size_of(t);
+    if (count <= opt_.max_count && n * count * es <= opt_.all_reduce_gather_bytes) {
+      std::vector<unsigned char> all(n * count * es);  // [n, count] every rank's input
+      const MPI_Datatype mt = detail::mpi_type(t);
+      EPX_MPI_CHECK(MPI_Allgather(send, static_cast<int>(count), mt, all.data(), static_cast<int>(count), mt,
+                                  s_->comm));
+      detail::mpi_reduce_blocks(all.data(), size(), count, recv, t, scale);
+      return;
+    }
     // Block p of the data, [start_p, start_p + len_p), is summed by rank p.
     const std::size_t base = count / n, rem = count % n;
     auto len = [&](std::size_t p) { return base + (p < rem ? 1 : 0); };
