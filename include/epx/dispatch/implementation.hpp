@@ -16,11 +16,19 @@
 //                   epx::saved_state<T>& saved);
 //   };
 //
+// The layer uses a user type as it is. The built-in ones are tags with
+// `template <class Comm> using with = ...;` that the layer binds to its communicator type
+// (epx::impl_for_t<Impl, Comm>). docs/implementations.md shows a complete user-defined one.
+//
 // forward must write all of a.out ([N, H]); backward all of a.grad_x ([N, H]) and
 // a.grad_weights ([N, k]). Whatever backward needs is stored in the saved state with
 // `saved->emplace<my_state>(...)` and read back with `saved.get<my_state>()`. The
 // context gives the mesh, the ep and tp communicators of this rank (made once by the
 // layer), the padding policy and the stats object to fill.
+//
+// A forward or backward call is collective over the EP group: when one rank's input is bad
+// (a.status != 0, or ids/weights it reads), every rank of the group must raise before rows
+// move (see epx::detail::exchange_records), so that nobody waits in a collective forever.
 #pragma once
 
 #include <cstddef>
