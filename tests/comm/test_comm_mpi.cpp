@@ -257,7 +257,7 @@ communicator small_chunks(std::size_t max_count) {
 TEST_CASE("mpi: shared communicator cases") {
   communicator w = communicator::world();
   comm_cases::run_comm_cases(w);
-  // 64 MiB messages at 2 ranks; smaller at 4 and 8 ranks to keep two-core CI fast.
+  // 64 MiB messages at 2 ranks; smaller at 4 and 8 ranks to keep two-core CI short.
   comm_cases::case_large(w, w.size() <= 2 ? std::size_t{64} << 20 : std::size_t{4} << 20);
 }
 
