@@ -240,7 +240,7 @@ bool draw_fault(epx::ref::rng& g, const rel::step_config& s, const std::vector<l
   f.rank = g.below(world);
   const long c = calls[static_cast<std::size_t>(f.rank)];
   f.target = c > 0 ? static_cast<long>(g.next() % static_cast<std::uint64_t>(c)) : 0;
-  f.stall = std::chrono::milliseconds(1000);
+  f.stall = std::chrono::milliseconds(1500);
   const std::size_t N = s.rows[static_cast<std::size_t>(m.batch(f.rank))];
   const auto sl = epx::slice_bounds(N, m.tp(), m.coords(f.rank).tp);
   switch (f.kind) {
@@ -295,7 +295,7 @@ TEST_CASE("threads: a rank that throws before, inside or after a collective fail
 
 TEST_CASE("threads: a rank that never arrives is named by the peer-exit check or the watchdog") {
   run_campaign(0x5eed02, 30, {fault_kind::vanish, fault_kind::vanish, fault_kind::vanish}, "vanish");
-  // Each stall costs one second (the sleeping rank is joined): a handful.
+  // Each stall costs 1.5 s (the sleeping rank is joined): a handful.
   run_campaign(0x5eed03, 4, {fault_kind::stall}, "stall");
 }
 

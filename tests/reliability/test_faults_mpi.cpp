@@ -126,3 +126,29 @@ TEST_CASE("MPI: an exception from one rank's experts inside epx::mpi::run aborts
     rel::run_rank(w, s, f, r);
   });
 }
+
+// Run only by the ctest test_reliability_mpi_backward_throw_aborts_np2 (--no-skip): the last
+// rank throws right before its first collective of backward (after a forward that
+// succeeded everywhere); epx::mpi::run must print the message and abort the job.
+TEST_CASE("MPI: an exception before a backward collective inside epx::mpi::run aborts the job" * doctest::skip()) {
+  int argc = 1;
+  char name[] = "test_faults_mpi";
+  char* args[] = {name, nullptr};
+  char** argv = args;
+  epx::mpi::run(argc, argv, [](comm_t& w) {
+    const auto meshes = rel::valid_meshes(8);
+    epx::ref::rng g(0xb4c4);
+    rel::step_config s = rel::random_step(g, meshes, w.size(), false);
+    // Collectives of construction + forward on every rank: a clean forward-only step.
+    s.forward_only = true;
+    rel::rank_result counting;
+    rel::run_rank(w, s, rel::fault_spec{}, counting);
+    s.forward_only = false;
+    rel::fault_spec f;
+    f.kind = fault_kind::throw_before;
+    f.rank = w.size() - 1;
+    f.target = counting.calls;  // the first collective after forward
+    rel::rank_result r;
+    rel::run_rank(w, s, f, r);
+  });
+}
