@@ -18,6 +18,7 @@
 #include "epx/layout/plan.hpp"
 #include "epx/dispatch/slicing.hpp"
 #include "epx/dispatch/functors.hpp"
+#include "epx/dispatch/launch.hpp"
 #include "epx/dispatch/implementation.hpp"
 #include "epx/dispatch/all_to_all.hpp"
 #include "epx/dispatch/all_reduce.hpp"

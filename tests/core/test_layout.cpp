@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <vector>
 
@@ -225,4 +226,60 @@ TEST_CASE("padding policy") {
   CHECK(al0.padded_rows(5) == 8);
   CHECK_THROWS_AS((epx::padding{-1, 1}.validate()), epx::error);
   CHECK_THROWS_AS((epx::padding{1, 0}.validate()), epx::error);
+}
+
+TEST_CASE_TEMPLATE("per-element functors (device form) equal the row functors bitwise", T, float, double, epx::bf16,
+                   epx::fp16) {
+  const std::size_t n = 7, H = 13;
+  const int k = 3;
+  const std::size_t S = n * k;
+  rng g(91);
+  std::vector<std::int64_t> pos(S);
+  for (std::size_t i = 0; i < S; ++i) pos[i] = static_cast<std::int64_t>(i);
+  for (std::size_t i = S - 1; i > 0; --i) std::swap(pos[i], pos[static_cast<std::size_t>(g.below(static_cast<int>(i + 1)))]);
+  pos[2 * k] = -1;
+  pos[5 * k + 2] = -1;
+  const auto y = epx::ref::from_double<T>(epx::ref::random_normal(S, H, 15));
+  const auto go = epx::ref::from_double<T>(epx::ref::random_normal(n, H, 16));
+  const auto wd = epx::ref::random_weights(n, k, 17, -1.0, 1.0);
+  std::vector<float> w(wd.begin(), wd.end());
+  namespace d = epx::dispatch;
+  auto bits_equal = [](const auto& a, const auto& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+  };
+  const epx::exec::serial ser;
+
+  std::vector<T> o1(n * H), o2(n * H);
+  epx::exec::for_each_n(ser, n, d::combine<T>{y.data(), w.data(), pos.data(), o1.data(), H, k});
+  epx::exec::for_each_n(ser, n * H, d::combine_elements<T>{y.data(), w.data(), pos.data(), o2.data(), H, k});
+  CHECK(bits_equal(o1, o2));
+
+  std::vector<T> gy1(S * H, epx::convert<T>(0.0f)), gy2(S * H, epx::convert<T>(0.0f));
+  std::vector<float> gw1(S, 3.0f), gw2(S, 3.0f);
+  epx::exec::for_each_n(ser, n, d::combine_backward<T>{y.data(), go.data(), w.data(), pos.data(), gy1.data(), gw1.data(), H, k});
+  epx::exec::for_each_n(ser, S * H, d::scatter_grad_elements<T>{go.data(), w.data(), pos.data(), gy2.data(), H, k});
+  epx::exec::for_each_n(ser, S, d::weight_gradients<T>{y.data(), go.data(), pos.data(), gw2.data(), H, k});
+  CHECK(bits_equal(gy1, gy2));
+  CHECK(bits_equal(gw1, gw2));
+  CHECK(gw2[2 * k] == 0.0f);
+
+  std::vector<T> gx1(n * H), gx2(n * H);
+  epx::exec::for_each_n(ser, n, d::reduce_grad_rows<T>{y.data(), pos.data(), gx1.data(), H, k});
+  epx::exec::for_each_n(ser, n * H, d::reduce_grad_elements<T>{y.data(), pos.data(), gx2.data(), H, k});
+  CHECK(bits_equal(gx1, gx2));
+
+  std::vector<std::int64_t> src = {4, -1, 0, 6, 6};
+  std::vector<T> r1(src.size() * H), r2(src.size() * H);
+  epx::exec::for_each_n(ser, src.size(), d::gather_rows<T>{go.data(), src.data(), r1.data(), H});
+  epx::exec::for_each_n(ser, src.size() * H, d::gather_elements<T>{go.data(), src.data(), r2.data(), H});
+  CHECK(bits_equal(r1, r2));
+
+  // The launch helpers pick the row form on host policies.
+  static_assert(!d::by_element_v<epx::exec::serial> && !d::by_element_v<epx::exec::openmp>);
+  std::vector<T> o3(n * H);
+  d::launch_combine(epx::exec::openmp{2}, n, H, k, y.data(), w.data(), pos.data(), o3.data());
+  CHECK(bits_equal(o1, o3));
+  static_assert(std::is_trivially_copyable_v<d::combine_elements<T>> && std::is_trivially_copyable_v<d::weight_gradients<T>> &&
+                std::is_trivially_copyable_v<d::scatter_grad_elements<T>> &&
+                std::is_trivially_copyable_v<d::reduce_grad_elements<T>> && std::is_trivially_copyable_v<d::gather_elements<T>>);
 }

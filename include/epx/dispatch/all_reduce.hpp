@@ -21,6 +21,7 @@
 #include "epx/dispatch/all_to_all.hpp"
 #include "epx/dispatch/detail/exchange.hpp"
 #include "epx/dispatch/functors.hpp"
+#include "epx/dispatch/launch.hpp"
 #include "epx/dispatch/implementation.hpp"
 #include "epx/exec/host.hpp"
 #include "epx/layer/experts.hpp"
@@ -87,13 +88,13 @@ class all_reduce_impl {
                                                 local_offset.data(), local_pos.data(), first, L});
     auto x_local = exec::make_buffer<T>(ex, R * H);
     auto y_local = exec::make_buffer<T>(ex, R * H);
-    exec::for_each_n(ex, R, dispatch::gather_rows<T>{a.x, row_source.data(), x_local.data(), H});
+    dispatch::launch_gather(ex, R, H, a.x, static_cast<const std::int64_t*>(row_source.data()), x_local.data());
 
     const expert_rows<const T> rows{x_local.data(), R, H, offsets.data(), L, first};
     experts.forward(ex, rows, y_local.data());
 
-    exec::for_each_n(ex, N,
-                     dispatch::combine<T>{y_local.data(), a.weights, local_pos.data(), a.out, H, a.top_k});
+    dispatch::launch_combine(ex, N, H, a.top_k, static_cast<const T*>(y_local.data()), a.weights,
+                             static_cast<const std::int64_t*>(local_pos.data()), a.out);
     exec::synchronize(ex);
     all_reduce(*ctx_.ep, span<T>(a.out, N * H));
 
@@ -132,14 +133,14 @@ class all_reduce_impl {
     auto grad_y = exec::make_buffer<T>(ex, R * H);
     auto grad_in = exec::make_buffer<T>(ex, R * H);
     exec::fill_zero(ex, grad_y.data(), R * H);  // padding rows stay zero
-    exec::for_each_n(ex, N,
-                     dispatch::combine_backward<T>{s.y_local.data(), a.grad_out, s.weights.data(),
-                                                   s.local_pos.data(), grad_y.data(), a.grad_weights, H,
-                                                   s.top_k});
+    dispatch::launch_combine_backward(ex, N, H, s.top_k, static_cast<const T*>(s.y_local.data()), a.grad_out,
+                                      static_cast<const float*>(s.weights.data()),
+                                      static_cast<const std::int64_t*>(s.local_pos.data()), grad_y.data(),
+                                      a.grad_weights);
     const expert_rows<const T> rows{s.x_local.data(), R, H, s.offsets.data(), L, ctx_.first_expert()};
     experts.backward(ex, rows, static_cast<const T*>(grad_y.data()), grad_in.data());
-    exec::for_each_n(ex, N,
-                     dispatch::reduce_grad_rows<T>{grad_in.data(), s.local_pos.data(), a.grad_x, H, s.top_k});
+    dispatch::launch_reduce_grad_rows(ex, N, H, s.top_k, static_cast<const T*>(grad_in.data()),
+                                      static_cast<const std::int64_t*>(s.local_pos.data()), a.grad_x);
     exec::synchronize(ex);
     all_reduce(*ctx_.ep, span<T>(a.grad_x, N * H));
     all_reduce(*ctx_.ep, span<float>(a.grad_weights, N * k));

@@ -25,6 +25,7 @@
 #include "epx/comm/collectives.hpp"
 #include "epx/dispatch/detail/exchange.hpp"
 #include "epx/dispatch/functors.hpp"
+#include "epx/dispatch/launch.hpp"
 #include "epx/dispatch/implementation.hpp"
 #include "epx/dispatch/slicing.hpp"
 #include "epx/exec/host.hpp"
@@ -161,7 +162,8 @@ class all_to_all_impl {
     const std::size_t S = n * k, R = lay.offsets.back();
     auto send = exec::make_buffer<T>(ex, S * H);
     auto x_recv = exec::make_buffer<T>(ex, R * H);
-    exec::for_each_n(ex, S, dispatch::gather_rows<T>{a.x + sl.begin * H, plan.src_row.data(), send.data(), H});
+    dispatch::launch_gather(ex, S, H, a.x + sl.begin * H, static_cast<const std::int64_t*>(plan.src_row.data()),
+                            send.data());
     zero_padding(ex, x_recv.data(), lay.offsets, lay.received, H);
     exec::synchronize(ex);
     all_to_allv_segments(*ctx_.ep, send.data(), make_span(lay.send_counts), make_span(lay.send_displs),
@@ -181,9 +183,8 @@ class all_to_all_impl {
 
     // 7: combine into the slice of a zero-filled output; the TP group sums the slices.
     exec::fill_zero(ex, a.out, a.rows * H);
-    exec::for_each_n(ex, n,
-                     dispatch::combine<T>{send.data(), a.weights + sl.begin * k, plan.pos.data(),
-                                          a.out + sl.begin * H, H, a.top_k});
+    dispatch::launch_combine(ex, n, H, a.top_k, static_cast<const T*>(send.data()), a.weights + sl.begin * k,
+                             plan.pos.data(), a.out + sl.begin * H);
     exec::synchronize(ex);
     if (tp > 1) all_reduce(*ctx_.tp, span<T>(a.out, a.rows * H));
 
@@ -227,10 +228,10 @@ class all_to_all_impl {
     auto grad_send = exec::make_buffer<T>(ex, S * H);
     auto grad_recv = exec::make_buffer<T>(ex, R * H);
     exec::fill_zero(ex, a.grad_weights, a.rows * k);
-    exec::for_each_n(ex, n,
-                     dispatch::combine_backward<T>{s.y_send.data(), a.grad_out + sl.begin * H, s.weights.data(),
-                                                   s.pos.data(), grad_send.data(), a.grad_weights + sl.begin * k,
-                                                   H, s.top_k});
+    dispatch::launch_combine_backward(ex, n, H, s.top_k, static_cast<const T*>(s.y_send.data()),
+                                      a.grad_out + sl.begin * H,
+                                      static_cast<const float*>(s.weights.data()), s.pos.data(), grad_send.data(),
+                                      a.grad_weights + sl.begin * k);
     zero_padding(ex, grad_recv.data(), lay.offsets, lay.received, H);
     exec::synchronize(ex);
     all_to_allv_segments(*ctx_.ep, static_cast<const T*>(grad_send.data()), make_span(lay.send_counts),
@@ -246,9 +247,8 @@ class all_to_all_impl {
                          make_span(lay.recv_displs), grad_send.data(), make_span(lay.send_counts),
                          make_span(lay.send_displs), static_cast<std::size_t>(L), H);
     exec::fill_zero(ex, a.grad_x, a.rows * H);
-    exec::for_each_n(ex, n,
-                     dispatch::reduce_grad_rows<T>{grad_send.data(), s.pos.data(), a.grad_x + sl.begin * H, H,
-                                                   s.top_k});
+    dispatch::launch_reduce_grad_rows(ex, n, H, s.top_k, static_cast<const T*>(grad_send.data()), s.pos.data(),
+                                      a.grad_x + sl.begin * H);
     if (tp > 1) {
       exec::synchronize(ex);
       all_reduce(*ctx_.tp, span<T>(a.grad_x, a.rows * H));
