@@ -6,12 +6,13 @@
 //   });
 //
 // Collectives go through shared memory. Every rank publishes its buffers and counts in a
-// slot of the communicator, waits at an entry barrier, then pulls its blocks straight from
-// the peers' send buffers into its own receive buffer with one memcpy per block (no staging
-// copy), and waits at an exit barrier so that the senders' buffers outlive the reads.
-// all_reduce splits the elements into one chunk per rank; each rank sums its chunk over the
-// ranks in rank order and writes the result into every rank's receive buffer, so every
-// rank gets bitwise the same result.
+// slot of the communicator and pulls its blocks straight from the peers' send buffers into
+// its own receive buffer with one memcpy per block (no staging copy), starting with each
+// peer as soon as that peer has published; an exit barrier keeps the senders' buffers
+// alive until every read is done. all_reduce and reduce_scatter wait for every member at
+// an entry barrier first; all_reduce splits the elements into one chunk per rank, each rank
+// sums its chunk over the ranks in rank order and writes the result into every rank's
+// receive buffer, so every rank gets bitwise the same result.
 //
 // Nothing hangs: an exception escaping any rank's function aborts the run, and every
 // pending or later collective of every rank (sub-communicators included) throws
@@ -131,15 +132,10 @@ class communicator {
     d.send = send;
     d.recv = recv;
     d.count = count;
-    const std::size_t es = size_of(t);
-    enter_and_finish(d, [&] {
-      const int n = size();
-      const std::size_t bytes = count * es;
-      for (int k = 0; k < n; ++k) {
-        const int p = (rank_ + k) % n;
-        const auto* src = static_cast<const char*>(slot(p).send) + static_cast<std::size_t>(rank_) * bytes;
-        copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, src, bytes);
-      }
+    const std::size_t bytes = count * size_of(t);
+    enter_pull(d, [&](int p) {
+      const auto* src = static_cast<const char*>(slot(p).send) + static_cast<std::size_t>(rank_) * bytes;
+      copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, src, bytes);
     });
   }
 
@@ -170,13 +166,10 @@ class communicator {
     d.recv_counts = recv_counts;
     d.recv_displs = recv_displs;
     const std::size_t es = size_of(t);
-    enter_and_finish(d, [&] {
-      for (int k = 0; k < n; ++k) {
-        const int p = (rank_ + k) % n;
-        const auto& s = slot(p);
-        const auto* src = static_cast<const char*>(s.send) + s.send_displs[rank_] * es;
-        copy_bytes(static_cast<char*>(recv) + recv_displs[p] * es, src, recv_counts[p] * es);
-      }
+    enter_pull(d, [&](int p) {
+      const auto& s = slot(p);
+      const auto* src = static_cast<const char*>(s.send) + s.send_displs[rank_] * es;
+      copy_bytes(static_cast<char*>(recv) + recv_displs[p] * es, src, recv_counts[p] * es);
     });
   }
 
@@ -254,12 +247,8 @@ class communicator {
     d.recv = recv;
     d.count = count;
     const std::size_t bytes = count * size_of(t);
-    enter_and_finish(d, [&] {
-      const int n = size();
-      for (int k = 0; k < n; ++k) {
-        const int p = (rank_ + k) % n;
-        copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, slot(p).send, bytes);
-      }
+    enter_pull(d, [&](int p) {
+      copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, slot(p).send, bytes);
     });
   }
 
@@ -275,8 +264,8 @@ class communicator {
     d.recv = data;
     d.count = count;
     d.root = root;
-    enter_and_finish(d, [&] {
-      if (rank_ != root) copy_bytes(data, slot(root).send, count * size_of(t));
+    enter_pull(d, [&](int p) {
+      if (p == root && rank_ != root) copy_bytes(data, slot(root).send, count * size_of(t));
     });
   }
 
@@ -340,11 +329,23 @@ class communicator {
                                          " ms; ranks that never entered it: ", missing),
                    EPX_HERE);
       world_->fail(world_rank(), std::make_exception_ptr(e));
+      group_->retract(group_->entered(rank_), rank_);
       throw e;
     }
     // Cancelled: whoever cancelled records the failure right after; wait for it.
+    group_->retract(group_->entered(rank_), rank_);
     while (!world_->aborted()) std::this_thread::yield();
     world_->throw_aborted(world_rank());
+  }
+
+  // Makes `d` this rank's call number `seq` (the next one) and returns seq.
+  std::uint64_t publish(const detail::threads_slot& d) const {
+    world_->throw_if_aborted(world_rank());
+    const std::uint64_t seq = group_->entered(rank_) + 1;
+    group_->slot(seq, rank_) = d;
+    group_->set_entered(rank_, seq);
+    group_->sync(seq, rank_).published.store(seq);
+    return seq;
   }
 
   // Publishes `d`, waits at the entry barrier, checks that every member called the same
@@ -354,10 +355,7 @@ class communicator {
   // phase first); barrier needs no exit barrier, because the slots are double-buffered.
   template <class Work>
   void enter(const detail::threads_slot& d, Work&& work) const {
-    world_->throw_if_aborted(world_rank());
-    const std::uint64_t seq = group_->entered(rank_) + 1;
-    group_->slot(seq, rank_) = d;
-    group_->set_entered(rank_, seq);
+    const std::uint64_t seq = publish(d);
     const auto deadline = std::chrono::steady_clock::now() + world_->timeout();
     const auto w = group_->arrive_and_wait(true, deadline, seq);
     if (w != detail::wait_result::passed) on_wait_failure(w, d.op);
@@ -372,6 +370,72 @@ class communicator {
       EPX_THROW(errc::communicator, mismatch);
     }
     work();
+  }
+
+  // The collectives where each rank only reads from peers (all_to_all, all_to_allv,
+  // all_gather, broadcast): pull(p) copies this rank's blocks from peer p (must not throw).
+  // Instead of waiting for every member at the entry barrier, a rank starts copying from
+  // each peer as soon as that peer has published a matching call, registered as an
+  // accessor of the peer's buffers, and sleeps only when no published peer is left. Before
+  // the exit barrier it makes sure the entry barrier has passed (so that nobody leaves
+  // early any more) and checks every member's call, like enter().
+  template <class Pull>
+  void enter_pull(const detail::threads_slot& d, Pull&& pull) const {
+    const int n = size();
+    std::vector<char> done(static_cast<std::size_t>(n), 0);
+    const std::uint64_t seq = publish(d);
+    const auto deadline = std::chrono::steady_clock::now() + world_->timeout();
+    const auto a = group_->arrive();
+    if (a.done && a.result != detail::wait_result::passed) on_wait_failure(a.result, d.op);
+    bool all_in = a.done;  // the entry barrier has passed: every member has published
+    int remaining = n;
+    while (remaining > 0) {
+      bool progress = false;
+      for (int k = 0; k < n; ++k) {
+        const int p = (rank_ + k) % n;
+        if (done[static_cast<std::size_t>(p)] || (!all_in && !group_->published(seq, p))) continue;
+        done[static_cast<std::size_t>(p)] = 1;
+        --remaining;
+        progress = true;
+        if (p == rank_) {
+          if (pair_matches(p)) pull(p);
+        } else {
+          // The peer's counts and buffers stay valid while we are its accessor.
+          if (!group_->acquire(seq, p)) on_wait_failure(detail::wait_result::cancelled, d.op);
+          if (pair_matches(p)) pull(p);  // a mismatch is reported below, once every call is known
+          group_->release(seq, p);
+        }
+      }
+      if (remaining > 0 && !progress) {
+        const auto w = group_->wait_gen(a.gen, true, deadline, seq);
+        if (w != detail::wait_result::passed) on_wait_failure(w, d.op);
+        all_in = true;
+      }
+    }
+    if (!all_in) {
+      const auto w = group_->wait_gen(a.gen, true, deadline, seq);
+      if (w != detail::wait_result::passed) on_wait_failure(w, d.op);
+    }
+    std::string mismatch;
+    try {
+      mismatch = check_match();
+    } catch (...) {
+      mismatch = "could not compare the members' calls";
+    }
+    wait_exit();
+    if (!mismatch.empty()) EPX_THROW(errc::communicator, mismatch);
+  }
+
+  // Whether peer p's published call agrees with ours on what we read from it.
+  bool pair_matches(int p) const noexcept {
+    const auto& mine = slot(rank_);
+    const auto& s = slot(p);
+    if (s.op != mine.op || s.type != mine.type) return false;
+    switch (mine.op) {
+      case detail::threads_op::all_to_allv: return s.send_counts[rank_] == mine.recv_counts[p];
+      case detail::threads_op::broadcast: return s.count == mine.count && s.root == mine.root;
+      default: return s.count == mine.count;
+    }
   }
 
   template <class Work>

@@ -97,6 +97,16 @@ struct alignas(64) padded_counter {
   std::atomic<std::uint64_t> value{0};
 };
 
+// Synchronisation of one slot. Ranks that read (or write) a peer's buffers before the entry
+// barrier has passed register as accessors; a rank that leaves a collective early
+// retracts its slot and waits for its accessors to finish, so that nobody touches its
+// buffers after it has left.
+struct alignas(64) slot_sync {
+  std::atomic<std::uint64_t> published{0};  // sequence number of the call in the slot
+  std::atomic<int> accessors{0};
+  std::atomic<bool> retracted{false};
+};
+
 // passed; cancelled (the run aborted); timed_out (the watchdog); member_gone (a member that
 // has not entered returned from its function, so it never will).
 enum class wait_result { passed, cancelled, timed_out, member_gone };
@@ -110,6 +120,7 @@ class threads_group {
         world_ranks_(std::move(world_ranks)),
         n_(static_cast<int>(world_ranks_.size())),
         slots_(new threads_slot[2 * world_ranks_.size()]),
+        syncs_(new slot_sync[2 * world_ranks_.size()]),
         entered_(new padded_counter[world_ranks_.size()]) {}
 
   int size() const noexcept { return n_; }
@@ -119,6 +130,30 @@ class threads_group {
   // writes the slots of collective s+2 only after every member has entered s+1, that is,
   // after every member has finished reading the slots of s.
   threads_slot& slot(std::uint64_t seq, int r) noexcept { return slots_[static_cast<std::size_t>(seq & 1) * n_ + r]; }
+  slot_sync& sync(std::uint64_t seq, int r) noexcept { return syncs_[static_cast<std::size_t>(seq & 1) * n_ + r]; }
+
+  // Whether rank r has published collective `seq`.
+  bool published(std::uint64_t seq, int r) noexcept { return sync(seq, r).published.load() == seq; }
+
+  // Registers as an accessor of rank r's buffers; false if r has retracted them.
+  bool acquire(std::uint64_t seq, int r) noexcept {
+    auto& x = sync(seq, r);
+    x.accessors.fetch_add(1);
+    if (x.retracted.load()) {
+      x.accessors.fetch_sub(1);
+      return false;
+    }
+    return true;
+  }
+  void release(std::uint64_t seq, int r) noexcept { sync(seq, r).accessors.fetch_sub(1); }
+
+  // Before leaving collective `seq` early: no new accessor gets in, the current ones finish
+  // their copies (bounded).
+  void retract(std::uint64_t seq, int r) noexcept {
+    auto& x = sync(seq, r);
+    x.retracted.store(true);
+    while (x.accessors.load() != 0) std::this_thread::yield();
+  }
 
   // Number of collectives rank r has entered on this group (written by r only).
   std::uint64_t entered(int r) const noexcept { return entered_[r].value.load(std::memory_order_acquire); }
@@ -131,6 +166,17 @@ class threads_group {
   // `seq` is the caller's collective number on this group (for member_gone).
   inline wait_result arrive_and_wait(bool abortable, std::chrono::steady_clock::time_point deadline,
                                      std::uint64_t seq = 0);
+
+  // arrive_and_wait in two steps: arrive counts this member in the current generation
+  // (done: we were the last one, or it was cancelled); wait_gen waits for it to pass.
+  struct arrival {
+    std::uint32_t gen;
+    bool done;
+    wait_result result;
+  };
+  inline arrival arrive() noexcept;
+  inline wait_result wait_gen(std::uint32_t gen, bool abortable, std::chrono::steady_clock::time_point deadline,
+                              std::uint64_t seq);
 
   // Whether a member that has not entered collective `seq` has finished its function.
   inline bool member_gone(std::uint64_t seq) const noexcept;
@@ -173,6 +219,7 @@ class threads_group {
   std::vector<int> world_ranks_;
   int n_;
   std::unique_ptr<threads_slot[]> slots_;
+  std::unique_ptr<slot_sync[]> syncs_;
   std::unique_ptr<padded_counter[]> entered_;
   // [generation:32][cancelled:1][arrived:31]
   alignas(64) std::atomic<std::uint64_t> state_{0};
@@ -286,23 +333,31 @@ inline bool threads_group::member_gone(std::uint64_t seq) const noexcept {
 inline wait_result threads_group::arrive_and_wait(bool abortable,
                                                   std::chrono::steady_clock::time_point deadline,
                                                   std::uint64_t seq) {
+  const arrival a = arrive();
+  if (a.done) return a.result;
+  return wait_gen(a.gen, abortable, deadline, seq);
+}
+
+inline threads_group::arrival threads_group::arrive() noexcept {
   std::uint64_t s = state_.load();
-  std::uint32_t gen;
   for (;;) {
-    if (s & cancel_bit) return wait_result::cancelled;
-    gen = gen_of(s);
+    const std::uint32_t gen = gen_of(s);
+    if (s & cancel_bit) return {gen, true, wait_result::cancelled};
     const std::uint64_t arrived = (s & count_mask) + 1;
     const bool last = arrived == static_cast<std::uint64_t>(n_);
     const std::uint64_t next = last ? (static_cast<std::uint64_t>(gen + 1u) << 32) : s + 1;
     if (state_.compare_exchange_weak(s, next)) {
       if (last) {
         wake();
-        return wait_result::passed;
+        return {gen, true, wait_result::passed};
       }
-      break;
+      return {gen, false, wait_result::passed};
     }
   }
+}
 
+inline wait_result threads_group::wait_gen(std::uint32_t gen, bool abortable,
+                                           std::chrono::steady_clock::time_point deadline, std::uint64_t seq) {
   // Spin briefly (when every rank has a core), then sleep on the condition variable.
   const int spins = world_->spin_limit();
   for (int i = 0; i < spins; ++i) {
