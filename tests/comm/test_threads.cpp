@@ -249,6 +249,36 @@ TEST_CASE("threads: a rank that throws while the others wait inside a collective
   }
 }
 
+TEST_CASE("threads: an abort while peers are copying from a rank's buffers (they stay valid until the copies end)") {
+  const int n = 4;
+  for (int round = 0; round < 4; ++round) {
+    CAPTURE(round);
+    seen_errors seen(n);
+    CHECK_THROWS_WITH_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      if (comm.rank() == n - 1) {
+        std::this_thread::sleep_for(milliseconds(2 * round));  // the others are copying by now
+        throw std::runtime_error("late rank fails");
+      }
+      // Heap buffers, freed as soon as the exception leaves this scope.
+      const std::size_t block = std::size_t{1} << 20;  // elements per peer
+      std::vector<std::size_t> sc(n, block), sd(n), rc(n, block), rd(n);
+      for (int p = 0; p < n; ++p) sd[p] = rd[p] = block * static_cast<std::size_t>(p);
+      std::vector<float> send(block * n, 1.0f), recv(block * n);
+      try {
+        comm.all_to_allv(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), epx::datatype::float32);
+      } catch (const epx::error& e) {
+        seen.record(comm.rank(), e);
+        throw;
+      }
+    }, short_options()), doctest::Contains("late rank fails"), std::runtime_error);
+    for (int r = 0; r + 1 < n; ++r) {
+      CAPTURE(r);
+      CHECK(contains(seen.messages[r], "rank 3 failed: late rank fails"));
+    }
+  }
+  check_next_run_works(n);
+}
+
 TEST_CASE("threads: invalid arguments inside a collective on one rank reach the others") {
   const int n = 3;
   seen_errors seen(n);
