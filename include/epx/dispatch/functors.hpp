@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "epx/core/config.hpp"
@@ -40,9 +41,21 @@ struct gather_rows {
       return;
     }
     const T* s = x + static_cast<std::size_t>(r) * hidden;
+#if defined(__CUDA_ARCH__)
     for (std::size_t h = 0; h < hidden; ++h) d[h] = s[h];
+#else
+    std::memcpy(static_cast<void*>(d), static_cast<const void*>(s), hidden * sizeof(T));  // host: libc's copy
+#endif
   }
 };
+
+namespace detail {
+// Host rows are summed in blocks of this many columns: a block's accumulators live on the
+// stack and every slot's row is streamed into them (vectorisable), instead of gathering k
+// values per column. Each column still sums its slots in slot order from A(0): the same
+// operations in the same order, so the results are bitwise those of the column loop.
+constexpr std::size_t combine_block = 256;
+}  // namespace detail
 
 // dst[r, :] = 0. Call with r in [0, rows).
 template <class T>
@@ -69,6 +82,7 @@ struct combine {
     using A = accum_t<T>;
     const std::size_t k = static_cast<std::size_t>(top_k);
     T* o = out + t * hidden;
+#if defined(__CUDA_ARCH__)
     for (std::size_t h = 0; h < hidden; ++h) {
       A acc = A(0);
       for (std::size_t j = 0; j < k; ++j) {
@@ -78,6 +92,21 @@ struct combine {
       }
       o[h] = convert<T>(acc);
     }
+#else
+    A acc[detail::combine_block];
+    for (std::size_t h0 = 0; h0 < hidden; h0 += detail::combine_block) {
+      const std::size_t m = hidden - h0 < detail::combine_block ? hidden - h0 : detail::combine_block;
+      for (std::size_t h = 0; h < m; ++h) acc[h] = A(0);
+      for (std::size_t j = 0; j < k; ++j) {
+        const std::int64_t p = pos[t * k + j];
+        if (p < 0) continue;
+        const A w = static_cast<A>(weights[t * k + j]);
+        const T* yr = y + static_cast<std::size_t>(p) * hidden + h0;
+        for (std::size_t h = 0; h < m; ++h) acc[h] += w * convert<A>(yr[h]);
+      }
+      for (std::size_t h = 0; h < m; ++h) o[h0 + h] = convert<T>(acc[h]);
+    }
+#endif
   }
 };
 
@@ -133,6 +162,7 @@ struct reduce_grad_rows {
     using A = accum_t<T>;
     const std::size_t k = static_cast<std::size_t>(top_k);
     T* o = grad_x + t * hidden;
+#if defined(__CUDA_ARCH__)
     for (std::size_t h = 0; h < hidden; ++h) {
       A acc = A(0);
       for (std::size_t j = 0; j < k; ++j) {
@@ -142,6 +172,20 @@ struct reduce_grad_rows {
       }
       o[h] = convert<T>(acc);
     }
+#else
+    A acc[detail::combine_block];
+    for (std::size_t h0 = 0; h0 < hidden; h0 += detail::combine_block) {
+      const std::size_t m = hidden - h0 < detail::combine_block ? hidden - h0 : detail::combine_block;
+      for (std::size_t h = 0; h < m; ++h) acc[h] = A(0);
+      for (std::size_t j = 0; j < k; ++j) {
+        const std::int64_t p = pos[t * k + j];
+        if (p < 0) continue;
+        const T* g = grad_rows + static_cast<std::size_t>(p) * hidden + h0;
+        for (std::size_t h = 0; h < m; ++h) acc[h] += convert<A>(g[h]);
+      }
+      for (std::size_t h = 0; h < m; ++h) o[h0 + h] = convert<T>(acc[h]);
+    }
+#endif
   }
 };
 
