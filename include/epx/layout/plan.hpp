@@ -127,11 +127,19 @@ struct scatter_pairs {
     std::int64_t* cursor = chunk_counts + c * static_cast<std::size_t>(num_experts);
     const std::size_t begin = c * chunk_pairs;
     const std::size_t end = begin + chunk_pairs < pairs ? begin + chunk_pairs : pairs;
+    // Row and slot of pair i kept as counters: no integer division per pair.
+    const auto k = static_cast<std::size_t>(top_k);
+    std::int64_t t = static_cast<std::int64_t>(begin / k);
+    std::size_t j = begin % k;
     for (std::size_t i = begin; i < end; ++i) {
       const std::int32_t e = ids[i];
       const std::int64_t p = expert_offset[e] + cursor[e]++;
       pos[i] = p;
-      src_row[p] = static_cast<std::int64_t>(i / static_cast<std::size_t>(top_k));
+      src_row[p] = t;
+      if (++j == k) {
+        j = 0;
+        ++t;
+      }
     }
   }
 };
