@@ -181,8 +181,10 @@ class all_to_all_impl {
                          make_span(lay.recv_displs), send.data(), make_span(lay.send_counts),
                          make_span(lay.send_displs), static_cast<std::size_t>(L), H);
 
-    // 7: combine into the slice of a zero-filled output; the TP group sums the slices.
-    exec::fill_zero(ex, a.out, a.rows * H);
+    // 7: combine into the slice (every row of it written), zeros around it; the TP group
+    // sums the slices.
+    exec::fill_zero(ex, a.out, sl.begin * H);
+    exec::fill_zero(ex, a.out + sl.end * H, (a.rows - sl.end) * H);
     dispatch::launch_combine(ex, n, H, a.top_k, static_cast<const T*>(send.data()), a.weights + sl.begin * k,
                              plan.pos.data(), a.out + sl.begin * H);
     exec::synchronize(ex);
@@ -246,7 +248,8 @@ class all_to_all_impl {
     all_to_allv_segments(*ctx_.ep, static_cast<const T*>(grad_in.data()), make_span(lay.recv_counts),
                          make_span(lay.recv_displs), grad_send.data(), make_span(lay.send_counts),
                          make_span(lay.send_displs), static_cast<std::size_t>(L), H);
-    exec::fill_zero(ex, a.grad_x, a.rows * H);
+    exec::fill_zero(ex, a.grad_x, sl.begin * H);  // the slice's rows are all written below
+    exec::fill_zero(ex, a.grad_x + sl.end * H, (a.rows - sl.end) * H);
     dispatch::launch_reduce_grad_rows(ex, n, H, s.top_k, static_cast<const T*>(grad_send.data()), s.pos.data(),
                                       a.grad_x + sl.begin * H);
     if (tp > 1) {
