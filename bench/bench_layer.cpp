@@ -811,6 +811,7 @@ void register_all(bool quick) {
 }
 
 void print_summary() {
+  if (g_rows.empty()) return;
   std::printf("\nSummary (median per call; speedup = baseline / epx; memory per rank; heap=%s)\n",
               heap::caching ? "cache" : "system");
   std::printf("%-78s %11s %11s %8s %8s %7s %9s %9s\n", "benchmark", "epx_ms", "baseline_ms", "speedup",
