@@ -73,6 +73,8 @@ void check_next_run_works(int n) {
 
 static_assert(epx::is_communicator_v<epx::threads::communicator>);
 static_assert(epx::is_communicator_v<epx::threads::communicator&>);
+static_assert(epx::detail::has_native_segments<epx::threads::communicator>::value,
+              "the threads communicator moves all segments in one collective");
 
 TEST_CASE("threads: rank and size") {
   for (int n : world_sizes) {
@@ -92,6 +94,9 @@ TEST_CASE("threads: all_to_allv, uneven counts, zero-length messages, every type
   for_each_world_size([](auto& c) { comm_cases::case_all_to_allv(c); });
 }
 TEST_CASE("threads: all_to_allv_rows") { for_each_world_size([](auto& c) { comm_cases::case_all_to_allv_rows(c); }); }
+TEST_CASE("threads: native all_to_allv_segments, every type, empty segments, nseg 0") {
+  for_each_world_size([](auto& c) { comm_cases::case_all_to_allv_segments(c); });
+}
 TEST_CASE("threads: all_reduce, scaled, every type") { for_each_world_size([](auto& c) { comm_cases::case_all_reduce(c); }); }
 TEST_CASE("threads: reduce_scatter") { for_each_world_size([](auto& c) { comm_cases::case_reduce_scatter(c); }); }
 TEST_CASE("threads: all_gather") { for_each_world_size([](auto& c) { comm_cases::case_all_gather(c); }); }
@@ -394,6 +399,172 @@ TEST_CASE("threads: mismatched all_to_allv counts are detected on every rank") {
     CHECK(seen.categories[r] == epx::errc::communicator);
     CHECK(contains(seen.messages[r], "rank 0 sends 2 elements to rank 2, which expects 1 from it"));
   }
+}
+
+namespace {
+// Every rank sends `per` elements in each of 2 segments to every peer; `tweak` may change
+// this rank's counts or segment number before the call. Records the error each rank saw;
+// afterwards the communicator must still work.
+template <class Tweak>
+int run_segments_mismatch(int n, seen_errors& seen, Tweak tweak) {
+  std::atomic<int> recovered{0};
+  epx::threads::run(n, [&](epx::threads::communicator& comm) {
+    const int me = comm.rank();
+    std::size_t nseg = 2;
+    const std::size_t per = 2;
+    std::vector<std::size_t> sc(n * nseg, per), sd(n * nseg), rc(n * nseg, per), rd(n * nseg);
+    for (std::size_t j = 0; j < sd.size(); ++j) sd[j] = rd[j] = per * j;
+    tweak(me, sc, rc, nseg);
+    std::vector<float> send(per * n * 2, 1.0f), recv(per * n * 2 + 8, 0.0f);
+    try {
+      comm.all_to_allv_segments(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), nseg,
+                                epx::datatype::float32);
+    } catch (const epx::error& e) {
+      seen.record(me, e);
+    }
+    std::vector<double> x{1.0};
+    epx::all_reduce(comm, epx::span<double>(x));
+    if (x[0] == n) ++recovered;
+  }, short_options());
+  return recovered.load();
+}
+}  // namespace
+
+TEST_CASE("threads: mismatched all_to_allv_segments counts and segment numbers are detected on every rank") {
+  const int n = 4;
+  {
+    seen_errors seen(n);
+    // Rank 3 expects 1 element in segment 1 from rank 2, which sends 2.
+    CHECK(run_segments_mismatch(n, seen, [](int me, auto&, auto& rc, std::size_t& nseg) {
+            if (me == 3) rc[2 * nseg + 1] = 1;
+          }) == n);
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(seen.categories[r] == epx::errc::communicator);
+      CHECK(contains(seen.messages[r],
+                     "all_to_allv_segments: mismatched counts: rank 2 sends 2 elements in segment 1 to rank 3, which "
+                     "expects 1 from it"));
+    }
+  }
+  {
+    seen_errors seen(n);
+    // Rank 1 sends 3 elements in segment 0 to rank 0 (reads past nothing: its send buffer holds them).
+    CHECK(run_segments_mismatch(n, seen, [](int me, auto& sc, auto&, std::size_t&) {
+            if (me == 1) sc[0] = 3;
+          }) == n);
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(contains(seen.messages[r], "rank 1 sends 3 elements in segment 0 to rank 0, which expects 2 from it"));
+    }
+  }
+  {
+    seen_errors seen(n);
+    // Rank 2 passes 1 segment per peer where the others pass 2.
+    CHECK(run_segments_mismatch(n, seen, [](int me, auto&, auto&, std::size_t& nseg) {
+            if (me == 2) nseg = 1;
+          }) == n);
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(seen.categories[r] == epx::errc::communicator);
+      CHECK(contains(seen.messages[r],
+                     "all_to_allv_segments: mismatched segment counts: rank 0 passed 2 segments per peer, rank 2 "
+                     "passed 1"));
+    }
+  }
+  {
+    seen_errors seen(n);
+    // Rank 1 calls all_to_allv_segments, the others all_reduce.
+    std::atomic<int> done{0};
+    CHECK_THROWS_WITH_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      std::vector<std::size_t> c(n, 0);
+      std::vector<float> x(4, 1.0f);
+      try {
+        if (comm.rank() == 1) comm.all_to_allv_segments(nullptr, c.data(), c.data(), nullptr, c.data(), c.data(), 1,
+                                                        epx::datatype::float32);
+        else epx::all_reduce(comm, epx::span<float>(x));
+      } catch (const epx::error& e) {
+        seen.record(comm.rank(), e);
+        throw;
+      }
+      ++done;
+    }, short_options()), doctest::Contains("mismatched collectives: rank 0 called all_reduce, rank 1 called all_to_allv_segments"),
+                         epx::error);
+    CHECK(done.load() == 0);
+    for (int r = 0; r < n; ++r) CHECK(contains(seen.messages[r], "rank 1 called all_to_allv_segments"));
+  }
+}
+
+TEST_CASE("threads: all_to_allv_segments failures: invalid arguments, a rank that throws, a rank that never comes") {
+  const int n = 3;
+  {
+    seen_errors seen(n);
+    CHECK_THROWS_WITH_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      std::vector<std::size_t> c(n * 2, 0);
+      try {
+        comm.all_to_allv_segments(nullptr, c.data(), comm.rank() == 2 ? nullptr : c.data(), nullptr, c.data(),
+                                  c.data(), 2, epx::datatype::bfloat16);
+      } catch (const epx::error& e) {
+        seen.record(comm.rank(), e);
+        throw;
+      }
+    }, short_options()), doctest::Contains("all_to_allv_segments: counts and displacements must not be null"),
+                         epx::error);
+    CHECK(seen.categories[2] == epx::errc::input);
+    CHECK(contains(seen.messages[0], "rank 2 failed: all_to_allv_segments: counts and displacements must not be null"));
+    CHECK(contains(seen.messages[1], "rank 2 failed"));
+  }
+  // A rank that throws while the others copy 4 MiB segments from each other.
+  for (int round = 0; round < 3; ++round) {
+    CAPTURE(round);
+    seen_errors seen(n);
+    CHECK_THROWS_WITH_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      if (comm.rank() == 0) {
+        std::this_thread::sleep_for(milliseconds(2 * round));
+        throw std::runtime_error("segment rank fails");
+      }
+      const std::size_t nseg = 4, per = std::size_t{1} << 20;
+      std::vector<std::size_t> sc(n * nseg, per), sd(n * nseg), rc(n * nseg, per), rd(n * nseg);
+      for (std::size_t j = 0; j < sd.size(); ++j) sd[j] = rd[j] = per * j;
+      std::vector<float> send(per * n * nseg, 1.0f), recv(per * n * nseg);
+      try {
+        comm.all_to_allv_segments(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), nseg,
+                                  epx::datatype::float32);
+      } catch (const epx::error& e) {
+        seen.record(comm.rank(), e);
+        throw;
+      }
+    }, short_options()), doctest::Contains("segment rank fails"), std::runtime_error);
+    for (int r = 1; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(contains(seen.messages[r], "rank 0 failed: segment rank fails"));
+    }
+  }
+  // The watchdog names a rank that is late for the collective.
+  {
+    epx::threads::options o;
+    o.timeout = milliseconds(300);
+    seen_errors seen(n);
+    const auto t0 = clock_type::now();
+    CHECK_THROWS_WITH_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      if (comm.rank() == 1) std::this_thread::sleep_for(milliseconds(900));
+      std::vector<std::size_t> c(n, 1), d(n);
+      for (int p = 0; p < n; ++p) d[p] = static_cast<std::size_t>(p);
+      std::vector<int> send(n, comm.rank()), recv(n, -1);
+      try {
+        comm.all_to_allv_segments(send.data(), c.data(), d.data(), recv.data(), c.data(), d.data(), 1,
+                                  epx::datatype::int32);
+      } catch (const epx::error& e) {
+        seen.record(comm.rank(), e);
+        throw;
+      }
+    }, o), doctest::Contains("never entered it: rank 1"), epx::error);
+    CHECK(clock_type::now() - t0 < milliseconds(5000));
+    for (int r : {0, 2}) {
+      CAPTURE(r);
+      CHECK(contains(seen.messages[r], "watchdog: all_to_allv_segments"));
+    }
+  }
+  check_next_run_works(n);
 }
 
 TEST_CASE("threads: mismatched collectives, datatypes, counts, roots and scales are detected on every rank") {

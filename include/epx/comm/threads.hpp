@@ -20,7 +20,7 @@
 // returns from its function while others wait for it in a collective fails that
 // collective at once, and a watchdog (options::timeout) turns a collective that some
 // members have not entered in time into an error listing them. Calls that disagree
-// (different collectives, datatypes, counts, roots or scales) are detected on every rank
+// (different collectives, datatypes, counts, segment counts, roots or scales) are detected on every rank
 // and reported with the values.
 #pragma once
 
@@ -170,6 +170,50 @@ class communicator {
       const auto& s = slot(p);
       const auto* src = static_cast<const char*>(s.send) + s.send_displs[rank_] * es;
       copy_bytes(static_cast<char*>(recv) + recv_displs[p] * es, src, recv_counts[p] * es);
+    });
+  }
+
+  // Segmented all-to-all (see epx::all_to_allv_segments): arrays are [peers][nseg], in
+  // elements; segment i that this rank sends to peer q (send_counts[q*nseg+i] elements at
+  // send + send_displs[q*nseg+i]) lands at recv + q's recv_displs[me*nseg+i], and q's
+  // recv_counts[me*nseg+i] must equal it. One collective: every segment is copied once,
+  // straight from the sender's buffer into the receiver's, with one entry and one exit
+  // barrier for all nseg segments.
+  void all_to_allv_segments(const void* send, const std::size_t* send_counts, const std::size_t* send_displs,
+                            void* recv, const std::size_t* recv_counts, const std::size_t* recv_displs,
+                            std::size_t nseg, datatype t) {
+    const int n = size();
+    const std::size_t m = static_cast<std::size_t>(n) * nseg;
+    EPX_REQUIRE(m == 0 || (send_counts && send_displs && recv_counts && recv_displs), errc::input,
+                "all_to_allv_segments: counts and displacements must not be null (", n, " peers x ", nseg,
+                " segments)");
+    std::size_t total_send = 0, total_recv = 0;
+    for (std::size_t j = 0; j < m; ++j) {
+      total_send += send_counts[j];
+      total_recv += recv_counts[j];
+    }
+    require_buffer(send, total_send, "all_to_allv_segments", "send");
+    require_buffer(recv, total_recv, "all_to_allv_segments", "recv");
+    EPX_REQUIRE(send != recv || total_send + total_recv == 0 || n == 1, errc::input,
+                "all_to_allv_segments: send and recv must be distinct buffers (in place is not supported)");
+    detail::threads_slot d;
+    d.op = detail::threads_op::all_to_allv_segments;
+    d.type = t;
+    d.send = send;
+    d.recv = recv;
+    d.count = nseg;
+    d.send_counts = send_counts;
+    d.send_displs = send_displs;
+    d.recv_counts = recv_counts;
+    d.recv_displs = recv_displs;
+    const std::size_t es = size_of(t);
+    enter_pull(d, [&](int p) {
+      const auto& s = slot(p);
+      const std::size_t from = static_cast<std::size_t>(rank_) * nseg;  // our row of p's arrays
+      const std::size_t to = static_cast<std::size_t>(p) * nseg;        // p's row of ours
+      for (std::size_t i = 0; i < nseg; ++i)
+        copy_bytes(static_cast<char*>(recv) + recv_displs[to + i] * es,
+                   static_cast<const char*>(s.send) + s.send_displs[from + i] * es, recv_counts[to + i] * es);
     });
   }
 
@@ -373,7 +417,7 @@ class communicator {
   }
 
   // The collectives where each rank only reads from peers (all_to_all, all_to_allv,
-  // all_gather, broadcast): pull(p) copies this rank's blocks from peer p (must not throw).
+  // all_to_allv_segments, all_gather, broadcast): pull(p) copies this rank's blocks from peer p (must not throw).
   // Instead of waiting for every member at the entry barrier, a rank starts copying from
   // each peer as soon as that peer has published a matching call, registered as an
   // accessor of the peer's buffers, and sleeps only when no published peer is left. Before
@@ -433,6 +477,14 @@ class communicator {
     if (s.op != mine.op || s.type != mine.type) return false;
     switch (mine.op) {
       case detail::threads_op::all_to_allv: return s.send_counts[rank_] == mine.recv_counts[p];
+      case detail::threads_op::all_to_allv_segments: {
+        if (s.count != mine.count) return false;
+        const std::size_t nseg = mine.count;
+        for (std::size_t i = 0; i < nseg; ++i)
+          if (s.send_counts[static_cast<std::size_t>(rank_) * nseg + i] != mine.recv_counts[static_cast<std::size_t>(p) * nseg + i])
+            return false;
+        return true;
+      }
       case detail::threads_op::broadcast: return s.count == mine.count && s.root == mine.root;
       default: return s.count == mine.count;
     }
@@ -472,6 +524,24 @@ class communicator {
             return detail::concat("all_to_allv: mismatched counts: ", who(src), " sends ", sent, " elements to ",
                                   who(dst), ", which expects ", expected, " from it");
         }
+      return {};
+    }
+    if (op == detail::threads_op::all_to_allv_segments) {
+      for (int r = 1; r < n; ++r)
+        if (slot(r).count != s0.count)
+          return detail::concat("all_to_allv_segments: mismatched segment counts: ", who(0), " passed ", s0.count,
+                                " segments per peer, ", who(r), " passed ", slot(r).count);
+      const std::size_t nseg = s0.count;
+      for (int src = 0; src < n; ++src)
+        for (int dst = 0; dst < n; ++dst)
+          for (std::size_t i = 0; i < nseg; ++i) {
+            const std::size_t sent = slot(src).send_counts[static_cast<std::size_t>(dst) * nseg + i];
+            const std::size_t expected = slot(dst).recv_counts[static_cast<std::size_t>(src) * nseg + i];
+            if (sent != expected)
+              return detail::concat("all_to_allv_segments: mismatched counts: ", who(src), " sends ", sent,
+                                    " elements in segment ", i, " to ", who(dst), ", which expects ", expected,
+                                    " from it");
+          }
       return {};
     }
     for (int r = 1; r < n; ++r) {

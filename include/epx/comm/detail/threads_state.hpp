@@ -29,6 +29,7 @@ enum class threads_op : int {
   barrier,
   all_to_all,
   all_to_allv,
+  all_to_allv_segments,
   all_reduce,
   reduce_scatter,
   all_gather,
@@ -42,6 +43,7 @@ inline const char* to_string(threads_op k) noexcept {
     case threads_op::barrier: return "barrier";
     case threads_op::all_to_all: return "all_to_all";
     case threads_op::all_to_allv: return "all_to_allv";
+    case threads_op::all_to_allv_segments: return "all_to_allv_segments";
     case threads_op::all_reduce: return "all_reduce";
     case threads_op::reduce_scatter: return "reduce_scatter";
     case threads_op::all_gather: return "all_gather";
@@ -81,7 +83,7 @@ struct alignas(64) threads_slot {
   datatype type = datatype::byte;
   const void* send = nullptr;
   void* recv = nullptr;
-  std::size_t count = 0;
+  std::size_t count = 0;  // all_to_allv_segments: the number of segments per peer
   const std::size_t* send_counts = nullptr;
   const std::size_t* send_displs = nullptr;
   const std::size_t* recv_counts = nullptr;
