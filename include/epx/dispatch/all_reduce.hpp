@@ -20,6 +20,7 @@
 #include "epx/comm/collectives.hpp"
 #include "epx/dispatch/all_to_all.hpp"
 #include "epx/dispatch/detail/exchange.hpp"
+#include "epx/dispatch/detail/workspace.hpp"
 #include "epx/dispatch/functors.hpp"
 #include "epx/dispatch/launch.hpp"
 #include "epx/dispatch/implementation.hpp"
@@ -45,8 +46,8 @@ class all_reduce_impl {
     std::vector<std::size_t> offsets;            // [L+1] host
     exec::buffer<std::int64_t, Exec> local_pos;  // [N*k] row in the local buffer, -1 if not local
     exec::buffer<float, Exec> weights;           // [N*k]
-    exec::buffer<T, Exec> x_local;               // [R, H]
-    exec::buffer<T, Exec> y_local;               // [R, H]
+    rows_buffer<T, Exec> x_local;                // [R, H]
+    rows_buffer<T, Exec> y_local;                // [R, H]
   };
 
   template <class T, class Exec, class Experts>
@@ -86,8 +87,8 @@ class all_reduce_impl {
     exec::for_each_n(ex, N * k,
                      dispatch::masked_positions{a.ids, plan.pos.data(), plan.expert_offset.data(),
                                                 local_offset.data(), local_pos.data(), first, L});
-    auto x_local = exec::make_buffer<T>(ex, R * H);
-    auto y_local = exec::make_buffer<T>(ex, R * H);
+    auto x_local = make_rows<T>(ws_, ex, R * H);  // pooled for host policies (detail::workspace)
+    auto y_local = make_rows<T>(ws_, ex, R * H);
     dispatch::launch_gather(ex, R, H, a.x, static_cast<const std::int64_t*>(row_source.data()), x_local.data());
 
     const expert_rows<const T> rows{x_local.data(), R, H, offsets.data(), L, first};
@@ -130,8 +131,8 @@ class all_reduce_impl {
     const std::size_t N = s.rows, H = s.hidden, R = s.local_rows;
     const auto k = static_cast<std::size_t>(s.top_k);
 
-    auto grad_y = exec::make_buffer<T>(ex, R * H);
-    auto grad_in = exec::make_buffer<T>(ex, R * H);
+    auto grad_y = make_rows<T>(ws_, ex, R * H);
+    auto grad_in = make_rows<T>(ws_, ex, R * H);
     exec::fill_zero(ex, grad_y.data(), R * H);  // padding rows stay zero
     dispatch::launch_combine_backward(ex, N, H, s.top_k, static_cast<const T*>(s.y_local.data()), a.grad_out,
                                       static_cast<const float*>(s.weights.data()),
@@ -171,6 +172,7 @@ class all_reduce_impl {
   }
 
   layer_context<Comm> ctx_;
+  workspace ws_;  // pooled row buffers (host policies)
 };
 
 }  // namespace detail

@@ -14,6 +14,9 @@
 // policies), so a communicator never reads buffers a device stream is still writing.
 // Backward runs the same path in reverse with the saved layout (no count exchange, only a
 // small shape check exchange).
+// Row buffers of host policies come from a pool kept by the implementation between calls
+// (detail::workspace), so repeated calls do not page-fault fresh allocations; device
+// policies allocate through exec::make_buffer (stream-ordered).
 #pragma once
 
 #include <cstddef>
@@ -24,6 +27,7 @@
 
 #include "epx/comm/collectives.hpp"
 #include "epx/dispatch/detail/exchange.hpp"
+#include "epx/dispatch/detail/workspace.hpp"
 #include "epx/dispatch/functors.hpp"
 #include "epx/dispatch/launch.hpp"
 #include "epx/dispatch/implementation.hpp"
@@ -129,8 +133,8 @@ class all_to_all_impl {
     segment_layout layout;
     exec::buffer<std::int64_t, Exec> pos;   // [n*k] send position of pair (t, j)
     exec::buffer<float, Exec> weights;      // [n*k] copy of the slice's routing weights
-    exec::buffer<T, Exec> x_recv;           // [R, H] expert-major input rows
-    exec::buffer<T, Exec> y_send;           // [S, H] expert outputs in send order
+    rows_buffer<T, Exec> x_recv;            // [R, H] expert-major input rows
+    rows_buffer<T, Exec> y_send;            // [S, H] expert outputs in send order
   };
 
   template <class T, class Exec, class Experts>
@@ -160,8 +164,8 @@ class all_to_all_impl {
 
     // 4: rows to their experts, landing expert-major.
     const std::size_t S = n * k, R = lay.offsets.back();
-    auto send = exec::make_buffer<T>(ex, S * H);
-    auto x_recv = exec::make_buffer<T>(ex, R * H);
+    auto send = make_rows<T>(ws_, ex, S * H);
+    auto x_recv = make_rows<T>(ws_, ex, R * H);
     dispatch::launch_gather(ex, S, H, a.x + sl.begin * H, static_cast<const std::int64_t*>(plan.src_row.data()),
                             send.data());
     zero_padding(ex, x_recv.data(), lay.offsets, lay.received, H);
@@ -171,7 +175,7 @@ class all_to_all_impl {
                          static_cast<std::size_t>(L), H);
 
     // 5: experts.
-    auto y_recv = exec::make_buffer<T>(ex, R * H);
+    auto y_recv = make_rows<T>(ws_, ex, R * H);
     const expert_rows<const T> rows{x_recv.data(), R, H, lay.offsets.data(), L, ctx_.first_expert()};
     experts.forward(ex, rows, y_recv.data());
 
@@ -227,8 +231,8 @@ class all_to_all_impl {
     const segment_layout& lay = s.layout;
 
     // grad_y rows in send order and the routing-weight gradients of the slice.
-    auto grad_send = exec::make_buffer<T>(ex, S * H);
-    auto grad_recv = exec::make_buffer<T>(ex, R * H);
+    auto grad_send = make_rows<T>(ws_, ex, S * H);
+    auto grad_recv = make_rows<T>(ws_, ex, R * H);
     exec::fill_zero(ex, a.grad_weights, a.rows * k);
     dispatch::launch_combine_backward(ex, n, H, s.top_k, static_cast<const T*>(s.y_send.data()),
                                       a.grad_out + sl.begin * H,
@@ -240,7 +244,7 @@ class all_to_all_impl {
                          make_span(lay.send_displs), grad_recv.data(), make_span(lay.recv_counts),
                          make_span(lay.recv_displs), static_cast<std::size_t>(L), H);
 
-    auto grad_in = exec::make_buffer<T>(ex, R * H);
+    auto grad_in = make_rows<T>(ws_, ex, R * H);
     const expert_rows<const T> rows{s.x_recv.data(), R, H, lay.offsets.data(), L, ctx_.first_expert()};
     experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in.data());
 
@@ -284,6 +288,7 @@ class all_to_all_impl {
   }
 
   layer_context<Comm> ctx_;
+  workspace ws_;  // pooled row buffers (host policies)
 };
 
 }  // namespace detail
