@@ -101,7 +101,7 @@ int phase_index(const std::string& msg) {
 void inject(const rel::step_config& s, const rel::fault_spec& f, const std::vector<long>& calls, counts& n) {
   const int world = s.world();
   const epx::mesh m(s.c.topology);
-  const auto watchdog = f.kind == fault_kind::stall ? std::chrono::milliseconds(250) : std::chrono::milliseconds(2000);
+  const auto watchdog = f.kind == fault_kind::stall ? std::chrono::milliseconds(250) : std::chrono::milliseconds(4000);
   const std::string kind = rel::to_string(f.kind);
   CAPTURE(kind);
   CAPTURE(f.rank);
