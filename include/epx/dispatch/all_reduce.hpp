@@ -20,6 +20,7 @@
 #include "epx/comm/collectives.hpp"
 #include "epx/dispatch/all_to_all.hpp"
 #include "epx/dispatch/detail/exchange.hpp"
+#include "epx/dispatch/detail/settle.hpp"
 #include "epx/dispatch/detail/workspace.hpp"
 #include "epx/dispatch/functors.hpp"
 #include "epx/dispatch/launch.hpp"
@@ -96,7 +97,7 @@ class all_reduce_impl {
 
     dispatch::launch_combine(ex, N, H, a.top_k, static_cast<const T*>(y_local.data()), a.weights,
                              static_cast<const std::int64_t*>(local_pos.data()), a.out);
-    exec::synchronize(ex);
+    settle(ex, *ctx_.ep);
     all_reduce(*ctx_.ep, span<T>(a.out, N * H));
 
     if (saved != nullptr) {
@@ -142,7 +143,7 @@ class all_reduce_impl {
     experts.backward(ex, rows, static_cast<const T*>(grad_y.data()), grad_in.data());
     dispatch::launch_reduce_grad_rows(ex, N, H, s.top_k, static_cast<const T*>(grad_in.data()),
                                       static_cast<const std::int64_t*>(s.local_pos.data()), a.grad_x);
-    exec::synchronize(ex);
+    settle(ex, *ctx_.ep);
     all_reduce(*ctx_.ep, span<T>(a.grad_x, N * H));
     all_reduce(*ctx_.ep, span<float>(a.grad_weights, N * k));
   }

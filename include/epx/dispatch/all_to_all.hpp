@@ -27,6 +27,7 @@
 
 #include "epx/comm/collectives.hpp"
 #include "epx/dispatch/detail/exchange.hpp"
+#include "epx/dispatch/detail/settle.hpp"
 #include "epx/dispatch/detail/workspace.hpp"
 #include "epx/dispatch/functors.hpp"
 #include "epx/dispatch/launch.hpp"
@@ -169,7 +170,7 @@ class all_to_all_impl {
     dispatch::launch_gather(ex, S, H, a.x + sl.begin * H, static_cast<const std::int64_t*>(plan.src_row.data()),
                             send.data());
     zero_padding(ex, x_recv.data(), lay.offsets, lay.received, H);
-    exec::synchronize(ex);
+    settle(ex, *ctx_.ep);
     all_to_allv_segments(*ctx_.ep, send.data(), make_span(lay.send_counts), make_span(lay.send_displs),
                          x_recv.data(), make_span(lay.recv_counts), make_span(lay.recv_displs),
                          static_cast<std::size_t>(L), H);
@@ -180,7 +181,7 @@ class all_to_all_impl {
     experts.forward(ex, rows, y_recv.data());
 
     // 6: outputs back into send order (reusing the send buffer).
-    exec::synchronize(ex);
+    settle(ex, *ctx_.ep);
     all_to_allv_segments(*ctx_.ep, static_cast<const T*>(y_recv.data()), make_span(lay.recv_counts),
                          make_span(lay.recv_displs), send.data(), make_span(lay.send_counts),
                          make_span(lay.send_displs), static_cast<std::size_t>(L), H);
@@ -191,7 +192,7 @@ class all_to_all_impl {
     exec::fill_zero(ex, a.out + sl.end * H, (a.rows - sl.end) * H);
     dispatch::launch_combine(ex, n, H, a.top_k, static_cast<const T*>(send.data()), a.weights + sl.begin * k,
                              plan.pos.data(), a.out + sl.begin * H);
-    exec::synchronize(ex);
+    settle(ex, *ctx_.ep);
     if (tp > 1) all_reduce(*ctx_.tp, span<T>(a.out, a.rows * H));
 
     if (saved != nullptr) {
@@ -239,7 +240,7 @@ class all_to_all_impl {
                                       static_cast<const float*>(s.weights.data()), s.pos.data(), grad_send.data(),
                                       a.grad_weights + sl.begin * k);
     zero_padding(ex, grad_recv.data(), lay.offsets, lay.received, H);
-    exec::synchronize(ex);
+    settle(ex, *ctx_.ep);
     all_to_allv_segments(*ctx_.ep, static_cast<const T*>(grad_send.data()), make_span(lay.send_counts),
                          make_span(lay.send_displs), grad_recv.data(), make_span(lay.recv_counts),
                          make_span(lay.recv_displs), static_cast<std::size_t>(L), H);
@@ -248,7 +249,7 @@ class all_to_all_impl {
     const expert_rows<const T> rows{s.x_recv.data(), R, H, lay.offsets.data(), L, ctx_.first_expert()};
     experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in.data());
 
-    exec::synchronize(ex);
+    settle(ex, *ctx_.ep);
     all_to_allv_segments(*ctx_.ep, static_cast<const T*>(grad_in.data()), make_span(lay.recv_counts),
                          make_span(lay.recv_displs), grad_send.data(), make_span(lay.send_counts),
                          make_span(lay.send_displs), static_cast<std::size_t>(L), H);
@@ -257,7 +258,7 @@ class all_to_all_impl {
     dispatch::launch_reduce_grad_rows(ex, n, H, s.top_k, static_cast<const T*>(grad_send.data()), s.pos.data(),
                                       a.grad_x + sl.begin * H);
     if (tp > 1) {
-      exec::synchronize(ex);
+      settle(ex, *ctx_.ep);
       all_reduce(*ctx_.tp, span<T>(a.grad_x, a.rows * H));
       all_reduce(*ctx_.tp, span<float>(a.grad_weights, a.rows * k));
     }

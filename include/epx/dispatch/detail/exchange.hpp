@@ -20,6 +20,7 @@
 #include "epx/comm/collectives.hpp"
 #include "epx/core/error.hpp"
 #include "epx/exec/host.hpp"
+#include "epx/dispatch/detail/settle.hpp"
 #include "epx/layout/detail/host_copy.hpp"
 
 namespace epx::detail {
@@ -66,6 +67,7 @@ group_records exchange_records(Comm& comm, const Exec& ex, std::int64_t status, 
     auto recv = exec::make_buffer<std::int64_t>(ex, total);
     detail::from_host(ex, mine.data(), g.stride, send.data());
     all_gather(comm, span<const std::int64_t>(send.data(), g.stride), span<std::int64_t>(recv.data(), total));
+    settle(ex, comm);  // the all_gather may still be queued on a device stream
     detail::to_host(ex, recv.data(), total, g.data.data());
   }
 
@@ -110,6 +112,7 @@ group_records exchange_records(Comm& comm, const Exec& ex, std::int64_t status, 
     auto recv = exec::make_buffer<char>(ex, all.size());
     detail::from_host(ex, msg.data(), message_bytes, send.data());
     all_gather(comm, span<const char>(send.data(), message_bytes), span<char>(recv.data(), all.size()));
+    settle(ex, comm);  // the all_gather may still be queued on a device stream
     detail::to_host(ex, recv.data(), all.size(), all.data());
   }
   std::string full = concat(what, ": bad input in the expert-parallel group");
