@@ -154,15 +154,7 @@ class all_reduce_impl {
     if (ctx_.stats == nullptr) return;
     layer_stats& st = *ctx_.stats;
     const int ep = ctx_.ep_size(), L = ctx_.local_experts();
-    st.path = name;
-    st.tokens_per_local_expert.assign(static_cast<std::size_t>(L), 0);
-    st.padding_per_local_expert.assign(static_cast<std::size_t>(L), 0);
-    for (std::size_t l = 0; l < static_cast<std::size_t>(L); ++l) {
-      st.tokens_per_local_expert[l] = static_cast<std::int64_t>(received[l]);
-      st.padding_per_local_expert[l] = static_cast<std::int64_t>(offsets[l + 1] - offsets[l] - received[l]);
-    }
-    st.rows_sent.assign(static_cast<std::size_t>(ep), 0);
-    st.rows_received.assign(static_cast<std::size_t>(ep), 0);
+    fill_local_stats(st, name, offsets, received, ep);
     // The EP group holds one batch: this rank's counts are the group's.
     group_records g;
     g.size = 1;

@@ -84,6 +84,22 @@ inline segment_layout make_segment_layout(const group_records& g, const std::vec
   return s;
 }
 
+// This rank's per-local-expert statistics from its expert-major layout ([L+1] offsets,
+// padding included; [L] rows received), and zeroed per-peer row counts ([ep]).
+inline void fill_local_stats(layer_stats& st, const char* path, const std::vector<std::size_t>& offsets,
+                             const std::vector<std::size_t>& received, int ep) {
+  const std::size_t L = received.size();
+  st.path = path;
+  st.tokens_per_local_expert.assign(L, 0);
+  st.padding_per_local_expert.assign(L, 0);
+  for (std::size_t l = 0; l < L; ++l) {
+    st.tokens_per_local_expert[l] = static_cast<std::int64_t>(received[l]);
+    st.padding_per_local_expert[l] = static_cast<std::int64_t>(offsets[l + 1] - offsets[l] - received[l]);
+  }
+  st.rows_sent.assign(static_cast<std::size_t>(ep), 0);
+  st.rows_received.assign(static_cast<std::size_t>(ep), 0);
+}
+
 // Group-wide load statistics from gathered counts ([E] per rank).
 inline void fill_group_stats(layer_stats& st, const group_records& g, int ep, int L) {
   const int E = ep * L;
@@ -269,16 +285,7 @@ class all_to_all_impl {
     if (ctx_.stats == nullptr) return;
     layer_stats& st = *ctx_.stats;
     const int ep = ctx_.ep_size(), L = ctx_.local_experts();
-    st.path = name;
-    st.tokens_per_local_expert.assign(static_cast<std::size_t>(L), 0);
-    st.padding_per_local_expert.assign(static_cast<std::size_t>(L), 0);
-    for (int l = 0; l < L; ++l) {
-      const auto i = static_cast<std::size_t>(l);
-      st.tokens_per_local_expert[i] = static_cast<std::int64_t>(lay.received[i]);
-      st.padding_per_local_expert[i] = static_cast<std::int64_t>(lay.offsets[i + 1] - lay.offsets[i] - lay.received[i]);
-    }
-    st.rows_sent.assign(static_cast<std::size_t>(ep), 0);
-    st.rows_received.assign(static_cast<std::size_t>(ep), 0);
+    fill_local_stats(st, name, lay.offsets, lay.received, ep);
     for (int d = 0; d < ep; ++d)
       for (int l = 0; l < L; ++l) {
         const auto i = static_cast<std::size_t>(d * L + l);
