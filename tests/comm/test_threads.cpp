@@ -681,3 +681,92 @@ TEST_CASE("threads: after an aborted run, collectives on a rank that caught the 
   CHECK(threw_again.load() == 1);
   check_next_run_works(n);
 }
+
+static_assert(epx::has_peer_access_v<epx::threads::communicator>, "threads ranks read each other's memory");
+
+TEST_CASE("threads: access_peers shows every member's pointers, and nobody leaves before every reader is done") {
+  for_each_world_size([](epx::threads::communicator& comm) {
+    const int n = comm.size(), me = comm.rank();
+    // Two buffers per rank; each rank reads its peers' second buffer while they stay inside.
+    std::vector<int> a(4, me), b(static_cast<std::size_t>(n), 100 + me);
+    const void* mine[2] = {a.data(), b.data()};
+    std::vector<int> got(static_cast<std::size_t>(n), -1);
+    int size_seen = 0;
+    comm.access_peers(mine, 2, [&](const auto& peers) {
+      size_seen = peers.size();
+      for (int r = 0; r < n; ++r) {
+        REQUIRE(static_cast<const int*>(peers(r, 0))[3] == r);
+        got[static_cast<std::size_t>(r)] = static_cast<const int*>(peers(r, 1))[me];
+      }
+      REQUIRE(peers(me, 0) == a.data());
+    });
+    CHECK(size_seen == n);
+    for (int r = 0; r < n; ++r) CHECK(got[static_cast<std::size_t>(r)] == 100 + r);
+    // Immediately reused: the next call's pointers replace these (slot reuse).
+    for (int round = 0; round < 20; ++round) {
+      const int tag = round * 1000 + me;
+      const void* one[1] = {&tag};
+      int sum = 0;
+      comm.access_peers(one, 1, [&](const auto& peers) {
+        for (int r = 0; r < n; ++r) sum += *static_cast<const int*>(peers(r, 0)) - round * 1000;
+      });
+      CHECK(sum == n * (n - 1) / 2);
+    }
+    // No pointers: a barrier.
+    comm.access_peers(nullptr, 0, [](const auto&) {});
+  });
+}
+
+TEST_CASE("threads: access_peers failures: mismatched counts, a throwing function, a rank that never comes") {
+  const int n = 3;
+  {
+    seen_errors seen(n);
+    std::atomic<int> after{0};
+    epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      int v = 0;
+      const void* mine[2] = {&v, &v};
+      bool ran = false;
+      try {
+        comm.access_peers(mine, comm.rank() == 2 ? 2 : 1, [&](const auto&) { ran = true; });
+      } catch (const epx::error& e) {
+        seen.record(comm.rank(), e);
+      }
+      if (!ran) ++after;
+      comm.barrier();  // the communicator still works
+    }, short_options());
+    CHECK(after.load() == n);
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(seen.categories[static_cast<std::size_t>(r)] == epx::errc::communicator);
+      CHECK(contains(seen.messages[static_cast<std::size_t>(r)], "access_peers: mismatched counts: rank 0 passed 1, rank 2 passed 2"));
+    }
+  }
+  {
+    // The function throws on rank 1: rank 1 rethrows after every member is done; the
+    // others carry on until their next collective, which reports rank 1's failure.
+    std::atomic<int> completed{0};
+    CHECK_THROWS_WITH_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      int v = comm.rank();
+      const void* mine[1] = {&v};
+      comm.access_peers(mine, 1, [&](const auto& peers) {
+        if (comm.rank() == 1) throw std::runtime_error("reader failed");
+        for (int r = 0; r < n; ++r) CHECK(*static_cast<const int*>(peers(r, 0)) == r);
+      });
+      ++completed;
+      comm.barrier();
+    }, short_options()), doctest::Contains("reader failed"), std::runtime_error);
+    CHECK(completed.load() == n - 1);
+  }
+  {
+    const auto t0 = clock_type::now();
+    CHECK_THROWS_WITH_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      if (comm.rank() == 0) return;
+      int v = 0;
+      const void* mine[1] = {&v};
+      comm.access_peers(mine, 1, [](const auto&) {});
+    }, short_options()), doctest::Contains("access_peers (collective #1 on a communicator of 3 ranks) can never complete"),
+                         epx::error);
+    CHECK(clock_type::now() - t0 < milliseconds(3500));
+  }
+  check_next_run_works(n);
+}

@@ -46,12 +46,14 @@ struct layer_case {
   padding pad = {};
   std::uint64_t seed = 1;
   std::size_t chunks = 0;
+  bool peer_access = true;  // layer_options::peer_access (false: the staged route everywhere)
 
   std::size_t rows_of(int b) const { return rows ? rows(b) : 12; }
   std::string describe() const {
     return detail::concat("tp=", topology.tp, " fsdp=", topology.fsdp, " ep=", topology.ep, " dp_replicate=",
                           topology.dp_replicate, " E=", topology.experts, " k=", top_k, " H=", hidden,
-                          " routing=", to_string(routing), " pad=", pad.rows_per_expert, "/", pad.align);
+                          " routing=", to_string(routing), " pad=", pad.rows_per_expert, "/", pad.align,
+                          peer_access ? "" : " staged");
   }
 };
 
@@ -126,6 +128,7 @@ layer_outputs<T> run_layer(Comm& world, const layer_case& c, const ref::linear_e
   o.top_k = c.top_k;
   o.pad = c.pad;
   o.chunks = c.chunks;
+  o.peer_access = c.peer_access;
   moe_layer<Comm, T, Impl, Exec> layer(m, world, o, policy);
   ref::test_linear_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
   const auto x = ref::from_double<T>(d.x);
@@ -207,6 +210,9 @@ std::string check_layer_case(Comm& world, const layer_case& c) {
       std::vector<double> want(e.tokens_per_local_expert.begin(), e.tokens_per_local_expert.end());
       append(f, ref::compare(got, want, 0, 0, where + " stats.tokens_per_local_expert"));
     }
+    const bool direct = std::string(r.stats.path) == "all_to_all" && c.peer_access && has_peer_access_v<Comm>;
+    if (r.stats.peer_access != direct)
+      f += detail::concat(where, ": stats.peer_access is ", r.stats.peer_access, ", expected ", direct, "\n");
   } catch (const std::exception& ex) {
     f += detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
   }
@@ -228,6 +234,7 @@ std::string check_inference(Comm& world, const layer_case& c, const std::string&
     o.hidden = H;
     o.top_k = c.top_k;
     o.pad = c.pad;
+    o.peer_access = c.peer_access;
     moe_layer<Comm, T, Impl> layer(m, world, o);
     ref::test_linear_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
     const auto x = ref::from_double<T>(d.x);
@@ -407,6 +414,100 @@ raised run_bad_input(Comm& world, const layer_case& c, bad_input kind, int bad_r
     return r;
   }
   return raised{};
+}
+
+}  // namespace epx::test
+
+namespace epx::test {
+
+// The staged route and the direct one (peer access) give bitwise the same outputs and
+// gradients (on communicators without peer access both runs take the staged route).
+template <class Comm, class T>
+std::string check_routes_agree(Comm& world, const layer_case& c) {
+  std::string f;
+  try {
+    const auto global = ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+    layer_case direct = c, staged = c;
+    direct.peer_access = true;
+    staged.peer_access = false;
+    const auto a = run_layer<Comm, T, impl::all_to_all>(world, direct, global);
+    const auto b = run_layer<Comm, T, impl::all_to_all>(world, staged, global);
+    const std::string where = detail::concat(c.describe(), " rank ", world.rank(), " direct vs staged: ");
+    if (!bitwise_equal(a.out, b.out)) f += where + "out differs bitwise\n";
+    if (!bitwise_equal(a.grad_x, b.grad_x)) f += where + "grad_x differs bitwise\n";
+    if (!bitwise_equal(a.grad_w, b.grad_w)) f += where + "grad_weights differ bitwise\n";
+    if (!bitwise_equal(a.expert_grads, b.expert_grads)) f += where + "expert grads differ bitwise\n";
+    if (a.stats.peer_access != has_peer_access_v<Comm>) f += where + "the direct run did not take the direct route\n";
+    if (b.stats.peer_access) f += where + "the staged run took the direct route\n";
+  } catch (const std::exception& ex) {
+    f += detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
+  }
+  return f;
+}
+
+// Experts that declare forward_in_place: they record whether the layer handed them their
+// own inputs as `out`, and compute through a copy of the inputs (so writing over them is
+// safe whichever buffer `out` is).
+template <class T>
+struct in_place_experts {
+  static constexpr bool forward_in_place = true;
+  ref::test_linear_experts<T>& inner;
+  int calls = 0, in_place_calls = 0;
+
+  template <class Exec>
+  void forward(const Exec& ex, const expert_rows<const T>& in, T* out) {
+    ++calls;
+    if (static_cast<const T*>(out) == in.rows) ++in_place_calls;
+    std::vector<T> copy(in.rows, in.rows + in.num_rows * in.hidden);
+    expert_rows<const T> c = in;
+    c.rows = copy.data();
+    inner.forward(ex, c, out);
+  }
+  template <class Exec>
+  void backward(const Exec& ex, const expert_rows<const T>& in, const T* grad_out, T* grad_in) {
+    inner.backward(ex, in, grad_out, grad_in);
+  }
+};
+
+// Experts that allow it run in place in inference, never in training, and both calls
+// match the reference.
+template <class Comm, class T>
+std::string check_in_place_experts(Comm& world, const layer_case& c) {
+  std::string f;
+  try {
+    const mesh m(c.topology);
+    const auto global = ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+    const int rank = world.rank(), b = m.batch(rank);
+    const batch_data d = make_batch<T>(c, b);
+    const std::size_t N = c.rows_of(b), H = static_cast<std::size_t>(c.hidden);
+    layer_options o;
+    o.hidden = H;
+    o.top_k = c.top_k;
+    o.pad = c.pad;
+    o.peer_access = c.peer_access;
+    moe_layer<Comm, T> layer(m, world, o);
+    ref::test_linear_experts<T> inner(global, m.ep_rank(rank), m.local_experts());
+    in_place_experts<T> experts{inner};
+    const auto x = ref::from_double<T>(d.x);
+    std::vector<float> w(d.w.begin(), d.w.end());
+    const auto want = ref::moe_forward(d.x, d.ids, d.w, global);
+    const std::string where = detail::concat(c.describe(), " rank ", rank, " in-place experts");
+    for (auto md : {mode::inference, mode::train}) {
+      std::vector<T> out(N * H, convert<T>(7.0f));
+      const int before = experts.in_place_calls;
+      auto saved = layer.forward(span<const T>(x), span<const std::int32_t>(d.ids), span<const float>(w),
+                                 span<T>(out), experts, md);
+      const bool in_place = experts.in_place_calls > before;
+      if (in_place != (md == mode::inference))
+        f += detail::concat(where, md == mode::inference ? ": inference" : ": training",
+                            in_place ? " ran the experts in place\n" : " did not run the experts in place\n");
+      append(f, ref::compare(out, want, atol_for<T>(), rtol_for<T>(),
+                             where + (md == mode::inference ? " inference out" : " training out")));
+    }
+  } catch (const std::exception& ex) {
+    f += detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
+  }
+  return f;
 }
 
 }  // namespace epx::test

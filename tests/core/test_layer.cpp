@@ -139,3 +139,35 @@ TEST_CASE("layer: determinism (bitwise equal across runs, chunk counts and host 
   auto c = make(4, 1, 4, 8, 2);
   on_ranks(4, [&](comm_t& comm) { return epx::test::check_determinism<comm_t, float, epx::impl::all_reduce>(comm, c); });
 }
+
+TEST_CASE("layer: the direct route (peer access) and the staged one agree bitwise, and each matches float64") {
+  std::vector<layer_case> cases = {make(2, 4, 4, 16, 2, routing_kind::uneven), make(1, 4, 4, 8, 8),
+                                   make(1, 2, 2, 4, 2, routing_kind::random, 2), make(3, 2, 3, 12, 2),
+                                   make(2, 2, 4, 16, 8, routing_kind::first_rank_only),
+                                   make(1, 4, 1, 4, 2), make(2, 3, 6, 12, 1)};
+  auto some_empty = make(1, 4, 4, 8, 2);
+  some_empty.rows = [](int b) { return b % 2 ? std::size_t{0} : std::size_t{10}; };
+  cases.push_back(some_empty);
+  auto padded = make(2, 2, 4, 8, 2, routing_kind::first_rank_only);
+  padded.pad = {2, 4};
+  cases.push_back(padded);
+  for (auto c : cases) {
+    on_ranks(world_of(c.topology), [&](comm_t& comm) { return epx::test::check_routes_agree<comm_t, float>(comm, c); });
+    c.peer_access = false;
+    check_case<float>(c);
+  }
+  auto c = make(2, 4, 4, 16, 2, routing_kind::uneven);
+  on_ranks(8, [&](comm_t& comm) { return epx::test::check_routes_agree<comm_t, epx::bf16>(comm, c); });
+  c.peer_access = false;
+  check_case<epx::bf16>(c);
+}
+
+TEST_CASE("layer: experts that allow it run in place in inference (both routes)") {
+  for (bool direct : {true, false}) {
+    for (auto c : {make(2, 4, 4, 16, 2, routing_kind::uneven), make(1, 4, 4, 8, 8, routing_kind::first_rank_only)}) {
+      c.peer_access = direct;
+      on_ranks(world_of(c.topology),
+               [&](comm_t& comm) { return epx::test::check_in_place_experts<comm_t, float>(comm, c); });
+    }
+  }
+}

@@ -59,6 +59,8 @@ TEST_CASE("layer (MPI): forward, backward and hook against the float64 reference
     CHECK_MESSAGE(d.empty(), d);
     const std::string det = epx::test::check_determinism<comm_t, float>(world, c);
     CHECK_MESSAGE(det.empty(), det);
+    const std::string ip = epx::test::check_in_place_experts<comm_t, float>(world, c);
+    CHECK_MESSAGE(ip.empty(), ip);
   }
 }
 

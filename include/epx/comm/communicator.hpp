@@ -24,6 +24,17 @@
 // gradient averaging costs no extra pass. Every failure raises epx::error; a failure on
 // one rank reaches the others as an error too (never a hang).
 //
+// Optional, for backends whose ranks share one address space (threads::communicator):
+//
+//   class peer_pointers { const void* operator()(int r, std::size_t i) const; int size() const; };
+//   template <class F> void access_peers(const void* const* mine, std::size_t count, F&& f);
+//                                       // collective: f(peers) runs once every member has
+//                                       // published its `count` pointers, and nobody leaves
+//                                       // before every member's f has returned
+//
+// With it the MoE layer reads rows straight out of the peers' buffers (no send buffer, no
+// separate combine pass); without it, it moves them through all_to_allv.
+//
 // The typed helpers in epx/comm/collectives.hpp are what library code calls.
 #pragma once
 
@@ -53,5 +64,17 @@ struct is_communicator<
 
 template <class C>
 inline constexpr bool is_communicator_v = is_communicator<std::remove_cv_t<std::remove_reference_t<C>>>::value;
+
+template <class C, class = void>
+struct has_peer_access : std::false_type {};
+
+template <class C>
+struct has_peer_access<C, std::void_t<decltype(std::declval<C&>().access_peers(
+                              std::declval<const void* const*>(), std::size_t{},
+                              std::declval<void (*)(const typename C::peer_pointers&)>()))>> : std::true_type {};
+
+// Whether C's ranks can read each other's memory (see access_peers above).
+template <class C>
+inline constexpr bool has_peer_access_v = has_peer_access<std::remove_cv_t<std::remove_reference_t<C>>>::value;
 
 }  // namespace epx

@@ -313,6 +313,49 @@ class communicator {
     });
   }
 
+  // Peer access, for ranks that share one address space (see epx::has_peer_access_v).
+  // Collective: every member publishes `count` pointers (`mine`, e.g. the buffers it lets
+  // the others read); once every member has published, f(peers) runs, where
+  // peers(r, i) is pointer i of member r (peers(rank(), i) == mine[i]). Nobody leaves
+  // before every member's f has returned, so what a member published stays valid while
+  // the others read it; a member must not write what it published while f runs, except
+  // the rows that are its own to write. If f throws on one member, that member still
+  // waits for the others' f, then rethrows; the others carry on. Members that pass
+  // different counts all fail with the values.
+  template <class F>
+  void access_peers(const void* const* mine, std::size_t count, F&& f) {
+    require_buffer(mine, count, "access_peers", "pointer list");
+    detail::threads_slot d;
+    d.op = detail::threads_op::access_peers;
+    d.send = static_cast<const void*>(mine);
+    d.count = count;
+    std::exception_ptr failure;
+    enter(d, [&] {
+      const peer_pointers peers(this);
+      try {
+        f(peers);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    });
+    wait_exit();
+    if (failure) std::rethrow_exception(failure);
+  }
+
+  // The view access_peers hands to its function.
+  class peer_pointers {
+   public:
+    const void* operator()(int r, std::size_t i) const noexcept {
+      return static_cast<const void* const*>(comm_->slot(r).send)[i];
+    }
+    int size() const noexcept { return comm_->size(); }
+
+   private:
+    friend class communicator;
+    explicit peer_pointers(const communicator* c) noexcept : comm_(c) {}
+    const communicator* comm_;
+  };
+
   void barrier() {
     detail::threads_slot d;
     d.op = detail::threads_op::barrier;

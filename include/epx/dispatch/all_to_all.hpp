@@ -5,20 +5,30 @@
 //   2. counting-sort send layout of the slice's (row, slot) pairs (epx/layout/plan.hpp);
 //   3. count exchange: all_gather of {status, N, H, k, counts[E]} over the EP group; bad
 //      input anywhere raises on every rank here, before rows move;
-//   4. gather rows into send order, segmented all-to-all so that they land expert-major
-//      (with zero padding rows) at the owner: no second permutation;
-//   5. the user's experts;
-//   6. the mirrored segmented all-to-all brings outputs back into send order;
-//   7. combine in accum_t, slot order, into the zero-filled [N, H] output; TP all-reduce.
+//   4. rows land expert-major (with zero padding rows) at the owner of their expert, with
+//      no second permutation;
+//   5. the user's experts (over their own inputs in inference when they allow it,
+//      epx::forward_in_place_v);
+//   6-7. every token's k output rows are summed in accum_t, slot order, into the
+//      zero-filled [N, H] output; the TP group all-reduces it.
+// Steps 4 and 6-7 take one of two routes, with bitwise the same results:
+//   staged (any communicator): gather into a send-order buffer, segmented all-to-all;
+//      then the mirrored all-to-all back into send order, and combine: four passes over
+//      the routed rows;
+//   direct (communicators with peer access, epx::has_peer_access_v, and host policies;
+//      layer_options::peer_access): each owner copies its rows straight out of the
+//      senders' x, and combine reads every slot's output row in place at its owner
+//      (epx/dispatch/detail/peer_rows.hpp): two passes, no send buffer.
 // Before every communicator call the execution policy is synchronised (a no-op for host
 // policies), so a communicator never reads buffers a device stream is still writing.
-// Backward runs the same path in reverse with the saved layout (no count exchange, only a
-// small shape check exchange).
+// Backward runs the same route in reverse with the saved layout (no count exchange, only
+// a small shape check exchange).
 // Row buffers of host policies come from a pool kept by the implementation between calls
 // (detail::workspace), so repeated calls do not page-fault fresh allocations; device
 // policies allocate through exec::make_buffer (stream-ordered).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -27,6 +37,7 @@
 
 #include "epx/comm/collectives.hpp"
 #include "epx/dispatch/detail/exchange.hpp"
+#include "epx/dispatch/detail/peer_rows.hpp"
 #include "epx/dispatch/detail/settle.hpp"
 #include "epx/dispatch/detail/workspace.hpp"
 #include "epx/dispatch/functors.hpp"
@@ -98,6 +109,7 @@ inline void fill_local_stats(layer_stats& st, const char* path, const std::vecto
   }
   st.rows_sent.assign(static_cast<std::size_t>(ep), 0);
   st.rows_received.assign(static_cast<std::size_t>(ep), 0);
+  st.peer_access = false;
 }
 
 // Group-wide load statistics from gathered counts ([E] per rank).
@@ -148,10 +160,12 @@ class all_to_all_impl {
     row_slice slice;
     std::size_t recv_rows = 0;
     segment_layout layout;
+    bool direct = false;                    // made by the peer-access path (y stays at the owners)
+    group_layout group;                     // direct: every member's layout
     exec::buffer<std::int64_t, Exec> pos;   // [n*k] send position of pair (t, j)
     exec::buffer<float, Exec> weights;      // [n*k] copy of the slice's routing weights
     rows_buffer<T, Exec> x_recv;            // [R, H] expert-major input rows
-    rows_buffer<T, Exec> y_send;            // [S, H] expert outputs in send order
+    rows_buffer<T, Exec> y;                 // staged: [S, H] outputs in send order; direct: [R, H] expert-major
   };
 
   template <class T, class Exec, class Experts>
@@ -177,37 +191,68 @@ class all_to_all_impl {
                                              plan.host_counts.data(), static_cast<std::size_t>(E), msg,
                                              "moe_layer forward", tp);
     segment_layout lay = make_segment_layout(g, plan.host_offset, ctx_.ep_rank(), L, ctx_.options.pad);
+    const bool direct = uses_peer_access<Exec>();
     record_stats(g, lay);
-
-    // 4: rows to their experts, landing expert-major.
+    if (ctx_.stats != nullptr) ctx_.stats->peer_access = direct;
     const std::size_t S = n * k, R = lay.offsets.back();
-    auto send = make_rows<T>(ws_, ex, S * H);
-    auto x_recv = make_rows<T>(ws_, ex, R * H);
-    dispatch::launch_gather(ex, S, H, a.x + sl.begin * H, static_cast<const std::int64_t*>(plan.src_row.data()),
-                            send.data());
-    zero_padding(ex, x_recv.data(), lay.offsets, lay.received, H);
-    settle(ex, *ctx_.ep);
-    all_to_allv_segments(*ctx_.ep, send.data(), make_span(lay.send_counts), make_span(lay.send_displs),
-                         x_recv.data(), make_span(lay.recv_counts), make_span(lay.recv_displs),
-                         static_cast<std::size_t>(L), H);
-
-    // 5: experts.
-    auto y_recv = make_rows<T>(ws_, ex, R * H);
-    const expert_rows<const T> rows{x_recv.data(), R, H, lay.offsets.data(), L, ctx_.first_expert()};
-    experts.forward(ex, rows, y_recv.data());
-
-    // 6: outputs back into send order (reusing the send buffer).
-    settle(ex, *ctx_.ep);
-    all_to_allv_segments(*ctx_.ep, static_cast<const T*>(y_recv.data()), make_span(lay.recv_counts),
-                         make_span(lay.recv_displs), send.data(), make_span(lay.send_counts),
-                         make_span(lay.send_displs), static_cast<std::size_t>(L), H);
-
-    // 7: combine into the slice (every row of it written), zeros around it; the TP group
-    // sums the slices.
-    exec::fill_zero(ex, a.out, sl.begin * H);
+    const T* x = a.x + sl.begin * H;
+    const float* w = a.weights + sl.begin * k;
+    T* out = a.out + sl.begin * H;
+    exec::fill_zero(ex, a.out, sl.begin * H);  // the slice's rows are all written below
     exec::fill_zero(ex, a.out + sl.end * H, (a.rows - sl.end) * H);
-    dispatch::launch_combine(ex, n, H, a.top_k, static_cast<const T*>(send.data()), a.weights + sl.begin * k,
-                             plan.pos.data(), a.out + sl.begin * H);
+    auto x_recv = make_rows<T>(ws_, ex, R * H);
+    const expert_rows<const T> rows{x_recv.data(), R, H, lay.offsets.data(), L, ctx_.first_expert()};
+    rows_buffer<T, Exec> y;  // the experts' outputs: [S, H] in send order (staged), [R, H] at the owner (direct)
+    group_layout gl;
+
+    if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
+      if (direct) {
+        // 4: every rank pulls its expert-major rows straight out of the owners' x (gather
+        // and dispatch in one pass; padding rows come out zero).
+        gl = make_group_layout(g, L, ctx_.options.pad);
+        const int me = ctx_.ep_rank();
+        auto table = ws_.template acquire<const T*>(std::max(R, S));
+        const void* mine[2] = {x, plan.src_row.data()};
+        ctx_.ep->access_peers(mine, 2, [&](const auto& peers) {
+          fill_receive_table(gl, me, table.data(), R, [&](int s, std::size_t q) {
+            const auto* src_row = static_cast<const std::int64_t*>(peers(s, 1));
+            return static_cast<const T*>(peers(s, 0)) + static_cast<std::size_t>(src_row[q]) * H;
+          });
+          dispatch::launch_copy_rows(ex, R, H, static_cast<const T* const*>(table.data()), x_recv.data());
+        });
+        // 5: experts.
+        T* y_rows = run_experts(ex, experts, rows, x_recv.data(), saved != nullptr, y);
+        // 6-7: combine reads every slot's output row in place at its owner.
+        const void* mine_y[1] = {y_rows};
+        ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {
+          fill_return_table(gl, me, table.data(), [&](int d, std::size_t r) {
+            return static_cast<const T*>(peers(d, 0)) + r * H;
+          });
+          dispatch::launch_combine(ex, n, H, a.top_k, dispatch::row_table<T>{table.data()}, w, plan.pos.data(), out);
+        });
+      }
+    }
+    if (!direct) {
+      // 4: rows into send order, then the segmented all-to-all lands them expert-major.
+      auto send = make_rows<T>(ws_, ex, S * H);
+      dispatch::launch_gather(ex, S, H, x, static_cast<const std::int64_t*>(plan.src_row.data()), send.data());
+      zero_padding(ex, x_recv.data(), lay.offsets, lay.received, H);
+      settle(ex, *ctx_.ep);
+      all_to_allv_segments(*ctx_.ep, static_cast<const T*>(send.data()), make_span(lay.send_counts),
+                           make_span(lay.send_displs), x_recv.data(), make_span(lay.recv_counts),
+                           make_span(lay.recv_displs), static_cast<std::size_t>(L), H);
+      // 5: experts.
+      rows_buffer<T, Exec> y_recv;
+      const T* y_rows = run_experts(ex, experts, rows, x_recv.data(), saved != nullptr, y_recv);
+      // 6: outputs back into send order (reusing the send buffer); 7: combine.
+      settle(ex, *ctx_.ep);
+      all_to_allv_segments(*ctx_.ep, y_rows, make_span(lay.recv_counts),
+                           make_span(lay.recv_displs), send.data(), make_span(lay.send_counts),
+                           make_span(lay.send_displs), static_cast<std::size_t>(L), H);
+      dispatch::launch_combine(ex, n, H, a.top_k, static_cast<const T*>(send.data()), w, plan.pos.data(), out);
+      y = std::move(send);
+    }
+    // The TP group sums the slices.
     settle(ex, *ctx_.ep);
     if (tp > 1) all_reduce(*ctx_.tp, span<T>(a.out, a.rows * H));
 
@@ -219,11 +264,13 @@ class all_to_all_impl {
       s.slice = sl;
       s.recv_rows = R;
       s.layout = std::move(lay);
+      s.direct = direct;
+      s.group = std::move(gl);
       s.pos = std::move(plan.pos);
       s.weights = exec::make_buffer<float>(ex, S);
-      exec::copy_n(ex, a.weights + sl.begin * k, S, s.weights.data());
+      exec::copy_n(ex, w, S, s.weights.data());
       s.x_recv = std::move(x_recv);
-      s.y_send = std::move(send);
+      s.y = std::move(y);
     }
   }
 
@@ -246,33 +293,68 @@ class all_to_all_impl {
     const row_slice sl = s.slice;
     const std::size_t n = sl.size(), S = n * k, R = s.recv_rows;
     const segment_layout& lay = s.layout;
-
-    // grad_y rows in send order and the routing-weight gradients of the slice.
-    auto grad_send = make_rows<T>(ws_, ex, S * H);
-    auto grad_recv = make_rows<T>(ws_, ex, R * H);
+    const T* grad_out = a.grad_out + sl.begin * H;
+    const float* w = static_cast<const float*>(s.weights.data());
+    T* grad_x = a.grad_x + sl.begin * H;
+    float* grad_w = a.grad_weights + sl.begin * k;
     exec::fill_zero(ex, a.grad_weights, a.rows * k);
-    dispatch::launch_combine_backward(ex, n, H, s.top_k, static_cast<const T*>(s.y_send.data()),
-                                      a.grad_out + sl.begin * H,
-                                      static_cast<const float*>(s.weights.data()), s.pos.data(), grad_send.data(),
-                                      a.grad_weights + sl.begin * k);
-    zero_padding(ex, grad_recv.data(), lay.offsets, lay.received, H);
-    settle(ex, *ctx_.ep);
-    all_to_allv_segments(*ctx_.ep, static_cast<const T*>(grad_send.data()), make_span(lay.send_counts),
-                         make_span(lay.send_displs), grad_recv.data(), make_span(lay.recv_counts),
-                         make_span(lay.recv_displs), static_cast<std::size_t>(L), H);
-
-    auto grad_in = make_rows<T>(ws_, ex, R * H);
-    const expert_rows<const T> rows{s.x_recv.data(), R, H, lay.offsets.data(), L, ctx_.first_expert()};
-    experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in.data());
-
-    settle(ex, *ctx_.ep);
-    all_to_allv_segments(*ctx_.ep, static_cast<const T*>(grad_in.data()), make_span(lay.recv_counts),
-                         make_span(lay.recv_displs), grad_send.data(), make_span(lay.send_counts),
-                         make_span(lay.send_displs), static_cast<std::size_t>(L), H);
     exec::fill_zero(ex, a.grad_x, sl.begin * H);  // the slice's rows are all written below
     exec::fill_zero(ex, a.grad_x + sl.end * H, (a.rows - sl.end) * H);
-    dispatch::launch_reduce_grad_rows(ex, n, H, s.top_k, static_cast<const T*>(grad_send.data()), s.pos.data(),
-                                      a.grad_x + sl.begin * H);
+    const expert_rows<const T> rows{s.x_recv.data(), R, H, lay.offsets.data(), L, ctx_.first_expert()};
+    auto grad_send = make_rows<T>(ws_, ex, S * H);  // grad_y rows in send order
+    auto grad_recv = make_rows<T>(ws_, ex, R * H);
+    auto grad_in = make_rows<T>(ws_, ex, R * H);
+
+    if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
+      if (s.direct) {
+        const group_layout& gl = s.group;
+        const int me = ctx_.ep_rank();
+        auto table = ws_.template acquire<const T*>(std::max(R, S));
+        // grad_y rows and routing-weight gradients against the outputs kept at the owners.
+        const void* mine_y[1] = {s.y.data()};
+        ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {
+          fill_return_table(gl, me, table.data(), [&](int d, std::size_t r) {
+            return static_cast<const T*>(peers(d, 0)) + r * H;
+          });
+          dispatch::launch_combine_backward(ex, n, H, s.top_k, dispatch::row_table<T>{table.data()}, grad_out, w,
+                                            s.pos.data(), grad_send.data(), grad_w);
+        });
+        // The owners pull their grad_y rows.
+        const void* mine_g[1] = {grad_send.data()};
+        ctx_.ep->access_peers(mine_g, 1, [&](const auto& peers) {
+          fill_receive_table(gl, me, table.data(), R, [&](int src, std::size_t q) {
+            return static_cast<const T*>(peers(src, 0)) + q * H;
+          });
+          dispatch::launch_copy_rows(ex, R, H, static_cast<const T* const*>(table.data()), grad_recv.data());
+        });
+        experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in.data());
+        // Each token sums its slots' input gradients in place at their owners.
+        const void* mine_i[1] = {grad_in.data()};
+        ctx_.ep->access_peers(mine_i, 1, [&](const auto& peers) {
+          fill_return_table(gl, me, table.data(), [&](int d, std::size_t r) {
+            return static_cast<const T*>(peers(d, 0)) + r * H;
+          });
+          dispatch::launch_reduce_grad_rows(ex, n, H, s.top_k, dispatch::row_table<T>{table.data()}, s.pos.data(),
+                                            grad_x);
+        });
+      }
+    }
+    if (!s.direct) {
+      dispatch::launch_combine_backward(ex, n, H, s.top_k, static_cast<const T*>(s.y.data()), grad_out, w,
+                                        s.pos.data(), grad_send.data(), grad_w);
+      zero_padding(ex, grad_recv.data(), lay.offsets, lay.received, H);
+      settle(ex, *ctx_.ep);
+      all_to_allv_segments(*ctx_.ep, static_cast<const T*>(grad_send.data()), make_span(lay.send_counts),
+                           make_span(lay.send_displs), grad_recv.data(), make_span(lay.recv_counts),
+                           make_span(lay.recv_displs), static_cast<std::size_t>(L), H);
+      experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in.data());
+      settle(ex, *ctx_.ep);
+      all_to_allv_segments(*ctx_.ep, static_cast<const T*>(grad_in.data()), make_span(lay.recv_counts),
+                           make_span(lay.recv_displs), grad_send.data(), make_span(lay.send_counts),
+                           make_span(lay.send_displs), static_cast<std::size_t>(L), H);
+      dispatch::launch_reduce_grad_rows(ex, n, H, s.top_k, static_cast<const T*>(grad_send.data()), s.pos.data(),
+                                        grad_x);
+    }
     if (tp > 1) {
       settle(ex, *ctx_.ep);
       all_reduce(*ctx_.tp, span<T>(a.grad_x, a.rows * H));
@@ -281,6 +363,27 @@ class all_to_all_impl {
   }
 
  private:
+  // Runs the experts over `rows` (whose data is x_recv) and returns their outputs: written
+  // over x_recv when the experts allow it and nothing is kept for backward, into `y`
+  // (allocated here, R rows) otherwise.
+  template <class T, class Exec, class Experts>
+  T* run_experts(const Exec& ex, Experts& experts, const expert_rows<const T>& rows, T* x_recv, bool training,
+                 rows_buffer<T, Exec>& y) {
+    T* out = x_recv;
+    if (training || !forward_in_place_v<Experts>) {
+      y = make_rows<T>(ws_, ex, rows.num_rows * rows.hidden);
+      out = y.data();
+    }
+    experts.forward(ex, rows, out);
+    return out;
+  }
+
+  // Whether this call reads rows out of the peers' buffers (see layer_options::peer_access).
+  template <class Exec>
+  bool uses_peer_access() const noexcept {
+    return has_peer_access_v<Comm> && exec::is_host_policy_v<Exec> && ctx_.options.peer_access;
+  }
+
   void record_stats(const group_records& g, const segment_layout& lay) {
     if (ctx_.stats == nullptr) return;
     layer_stats& st = *ctx_.stats;

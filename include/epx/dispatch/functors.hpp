@@ -12,7 +12,9 @@
 // Positions `pos[t*k+j]` index rows of a buffer in send order ([S, H], S = pairs of the
 // slice). A negative position means "not here" (the masked all-reduce path: the slot's
 // expert lives on another rank); such slots contribute nothing and get a zero weight
-// gradient.
+// gradient. The functors that read rows by position take the rows as `Rows`: a base
+// pointer (`const T*`, row p at base + p*H, the default) or a row_table (row p at
+// rows[p], anywhere: the fused paths read the peers' buffers in place).
 #pragma once
 
 #include <cstddef>
@@ -49,6 +51,43 @@ struct gather_rows {
   }
 };
 
+// Row p of a send-order buffer through a table of row pointers.
+template <class T>
+struct row_table {
+  const T* const* rows;  // [S]
+};
+
+template <class T>
+EPX_HOST_DEVICE inline const T* row_at(const T* base, std::size_t p, std::size_t hidden) noexcept {
+  return base + p * hidden;
+}
+template <class T>
+EPX_HOST_DEVICE inline const T* row_at(row_table<T> t, std::size_t p, std::size_t) noexcept {
+  return t.rows[p];
+}
+
+// dst[r, :] = *src[r] (a null source gives a zero row). Call with r in [0, rows).
+template <class T>
+struct copy_rows {
+  const T* const* src;  // [rows] source rows, anywhere
+  T* dst;               // [rows, H]
+  std::size_t hidden;
+
+  EPX_HOST_DEVICE void operator()(std::size_t r) const {
+    T* d = dst + r * hidden;
+    const T* s = src[r];
+    if (s == nullptr) {
+      for (std::size_t h = 0; h < hidden; ++h) d[h] = convert<T>(0.0f);
+      return;
+    }
+#if defined(__CUDA_ARCH__)
+    for (std::size_t h = 0; h < hidden; ++h) d[h] = s[h];
+#else
+    std::memcpy(static_cast<void*>(d), static_cast<const void*>(s), hidden * sizeof(T));
+#endif
+  }
+};
+
 namespace detail {
 // Host rows are summed in blocks of this many columns: a block's accumulators live on the
 // stack and every slot's row is streamed into them (vectorisable), instead of gathering k
@@ -69,9 +108,9 @@ struct zero_rows {
 };
 
 // out[t, :] = sum_j w[t, j] * y[pos[t*k+j], :], in accum_t<T>, slot order. Call with t in [0, n).
-template <class T>
+template <class T, class Rows = const T*>
 struct combine {
-  const T* y;                  // [S, H] expert outputs in send order
+  Rows y;                      // [S, H] expert outputs in send order
   const float* weights;        // [n, k]
   const std::int64_t* pos;     // [n, k]
   T* out;                      // [n, H]
@@ -88,7 +127,7 @@ struct combine {
       for (std::size_t j = 0; j < k; ++j) {
         const std::int64_t p = pos[t * k + j];
         if (p < 0) continue;
-        acc += static_cast<A>(weights[t * k + j]) * convert<A>(y[static_cast<std::size_t>(p) * hidden + h]);
+        acc += static_cast<A>(weights[t * k + j]) * convert<A>(row_at(y, static_cast<std::size_t>(p), hidden)[h]);
       }
       o[h] = convert<T>(acc);
     }
@@ -101,7 +140,7 @@ struct combine {
         const std::int64_t p = pos[t * k + j];
         if (p < 0) continue;
         const A w = static_cast<A>(weights[t * k + j]);
-        const T* yr = y + static_cast<std::size_t>(p) * hidden + h0;
+        const T* yr = row_at(y, static_cast<std::size_t>(p), hidden) + h0;
         for (std::size_t h = 0; h < m; ++h) acc[h] += w * convert<A>(yr[h]);
       }
       for (std::size_t h = 0; h < m; ++h) o[h0 + h] = convert<T>(acc[h]);
@@ -114,9 +153,9 @@ struct combine {
 //   grad_y[pos[t*k+j], :] = w[t, j] * grad_out[t, :]
 //   grad_w[t, j]          = sum_h y[pos[t*k+j], h] * grad_out[t, h]   (accum_t, h order)
 // Slots with a negative position get grad_w = 0 and write no grad_y row.
-template <class T>
+template <class T, class Rows = const T*>
 struct combine_backward {
-  const T* y;                  // [S, H] expert outputs saved by forward
+  Rows y;                      // [S, H] expert outputs saved by forward
   const T* grad_out;           // [n, H]
   const float* weights;        // [n, k]
   const std::int64_t* pos;     // [n, k]
@@ -136,7 +175,7 @@ struct combine_backward {
         continue;
       }
       const A w = static_cast<A>(weights[t * k + j]);
-      const T* yr = y + static_cast<std::size_t>(p) * hidden;
+      const T* yr = row_at(y, static_cast<std::size_t>(p), hidden);
       T* gy = grad_y + static_cast<std::size_t>(p) * hidden;
       A dot = A(0);
       for (std::size_t h = 0; h < hidden; ++h) {
@@ -150,9 +189,9 @@ struct combine_backward {
 };
 
 // grad_x[t, :] = sum_j grad_rows[pos[t*k+j], :], slot order. Call with t in [0, n).
-template <class T>
+template <class T, class Rows = const T*>
 struct reduce_grad_rows {
-  const T* grad_rows;          // [S, H] input-row gradients in send order
+  Rows grad_rows;              // [S, H] input-row gradients in send order
   const std::int64_t* pos;     // [n, k]
   T* grad_x;                   // [n, H]
   std::size_t hidden;
@@ -168,7 +207,7 @@ struct reduce_grad_rows {
       for (std::size_t j = 0; j < k; ++j) {
         const std::int64_t p = pos[t * k + j];
         if (p < 0) continue;
-        acc += convert<A>(grad_rows[static_cast<std::size_t>(p) * hidden + h]);
+        acc += convert<A>(row_at(grad_rows, static_cast<std::size_t>(p), hidden)[h]);
       }
       o[h] = convert<T>(acc);
     }
@@ -180,7 +219,7 @@ struct reduce_grad_rows {
       for (std::size_t j = 0; j < k; ++j) {
         const std::int64_t p = pos[t * k + j];
         if (p < 0) continue;
-        const T* g = grad_rows + static_cast<std::size_t>(p) * hidden + h0;
+        const T* g = row_at(grad_rows, static_cast<std::size_t>(p), hidden) + h0;
         for (std::size_t h = 0; h < m; ++h) acc[h] += convert<A>(g[h]);
       }
       for (std::size_t h = 0; h < m; ++h) o[h0 + h] = convert<T>(acc[h]);

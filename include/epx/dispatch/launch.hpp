@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "epx/core/config.hpp"
 #include "epx/core/numeric.hpp"
@@ -142,40 +143,52 @@ void launch_gather(const Exec& ex, std::size_t rows, std::size_t H, const T* x, 
     exec::for_each_n(ex, rows, gather_rows<T>{x, src_row, dst, H});
 }
 
-// out [n, H] = weighted sum of the k rows of each token.
+// dst [rows, H] = the rows src points at (zero rows for null).
 template <class Exec, class T>
-void launch_combine(const Exec& ex, std::size_t n, std::size_t H, int k, const T* y, const float* w,
+void launch_copy_rows(const Exec& ex, std::size_t rows, std::size_t H, const T* const* src, T* dst) {
+  if (rows == 0 || H == 0) return;
+  exec::for_each_n(ex, rows, copy_rows<T>{src, dst, H});
+}
+
+// Whether a launch runs per element: device policies reading rows by base pointer (a
+// row_table is read per token on every policy).
+template <class Exec, class T, class Rows>
+inline constexpr bool elementwise_v = by_element_v<Exec> && std::is_same_v<Rows, const T*>;
+
+// out [n, H] = weighted sum of the k rows of each token (`y`: base pointer or row_table).
+template <class Exec, class T, class Rows>
+void launch_combine(const Exec& ex, std::size_t n, std::size_t H, int k, Rows y, const float* w,
                     const std::int64_t* pos, T* out) {
   if (n == 0 || H == 0) return;
-  if constexpr (by_element_v<Exec>)
+  if constexpr (elementwise_v<Exec, T, Rows>)
     exec::for_each_n(ex, n * H, combine_elements<T>{y, w, pos, out, H, k});
   else
-    exec::for_each_n(ex, n, combine<T>{y, w, pos, out, H, k});
+    exec::for_each_n(ex, n, combine<T, Rows>{y, w, pos, out, H, k});
 }
 
 // grad_y rows and grad_w [n, k] of combine.
-template <class Exec, class T>
-void launch_combine_backward(const Exec& ex, std::size_t n, std::size_t H, int k, const T* y, const T* grad_out,
+template <class Exec, class T, class Rows>
+void launch_combine_backward(const Exec& ex, std::size_t n, std::size_t H, int k, Rows y, const T* grad_out,
                              const float* w, const std::int64_t* pos, T* grad_y, float* grad_w) {
   if (n == 0) return;
-  if constexpr (by_element_v<Exec>) {
+  if constexpr (elementwise_v<Exec, T, Rows>) {
     const std::size_t pairs = n * static_cast<std::size_t>(k);
     if (H > 0) exec::for_each_n(ex, pairs * H, scatter_grad_elements<T>{grad_out, w, pos, grad_y, H, k});
     exec::for_each_n(ex, pairs, weight_gradients<T>{y, grad_out, pos, grad_w, H, k});
   } else {
-    exec::for_each_n(ex, n, combine_backward<T>{y, grad_out, w, pos, grad_y, grad_w, H, k});
+    exec::for_each_n(ex, n, combine_backward<T, Rows>{y, grad_out, w, pos, grad_y, grad_w, H, k});
   }
 }
 
 // grad_x [n, H] = sum of the k gradient rows of each token.
-template <class Exec, class T>
-void launch_reduce_grad_rows(const Exec& ex, std::size_t n, std::size_t H, int k, const T* grad_rows,
+template <class Exec, class T, class Rows>
+void launch_reduce_grad_rows(const Exec& ex, std::size_t n, std::size_t H, int k, Rows grad_rows,
                              const std::int64_t* pos, T* grad_x) {
   if (n == 0 || H == 0) return;
-  if constexpr (by_element_v<Exec>)
+  if constexpr (elementwise_v<Exec, T, Rows>)
     exec::for_each_n(ex, n * H, reduce_grad_elements<T>{grad_rows, pos, grad_x, H, k});
   else
-    exec::for_each_n(ex, n, reduce_grad_rows<T>{grad_rows, pos, grad_x, H, k});
+    exec::for_each_n(ex, n, reduce_grad_rows<T, Rows>{grad_rows, pos, grad_x, H, k});
 }
 
 }  // namespace epx::dispatch

@@ -15,6 +15,12 @@
 // `offsets` is host memory. Outputs of padding rows are discarded; in backward their
 // grad_out rows are zero, so a linear expert's parameter gradient gets nothing from them.
 // The expert owns its math (GEMMs, activations, parameter storage and gradients).
+//
+// Optional: `static constexpr bool forward_in_place = true;` in the Experts type says that
+// forward works with out == in.rows (each output row may overwrite its own input row, e.g.
+// a row-blocked MLP that keeps one tile of rows in a temporary). Inference calls then write
+// the outputs over the received rows, which saves one [num_rows, H] buffer. Training calls
+// always pass a separate `out` (backward needs the inputs).
 #pragma once
 
 #include <cstddef>
@@ -52,7 +58,16 @@ struct has_expert_backward<E, Exec, T,
                            std::void_t<decltype(std::declval<E&>().backward(
                                std::declval<const Exec&>(), std::declval<const expert_rows<const T>&>(),
                                std::declval<const T*>(), std::declval<T*>()))>> : std::true_type {};
+template <class E, class = void>
+struct forward_in_place : std::false_type {};
+template <class E>
+struct forward_in_place<E, std::void_t<decltype(E::forward_in_place)>>
+    : std::bool_constant<static_cast<bool>(E::forward_in_place)> {};
 }  // namespace detail
+
+// Whether Experts declared that forward may write its outputs over its inputs.
+template <class Experts>
+inline constexpr bool forward_in_place_v = detail::forward_in_place<std::remove_cv_t<Experts>>::value;
 
 // Checks the concept with a sentence instead of a template wall.
 template <class Experts, class Exec, class T>

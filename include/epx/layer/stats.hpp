@@ -23,6 +23,9 @@ struct layer_stats {
   double mean_rank_load = 0.0;
   // Which path ran last: "all_to_all", "all_reduce" or a user implementation's name.
   const char* path = "";
+  // The all-to-all path read rows straight out of the peers' buffers (layer_options::peer_access)
+  // instead of moving them through the communicator's all-to-all.
+  bool peer_access = false;
   std::int64_t calls = 0;
 
   // max/mean expert load; 1 is perfect balance, 0 when nothing was routed.

@@ -35,6 +35,7 @@ enum class threads_op : int {
   all_gather,
   broadcast,
   split,
+  access_peers,
 };
 
 inline const char* to_string(threads_op k) noexcept {
@@ -49,6 +50,7 @@ inline const char* to_string(threads_op k) noexcept {
     case threads_op::all_gather: return "all_gather";
     case threads_op::broadcast: return "broadcast";
     case threads_op::split: return "split";
+    case threads_op::access_peers: return "access_peers";
   }
   return "?";
 }
@@ -83,7 +85,7 @@ struct alignas(64) threads_slot {
   datatype type = datatype::byte;
   const void* send = nullptr;
   void* recv = nullptr;
-  std::size_t count = 0;  // all_to_allv_segments: the number of segments per peer
+  std::size_t count = 0;  // all_to_allv_segments: the number of segments per peer; access_peers: pointers
   const std::size_t* send_counts = nullptr;
   const std::size_t* send_displs = nullptr;
   const std::size_t* recv_counts = nullptr;
