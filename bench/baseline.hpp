@@ -7,7 +7,7 @@
 //   2. per-peer row counts, exchanged with an all_to_all of the counts;
 //   3. gather of the rows into a staging buffer in sorted order;
 //   4. all_to_allv of the rows (they arrive peer-major: all of peer 0's rows, then peer 1's);
-//   5. the experts (here: identity, a copy);
+//   5. the experts (here: identity, in place: nothing to do, as for epx's layer);
 //   6. all_to_allv of the outputs back into sorted order;
 //   7. a separate un-permute: output rows back to (token, slot) order in another buffer;
 //   8. the weighted sum over the k slots of each token (in float, slot order).
@@ -66,7 +66,6 @@ class baseline_layer {
     const std::size_t R = recv_displs_.back() + recv_counts_.back();
     staging_.reserve_discard(S * H);
     recv_.reserve_discard(R * H);
-    expert_out_.reserve_discard(R * H);
     unpermuted_.reserve_discard(S * H);
     // 3: gather into sorted order.
     for (std::size_t p = 0; p < S; ++p)
@@ -74,10 +73,9 @@ class baseline_layer {
     // 4: rows to the experts' owners.
     all_to_allv_rows(comm, static_cast<const T*>(staging_.data()), make_span(layout_.send_counts),
                      make_span(layout_.send_displs), recv_.data(), make_span(recv_counts_), make_span(recv_displs_), H);
-    // 5: identity experts.
-    if (R) std::memcpy(expert_out_.data(), recv_.data(), R * H * sizeof(T));
+    // 5: identity experts, in place on recv_.
     // 6: outputs back, into sorted order (the staging buffer is free again).
-    all_to_allv_rows(comm, static_cast<const T*>(expert_out_.data()), make_span(recv_counts_), make_span(recv_displs_),
+    all_to_allv_rows(comm, static_cast<const T*>(recv_.data()), make_span(recv_counts_), make_span(recv_displs_),
                      staging_.data(), make_span(layout_.send_counts), make_span(layout_.send_displs), H);
     // 7: un-permute to (token, slot) order.
     for (std::size_t p = 0; p < S; ++p)
@@ -99,7 +97,7 @@ class baseline_layer {
 
   // Workspace bytes held between calls (the baseline's extra memory).
   std::size_t workspace_bytes() const noexcept {
-    return (staging_.size() + recv_.size() + expert_out_.size() + unpermuted_.size()) * sizeof(T) +
+    return (staging_.size() + recv_.size() + unpermuted_.size()) * sizeof(T) +
            layout_.order.size() * sizeof(std::int64_t);
   }
 
@@ -107,8 +105,7 @@ class baseline_layer {
   baseline_layout layout_;
   std::vector<std::size_t> recv_counts_, recv_displs_;
   exec::host_buffer<T> staging_;     // [S, H] sorted order, reused for the returned outputs
-  exec::host_buffer<T> recv_;        // [R, H] peer-major
-  exec::host_buffer<T> expert_out_;  // [R, H]
+  exec::host_buffer<T> recv_;        // [R, H] peer-major; the experts' outputs in place
   exec::host_buffer<T> unpermuted_;  // [S, H] (token, slot) order
 };
 

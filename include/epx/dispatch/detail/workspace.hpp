@@ -51,6 +51,7 @@ class workspace_pool {
   // replaces the largest free one (which is too small), so the pool holds at most as many
   // blocks as were in use at once.
   block take(std::size_t bytes) {
+    bool grows = false;  // replaces a block that was too small
     {
       std::lock_guard<std::mutex> lk(m_);
       std::size_t best = free_.size(), largest = free_.size();
@@ -65,15 +66,17 @@ class workspace_pool {
         return b;
       }
       if (largest != free_.size()) {
+        grows = true;
         release_memory(free_[largest]);
         free_[largest] = free_.back();
         free_.pop_back();
       }
     }
-    // Room for calls whose row counts vary a little (routing changes R from call to call
-    // by a few percent). Plain operator new (aligned by hand), so that heap accounting
-    // that replaces it sees the pool's memory.
-    const std::size_t want = round_up(bytes + bytes / 32);
+    // A block that replaces a smaller one gets room for calls whose row counts vary a
+    // little (routing changes R from call to call by a few percent); first blocks are
+    // exact. Plain operator new (aligned by hand), so that heap accounting that replaces it
+    // sees the pool's memory.
+    const std::size_t want = round_up(grows ? bytes + bytes / 32 : bytes);
     block b;
     b.raw = ::operator new(want + alignment);
     const auto addr = reinterpret_cast<std::uintptr_t>(b.raw);
