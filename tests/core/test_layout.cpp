@@ -283,3 +283,79 @@ TEST_CASE_TEMPLATE("per-element functors (device form) equal the row functors bi
                 std::is_trivially_copyable_v<d::scatter_grad_elements<T>> &&
                 std::is_trivially_copyable_v<d::reduce_grad_elements<T>> && std::is_trivially_copyable_v<d::gather_elements<T>>);
 }
+
+TEST_CASE_TEMPLATE("row tables read the same rows bitwise; copy_rows, scale_rows; the lane order of dot products", T,
+                   float, double, epx::bf16, epx::fp16) {
+  namespace d = epx::dispatch;
+  using A = epx::accum_t<T>;
+  const epx::exec::serial ser;
+  auto bits_equal = [](const auto& a, const auto& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+  };
+  for (std::size_t H : {std::size_t{1}, std::size_t{13}, std::size_t{16}, std::size_t{37}, std::size_t{300}}) {
+    CAPTURE(H);
+    const std::size_t n = 6;
+    const int k = 3;
+    const std::size_t S = n * k;
+    std::vector<std::int64_t> pos(S);
+    for (std::size_t i = 0; i < S; ++i) pos[i] = static_cast<std::int64_t>((i * 7) % S);
+    pos[4] = -1;
+    const auto y = epx::ref::from_double<T>(epx::ref::random_normal(S, H, 31));
+    const auto go = epx::ref::from_double<T>(epx::ref::random_normal(n, H, 32));
+    const auto wd = epx::ref::random_weights(n, k, 33, -1.0, 1.0);
+    std::vector<float> w(wd.begin(), wd.end());
+    // The same rows scattered over separate allocations, reached through a table.
+    std::vector<std::vector<T>> pieces(S);
+    std::vector<const T*> table(S);
+    for (std::size_t p = 0; p < S; ++p) {
+      pieces[p].assign(y.begin() + static_cast<std::ptrdiff_t>(p * H), y.begin() + static_cast<std::ptrdiff_t>((p + 1) * H));
+      table[p] = pieces[p].data();
+    }
+    const d::row_table<T> rows{table.data()};
+
+    std::vector<T> o1(n * H), o2(n * H);
+    epx::exec::for_each_n(ser, n, d::combine<T>{y.data(), w.data(), pos.data(), o1.data(), H, k});
+    d::launch_combine(ser, n, H, k, rows, w.data(), pos.data(), o2.data());
+    CHECK(bits_equal(o1, o2));
+
+    std::vector<T> gy1(S * H, epx::convert<T>(0.0f)), gy2(S * H, epx::convert<T>(0.0f));
+    std::vector<float> gw1(S, 3.0f), gw2(S, 3.0f), gw3(S, 3.0f);
+    d::launch_combine_backward(ser, n, H, k, y.data(), go.data(), w.data(), pos.data(), gy1.data(), gw1.data());
+    d::launch_combine_backward(ser, n, H, k, rows, go.data(), w.data(), pos.data(), gy2.data(), gw2.data());
+    d::launch_weight_gradients(ser, n, H, k, rows, go.data(), pos.data(), gw3.data());
+    CHECK(bits_equal(gy1, gy2));
+    CHECK(bits_equal(gw1, gw2));
+    CHECK(bits_equal(gw1, gw3));
+    CHECK(gw3[4] == 0.0f);
+    // grad_w sums 16 interleaved lanes in h order each, then the lanes in order.
+    for (std::size_t i = 0; i < S; ++i) {
+      if (pos[i] < 0) continue;
+      A lane[16] = {};
+      const std::size_t t = i / static_cast<std::size_t>(k);
+      for (std::size_t h = 0; h < H; ++h)
+        lane[h % 16] += epx::convert<A>(y[static_cast<std::size_t>(pos[i]) * H + h]) * epx::convert<A>(go[t * H + h]);
+      A sum = A(0);
+      for (A v : lane) sum += v;
+      CHECK(gw1[i] == static_cast<float>(sum));
+    }
+
+    std::vector<T> gx1(n * H), gx2(n * H);
+    d::launch_reduce_grad_rows(ser, n, H, k, y.data(), pos.data(), gx1.data());
+    d::launch_reduce_grad_rows(ser, n, H, k, rows, pos.data(), gx2.data());
+    CHECK(bits_equal(gx1, gx2));
+
+    // copy_rows and scale_rows: a null source is a zero row.
+    std::vector<const T*> src = {table[3], nullptr, table[0], table[3]};
+    std::vector<float> sc = {0.5f, 9.0f, -2.0f, 1.0f};
+    std::vector<T> c(src.size() * H, epx::convert<T>(5.0f)), sr(src.size() * H, epx::convert<T>(5.0f));
+    d::launch_copy_rows(ser, src.size(), H, src.data(), c.data());
+    d::launch_scale_rows(ser, src.size(), H, src.data(), sc.data(), sr.data());
+    for (std::size_t r = 0; r < src.size(); ++r)
+      for (std::size_t h = 0; h < H; ++h) {
+        const double v = src[r] ? epx::convert<double>(src[r][h]) : 0.0;
+        CHECK(epx::convert<double>(c[r * H + h]) == v);
+        const T want = src[r] ? epx::convert<T>(static_cast<A>(sc[r]) * epx::convert<A>(src[r][h])) : epx::convert<T>(0.0f);
+        CHECK(std::memcmp(&sr[r * H + h], &want, sizeof(T)) == 0);
+      }
+  }
+}

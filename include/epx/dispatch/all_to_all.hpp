@@ -163,7 +163,8 @@ class all_to_all_impl {
     bool direct = false;                    // made by the peer-access path (y stays at the owners)
     group_layout group;                     // direct: every member's layout
     exec::buffer<std::int64_t, Exec> pos;   // [n*k] send position of pair (t, j)
-    exec::buffer<float, Exec> weights;      // [n*k] copy of the slice's routing weights
+    exec::buffer<float, Exec> weights;      // [n*k] copy of the slice's routing weights; direct: [S] in send order
+    exec::buffer<std::int64_t, Exec> src_row;  // direct: [S] the slice row of each send position
     rows_buffer<T, Exec> x_recv;            // [R, H] expert-major input rows
     rows_buffer<T, Exec> y;                 // staged: [S, H] outputs in send order; direct: [R, H] expert-major
   };
@@ -266,9 +267,14 @@ class all_to_all_impl {
       s.layout = std::move(lay);
       s.direct = direct;
       s.group = std::move(gl);
-      s.pos = std::move(plan.pos);
       s.weights = exec::make_buffer<float>(ex, S);
-      exec::copy_n(ex, w, S, s.weights.data());
+      if (direct) {  // what the owners read in backward: the weight and row of each send position
+        for (std::size_t i = 0; i < S; ++i) s.weights.data()[plan.pos.data()[i]] = w[i];
+        s.src_row = std::move(plan.src_row);
+      } else {
+        exec::copy_n(ex, w, S, s.weights.data());
+      }
+      s.pos = std::move(plan.pos);
       s.x_recv = std::move(x_recv);
       s.y = std::move(y);
     }
@@ -301,7 +307,6 @@ class all_to_all_impl {
     exec::fill_zero(ex, a.grad_x, sl.begin * H);  // the slice's rows are all written below
     exec::fill_zero(ex, a.grad_x + sl.end * H, (a.rows - sl.end) * H);
     const expert_rows<const T> rows{s.x_recv.data(), R, H, lay.offsets.data(), L, ctx_.first_expert()};
-    auto grad_send = make_rows<T>(ws_, ex, S * H);  // grad_y rows in send order
     auto grad_recv = make_rows<T>(ws_, ex, R * H);
     auto grad_in = make_rows<T>(ws_, ex, R * H);
 
@@ -310,22 +315,34 @@ class all_to_all_impl {
         const group_layout& gl = s.group;
         const int me = ctx_.ep_rank();
         auto table = ws_.template acquire<const T*>(std::max(R, S));
-        // grad_y rows and routing-weight gradients against the outputs kept at the owners.
+        auto scale = ws_.template acquire<float>(R);
+        // The owners make their grad_y rows straight from the token owners' grad_out
+        // (scatter and dispatch in one pass); each token owner takes the dot products of its
+        // grad_out rows with the slots' outputs kept at their owners (grad_w).
+        const void* mine[4] = {grad_out, s.src_row.data(), s.weights.data(), s.y.data()};
+        ctx_.ep->access_peers(mine, 4, [&](const auto& peers) {
+          fill_receive_table(gl, me, table.data(), R, [&](int src, std::size_t q) {
+            const auto* src_row = static_cast<const std::int64_t*>(peers(src, 1));
+            return static_cast<const T*>(peers(src, 0)) + static_cast<std::size_t>(src_row[q]) * H;
+          });
+          for (int l = 0; l < L; ++l) {  // the weights of the same rows (padding rows: null, zero)
+            const std::size_t e = static_cast<std::size_t>(me) * static_cast<std::size_t>(L) + static_cast<std::size_t>(l);
+            for (int src = 0; src < gl.ep; ++src) {
+              const auto* sw = static_cast<const float*>(peers(src, 2)) + gl.send_at(src, e);
+              const std::size_t at = gl.recv_at(me, src, l), c = static_cast<std::size_t>(gl.count(src, e));
+              for (std::size_t i = 0; i < c; ++i) scale.data()[at + i] = sw[i];
+            }
+          }
+          dispatch::launch_scale_rows(ex, R, H, static_cast<const T* const*>(table.data()),
+                                      static_cast<const float*>(scale.data()), grad_recv.data());
+        });
         const void* mine_y[1] = {s.y.data()};
         ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {
           fill_return_table(gl, me, table.data(), [&](int d, std::size_t r) {
             return static_cast<const T*>(peers(d, 0)) + r * H;
           });
-          dispatch::launch_combine_backward(ex, n, H, s.top_k, dispatch::row_table<T>{table.data()}, grad_out, w,
-                                            s.pos.data(), grad_send.data(), grad_w);
-        });
-        // The owners pull their grad_y rows.
-        const void* mine_g[1] = {grad_send.data()};
-        ctx_.ep->access_peers(mine_g, 1, [&](const auto& peers) {
-          fill_receive_table(gl, me, table.data(), R, [&](int src, std::size_t q) {
-            return static_cast<const T*>(peers(src, 0)) + q * H;
-          });
-          dispatch::launch_copy_rows(ex, R, H, static_cast<const T* const*>(table.data()), grad_recv.data());
+          dispatch::launch_weight_gradients(ex, n, H, s.top_k, dispatch::row_table<T>{table.data()}, grad_out,
+                                            s.pos.data(), grad_w);
         });
         experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in.data());
         // Each token sums its slots' input gradients in place at their owners.
@@ -340,6 +357,7 @@ class all_to_all_impl {
       }
     }
     if (!s.direct) {
+      auto grad_send = make_rows<T>(ws_, ex, S * H);  // grad_y rows in send order
       dispatch::launch_combine_backward(ex, n, H, s.top_k, static_cast<const T*>(s.y.data()), grad_out, w,
                                         s.pos.data(), grad_send.data(), grad_w);
       zero_padding(ex, grad_recv.data(), lay.offsets, lay.received, H);

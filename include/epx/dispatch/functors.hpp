@@ -96,6 +96,49 @@ namespace detail {
 constexpr std::size_t combine_block = 256;
 }  // namespace detail
 
+namespace detail {
+// Dot products (weight gradients) sum in dot_lanes interleaved lanes: lane w holds the
+// terms h = w, w + dot_lanes, ... in h order, and the lanes are added in lane order at the
+// end. A fixed order, the same on host and device (bitwise reproducible), that a host
+// compiler vectorises without reassociating anything.
+constexpr std::size_t dot_lanes = 16;
+
+template <class A, class T, class U>
+EPX_HOST_DEVICE inline A dot_in_lanes(const T* a, const U* b, std::size_t n) noexcept {
+  A lane[dot_lanes];
+  for (std::size_t w = 0; w < dot_lanes; ++w) lane[w] = A(0);
+  std::size_t h = 0;
+  for (; h + dot_lanes <= n; h += dot_lanes)
+    for (std::size_t w = 0; w < dot_lanes; ++w) lane[w] += convert<A>(a[h + w]) * convert<A>(b[h + w]);
+  for (std::size_t w = 0; h + w < n; ++w) lane[w] += convert<A>(a[h + w]) * convert<A>(b[h + w]);
+  A s = A(0);
+  for (std::size_t w = 0; w < dot_lanes; ++w) s += lane[w];
+  return s;
+}
+}  // namespace detail
+
+// dst[r, :] = scale[r] * *src[r], rounded to T (a null source gives a zero row): grad_y
+// rows made straight from the token owner's grad_out. Call with r in [0, rows).
+template <class T>
+struct scale_rows {
+  const T* const* src;  // [rows] source rows, anywhere
+  const float* scale;   // [rows]
+  T* dst;               // [rows, H]
+  std::size_t hidden;
+
+  EPX_HOST_DEVICE void operator()(std::size_t r) const {
+    using A = accum_t<T>;
+    T* d = dst + r * hidden;
+    const T* s = src[r];
+    if (s == nullptr) {
+      for (std::size_t h = 0; h < hidden; ++h) d[h] = convert<T>(0.0f);
+      return;
+    }
+    const A w = static_cast<A>(scale[r]);
+    for (std::size_t h = 0; h < hidden; ++h) d[h] = convert<T>(w * convert<A>(s[h]));
+  }
+};
+
 // dst[r, :] = 0. Call with r in [0, rows).
 template <class T>
 struct zero_rows {
@@ -151,7 +194,7 @@ struct combine {
 
 // Backward of combine. Call with t in [0, n):
 //   grad_y[pos[t*k+j], :] = w[t, j] * grad_out[t, :]
-//   grad_w[t, j]          = sum_h y[pos[t*k+j], h] * grad_out[t, h]   (accum_t, h order)
+//   grad_w[t, j]          = sum_h y[pos[t*k+j], h] * grad_out[t, h]   (accum_t, detail::dot_in_lanes)
 // Slots with a negative position get grad_w = 0 and write no grad_y row.
 template <class T, class Rows = const T*>
 struct combine_backward {
@@ -175,15 +218,10 @@ struct combine_backward {
         continue;
       }
       const A w = static_cast<A>(weights[t * k + j]);
-      const T* yr = row_at(y, static_cast<std::size_t>(p), hidden);
       T* gy = grad_y + static_cast<std::size_t>(p) * hidden;
-      A dot = A(0);
-      for (std::size_t h = 0; h < hidden; ++h) {
-        const A gh = convert<A>(g[h]);
-        gy[h] = convert<T>(w * gh);
-        dot += convert<A>(yr[h]) * gh;
-      }
-      grad_weights[t * k + j] = static_cast<float>(dot);
+      for (std::size_t h = 0; h < hidden; ++h) gy[h] = convert<T>(w * convert<A>(g[h]));
+      grad_weights[t * k + j] =
+          static_cast<float>(detail::dot_in_lanes<A>(row_at(y, static_cast<std::size_t>(p), hidden), g, hidden));
     }
   }
 };

@@ -80,11 +80,11 @@ struct scatter_grad_elements {
   }
 };
 
-// grad_w[t, j] = sum_h y[pos[t*k+j], h] * grad_out[t, h] (h order; 0 for a negative
-// position). Call with i = t*k + j.
-template <class T>
+// grad_w[t, j] = sum_h y[pos[t*k+j], h] * grad_out[t, h] (detail::dot_in_lanes order; 0
+// for a negative position). Call with i = t*k + j.
+template <class T, class Rows = const T*>
 struct weight_gradients {
-  const T* y;                  // [S, H]
+  Rows y;                      // [S, H]
   const T* grad_out;           // [n, H]
   const std::int64_t* pos;     // [n, k]
   float* grad_weights;         // [n, k]
@@ -98,11 +98,8 @@ struct weight_gradients {
       grad_weights[i] = 0.0f;
       return;
     }
-    const T* yr = y + static_cast<std::size_t>(p) * hidden;
     const T* g = grad_out + (i / static_cast<std::size_t>(top_k)) * hidden;
-    A dot = A(0);
-    for (std::size_t h = 0; h < hidden; ++h) dot += convert<A>(yr[h]) * convert<A>(g[h]);
-    grad_weights[i] = static_cast<float>(dot);
+    grad_weights[i] = static_cast<float>(dispatch::detail::dot_in_lanes<A>(row_at(y, static_cast<std::size_t>(p), hidden), g, hidden));
   }
 };
 
@@ -178,6 +175,22 @@ void launch_combine_backward(const Exec& ex, std::size_t n, std::size_t H, int k
   } else {
     exec::for_each_n(ex, n, combine_backward<T, Rows>{y, grad_out, w, pos, grad_y, grad_w, H, k});
   }
+}
+
+// grad_w [n, k] alone (the direct route makes the grad_y rows at their owners).
+template <class Exec, class T, class Rows>
+void launch_weight_gradients(const Exec& ex, std::size_t n, std::size_t H, int k, Rows y, const T* grad_out,
+                             const std::int64_t* pos, float* grad_w) {
+  if (n == 0) return;
+  exec::for_each_n(ex, n * static_cast<std::size_t>(k), weight_gradients<T, Rows>{y, grad_out, pos, grad_w, H, k});
+}
+
+// dst [rows, H] = scale[r] * the rows src points at (zero rows for null).
+template <class Exec, class T>
+void launch_scale_rows(const Exec& ex, std::size_t rows, std::size_t H, const T* const* src, const float* scale,
+                       T* dst) {
+  if (rows == 0 || H == 0) return;
+  exec::for_each_n(ex, rows, scale_rows<T>{src, scale, dst, H});
 }
 
 // grad_x [n, H] = sum of the k gradient rows of each token.
