@@ -593,7 +593,7 @@ void bench_baseline(benchmark::State& state, shape s) {
 // speedup_vs_baseline against the median stored under that key earlier in the run.
 template <class T, class Impl = epx::impl::all_to_all>
 void bench_round_trip(benchmark::State& state, shape s, bool backward, bool tp_equals_ep, std::string store_key,
-                      std::string compare_key) {
+                      std::string compare_key, bool staged = false) {
   const std::size_t H = s.hidden, n = s.tokens;
   const run_result r = drive(state, s.ep, [&](epx::threads::communicator& comm, std::int64_t& allowance) {
     const int me = comm.rank();
@@ -618,6 +618,7 @@ void bench_round_trip(benchmark::State& state, shape s, bool backward, bool tp_e
     o.hidden = H;
     o.top_k = s.k;
     o.chunks = 1;
+    o.peer_access = !staged;
     epx::mesh_config c;
     c.tp = tp_equals_ep ? s.ep : 1;
     c.fsdp = tp_equals_ep ? 1 : s.ep;
@@ -724,6 +725,21 @@ void register_round_trip(const shape& s, bool with_baseline, bool with_backward,
            it);
 }
 
+// The staged route (layer_options::peer_access = false: rows through the communicator's
+// all-to-all, as on MPI and NCCL) on the same communicator, forward and backward.
+template <class T>
+void register_staged(const shape& s, int iters_override) {
+  const std::string key = shape_key(s, type_name<T>());
+  const int it = iters_override > 0 ? iters_override : iterations_for(round_trip_bytes(s, sizeof(T)));
+  const std::string tn = type_name<T>();
+  finish(reg("round_trip_forward_staged<" + tn + ">/" + s.str(),
+             [s, key](benchmark::State& st) { bench_round_trip<T>(st, s, false, false, "", key, true); }),
+         it);
+  finish(reg("round_trip_backward_staged<" + tn + ">/" + s.str(),
+             [s](benchmark::State& st) { bench_round_trip<T>(st, s, true, false, "", "", true); }),
+         it);
+}
+
 template <class T>
 void register_stages(const shape& s, int iters_override) {
   const std::string tn = type_name<T>();
@@ -784,6 +800,7 @@ void register_all(bool quick) {
     register_layout(make_shape(8, 128, 0, 8, 64, zipf), q);
     register_stages<bf16>(make_shape(2, 128, 1024, 8, 64), q);
     register_round_trip<bf16>(make_shape(2, 128, 1024, 8, 64), true, true, q);
+    register_staged<bf16>(make_shape(2, 128, 1024, 8, 64), q);
     register_round_trip<float>(make_shape(2, 128, 1024, 2, 8, zipf), true, false, q);
     register_masked<bf16>(make_shape(2, 128, 1024, 8, 64), q);
     return;
@@ -806,6 +823,7 @@ void register_all(bool quick) {
   // ep 2 and 4; experts 8 and 256 and float32 at hidden 1024; hidden 7168 at ep = 2; the
   // latency end (128 tokens).
   register_round_trip<bf16>(make_shape(8, 4096, 4096, 8, 64), true, true, 0);
+  register_staged<bf16>(make_shape(8, 4096, 4096, 8, 64), 0);
   register_round_trip<bf16>(make_shape(8, 4096, 4096, 8, 64, zipf), true, true, 0);
   register_round_trip<bf16>(make_shape(8, 4096, 1024, 2, 64), true, false, 0);
   register_round_trip<bf16>(make_shape(8, 4096, 1024, 8, 64), true, true, 0);
@@ -826,10 +844,10 @@ void print_summary() {
   if (g_rows.empty()) return;
   std::printf("\nSummary (median per call; speedup = baseline / epx; memory per rank; heap=%s)\n",
               heap::caching ? "cache" : "system");
-  std::printf("%-78s %11s %11s %8s %8s %7s %9s %9s\n", "benchmark", "epx_ms", "baseline_ms", "speedup",
+  std::printf("%-88s %11s %11s %8s %8s %7s %9s %9s\n", "benchmark", "epx_ms", "baseline_ms", "speedup",
               "floor", "GB/s", "extra_MiB", "allow_MiB");
   for (const auto& r : g_rows) {
-    std::printf("%-78s %11.3f %11s %8s %8s %7s %9s %9s\n", r.name.c_str(), r.us * 1e-3,
+    std::printf("%-88s %11.3f %11s %8s %8s %7s %9s %9s\n", r.name.c_str(), r.us * 1e-3,
                 r.baseline_us > 0 ? epx::detail::concat(r.baseline_us * 1e-3).c_str() : "-",
                 r.speedup > 0 ? epx::detail::concat(r.speedup).c_str() : "-",
                 r.floor_ratio > 0 ? epx::detail::concat(r.floor_ratio).c_str() : "-",

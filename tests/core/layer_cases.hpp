@@ -471,7 +471,7 @@ struct in_place_experts {
 
 // Experts that allow it run in place in inference, never in training, and both calls
 // match the reference.
-template <class Comm, class T>
+template <class Comm, class T, class Impl = impl::all_to_all>
 std::string check_in_place_experts(Comm& world, const layer_case& c) {
   std::string f;
   try {
@@ -485,7 +485,7 @@ std::string check_in_place_experts(Comm& world, const layer_case& c) {
     o.top_k = c.top_k;
     o.pad = c.pad;
     o.peer_access = c.peer_access;
-    moe_layer<Comm, T> layer(m, world, o);
+    moe_layer<Comm, T, Impl> layer(m, world, o);
     ref::test_linear_experts<T> inner(global, m.ep_rank(rank), m.local_experts());
     in_place_experts<T> experts{inner};
     const auto x = ref::from_double<T>(d.x);

@@ -162,7 +162,7 @@ TEST_CASE("layer: the direct route (peer access) and the staged one agree bitwis
   check_case<epx::bf16>(c);
 }
 
-TEST_CASE("layer: experts that allow it run in place in inference (both routes)") {
+TEST_CASE("layer: experts that allow it run in place in inference (both routes, and the masked path)") {
   for (bool direct : {true, false}) {
     for (auto c : {make(2, 4, 4, 16, 2, routing_kind::uneven), make(1, 4, 4, 8, 8, routing_kind::first_rank_only)}) {
       c.peer_access = direct;
@@ -170,4 +170,9 @@ TEST_CASE("layer: experts that allow it run in place in inference (both routes)"
                [&](comm_t& comm) { return epx::test::check_in_place_experts<comm_t, float>(comm, c); });
     }
   }
+  // The masked all-reduce path (ep == tp) too.
+  auto c = make(4, 2, 4, 8, 2, routing_kind::uneven);
+  on_ranks(8, [&](comm_t& comm) {
+    return epx::test::check_in_place_experts<comm_t, float, epx::impl::all_reduce>(comm, c);
+  });
 }

@@ -89,13 +89,19 @@ class all_reduce_impl {
                      dispatch::masked_positions{a.ids, plan.pos.data(), plan.expert_offset.data(),
                                                 local_offset.data(), local_pos.data(), first, L});
     auto x_local = make_rows<T>(ws_, ex, R * H);  // pooled for host policies (detail::workspace)
-    auto y_local = make_rows<T>(ws_, ex, R * H);
     dispatch::launch_gather(ex, R, H, a.x, static_cast<const std::int64_t*>(row_source.data()), x_local.data());
 
+    // The experts write over their inputs when they allow it and nothing is kept for backward.
     const expert_rows<const T> rows{x_local.data(), R, H, offsets.data(), L, first};
-    experts.forward(ex, rows, y_local.data());
+    rows_buffer<T, Exec> y_local;
+    T* y = x_local.data();
+    if (saved != nullptr || !forward_in_place_v<Experts>) {
+      y_local = make_rows<T>(ws_, ex, R * H);
+      y = y_local.data();
+    }
+    experts.forward(ex, rows, y);
 
-    dispatch::launch_combine(ex, N, H, a.top_k, static_cast<const T*>(y_local.data()), a.weights,
+    dispatch::launch_combine(ex, N, H, a.top_k, static_cast<const T*>(y), a.weights,
                              static_cast<const std::int64_t*>(local_pos.data()), a.out);
     settle(ex, *ctx_.ep);
     all_reduce(*ctx_.ep, span<T>(a.out, N * H));
