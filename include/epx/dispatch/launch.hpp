@@ -4,7 +4,8 @@
 // row: long contiguous loops). Device policies run one call per element (row, column)
 // instead, so that neighbouring threads touch neighbouring columns (coalesced loads) and a
 // one-token decode step still spreads over H threads. Both compute every element with the
-// same operations in the same order (slot order j = 0..k-1 from A(0), dots in h order), so
+// same operations in the same order (slot order j = 0..k-1 from A(0), dots in the lanes of
+// detail::dot_in_lanes), so
 // on one compiler the two forms give bitwise equal results (a device compiler may still
 // fuse a multiply and an add where the host one does not).
 #pragma once
