@@ -92,6 +92,40 @@ batch_data make_batch(const layer_case& c, int b) {
   return d;
 }
 
+// The layer options of a case.
+inline layer_options options_for(const layer_case& c) {
+  layer_options o;
+  o.hidden = static_cast<std::size_t>(c.hidden);
+  o.top_k = c.top_k;
+  o.pad = c.pad;
+  o.chunks = c.chunks;
+  o.peer_access = c.peer_access;
+  return o;
+}
+
+// What one rank of a case computes on: its batch, rounded through T, and the global experts.
+template <class T>
+struct rank_inputs {
+  mesh m;
+  ref::linear_experts global;
+  int rank, b;
+  batch_data d;
+  std::size_t N, H;
+  std::vector<T> x;
+  std::vector<float> w;
+
+  rank_inputs(const layer_case& c, int world_rank)
+      : m(c.topology),
+        global(ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull)),
+        rank(world_rank),
+        b(m.batch(world_rank)),
+        d(make_batch<T>(c, b)),
+        N(c.rows_of(b)),
+        H(static_cast<std::size_t>(c.hidden)),
+        x(ref::from_double<T>(d.x)),
+        w(d.w.begin(), d.w.end()) {}
+};
+
 template <class T>
 double atol_for() {
   if constexpr (std::is_same_v<T, double>) return 1e-10;
@@ -123,13 +157,7 @@ layer_outputs<T> run_layer(Comm& world, const layer_case& c, const ref::linear_e
   const int rank = world.rank(), b = m.batch(rank);
   const batch_data d = make_batch<T>(c, b);
   const std::size_t N = c.rows_of(b), H = static_cast<std::size_t>(c.hidden);
-  layer_options o;
-  o.hidden = H;
-  o.top_k = c.top_k;
-  o.pad = c.pad;
-  o.chunks = c.chunks;
-  o.peer_access = c.peer_access;
-  moe_layer<Comm, T, Impl, Exec> layer(m, world, o, policy);
+  moe_layer<Comm, T, Impl, Exec> layer(m, world, options_for(c), policy);
   ref::test_linear_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
   const auto x = ref::from_double<T>(d.x);
   const auto go = ref::from_double<T>(d.grad_out);
@@ -225,21 +253,15 @@ template <class Comm, class T, class Impl>
 std::string check_inference(Comm& world, const layer_case& c, const std::string& want_path) {
   std::string f;
   try {
-    const mesh m(c.topology);
-    const auto global = ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
-    const int rank = world.rank(), b = m.batch(rank);
-    const batch_data d = make_batch<T>(c, b);
-    const std::size_t N = c.rows_of(b), H = static_cast<std::size_t>(c.hidden);
-    layer_options o;
-    o.hidden = H;
-    o.top_k = c.top_k;
-    o.pad = c.pad;
-    o.peer_access = c.peer_access;
-    moe_layer<Comm, T, Impl> layer(m, world, o);
-    ref::test_linear_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
-    const auto x = ref::from_double<T>(d.x);
-    std::vector<float> w(d.w.begin(), d.w.end());
-    std::vector<T> out(N * H, convert<T>(7.0f));
+    const rank_inputs<T> in(c, world.rank());
+    const int rank = in.rank;
+    const batch_data& d = in.d;
+    moe_layer<Comm, T, Impl> layer(in.m, world, options_for(c));
+    ref::test_linear_experts<T> experts(in.global, in.m.ep_rank(rank), in.m.local_experts());
+    const auto& x = in.x;
+    const auto& w = in.w;
+    const auto& global = in.global;
+    std::vector<T> out(in.N * in.H, convert<T>(7.0f));
     auto saved = layer.forward(span<const T>(x), span<const std::int32_t>(d.ids), span<const float>(w), span<T>(out),
                                experts, mode::inference);
     const std::string where = detail::concat(c.describe(), " rank ", rank, " inference");
@@ -475,22 +497,16 @@ template <class Comm, class T, class Impl = impl::all_to_all>
 std::string check_in_place_experts(Comm& world, const layer_case& c) {
   std::string f;
   try {
-    const mesh m(c.topology);
-    const auto global = ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
-    const int rank = world.rank(), b = m.batch(rank);
-    const batch_data d = make_batch<T>(c, b);
-    const std::size_t N = c.rows_of(b), H = static_cast<std::size_t>(c.hidden);
-    layer_options o;
-    o.hidden = H;
-    o.top_k = c.top_k;
-    o.pad = c.pad;
-    o.peer_access = c.peer_access;
-    moe_layer<Comm, T, Impl> layer(m, world, o);
-    ref::test_linear_experts<T> inner(global, m.ep_rank(rank), m.local_experts());
+    const rank_inputs<T> in(c, world.rank());
+    const batch_data& d = in.d;
+    moe_layer<Comm, T, Impl> layer(in.m, world, options_for(c));
+    ref::test_linear_experts<T> inner(in.global, in.m.ep_rank(in.rank), in.m.local_experts());
     in_place_experts<T> experts{inner};
-    const auto x = ref::from_double<T>(d.x);
-    std::vector<float> w(d.w.begin(), d.w.end());
-    const auto want = ref::moe_forward(d.x, d.ids, d.w, global);
+    const auto& x = in.x;
+    const auto& w = in.w;
+    const int rank = in.rank;
+    const std::size_t N = in.N, H = in.H;
+    const auto want = ref::moe_forward(d.x, d.ids, d.w, in.global);
     const std::string where = detail::concat(c.describe(), " rank ", rank, " in-place experts");
     for (auto md : {mode::inference, mode::train}) {
       std::vector<T> out(N * H, convert<T>(7.0f));
