@@ -144,33 +144,8 @@ class communicator {
   // recv + recv_displs[p]. send_counts on p's side must equal recv_counts on ours.
   void all_to_allv(const void* send, const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
                    const std::size_t* recv_counts, const std::size_t* recv_displs, datatype t) {
-    EPX_REQUIRE(send_counts && send_displs && recv_counts && recv_displs, errc::input,
-                "all_to_allv: counts and displacements must not be null");
-    const int n = size();
-    std::size_t total_send = 0, total_recv = 0;
-    for (int p = 0; p < n; ++p) {
-      total_send += send_counts[p];
-      total_recv += recv_counts[p];
-    }
-    require_buffer(send, total_send, "all_to_allv", "send");
-    require_buffer(recv, total_recv, "all_to_allv", "recv");
-    EPX_REQUIRE(send != recv || total_send + total_recv == 0 || n == 1, errc::input,
-                "all_to_allv: send and recv must be distinct buffers (in place is not supported)");
-    detail::threads_slot d;
-    d.op = detail::threads_op::all_to_allv;
-    d.type = t;
-    d.send = send;
-    d.recv = recv;
-    d.send_counts = send_counts;
-    d.send_displs = send_displs;
-    d.recv_counts = recv_counts;
-    d.recv_displs = recv_displs;
-    const std::size_t es = size_of(t);
-    enter_pull(d, [&](int p) {
-      const auto& s = slot(p);
-      const auto* src = static_cast<const char*>(s.send) + s.send_displs[rank_] * es;
-      copy_bytes(static_cast<char*>(recv) + recv_displs[p] * es, src, recv_counts[p] * es);
-    });
+    exchange_segments(detail::threads_op::all_to_allv, send, send_counts, send_displs, recv, recv_counts,
+                      recv_displs, 1, t);
   }
 
   // Segmented all-to-all (see epx::all_to_allv_segments): arrays are [peers][nseg], in
@@ -182,39 +157,8 @@ class communicator {
   void all_to_allv_segments(const void* send, const std::size_t* send_counts, const std::size_t* send_displs,
                             void* recv, const std::size_t* recv_counts, const std::size_t* recv_displs,
                             std::size_t nseg, datatype t) {
-    const int n = size();
-    const std::size_t m = static_cast<std::size_t>(n) * nseg;
-    EPX_REQUIRE(m == 0 || (send_counts && send_displs && recv_counts && recv_displs), errc::input,
-                "all_to_allv_segments: counts and displacements must not be null (", n, " peers x ", nseg,
-                " segments)");
-    std::size_t total_send = 0, total_recv = 0;
-    for (std::size_t j = 0; j < m; ++j) {
-      total_send += send_counts[j];
-      total_recv += recv_counts[j];
-    }
-    require_buffer(send, total_send, "all_to_allv_segments", "send");
-    require_buffer(recv, total_recv, "all_to_allv_segments", "recv");
-    EPX_REQUIRE(send != recv || total_send + total_recv == 0 || n == 1, errc::input,
-                "all_to_allv_segments: send and recv must be distinct buffers (in place is not supported)");
-    detail::threads_slot d;
-    d.op = detail::threads_op::all_to_allv_segments;
-    d.type = t;
-    d.send = send;
-    d.recv = recv;
-    d.count = nseg;
-    d.send_counts = send_counts;
-    d.send_displs = send_displs;
-    d.recv_counts = recv_counts;
-    d.recv_displs = recv_displs;
-    const std::size_t es = size_of(t);
-    enter_pull(d, [&](int p) {
-      const auto& s = slot(p);
-      const std::size_t from = static_cast<std::size_t>(rank_) * nseg;  // our row of p's arrays
-      const std::size_t to = static_cast<std::size_t>(p) * nseg;        // p's row of ours
-      for (std::size_t i = 0; i < nseg; ++i)
-        copy_bytes(static_cast<char*>(recv) + recv_displs[to + i] * es,
-                   static_cast<const char*>(s.send) + s.send_displs[from + i] * es, recv_counts[to + i] * es);
-    });
+    exchange_segments(detail::threads_op::all_to_allv_segments, send, send_counts, send_displs, recv, recv_counts,
+                      recv_displs, nseg, t);
   }
 
   // recv = scale * sum over ranks of send (send == recv allowed). Summed in rank order;
@@ -370,6 +314,49 @@ class communicator {
                int rank) noexcept
       : world_(std::move(world)), group_(std::move(group)), rank_(rank) {}
 
+  // all_to_allv (op all_to_allv, nseg = 1) and all_to_allv_segments: the arrays are
+  // [peers][nseg] in elements; every segment is copied once, from the sender's buffer
+  // straight into the receiver's.
+  void exchange_segments(detail::threads_op op, const void* send, const std::size_t* send_counts,
+                         const std::size_t* send_displs, void* recv, const std::size_t* recv_counts,
+                         const std::size_t* recv_displs, std::size_t nseg, datatype t) {
+    const char* name = to_string(op);
+    const bool segmented = op == detail::threads_op::all_to_allv_segments;
+    const int n = size();
+    const std::size_t m = static_cast<std::size_t>(n) * nseg;
+    EPX_REQUIRE(m == 0 || (send_counts && send_displs && recv_counts && recv_displs), errc::input, name,
+                ": counts and displacements must not be null",
+                segmented ? detail::concat(" (", n, " peers x ", nseg, " segments)") : std::string());
+    std::size_t total_send = 0, total_recv = 0;
+    for (std::size_t j = 0; j < m; ++j) {
+      total_send += send_counts[j];
+      total_recv += recv_counts[j];
+    }
+    require_buffer(send, total_send, name, "send");
+    require_buffer(recv, total_recv, name, "recv");
+    EPX_REQUIRE(send != recv || total_send + total_recv == 0 || n == 1, errc::input, name,
+                ": send and recv must be distinct buffers (in place is not supported)");
+    detail::threads_slot d;
+    d.op = op;
+    d.type = t;
+    d.send = send;
+    d.recv = recv;
+    d.count = nseg;
+    d.send_counts = send_counts;
+    d.send_displs = send_displs;
+    d.recv_counts = recv_counts;
+    d.recv_displs = recv_displs;
+    const std::size_t es = size_of(t);
+    enter_pull(d, [&](int p) {
+      const auto& s = slot(p);
+      const std::size_t from = static_cast<std::size_t>(rank_) * nseg;  // our row of p's arrays
+      const std::size_t to = static_cast<std::size_t>(p) * nseg;        // p's row of ours
+      for (std::size_t i = 0; i < nseg; ++i)
+        copy_bytes(static_cast<char*>(recv) + recv_displs[to + i] * es,
+                   static_cast<const char*>(s.send) + s.send_displs[from + i] * es, recv_counts[to + i] * es);
+    });
+  }
+
   // Rank r's slot for the collective in progress (this rank's sequence number's parity).
   detail::threads_slot& slot(int r) const noexcept { return group_->slot(group_->entered(rank_), r); }
 
@@ -519,7 +506,7 @@ class communicator {
     const auto& s = slot(p);
     if (s.op != mine.op || s.type != mine.type) return false;
     switch (mine.op) {
-      case detail::threads_op::all_to_allv: return s.send_counts[rank_] == mine.recv_counts[p];
+      case detail::threads_op::all_to_allv:
       case detail::threads_op::all_to_allv_segments: {
         if (s.count != mine.count) return false;
         const std::size_t nseg = mine.count;
@@ -558,18 +545,8 @@ class communicator {
         return detail::concat(to_string(op), ": mismatched datatypes: ", who(0), " passed ", to_string(s0.type),
                               ", ", who(r), " passed ", to_string(s.type));
     }
-    if (op == detail::threads_op::all_to_allv) {
-      for (int src = 0; src < n; ++src)
-        for (int dst = 0; dst < n; ++dst) {
-          const std::size_t sent = slot(src).send_counts[dst];
-          const std::size_t expected = slot(dst).recv_counts[src];
-          if (sent != expected)
-            return detail::concat("all_to_allv: mismatched counts: ", who(src), " sends ", sent, " elements to ",
-                                  who(dst), ", which expects ", expected, " from it");
-        }
-      return {};
-    }
-    if (op == detail::threads_op::all_to_allv_segments) {
+    if (op == detail::threads_op::all_to_allv || op == detail::threads_op::all_to_allv_segments) {
+      const bool segmented = op == detail::threads_op::all_to_allv_segments;
       for (int r = 1; r < n; ++r)
         if (slot(r).count != s0.count)
           return detail::concat("all_to_allv_segments: mismatched segment counts: ", who(0), " passed ", s0.count,
@@ -581,9 +558,9 @@ class communicator {
             const std::size_t sent = slot(src).send_counts[static_cast<std::size_t>(dst) * nseg + i];
             const std::size_t expected = slot(dst).recv_counts[static_cast<std::size_t>(src) * nseg + i];
             if (sent != expected)
-              return detail::concat("all_to_allv_segments: mismatched counts: ", who(src), " sends ", sent,
-                                    " elements in segment ", i, " to ", who(dst), ", which expects ", expected,
-                                    " from it");
+              return detail::concat(to_string(op), ": mismatched counts: ", who(src), " sends ", sent, " elements",
+                                    segmented ? detail::concat(" in segment ", i) : std::string(), " to ", who(dst),
+                                    ", which expects ", expected, " from it");
           }
       return {};
     }
