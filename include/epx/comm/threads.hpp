@@ -126,12 +126,7 @@ class communicator {
     require_buffer(recv, count * static_cast<std::size_t>(size()), "all_to_all", "recv");
     EPX_REQUIRE(send != recv || count == 0 || size() == 1, errc::input,
                 "all_to_all: send and recv must be distinct buffers (in place is not supported)");
-    detail::threads_slot d;
-    d.op = detail::threads_op::all_to_all;
-    d.type = t;
-    d.send = send;
-    d.recv = recv;
-    d.count = count;
+    detail::threads_slot d = make_slot(detail::threads_op::all_to_all, t, send, recv, count);
     const std::size_t bytes = count * size_of(t);
     enter_pull(d, [&](int p) {
       const auto* src = static_cast<const char*>(slot(p).send) + static_cast<std::size_t>(rank_) * bytes;
@@ -167,12 +162,7 @@ class communicator {
     require_reducible(t, "all_reduce");
     require_buffer(send, count, "all_reduce", "send");
     require_buffer(recv, count, "all_reduce", "recv");
-    detail::threads_slot d;
-    d.op = detail::threads_op::all_reduce;
-    d.type = t;
-    d.send = send;
-    d.recv = recv;
-    d.count = count;
+    detail::threads_slot d = make_slot(detail::threads_op::all_reduce, t, send, recv, count);
     d.scale = scale;
     const int n = size();
     std::vector<const void*> srcs(static_cast<std::size_t>(n));
@@ -206,12 +196,7 @@ class communicator {
     require_reducible(t, "reduce_scatter");
     require_buffer(send, recv_count * static_cast<std::size_t>(size()), "reduce_scatter", "send");
     require_buffer(recv, recv_count, "reduce_scatter", "recv");
-    detail::threads_slot d;
-    d.op = detail::threads_op::reduce_scatter;
-    d.type = t;
-    d.send = send;
-    d.recv = recv;
-    d.count = recv_count;
+    detail::threads_slot d = make_slot(detail::threads_op::reduce_scatter, t, send, recv, recv_count);
     d.scale = scale;
     const int n = size();
     std::vector<const void*> srcs(static_cast<std::size_t>(n));
@@ -228,12 +213,7 @@ class communicator {
   void all_gather(const void* send, void* recv, std::size_t count, datatype t) {
     require_buffer(send, count, "all_gather", "send");
     require_buffer(recv, count * static_cast<std::size_t>(size()), "all_gather", "recv");
-    detail::threads_slot d;
-    d.op = detail::threads_op::all_gather;
-    d.type = t;
-    d.send = send;
-    d.recv = recv;
-    d.count = count;
+    detail::threads_slot d = make_slot(detail::threads_op::all_gather, t, send, recv, count);
     const std::size_t bytes = count * size_of(t);
     enter_pull(d, [&](int p) {
       copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, slot(p).send, bytes);
@@ -245,12 +225,7 @@ class communicator {
     EPX_REQUIRE(root >= 0 && root < size(), errc::input, "broadcast: root (", root, ") out of range [0, ",
                 size(), ")");
     require_buffer(data, count, "broadcast", "data");
-    detail::threads_slot d;
-    d.op = detail::threads_op::broadcast;
-    d.type = t;
-    d.send = data;
-    d.recv = data;
-    d.count = count;
+    detail::threads_slot d = make_slot(detail::threads_op::broadcast, t, data, data, count);
     d.root = root;
     enter_pull(d, [&](int p) {
       if (p == root && rank_ != root) copy_bytes(data, slot(root).send, count * size_of(t));
@@ -336,12 +311,7 @@ class communicator {
     require_buffer(recv, total_recv, name, "recv");
     EPX_REQUIRE(send != recv || total_send + total_recv == 0 || n == 1, errc::input, name,
                 ": send and recv must be distinct buffers (in place is not supported)");
-    detail::threads_slot d;
-    d.op = op;
-    d.type = t;
-    d.send = send;
-    d.recv = recv;
-    d.count = nseg;
+    detail::threads_slot d = make_slot(op, t, send, recv, nseg);
     d.send_counts = send_counts;
     d.send_displs = send_displs;
     d.recv_counts = recv_counts;
@@ -355,6 +325,18 @@ class communicator {
         copy_bytes(static_cast<char*>(recv) + recv_displs[to + i] * es,
                    static_cast<const char*>(s.send) + s.send_displs[from + i] * es, recv_counts[to + i] * es);
     });
+  }
+
+  // A call's slot: the collective, datatype, buffers and count (the other fields as needed).
+  static detail::threads_slot make_slot(detail::threads_op op, datatype t, const void* send, void* recv,
+                                        std::size_t count) {
+    detail::threads_slot d;
+    d.op = op;
+    d.type = t;
+    d.send = send;
+    d.recv = recv;
+    d.count = count;
+    return d;
   }
 
   // Rank r's slot for the collective in progress (this rank's sequence number's parity).
