@@ -150,7 +150,8 @@ struct zero_rows {
   }
 };
 
-// out[t, :] = sum_j w[t, j] * y[pos[t*k+j], :], in accum_t<T>, slot order. Call with t in [0, n).
+// out[t, :] = sum_j w[t, j] * y[pos[t*k+j], :], in accum_t<T>, slot order (null weights: all
+// 1, an exact product, so the plain sum of reduce_grad_rows). Call with t in [0, n).
 template <class T, class Rows = const T*>
 struct combine {
   Rows y;                      // [S, H] expert outputs in send order
@@ -170,7 +171,8 @@ struct combine {
       for (std::size_t j = 0; j < k; ++j) {
         const std::int64_t p = pos[t * k + j];
         if (p < 0) continue;
-        acc += static_cast<A>(weights[t * k + j]) * convert<A>(row_at(y, static_cast<std::size_t>(p), hidden)[h]);
+        acc += (weights ? static_cast<A>(weights[t * k + j]) : A(1)) *
+               convert<A>(row_at(y, static_cast<std::size_t>(p), hidden)[h]);
       }
       o[h] = convert<T>(acc);
     }
@@ -182,7 +184,7 @@ struct combine {
       for (std::size_t j = 0; j < k; ++j) {
         const std::int64_t p = pos[t * k + j];
         if (p < 0) continue;
-        const A w = static_cast<A>(weights[t * k + j]);
+        const A w = weights ? static_cast<A>(weights[t * k + j]) : A(1);
         const T* yr = row_at(y, static_cast<std::size_t>(p), hidden) + h0;
         for (std::size_t h = 0; h < m; ++h) acc[h] += w * convert<A>(yr[h]);
       }
@@ -226,7 +228,8 @@ struct combine_backward {
   }
 };
 
-// grad_x[t, :] = sum_j grad_rows[pos[t*k+j], :], slot order. Call with t in [0, n).
+// grad_x[t, :] = sum_j grad_rows[pos[t*k+j], :], slot order: combine with unit weights.
+// Call with t in [0, n).
 template <class T, class Rows = const T*>
 struct reduce_grad_rows {
   Rows grad_rows;              // [S, H] input-row gradients in send order
@@ -236,33 +239,7 @@ struct reduce_grad_rows {
   int top_k;
 
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
-    using A = accum_t<T>;
-    const std::size_t k = static_cast<std::size_t>(top_k);
-    T* o = grad_x + t * hidden;
-#if defined(__CUDA_ARCH__)
-    for (std::size_t h = 0; h < hidden; ++h) {
-      A acc = A(0);
-      for (std::size_t j = 0; j < k; ++j) {
-        const std::int64_t p = pos[t * k + j];
-        if (p < 0) continue;
-        acc += convert<A>(row_at(grad_rows, static_cast<std::size_t>(p), hidden)[h]);
-      }
-      o[h] = convert<T>(acc);
-    }
-#else
-    A acc[detail::combine_block];
-    for (std::size_t h0 = 0; h0 < hidden; h0 += detail::combine_block) {
-      const std::size_t m = hidden - h0 < detail::combine_block ? hidden - h0 : detail::combine_block;
-      for (std::size_t h = 0; h < m; ++h) acc[h] = A(0);
-      for (std::size_t j = 0; j < k; ++j) {
-        const std::int64_t p = pos[t * k + j];
-        if (p < 0) continue;
-        const T* g = row_at(grad_rows, static_cast<std::size_t>(p), hidden) + h0;
-        for (std::size_t h = 0; h < m; ++h) acc[h] += convert<A>(g[h]);
-      }
-      for (std::size_t h = 0; h < m; ++h) o[h0 + h] = convert<T>(acc[h]);
-    }
-#endif
+    combine<T, Rows>{grad_rows, nullptr, pos, grad_x, hidden, top_k}(t);
   }
 };
 

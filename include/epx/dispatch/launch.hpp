@@ -36,7 +36,7 @@ struct gather_elements {
   }
 };
 
-// out[t, h] = sum_j w[t, j] * y[pos[t*k+j], h]. Call with i = t*H + h.
+// out[t, h] = sum_j w[t, j] * y[pos[t*k+j], h] (null weights: all 1). Call with i = t*H + h.
 template <class T>
 struct combine_elements {
   const T* y;                  // [S, H]
@@ -54,7 +54,7 @@ struct combine_elements {
     for (std::size_t j = 0; j < k; ++j) {
       const std::int64_t p = pos[t * k + j];
       if (p < 0) continue;
-      acc += static_cast<A>(weights[t * k + j]) * convert<A>(y[static_cast<std::size_t>(p) * hidden + h]);
+      acc += (weights ? static_cast<A>(weights[t * k + j]) : A(1)) * convert<A>(y[static_cast<std::size_t>(p) * hidden + h]);
     }
     out[i] = convert<T>(acc);
   }
@@ -104,7 +104,8 @@ struct weight_gradients {
   }
 };
 
-// grad_x[t, h] = sum_j grad_rows[pos[t*k+j], h]. Call with i = t*H + h.
+// grad_x[t, h] = sum_j grad_rows[pos[t*k+j], h]: combine_elements with unit weights.
+// Call with i = t*H + h.
 template <class T>
 struct reduce_grad_elements {
   const T* grad_rows;          // [S, H]
@@ -114,16 +115,7 @@ struct reduce_grad_elements {
   int top_k;
 
   EPX_HOST_DEVICE void operator()(std::size_t i) const {
-    using A = accum_t<T>;
-    const std::size_t k = static_cast<std::size_t>(top_k);
-    const std::size_t t = i / hidden, h = i - t * hidden;
-    A acc = A(0);
-    for (std::size_t j = 0; j < k; ++j) {
-      const std::int64_t p = pos[t * k + j];
-      if (p < 0) continue;
-      acc += convert<A>(grad_rows[static_cast<std::size_t>(p) * hidden + h]);
-    }
-    grad_x[i] = convert<T>(acc);
+    combine_elements<T>{grad_rows, nullptr, pos, grad_x, hidden, top_k}(i);
   }
 };
 
