@@ -126,15 +126,7 @@ class all_reduce_impl {
     check_experts_backward<Experts, Exec, T>();
     auto& s = saved.template get<state<T, Exec>>();
     const int L = ctx_.local_experts();
-    std::int64_t status = a.status;
-    std::string msg = a.status_message;
-    if (status == 0 && (a.rows != s.rows || a.hidden != s.hidden || a.top_k != s.top_k)) {
-      status = 1;
-      msg = concat("backward shapes N=", a.rows, " H=", a.hidden, " k=", a.top_k,
-                   " differ from the forward call's N=", s.rows, " H=", s.hidden, " k=", s.top_k);
-    }
-    exchange_records(*ctx_.ep, ex, status, a.rows, a.hidden, a.top_k, ctx_.rank, nullptr, 0, msg,
-                     "moe_layer backward", ctx_.ep_size());
+    exchange_backward_status(*ctx_.ep, ex, a, s.rows, s.hidden, s.top_k, ctx_.rank, ctx_.ep_size());
     const std::size_t N = s.rows, H = s.hidden, R = s.local_rows;
     const auto k = static_cast<std::size_t>(s.top_k);
 

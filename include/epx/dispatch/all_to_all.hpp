@@ -287,15 +287,7 @@ class all_to_all_impl {
     const int L = ctx_.local_experts(), tp = ctx_.tp_size();
     const std::size_t H = s.hidden;
     const auto k = static_cast<std::size_t>(s.top_k);
-    std::int64_t status = a.status;
-    std::string msg = a.status_message;
-    if (status == 0 && (a.rows != s.rows || a.hidden != s.hidden || a.top_k != s.top_k)) {
-      status = 1;
-      msg = concat("backward shapes N=", a.rows, " H=", a.hidden, " k=", a.top_k,
-                   " differ from the forward call's N=", s.rows, " H=", s.hidden, " k=", s.top_k);
-    }
-    exchange_records(*ctx_.ep, ex, status, a.rows, a.hidden, a.top_k, ctx_.rank, nullptr, 0, msg,
-                     "moe_layer backward", tp);
+    exchange_backward_status(*ctx_.ep, ex, a, s.rows, s.hidden, s.top_k, ctx_.rank, tp);
     const row_slice sl = s.slice;
     const std::size_t n = sl.size(), S = n * k, R = s.recv_rows;
     const segment_layout& lay = s.layout;
