@@ -9,11 +9,13 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -309,6 +311,33 @@ TEST_CASE("mpi: world communicator, environment guard and wrapping") {
   epx::mpi::options o;
   o.max_count = 0;
   check_error([&] { communicator bad(MPI_COMM_WORLD, o); }, epx::errc::input, "max_count (0)");
+  o = {};
+  o.timeout = std::chrono::milliseconds(-1);
+  check_error([&] { communicator bad(MPI_COMM_WORLD, o); }, epx::errc::input, "timeout (-1 ms) must not be negative");
+}
+
+TEST_CASE("mpi: the watchdog lets a late rank through, and is off with a zero timeout") {
+  for (long long ms : {5000LL, 0LL}) {
+    CAPTURE(ms);
+    epx::mpi::options o;
+    o.timeout = std::chrono::milliseconds(ms);
+    communicator w(MPI_COMM_WORLD, o);
+    // The last rank arrives 300 ms late at each kind of wait.
+    const bool late = w.rank() == w.size() - 1;
+    auto nap = [&] {
+      if (late) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    };
+    std::vector<double> x(5, 1.0 + w.rank());
+    nap();
+    epx::all_reduce(w, epx::make_span(x));
+    CHECK(x[0] == w.size() * (w.size() + 1) / 2.0);
+    nap();
+    w.barrier();
+    std::vector<int> b(3, w.rank() == 0 ? 7 : 0);
+    nap();
+    epx::broadcast(w, epx::make_span(b), 0);
+    CHECK(b[2] == 7);
+  }
 }
 
 TEST_CASE_TEMPLATE("mpi: all_to_allv with uneven counts and silent peers", T, std::int32_t, std::int64_t, float,
@@ -739,6 +768,24 @@ TEST_CASE("mpi: injected failure inside run aborts every rank" * doctest::skip()
     if (w.rank() == w.size() - 1) throw epx::error(epx::errc::input, "injected failure");
     std::vector<float> x(4, 1.0f);
     epx::all_reduce(w, epx::make_span(x));  // never completes: the last rank is gone
+  });
+}
+
+// Run only by the ctest test_comm_mpi_watchdog_np2 (--no-skip): the last rank stalls for
+// longer than the watchdog before an all_reduce; the others' wait turns into an error and
+// epx::mpi::run ends the job with it (instead of a hang).
+TEST_CASE("mpi: watchdog on a stalled rank inside run" * doctest::skip()) {
+  int argc = 1;
+  char name[] = "test";
+  char* args[] = {name, nullptr};
+  char** argv = args;
+  epx::mpi::run(argc, argv, [](communicator& world) {
+    epx::mpi::options o;
+    o.timeout = std::chrono::milliseconds(1000);
+    communicator w(world.native(), o);
+    if (w.rank() == w.size() - 1) std::this_thread::sleep_for(std::chrono::seconds(20));
+    std::vector<float> x(4, 1.0f);
+    epx::all_reduce(w, epx::make_span(x));
   });
 }
 

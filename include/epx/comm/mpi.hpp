@@ -24,6 +24,9 @@
 //   (small all_reduces gather all inputs and every rank sums them, in the same order).
 //   The result is bitwise identical on every rank, independent of the MPI library's
 //   algorithm choice, and equal to the threads backend's (epx/comm/detail/reduce.hpp).
+// - Every collective but split runs as the nonblocking MPI call and waits for it with a
+//   watchdog (`options::timeout`, default 10 minutes), so a rank that stalls or leaves turns
+//   into an error on the ranks that wait instead of a hang.
 // - With `options::check_counts` (default on) every collective first agrees, with one small
 //   MPI_Allreduce, that all ranks called it with the same datatype and counts; all_to_allv
 //   also exchanges the counts (an all_to_all of one integer per peer) and checks that what
@@ -34,6 +37,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
@@ -45,6 +49,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -71,6 +76,12 @@ struct options {
   // gathers every rank's input and sums it locally in rank order: one round of messages
   // instead of two, same bits. Larger ones split the sum by blocks over the ranks.
   std::size_t all_reduce_gather_bytes = std::size_t{256} << 10;
+  // Watchdog: a collective still unfinished after this long (a rank stalled, died outside
+  // epx::mpi::run, or returned without calling it) raises epx::error(errc::communicator) on
+  // the ranks that wait, naming the collective; the communicator cannot be used after that
+  // (epx::mpi::run then ends the job with the message). Zero: wait forever, as MPI does.
+  // split() is not covered (MPI has no nonblocking split).
+  std::chrono::milliseconds timeout = std::chrono::minutes(10);
 };
 
 // Initializes MPI on construction (MPI_Init_thread) unless it already is, and finalizes it on
@@ -137,12 +148,15 @@ class communicator {
   void set_options(const options& opt) {
     EPX_REQUIRE(opt.max_count >= 1 && opt.max_count <= static_cast<std::size_t>(INT_MAX), errc::input,
                 "mpi::options::max_count (", opt.max_count, ") must be in [1, ", INT_MAX, "]");
+    EPX_REQUIRE(opt.timeout.count() >= 0, errc::input, "mpi::options::timeout (", opt.timeout.count(),
+                " ms) must not be negative");
     opt_ = opt;
   }
 
   // Collective: ranks with the same color form one communicator, ordered by (key, rank).
   // Colors must be non-negative; a negative color raises on every rank.
   communicator split(int color, int key) const {
+    s_->op = "split";
     agree("split", {}, color < 0 ? detail::concat("split: color (", color, ") on rank ", rank(),
                                                    " must be non-negative")
                                   : std::string(),
@@ -152,10 +166,14 @@ class communicator {
     return communicator(out, true, opt_);
   }
 
-  void barrier() { EPX_MPI_CHECK(MPI_Barrier(s_->comm)); }
+  void barrier() {
+    s_->op = "barrier";
+    EPX_MPI_BOUNDED(MPI_Ibarrier(s_->comm, &epx_req_));
+  }
 
   // `send` is [size(), count_per_peer]: block p goes to rank p; `recv` likewise by source.
   void all_to_all(const void* send, void* recv, std::size_t count_per_peer, datatype t) {
+    s_->op = "all_to_all";
     if (opt_.check_counts) agree_same("all_to_all", t, count_per_peer);
     all_to_all_unchecked(send, recv, count_per_peer, t);
   }
@@ -164,6 +182,7 @@ class communicator {
   // exchanged first and every rank raises if any sender and receiver disagree.
   void all_to_allv(const void* send, const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
                    const std::size_t* recv_counts, const std::size_t* recv_displs, datatype t) {
+    s_->op = "all_to_allv";
     const int n = size();
     bool large = false;
     for (int p = 0; p < n; ++p) {
@@ -188,6 +207,7 @@ class communicator {
   void all_to_allv_segments(const void* send, const std::size_t* send_counts, const std::size_t* send_displs,
                             void* recv, const std::size_t* recv_counts, const std::size_t* recv_displs,
                             std::size_t nseg, datatype t) {
+    s_->op = "all_to_allv_segments";
     const auto n = static_cast<std::size_t>(size());
     const std::size_t m = n * nseg;
     bool large = nseg > static_cast<std::size_t>(INT_MAX);
@@ -196,8 +216,8 @@ class communicator {
       std::vector<unsigned long long> mine(m), theirs(m);  // theirs[p*nseg+i]: what p sends me in segment i
       for (std::size_t j = 0; j < m; ++j) mine[j] = send_counts[j];
       if (m > 0 && nseg <= static_cast<std::size_t>(INT_MAX)) {
-        EPX_MPI_CHECK(MPI_Alltoall(mine.data(), static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG, theirs.data(),
-                                   static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG, s_->comm));
+        EPX_MPI_BOUNDED(MPI_Ialltoall(mine.data(), static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG, theirs.data(),
+                                   static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG, s_->comm, &epx_req_));
       }
       std::string bad;
       for (std::size_t j = 0; j < m && bad.empty() && nseg <= static_cast<std::size_t>(INT_MAX); ++j) {
@@ -211,7 +231,7 @@ class communicator {
                     bad, errc::communicator, large ? 1 : 0) != 0;
     } else {
       int l = large ? 1 : 0;
-      EPX_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &l, 1, MPI_INT, MPI_MAX, s_->comm));
+      EPX_MPI_BOUNDED(MPI_Iallreduce(MPI_IN_PLACE, &l, 1, MPI_INT, MPI_MAX, s_->comm, &epx_req_));
       large = l != 0;
     }
     if (nseg == 0) return;
@@ -244,12 +264,13 @@ class communicator {
       EPX_MPI_CHECK(MPI_Type_create_hindexed(static_cast<int>(nseg), len.data(), disp.data(), mt, &types[k]));
       EPX_MPI_CHECK(MPI_Type_commit(&types[k]));
     }
-    EPX_MPI_CHECK(MPI_Alltoallw(send, ones.data(), zeros.data(), types.data(), recv, ones.data(), zeros.data(),
-                                types.data() + n, s_->comm));
+    EPX_MPI_BOUNDED(MPI_Ialltoallw(send, ones.data(), zeros.data(), types.data(), recv, ones.data(), zeros.data(),
+                                types.data() + n, s_->comm, &epx_req_));
   }
 
   // recv = scale * sum over ranks of send (send == recv allowed); bitwise equal on all ranks.
   void all_reduce(const void* send, void* recv, std::size_t count, datatype t, double scale) {
+    s_->op = "all_reduce";
     if (opt_.check_counts) agree_same("all_reduce", t, count, 0, reducible_error("all_reduce", t));
     else require_reducible("all_reduce", t);
     const auto n = static_cast<std::size_t>(size());
@@ -258,8 +279,8 @@ class communicator {
     if (count <= opt_.max_count && n * count * es <= opt_.all_reduce_gather_bytes) {
       std::vector<unsigned char> all(n * count * es);  // [n, count] every rank's input
       const MPI_Datatype mt = detail::mpi_type(t);
-      EPX_MPI_CHECK(MPI_Allgather(send, static_cast<int>(count), mt, all.data(), static_cast<int>(count), mt,
-                                  s_->comm));
+      EPX_MPI_BOUNDED(MPI_Iallgather(send, static_cast<int>(count), mt, all.data(), static_cast<int>(count), mt,
+                                  s_->comm, &epx_req_));
       detail::mpi_reduce_blocks(all.data(), size(), count, recv, t, scale);
       return;
     }
@@ -293,6 +314,7 @@ class communicator {
 
   // `send` is [size(), recv_count]; block r, summed over ranks and scaled, lands on rank r.
   void reduce_scatter(const void* send, void* recv, std::size_t recv_count, datatype t, double scale) {
+    s_->op = "reduce_scatter";
     if (opt_.check_counts) agree_same("reduce_scatter", t, recv_count, 0, reducible_error("reduce_scatter", t));
     else require_reducible("reduce_scatter", t);
     const auto n = static_cast<std::size_t>(size());
@@ -303,10 +325,11 @@ class communicator {
 
   // `recv` is [size(), count]: block r holds rank r's `send`.
   void all_gather(const void* send, void* recv, std::size_t count, datatype t) {
+    s_->op = "all_gather";
     if (opt_.check_counts) agree_same("all_gather", t, count);
     if (count <= opt_.max_count) {
       const MPI_Datatype mt = detail::mpi_type(t);
-      EPX_MPI_CHECK(MPI_Allgather(send, static_cast<int>(count), mt, recv, static_cast<int>(count), mt, s_->comm));
+      EPX_MPI_BOUNDED(MPI_Iallgather(send, static_cast<int>(count), mt, recv, static_cast<int>(count), mt, s_->comm, &epx_req_));
       return;
     }
     const auto n = static_cast<std::size_t>(size());
@@ -320,6 +343,7 @@ class communicator {
   }
 
   void broadcast(void* data, std::size_t count, datatype t, int root) {
+    s_->op = "broadcast";
     std::string bad;
     if (root < 0 || root >= size())
       bad = detail::concat("broadcast: root (", root, ") on rank ", rank(), " out of range [0, ", size(), ")");
@@ -329,15 +353,15 @@ class communicator {
     auto* p = static_cast<unsigned char*>(data);
     for (std::size_t off = 0; off < count; off += opt_.max_count) {
       const std::size_t c = std::min(opt_.max_count, count - off);
-      EPX_MPI_CHECK(MPI_Bcast(p + off * size_of(t), static_cast<int>(c), mt, root, s_->comm));
+      EPX_MPI_BOUNDED(MPI_Ibcast(p + off * size_of(t), static_cast<int>(c), mt, root, s_->comm, &epx_req_));
     }
   }
 
  private:
   void all_to_all_unchecked(const void* send, void* recv, std::size_t count_per_peer, datatype t) {
     if (count_per_peer <= opt_.max_count) {
-      EPX_MPI_CHECK(MPI_Alltoall(send, static_cast<int>(count_per_peer), detail::mpi_type(t), recv,
-                                 static_cast<int>(count_per_peer), detail::mpi_type(t), s_->comm));
+      EPX_MPI_BOUNDED(MPI_Ialltoall(send, static_cast<int>(count_per_peer), detail::mpi_type(t), recv,
+                                 static_cast<int>(count_per_peer), detail::mpi_type(t), s_->comm, &epx_req_));
       return;
     }
     const auto n = static_cast<std::size_t>(size());
@@ -356,6 +380,7 @@ class communicator {
     int rank = 0;
     int size = 1;
     std::size_t chunked_rounds = 0;
+    const char* op = "";  // the collective in progress (watchdog messages)
     state() = default;
     state(const state&) = delete;
     state& operator=(const state&) = delete;
@@ -411,15 +436,15 @@ class communicator {
       buf[3 + k + i] = -v.second;
       ++i;
     }
-    EPX_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(buf.size()), MPI_LONG_LONG, MPI_MAX,
-                                s_->comm));
+    EPX_MPI_BOUNDED(MPI_Iallreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(buf.size()), MPI_LONG_LONG, MPI_MAX,
+                                s_->comm, &epx_req_));
     if (buf[0] != 0) {
       const int culprit = static_cast<int>(-buf[1]);  // lowest failing rank
       std::string msg = culprit == rank() ? local_error : std::string();
       int len = static_cast<int>(std::min<std::size_t>(msg.size(), 4096));
-      EPX_MPI_CHECK(MPI_Bcast(&len, 1, MPI_INT, culprit, s_->comm));
+      EPX_MPI_BOUNDED(MPI_Ibcast(&len, 1, MPI_INT, culprit, s_->comm, &epx_req_));
       msg.resize(static_cast<std::size_t>(len));
-      EPX_MPI_CHECK(MPI_Bcast(msg.data(), len, MPI_CHAR, culprit, s_->comm));
+      EPX_MPI_BOUNDED(MPI_Ibcast(msg.data(), len, MPI_CHAR, culprit, s_->comm, &epx_req_));
       throw error(local_category, msg, EPX_HERE);
     }
     i = 0;
@@ -446,8 +471,8 @@ class communicator {
     const auto n = static_cast<std::size_t>(size());
     std::vector<unsigned long long> mine(n), theirs(n);  // theirs[p]: what p sends to me
     for (std::size_t p = 0; p < n; ++p) mine[p] = send_counts[p];
-    EPX_MPI_CHECK(MPI_Alltoall(mine.data(), 1, MPI_UNSIGNED_LONG_LONG, theirs.data(), 1, MPI_UNSIGNED_LONG_LONG,
-                               s_->comm));
+    EPX_MPI_BOUNDED(MPI_Ialltoall(mine.data(), 1, MPI_UNSIGNED_LONG_LONG, theirs.data(), 1, MPI_UNSIGNED_LONG_LONG,
+                               s_->comm, &epx_req_));
     std::string bad;
     for (std::size_t p = 0; p < n && bad.empty(); ++p) {
       if (theirs[p] != recv_counts[p])
@@ -474,8 +499,8 @@ class communicator {
       v[3 * n + p] = static_cast<int>(rd[p]);
     }
     const MPI_Datatype mt = detail::mpi_type(t);
-    EPX_MPI_CHECK(MPI_Alltoallv(send, v.data(), v.data() + n, mt, recv, v.data() + 2 * n, v.data() + 3 * n, mt,
-                                s_->comm));
+    EPX_MPI_BOUNDED(MPI_Ialltoallv(send, v.data(), v.data() + n, mt, recv, v.data() + 2 * n, v.data() + 3 * n, mt,
+                                s_->comm, &epx_req_));
   }
 
   // all_to_allv as point-to-point messages of at most max_count elements. Round k moves
@@ -521,7 +546,33 @@ class communicator {
         }
       }
       if (!req.empty()) {
-        EPX_MPI_CHECK(MPI_Waitall(static_cast<int>(req.size()), req.data(), MPI_STATUSES_IGNORE));
+        wait_bounded(req.data(), static_cast<int>(req.size()));
+      }
+    }
+  }
+
+  // Waits for n requests; with options::timeout, polls them and raises when the deadline
+  // passes (the requests stay pending: the communicator is unusable afterwards).
+  void wait_bounded(MPI_Request* reqs, int n) const {
+    if (n == 0) return;
+    if (opt_.timeout.count() == 0) {
+      EPX_MPI_CHECK(MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE));
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + opt_.timeout;
+    for (unsigned spin = 1;; ++spin) {
+      int done = 0;
+      EPX_MPI_CHECK(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE));
+      if (done) return;
+      if (spin % 64 == 0) {
+        if (std::chrono::steady_clock::now() >= deadline)
+          throw error(errc::communicator,
+                      detail::concat("watchdog: MPI ", s_->op, " on rank ", rank(), " of a communicator of ", size(),
+                                     " ranks still waits after ", opt_.timeout.count(),
+                                     " ms: a rank stalled, died, or returned without calling it (the "
+                                     "communicator cannot be used any more)"),
+                      EPX_HERE);
+        std::this_thread::yield();
       }
     }
   }
