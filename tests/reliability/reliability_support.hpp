@@ -104,7 +104,7 @@ struct step_config {
     return detail::concat(c.topology.tp, ",", c.topology.fsdp, ",", c.topology.pp, ",", c.topology.dp_replicate,
                           ",", c.topology.ep, ",", c.topology.experts, ",", c.top_k, ",", c.hidden, ",",
                           static_cast<int>(c.routing), ",", c.pad.rows_per_expert, ",", c.pad.align, ",",
-                          static_cast<int>(type), ",", static_cast<int>(impl), ",", inference);
+                          static_cast<int>(type), ",", static_cast<int>(impl), ",", inference, ",", c.peer_access);
   }
 };
 
@@ -141,6 +141,7 @@ inline step_config random_step(ref::rng& g, const std::vector<mesh_config>& mesh
   const int im = g.below(3);
   s.impl = im == 1 && !masked_ok ? impl_kind::all_to_all : static_cast<impl_kind>(im);
   s.inference = allow_inference && g.below(6) == 0;
+  s.c.peer_access = g.below(4) != 0;  // the direct route where the communicator allows it, else staged
   return s;
 }
 
@@ -212,9 +213,28 @@ struct fault_plan {
   std::string last_op;
 };
 
+// The optional parts of the communicator concept, forwarded when `Comm` has them: the
+// native segmented all-to-all and peer access (the layer's direct route), each counted as
+// one collective call like the others.
+template <class Derived, class Comm, bool = has_peer_access_v<Comm>>
+struct faulty_peer_access {};
+template <class Derived, class Comm>
+struct faulty_peer_access<Derived, Comm, true> {
+  using peer_pointers = typename Comm::peer_pointers;
+  template <class F>
+  void access_peers(const void* const* mine, std::size_t count, F&& f) {
+    auto& self = static_cast<Derived&>(*this);
+    self.before("access_peers");
+    self.inner_->access_peers(mine, count, std::forward<F>(f));
+    self.after("access_peers");
+  }
+};
+
 // A communicator that forwards to `Comm` and injects the fault of its plan.
 template <class Comm>
-class faulty_comm {
+class faulty_comm : public faulty_peer_access<faulty_comm<Comm>, Comm> {
+  friend struct faulty_peer_access<faulty_comm<Comm>, Comm>;
+
  public:
   faulty_comm(std::shared_ptr<Comm> inner, std::shared_ptr<fault_plan> plan)
       : inner_(std::move(inner)), plan_(std::move(plan)) {}
@@ -242,6 +262,13 @@ class faulty_comm {
     before("all_to_allv");
     inner_->all_to_allv(s, sc, sd, r, rc, rd, t);
     after("all_to_allv");
+  }
+  template <class C = Comm, class = std::enable_if_t<detail::has_native_segments<C>::value>>
+  void all_to_allv_segments(const void* s, const std::size_t* sc, const std::size_t* sd, void* r,
+                            const std::size_t* rc, const std::size_t* rd, std::size_t nseg, datatype t) {
+    before("all_to_allv_segments");
+    inner_->all_to_allv_segments(s, sc, sd, r, rc, rd, nseg, t);
+    after("all_to_allv_segments");
   }
   void all_reduce(const void* s, void* r, std::size_t n, datatype t, double scale) {
     before("all_reduce");
@@ -444,6 +471,7 @@ void run_rank_typed(Comm& raw_world, const step_config& s, const fault_spec& f, 
   o.hidden = H;
   o.top_k = s.c.top_k;
   o.pad = s.c.pad;
+  o.peer_access = s.c.peer_access;
   try {
     plan->phase = "construction";
     moe_layer<fcomm, T, Impl> layer(m, world, o);
