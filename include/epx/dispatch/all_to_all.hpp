@@ -226,9 +226,7 @@ class all_to_all_impl {
         // 6-7: combine reads every slot's output row in place at its owner.
         const void* mine_y[1] = {y_rows};
         ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {
-          fill_return_table(gl, me, table.data(), [&](int d, std::size_t r) {
-            return static_cast<const T*>(peers(d, 0)) + r * H;
-          });
+          fill_return_table(gl, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
           dispatch::launch_combine(ex, n, H, a.top_k, dispatch::row_table<T>{table.data()}, w, plan.pos.data(), out);
         });
       }
@@ -313,26 +311,21 @@ class all_to_all_impl {
         // grad_out rows with the slots' outputs kept at their owners (grad_w).
         const void* mine[4] = {grad_out, s.src_row.data(), s.weights.data(), s.y.data()};
         ctx_.ep->access_peers(mine, 4, [&](const auto& peers) {
+          // Row i: send position q of member src, i.e. its grad_out row src_row[q] times its
+          // weight (padding rows: null, a zero row).
           fill_receive_table(gl, me, table.data(), R, [&](int src, std::size_t q) {
             const auto* src_row = static_cast<const std::int64_t*>(peers(src, 1));
             return static_cast<const T*>(peers(src, 0)) + static_cast<std::size_t>(src_row[q]) * H;
           });
-          for (int l = 0; l < L; ++l) {  // the weights of the same rows (padding rows: null, zero)
-            const std::size_t e = static_cast<std::size_t>(me) * static_cast<std::size_t>(L) + static_cast<std::size_t>(l);
-            for (int src = 0; src < gl.ep; ++src) {
-              const auto* sw = static_cast<const float*>(peers(src, 2)) + gl.send_at(src, e);
-              const std::size_t at = gl.recv_at(me, src, l), c = static_cast<std::size_t>(gl.count(src, e));
-              for (std::size_t i = 0; i < c; ++i) scale.data()[at + i] = sw[i];
-            }
-          }
+          for_each_received(gl, me, [&](std::size_t i, int src, std::size_t q) {
+            scale.data()[i] = static_cast<const float*>(peers(src, 2))[q];
+          });
           dispatch::launch_scale_rows(ex, R, H, static_cast<const T* const*>(table.data()),
                                       static_cast<const float*>(scale.data()), grad_recv.data());
         });
         const void* mine_y[1] = {s.y.data()};
         ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {
-          fill_return_table(gl, me, table.data(), [&](int d, std::size_t r) {
-            return static_cast<const T*>(peers(d, 0)) + r * H;
-          });
+          fill_return_table(gl, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
           dispatch::launch_weight_gradients(ex, n, H, s.top_k, dispatch::row_table<T>{table.data()}, grad_out,
                                             s.pos.data(), grad_w);
         });
@@ -340,9 +333,7 @@ class all_to_all_impl {
         // Each token sums its slots' input gradients in place at their owners.
         const void* mine_i[1] = {grad_in.data()};
         ctx_.ep->access_peers(mine_i, 1, [&](const auto& peers) {
-          fill_return_table(gl, me, table.data(), [&](int d, std::size_t r) {
-            return static_cast<const T*>(peers(d, 0)) + r * H;
-          });
+          fill_return_table(gl, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
           dispatch::launch_reduce_grad_rows(ex, n, H, s.top_k, dispatch::row_table<T>{table.data()}, s.pos.data(),
                                             grad_x);
         });

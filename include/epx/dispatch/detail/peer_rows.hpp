@@ -71,33 +71,46 @@ inline group_layout make_group_layout(const group_records& g, int L, const paddi
   return gl;
 }
 
-// table[i] for every row i of member `me`'s expert-major buffer ([rows], rows = its size):
-// source(s, q) for the row that member s sends from its send position q, null for
-// padding rows.
-template <class T, class Source>
-void fill_receive_table(const group_layout& gl, int me, const T** table, std::size_t rows, Source&& source) {
-  for (std::size_t i = 0; i < rows; ++i) table[i] = nullptr;
+// f(i, s, q) for every row i of member `me`'s expert-major buffer that member s sends from
+// its send position q (padding rows are not visited).
+template <class F>
+void for_each_received(const group_layout& gl, int me, F&& f) {
   for (int l = 0; l < gl.L; ++l) {
     const std::size_t e = static_cast<std::size_t>(me) * static_cast<std::size_t>(gl.L) + static_cast<std::size_t>(l);
     for (int s = 0; s < gl.ep; ++s) {
       const auto c = static_cast<std::size_t>(gl.count(s, e));
       const std::size_t at = gl.recv_at(me, s, l), q0 = gl.send_at(s, e);
-      for (std::size_t i = 0; i < c; ++i) table[at + i] = source(s, q0 + i);
+      for (std::size_t i = 0; i < c; ++i) f(at + i, s, q0 + i);
     }
   }
 }
 
-// table[p] for every send position p of member `me` ([S]): row(d, r) for the row r of
-// owner d's expert-major buffer that holds it.
-template <class T, class Row>
-void fill_return_table(const group_layout& gl, int me, const T** table, Row&& row) {
+// f(p, d, r) for every send position p of member `me`: row r of owner d's expert-major
+// buffer holds it.
+template <class F>
+void for_each_returned(const group_layout& gl, int me, F&& f) {
   for (int d = 0; d < gl.ep; ++d)
     for (int l = 0; l < gl.L; ++l) {
       const std::size_t e = static_cast<std::size_t>(d) * static_cast<std::size_t>(gl.L) + static_cast<std::size_t>(l);
       const auto c = static_cast<std::size_t>(gl.count(me, e));
       const std::size_t p0 = gl.send_at(me, e), r0 = gl.recv_at(d, me, l);
-      for (std::size_t i = 0; i < c; ++i) table[p0 + i] = row(d, r0 + i);
+      for (std::size_t i = 0; i < c; ++i) f(p0 + i, d, r0 + i);
     }
+}
+
+// table[i] = source(s, q) for every row of member `me`'s expert-major buffer ([rows]), null
+// for padding rows.
+template <class T, class Source>
+void fill_receive_table(const group_layout& gl, int me, const T** table, std::size_t rows, Source&& source) {
+  for (std::size_t i = 0; i < rows; ++i) table[i] = nullptr;
+  for_each_received(gl, me, [&](std::size_t i, int s, std::size_t q) { table[i] = source(s, q); });
+}
+
+// table[p] = row d's base + r * hidden for every send position p of member `me` ([S]), where
+// `base(d)` is owner d's expert-major buffer.
+template <class T, class Base>
+void fill_return_table(const group_layout& gl, int me, const T** table, std::size_t hidden, Base&& base) {
+  for_each_returned(gl, me, [&](std::size_t p, int d, std::size_t r) { table[p] = base(d) + r * hidden; });
 }
 
 }  // namespace epx::detail
