@@ -359,3 +359,56 @@ TEST_CASE_TEMPLATE("row tables read the same rows bitwise; copy_rows, scale_rows
       }
   }
 }
+
+TEST_CASE("peer rows: every member's layout from the gathered counts; dispatch and return are inverse maps") {
+  namespace d = epx::detail;
+  rng g(123);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int ep = 1 + g.below(5), L = 1 + g.below(3), E = ep * L;
+    const epx::padding pad{g.below(3), 1 + g.below(3)};
+    d::group_records rec;
+    rec.size = ep;
+    rec.stride = d::record_header + static_cast<std::size_t>(E);
+    rec.data.assign(rec.stride * static_cast<std::size_t>(ep), 0);
+    for (int s = 0; s < ep; ++s)
+      for (int e = 0; e < E; ++e)
+        rec.data[static_cast<std::size_t>(s) * rec.stride + d::record_header + static_cast<std::size_t>(e)] =
+            g.below(4) == 0 ? 0 : g.below(6);
+    const d::group_layout gl = d::make_group_layout(rec, L, pad);
+    // Each member's own layout (what the staged route uses) agrees with the group view.
+    std::vector<std::size_t> R(static_cast<std::size_t>(ep)), S(static_cast<std::size_t>(ep));
+    for (int me = 0; me < ep; ++me) {
+      std::vector<std::int64_t> off(static_cast<std::size_t>(E) + 1, 0);
+      for (int e = 0; e < E; ++e) off[static_cast<std::size_t>(e) + 1] = off[static_cast<std::size_t>(e)] + rec.counts(me)[e];
+      const d::segment_layout lay = d::make_segment_layout(rec, off, me, L, pad);
+      R[static_cast<std::size_t>(me)] = lay.offsets.back();
+      S[static_cast<std::size_t>(me)] = static_cast<std::size_t>(off.back());
+      for (int s = 0; s < ep; ++s)
+        for (int l = 0; l < L; ++l)
+          CHECK(gl.recv_at(me, s, l) == lay.recv_displs[static_cast<std::size_t>(s * L + l)]);
+      for (int e = 0; e < E; ++e) CHECK(gl.send_at(me, static_cast<std::size_t>(e)) == lay.send_displs[static_cast<std::size_t>(e)]);
+    }
+    // received[d][r] = (s, q): row r of d comes from send position q of s; padding stays (-1, -1).
+    std::vector<std::vector<std::pair<int, std::size_t>>> received(static_cast<std::size_t>(ep));
+    for (int dd = 0; dd < ep; ++dd) {
+      auto& v = received[static_cast<std::size_t>(dd)];
+      v.assign(R[static_cast<std::size_t>(dd)], {-1, 0});
+      d::for_each_received(gl, dd, [&](std::size_t i, int s, std::size_t q) {
+        REQUIRE(i < v.size());
+        CHECK(v[i].first == -1);  // every row written once
+        v[i] = {s, q};
+      });
+    }
+    // Every send position of every member returns from exactly the row it was sent to.
+    for (int me = 0; me < ep; ++me) {
+      std::vector<int> seen(S[static_cast<std::size_t>(me)], 0);
+      d::for_each_returned(gl, me, [&](std::size_t p, int dd, std::size_t r) {
+        REQUIRE(p < seen.size());
+        ++seen[p];
+        REQUIRE(r < received[static_cast<std::size_t>(dd)].size());
+        CHECK(received[static_cast<std::size_t>(dd)][r] == std::make_pair(me, p));
+      });
+      for (int c : seen) CHECK(c == 1);
+    }
+  }
+}
