@@ -114,7 +114,7 @@ batch make_batch(const options& o, int b) {
 
 double sigmoid(double a) { return 1.0 / (1.0 + std::exp(-a)); }
 
-// This rank's L experts, meeting the concept of epx/layer/experts.hpp. Parameters and their
+// This rank's L experts, meeting the concept of epx/impl/experts.hpp. Parameters and their
 // gradients: [L, W1 [F, H] | W3 [F, H] | W2 [H, F]]. Host memory (exec::serial).
 struct swiglu_experts {
   int num_local = 0, hidden = 0, ffn = 0;

@@ -10,7 +10,7 @@
 //   fraction     GB/s of the kernel / copy floor GB/s (target >= 0.85)
 //   round trip   gather_rows -> all_to_allv_segments (E segments) -> back -> combine on an
 //                epx::nccl::communicator of one rank; floor_ratio = time / (bytes / floor)
-// Rows "functor" launch the library's functors (epx/dispatch/functors.hpp) through
+// Rows "functor" launch the library's functors (epx/kernels/functors.hpp) through
 // exec::for_each_n(exec::cuda); rows "vec16" are this file's reference kernels that give
 // each thread 16 contiguous bytes of a row (what reaching the floor takes), for comparison.
 #include <cuda_runtime.h>
@@ -29,8 +29,8 @@
 #include "epx/core/numeric.hpp"
 #include "epx/exec/cuda.cuh"
 
-#if __has_include("epx/dispatch/functors.hpp")
-#include "epx/dispatch/functors.hpp"
+#if __has_include("epx/kernels/functors.hpp")
+#include "epx/kernels/functors.hpp"
 #define EPX_BENCH_HAVE_FUNCTORS 1
 #else
 #define EPX_BENCH_HAVE_FUNCTORS 0
@@ -412,7 +412,7 @@ int main(int argc, char** argv) {
       bench_shape<epx::bf16>(s, comm, 128, 4096, 8, 64, floor_gbps, iters);
     }
     comm.barrier();
-    std::printf("frac = GB/s / copy floor (target >= 0.85). \"functor\": epx/dispatch/functors.hpp through "
+    std::printf("frac = GB/s / copy floor (target >= 0.85). \"functor\": epx/kernels/functors.hpp through "
                 "exec::cuda; \"vec16 ref\": 16 bytes per thread.\n");
     EPX_CUDA_CHECK(cudaStreamDestroy(s));
     return 0;

@@ -6,7 +6,7 @@
 #include <set>
 
 #include "epx/exec/host.hpp"
-#include "epx/layer/experts.hpp"
+#include "epx/impl/experts.hpp"
 #include "support/reference.hpp"
 
 namespace ref = epx::ref;

@@ -1,4 +1,4 @@
-// The row-buffer pool of the layer implementations (epx/dispatch/detail/workspace.hpp), and
+// The row-buffer pool of the layer implementations (epx/exec/workspace.hpp), and
 // layers that reuse it across calls: bitwise the same results as a fresh layer per call,
 // saved states that outlive (or overlap) each other and the layer.
 #include <doctest/doctest.h>
@@ -11,7 +11,7 @@
 
 #include "core/layer_cases.hpp"
 #include "epx/comm/threads.hpp"
-#include "epx/dispatch/detail/workspace.hpp"
+#include "epx/exec/workspace.hpp"
 
 namespace {
 

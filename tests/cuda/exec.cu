@@ -17,8 +17,8 @@
 #include "epx/exec/cuda.cuh"
 #include "epx/exec/host.hpp"
 
-#if __has_include("epx/dispatch/functors.hpp")
-#include "epx/dispatch/functors.hpp"
+#if __has_include("epx/kernels/functors.hpp")
+#include "epx/kernels/functors.hpp"
 #define EPX_TEST_HAVE_FUNCTORS 1
 #endif
 #if __has_include("epx/layout/plan.hpp")

@@ -7,7 +7,7 @@
 //
 // Comm: a communicator (threads, MPI, NCCL). T: float, double, bf16 or fp16 activations.
 // Impl: impl::all_to_all (default), impl::all_reduce (ep == tp), impl::automatic, or a
-// user type meeting the concept of epx/dispatch/implementation.hpp. Exec: an execution
+// user type meeting the concept of epx/impl/implementation.hpp. Exec: an execution
 // policy (exec::serial, exec::openmp, exec::cuda).
 //
 // Construction is collective over `world` (it makes the ep and tp sub-communicators once).
@@ -28,14 +28,14 @@
 #include "epx/core/error.hpp"
 #include "epx/core/numeric.hpp"
 #include "epx/core/span.hpp"
-#include "epx/dispatch/all_reduce.hpp"
-#include "epx/dispatch/automatic.hpp"
-#include "epx/dispatch/all_to_all.hpp"
-#include "epx/dispatch/implementation.hpp"
+#include "epx/impl/all_reduce.hpp"
+#include "epx/impl/automatic.hpp"
+#include "epx/impl/all_to_all.hpp"
+#include "epx/impl/implementation.hpp"
 #include "epx/exec/host.hpp"
-#include "epx/layer/experts.hpp"
-#include "epx/layer/options.hpp"
-#include "epx/layer/stats.hpp"
+#include "epx/impl/experts.hpp"
+#include "epx/impl/options.hpp"
+#include "epx/impl/stats.hpp"
 #include "epx/mesh/mesh.hpp"
 
 namespace epx {
@@ -64,7 +64,7 @@ class moe_layer {
   using impl_type = impl_for_t<Impl, Comm>;
   static_assert(std::is_constructible_v<impl_type, const layer_context<Comm>&>,
                 "epx::moe_layer: the implementation must be constructible from const epx::layer_context<Comm>& "
-                "(see epx/dispatch/implementation.hpp)");
+                "(see epx/impl/implementation.hpp)");
 
   // Collective over `world`. Validates the options against the mesh and the mesh against
   // the communicator (errc::configuration).

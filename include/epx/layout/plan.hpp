@@ -29,7 +29,7 @@
 #include "epx/core/error.hpp"
 #include "epx/core/numeric.hpp"
 #include "epx/exec/host.hpp"
-#include "epx/layout/detail/host_copy.hpp"
+#include "epx/exec/host_copy.hpp"
 
 #if EPX_HAS_OPENMP
 #include <omp.h>

@@ -1,4 +1,4 @@
-// epx/dispatch/implementation.hpp: the implementation concept of a MoE layer.
+// epx/impl/implementation.hpp: the implementation concept of a MoE layer.
 //
 // An implementation moves rows between the ranks of an EP group and runs the user's
 // experts. epx ships impl::all_to_all (token dispatch), impl::all_reduce (masked path,
@@ -38,8 +38,8 @@
 #include <utility>
 
 #include "epx/core/error.hpp"
-#include "epx/layer/options.hpp"
-#include "epx/layer/stats.hpp"
+#include "epx/impl/options.hpp"
+#include "epx/impl/stats.hpp"
 #include "epx/mesh/mesh.hpp"
 
 namespace epx {

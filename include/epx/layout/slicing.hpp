@@ -1,4 +1,4 @@
-// epx/dispatch/slicing.hpp: the rows a TP rank dispatches (spec section 3).
+// epx/layout/slicing.hpp: the rows a TP rank dispatches (spec section 3).
 //
 // Every rank of a TP group holds the same N rows; TP rank t takes
 // [floor(N*t/tp), floor(N*(t+1)/tp)). Slices may be uneven or empty (a one-token decode

@@ -1,5 +1,5 @@
-// epx/comm/detail/mpi_support.hpp: MPI call checking, datatype mapping and the local
-// block reduction of the MPI backend. Needs <mpi.h>; included by epx/comm/mpi.hpp only.
+// epx/comm/mpi/support.hpp: MPI call checking, datatype mapping and the local
+// block reduction of the MPI backend. Needs <mpi.h>; included by epx/comm/mpi/communicator.hpp only.
 #pragma once
 
 #include <mpi.h>

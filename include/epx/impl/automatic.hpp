@@ -1,4 +1,4 @@
-// epx/dispatch/automatic.hpp: impl::automatic, the implementation chosen per call.
+// epx/impl/automatic.hpp: impl::automatic, the implementation chosen per call.
 //
 // Inference on a mesh whose EP group shares one batch (ep == tp) takes the masked
 // all-reduce path (no rows move, no count exchange); everything else (training, ep > tp)
@@ -7,9 +7,9 @@
 
 #include <memory>
 
-#include "epx/dispatch/all_reduce.hpp"
-#include "epx/dispatch/all_to_all.hpp"
-#include "epx/dispatch/implementation.hpp"
+#include "epx/impl/all_reduce.hpp"
+#include "epx/impl/all_to_all.hpp"
+#include "epx/impl/implementation.hpp"
 
 namespace epx {
 namespace detail {

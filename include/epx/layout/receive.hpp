@@ -1,4 +1,4 @@
-// epx/dispatch/detail/peer_rows.hpp: where every routed row lives on every member of an EP
+// epx/layout/receive.hpp: where every routed row lives on every member of an EP
 // group, for communicators whose ranks read each other's memory (epx::has_peer_access_v).
 //
 // The count exchange gives every rank the count matrix of the whole group (counts(s)[e]:
@@ -17,8 +17,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "epx/dispatch/detail/exchange.hpp"
-#include "epx/layer/options.hpp"
+#include "epx/layout/exchange.hpp"
+#include "epx/layout/padding.hpp"
 
 namespace epx::detail {
 

@@ -1,4 +1,4 @@
-// epx/dispatch/all_reduce.hpp: the masked all-reduce path (spec section 5), ep == tp.
+// epx/impl/all_reduce.hpp: the masked all-reduce path (spec section 5), ep == tp.
 //
 // Every rank of the EP group holds the same N rows. Each rank gathers the rows routed to
 // its own local experts into an expert-major buffer (same counting-sort layout and padding
@@ -18,15 +18,15 @@
 #include <vector>
 
 #include "epx/comm/collectives.hpp"
-#include "epx/dispatch/all_to_all.hpp"
-#include "epx/dispatch/detail/exchange.hpp"
-#include "epx/dispatch/detail/settle.hpp"
-#include "epx/dispatch/detail/workspace.hpp"
-#include "epx/dispatch/functors.hpp"
-#include "epx/dispatch/launch.hpp"
-#include "epx/dispatch/implementation.hpp"
+#include "epx/impl/all_to_all.hpp"
+#include "epx/layout/exchange.hpp"
+#include "epx/comm/settle.hpp"
+#include "epx/exec/workspace.hpp"
+#include "epx/kernels/functors.hpp"
+#include "epx/kernels/launch.hpp"
+#include "epx/impl/implementation.hpp"
 #include "epx/exec/host.hpp"
-#include "epx/layer/experts.hpp"
+#include "epx/impl/experts.hpp"
 #include "epx/layout/plan.hpp"
 
 namespace epx {

@@ -1,4 +1,4 @@
-// epx/layout/detail/host_copy.hpp: small copies between host memory and a policy's memory.
+// epx/exec/host_copy.hpp: small copies between host memory and a policy's memory.
 //
 // Library code reads a few small arrays on the host (counts, offsets, status flags).
 // exec::copy_n accepts host or policy memory on either side (cudaMemcpyDefault for the

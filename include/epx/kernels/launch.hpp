@@ -1,6 +1,6 @@
-// epx/dispatch/launch.hpp: launching the dispatch/combine work on a policy.
+// epx/kernels/launch.hpp: launching the dispatch/combine work on a policy.
 //
-// Host policies run the row functors of epx/dispatch/functors.hpp (one call per token or
+// Host policies run the row functors of epx/kernels/functors.hpp (one call per token or
 // row: long contiguous loops). Device policies run one call per element (row, column)
 // instead, so that neighbouring threads touch neighbouring columns (coalesced loads) and a
 // one-token decode step still spreads over H threads. Both compute every element with the
@@ -16,7 +16,7 @@
 
 #include "epx/core/config.hpp"
 #include "epx/core/numeric.hpp"
-#include "epx/dispatch/functors.hpp"
+#include "epx/kernels/functors.hpp"
 #include "epx/exec/host.hpp"
 
 namespace epx::dispatch {

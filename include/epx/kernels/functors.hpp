@@ -1,4 +1,4 @@
-// epx/dispatch/functors.hpp: per-element work of dispatch and combine, forward and backward.
+// epx/kernels/functors.hpp: per-element work of dispatch and combine, forward and backward.
 //
 // Each functor is EPX_HOST_DEVICE, trivially copyable and holds raw pointers, so the
 // CPU tests run exactly what a device launch runs:

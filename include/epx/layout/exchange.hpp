@@ -1,4 +1,4 @@
-// epx/dispatch/detail/exchange.hpp: the count exchange and group-wide input checks.
+// epx/layout/exchange.hpp: the count exchange and group-wide input checks.
 //
 // Every rank of the EP group contributes one int64 record
 //   [status, N, H, k, world rank, counts[0..ncounts)]
@@ -20,8 +20,8 @@
 #include "epx/comm/collectives.hpp"
 #include "epx/core/error.hpp"
 #include "epx/exec/host.hpp"
-#include "epx/dispatch/detail/settle.hpp"
-#include "epx/layout/detail/host_copy.hpp"
+#include "epx/comm/settle.hpp"
+#include "epx/exec/host_copy.hpp"
 
 namespace epx::detail {
 

@@ -1,4 +1,4 @@
-// epx/comm/detail/threads_state.hpp: shared state behind epx::threads::communicator.
+// epx/comm/threads/state.hpp: shared state behind epx::threads::communicator.
 //
 // A `threads_world` is one call of epx::threads::run: the abort state shared by every
 // communicator split from it. A `threads_group` is one communicator's members: a slot per

@@ -1,4 +1,4 @@
-// epx/dispatch/all_to_all.hpp: token dispatch and combine over the EP group (spec section 4).
+// epx/impl/all_to_all.hpp: token dispatch and combine over the EP group (spec section 4).
 //
 // Forward, per call:
 //   1. TP slice [b, e) of the N rows (empty slices join everything below);
@@ -18,7 +18,7 @@
 //   direct (communicators with peer access, epx::has_peer_access_v, and host policies;
 //      layer_options::peer_access): each owner copies its rows straight out of the
 //      senders' x, and combine reads every slot's output row in place at its owner
-//      (epx/dispatch/detail/peer_rows.hpp): two passes, no send buffer.
+//      (epx/layout/receive.hpp): two passes, no send buffer.
 // Before every communicator call the execution policy is synchronised (a no-op for host
 // policies), so a communicator never reads buffers a device stream is still writing.
 // Backward runs the same route in reverse with the saved layout (no count exchange, only
@@ -36,16 +36,16 @@
 #include <vector>
 
 #include "epx/comm/collectives.hpp"
-#include "epx/dispatch/detail/exchange.hpp"
-#include "epx/dispatch/detail/peer_rows.hpp"
-#include "epx/dispatch/detail/settle.hpp"
-#include "epx/dispatch/detail/workspace.hpp"
-#include "epx/dispatch/functors.hpp"
-#include "epx/dispatch/launch.hpp"
-#include "epx/dispatch/implementation.hpp"
-#include "epx/dispatch/slicing.hpp"
+#include "epx/layout/exchange.hpp"
+#include "epx/layout/receive.hpp"
+#include "epx/comm/settle.hpp"
+#include "epx/exec/workspace.hpp"
+#include "epx/kernels/functors.hpp"
+#include "epx/kernels/launch.hpp"
+#include "epx/impl/implementation.hpp"
+#include "epx/layout/slicing.hpp"
 #include "epx/exec/host.hpp"
-#include "epx/layer/experts.hpp"
+#include "epx/impl/experts.hpp"
 #include "epx/layout/plan.hpp"
 
 namespace epx {

@@ -1,4 +1,4 @@
-// epx/dispatch/detail/workspace.hpp: a grow-only pool of host row buffers kept by a layer
+// epx/exec/workspace.hpp: a grow-only pool of host row buffers kept by a layer
 // implementation between calls.
 //
 // Every forward and backward needs a few buffers of routed rows (hundreds of MiB at real

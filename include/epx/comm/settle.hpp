@@ -1,4 +1,4 @@
-// epx/dispatch/detail/settle.hpp: waiting for a policy's work without risking a hang.
+// epx/comm/settle.hpp: waiting for a policy's work without risking a hang.
 //
 // Before a communicator call, and before the host reads results, the layer waits for the
 // execution policy's queued work. On a device stream that work may include collectives

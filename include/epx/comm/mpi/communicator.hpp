@@ -1,0 +1,586 @@
+// epx/comm/mpi/communicator.hpp: the MPI communicator backend (needs <mpi.h>; not part of epx/epx.hpp).
+//
+//   int main(int argc, char** argv) {
+//     return epx::mpi::run(argc, argv, [](epx::mpi::communicator& world) {
+//       auto ep = epx::sub_communicator(world, mesh, epx::group_kind::ep);
+//       epx::all_to_allv_rows(ep, ...);
+//     });
+//   }
+//
+// `mpirun -np 8 ./example` then runs eight ranks. `run` turns an exception on any rank into
+// "epx: rank R failed: <message>" and MPI_Abort, so a failure never leaves the others waiting.
+//
+// Design notes:
+// - The communicator wraps an MPI_Comm and switches it to MPI_ERRORS_RETURN so that every
+//   failing call becomes epx::error(errc::mpi). A wrapped user communicator is never freed;
+//   communicators made by split() (and the private duplicate used for chunked transfers)
+//   are owned and freed with MPI_Comm_free when the last copy goes away.
+// - MPI counts are int. Messages whose counts or displacements exceed `options::max_count`
+//   elements travel as point-to-point chunks of at most max_count elements, in rounds, on a
+//   private duplicate of the communicator (so no tag can collide with the user's traffic).
+// - Sums (all_reduce, reduce_scatter) are not MPI_SUM: each rank receives the block it owns
+//   from every rank, adds the contributions in rank order in the accumulation type (float for
+//   bf16/fp16), multiplies by `scale` and rounds once; all_reduce then gathers the blocks
+//   (small all_reduces gather all inputs and every rank sums them, in the same order).
+//   The result is bitwise identical on every rank, independent of the MPI library's
+//   algorithm choice, and equal to the threads backend's (epx/comm/detail/reduce.hpp).
+// - Every collective but split runs as the nonblocking MPI call and waits for it with a
+//   watchdog (`options::timeout`, default 10 minutes), so a rank that stalls or leaves turns
+//   into an error on the ranks that wait instead of a hang.
+// - With `options::check_counts` (default on) every collective first agrees, with one small
+//   MPI_Allreduce, that all ranks called it with the same datatype and counts; all_to_allv
+//   also exchanges the counts (an all_to_all of one integer per peer) and checks that what
+//   each sender sends is what its receiver expects. A disagreement raises
+//   epx::error(errc::communicator) on every rank, naming the values.
+#pragma once
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <initializer_list>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "epx/comm/communicator.hpp"
+#include "epx/comm/datatype.hpp"
+#include "epx/comm/mpi/support.hpp"
+#include "epx/core/error.hpp"
+
+namespace epx::mpi {
+
+// Tuning and checking of one communicator (plain aggregate; copies made by split inherit it).
+struct options {
+  // Agree on datatype and counts before each collective, and check in all_to_allv that the
+  // counts each rank sends match what the receivers expect. Costs one small MPI_Allreduce
+  // (plus, for all_to_allv, an all_to_all of one integer per peer) per call. Without it,
+  // all_to_allv runs as point-to-point messages with no extra synchronization.
+  bool check_counts = true;
+  // Largest count or displacement, in elements, handed to one MPI call. Larger transfers go
+  // in chunks of at most this many elements. MPI counts are int, hence the default; tests
+  // lower it to exercise the chunked path with small buffers. Must be at least 1.
+  std::size_t max_count = static_cast<std::size_t>(INT_MAX);
+  // all_reduce of at most this many bytes over all ranks (size() * count * element size)
+  // gathers every rank's input and sums it locally in rank order: one round of messages
+  // instead of two, same bits. Larger ones split the sum by blocks over the ranks.
+  std::size_t all_reduce_gather_bytes = std::size_t{256} << 10;
+  // Watchdog: a collective still unfinished after this long (a rank stalled, died outside
+  // epx::mpi::run, or returned without calling it) raises epx::error(errc::communicator) on
+  // the ranks that wait, naming the collective; the communicator cannot be used after that
+  // (epx::mpi::run then ends the job with the message). Zero: wait forever, as MPI does.
+  // split() is not covered (MPI has no nonblocking split).
+  std::chrono::milliseconds timeout = std::chrono::minutes(10);
+};
+
+// Initializes MPI on construction (MPI_Init_thread) unless it already is, and finalizes it on
+// destruction if and only if this guard initialized it. Neither copyable nor movable.
+class environment {
+ public:
+  explicit environment(int* argc = nullptr, char*** argv = nullptr, int required = MPI_THREAD_FUNNELED) {
+    int initialized = 0;
+    EPX_MPI_CHECK(MPI_Initialized(&initialized));
+    if (initialized) {
+      EPX_MPI_CHECK(MPI_Query_thread(&provided_));
+      return;
+    }
+    EPX_MPI_CHECK(MPI_Init_thread(argc, argv, required, &provided_));
+    owns_ = true;
+  }
+  environment(int& argc, char**& argv, int required = MPI_THREAD_FUNNELED)
+      : environment(&argc, &argv, required) {}
+  environment(const environment&) = delete;
+  environment& operator=(const environment&) = delete;
+  ~environment() {
+    if (!owns_) return;
+    int finalized = 0;
+    if (MPI_Finalized(&finalized) == MPI_SUCCESS && !finalized) MPI_Finalize();
+  }
+
+  // The thread support level MPI provides (MPI_THREAD_SINGLE ... MPI_THREAD_MULTIPLE).
+  int thread_level() const noexcept { return provided_; }
+  // Whether this guard initialized MPI (and will finalize it).
+  bool owns_mpi() const noexcept { return owns_; }
+
+ private:
+  int provided_ = MPI_THREAD_SINGLE;
+  bool owns_ = false;
+};
+
+// A communicator (see epx/comm/communicator.hpp) over an MPI_Comm. Copies share the
+// wrapped communicator (shared ownership: an owned MPI_Comm is freed with the last copy;
+// skipped if MPI is already finalized). A moved-from communicator may only be assigned to
+// or destroyed. One thread at a time per communicator (MPI_THREAD_FUNNELED suffices).
+// Every collective is collective over all ranks of the communicator, as in MPI.
+class communicator {
+ public:
+  // The world communicator (MPI_COMM_WORLD). MPI must be initialized.
+  communicator() : communicator(MPI_COMM_WORLD) {}
+
+  // Wraps `comm` without taking ownership (the caller frees it, after every copy of this
+  // communicator is gone). Sets MPI_ERRORS_RETURN on it.
+  explicit communicator(MPI_Comm comm, options opt = {}) : communicator(comm, false, opt) {}
+
+  static communicator world(options opt = {}) { return communicator(MPI_COMM_WORLD, opt); }
+
+  // Takes ownership of `comm`: MPI_Comm_free runs when the last copy goes away.
+  static communicator adopt(MPI_Comm comm, options opt = {}) { return communicator(comm, true, opt); }
+
+  int rank() const noexcept { return s_->rank; }
+  int size() const noexcept { return s_->size; }
+  MPI_Comm native() const noexcept { return s_->comm; }
+  const options& opts() const noexcept { return opt_; }
+  // Rounds of chunked point-to-point transfers run so far on this communicator (shared by
+  // its copies). Diagnostics: shows when the path for counts over max_count was taken.
+  std::size_t chunked_rounds() const noexcept { return s_->chunked_rounds; }
+  // Options apply to this copy only; all ranks must use the same options.
+  void set_options(const options& opt) {
+    EPX_REQUIRE(opt.max_count >= 1 && opt.max_count <= static_cast<std::size_t>(INT_MAX), errc::input,
+                "mpi::options::max_count (", opt.max_count, ") must be in [1, ", INT_MAX, "]");
+    EPX_REQUIRE(opt.timeout.count() >= 0, errc::input, "mpi::options::timeout (", opt.timeout.count(),
+                " ms) must not be negative");
+    opt_ = opt;
+  }
+
+  // Collective: ranks with the same color form one communicator, ordered by (key, rank).
+  // Colors must be non-negative; a negative color raises on every rank.
+  communicator split(int color, int key) const {
+    s_->op = "split";
+    agree("split", {}, color < 0 ? detail::concat("split: color (", color, ") on rank ", rank(),
+                                                   " must be non-negative")
+                                  : std::string(),
+          errc::input);
+    MPI_Comm out = MPI_COMM_NULL;
+    EPX_MPI_CHECK(MPI_Comm_split(s_->comm, color, key, &out));
+    return communicator(out, true, opt_);
+  }
+
+  void barrier() {
+    s_->op = "barrier";
+    EPX_MPI_BOUNDED(MPI_Ibarrier(s_->comm, &epx_req_));
+  }
+
+  // `send` is [size(), count_per_peer]: block p goes to rank p; `recv` likewise by source.
+  void all_to_all(const void* send, void* recv, std::size_t count_per_peer, datatype t) {
+    s_->op = "all_to_all";
+    if (opt_.check_counts) agree_same("all_to_all", t, count_per_peer);
+    all_to_all_unchecked(send, recv, count_per_peer, t);
+  }
+
+  // Per-peer counts and displacements in elements. With check_counts, the counts are
+  // exchanged first and every rank raises if any sender and receiver disagree.
+  void all_to_allv(const void* send, const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
+                   const std::size_t* recv_counts, const std::size_t* recv_displs, datatype t) {
+    s_->op = "all_to_allv";
+    const int n = size();
+    bool large = false;
+    for (int p = 0; p < n; ++p) {
+      large = large || send_counts[p] > opt_.max_count || recv_counts[p] > opt_.max_count ||
+              send_displs[p] > opt_.max_count || recv_displs[p] > opt_.max_count;
+    }
+    if (!opt_.check_counts) {
+      // Without the count exchange no rank knows whether a peer needs chunks, and all must
+      // take the same path: point-to-point always works (one round unless over max_count).
+      exchange_chunked(send, send_counts, send_displs, recv, recv_counts, recv_displs, t);
+      return;
+    }
+    large = check_counts_v(send_counts, recv_counts, t, large);
+    exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, t, large);
+  }
+
+  // Segmented all-to-all (see epx::all_to_allv_segments): arrays are [peers][nseg], in
+  // elements; segment i sent to peer q (send_counts[q*nseg+i] at send_displs[q*nseg+i])
+  // lands at q's recv_displs[me*nseg+i]. One MPI_Alltoallw with an hindexed datatype per peer
+  // (no staging copy, one synchronization instead of nseg); segments over max_count go as
+  // nseg rounds of chunked point-to-point transfers instead.
+  void all_to_allv_segments(const void* send, const std::size_t* send_counts, const std::size_t* send_displs,
+                            void* recv, const std::size_t* recv_counts, const std::size_t* recv_displs,
+                            std::size_t nseg, datatype t) {
+    s_->op = "all_to_allv_segments";
+    const auto n = static_cast<std::size_t>(size());
+    const std::size_t m = n * nseg;
+    bool large = nseg > static_cast<std::size_t>(INT_MAX);
+    for (std::size_t j = 0; j < m; ++j) large = large || send_counts[j] > opt_.max_count || recv_counts[j] > opt_.max_count;
+    if (opt_.check_counts) {
+      std::vector<unsigned long long> mine(m), theirs(m);  // theirs[p*nseg+i]: what p sends me in segment i
+      for (std::size_t j = 0; j < m; ++j) mine[j] = send_counts[j];
+      if (m > 0 && nseg <= static_cast<std::size_t>(INT_MAX)) {
+        EPX_MPI_BOUNDED(MPI_Ialltoall(mine.data(), static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG, theirs.data(),
+                                   static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG, s_->comm, &epx_req_));
+      }
+      std::string bad;
+      for (std::size_t j = 0; j < m && bad.empty() && nseg <= static_cast<std::size_t>(INT_MAX); ++j) {
+        if (theirs[j] != recv_counts[j])
+          bad = detail::concat("all_to_allv_segments: send and receive counts disagree: rank ", rank(), " expects ",
+                               recv_counts[j], " ", to_string(t), " elements in segment ", j % nseg, " from rank ",
+                               j / nseg, ", which sends ", theirs[j]);
+      }
+      large = agree("all_to_allv_segments",
+                    {{"the datatype", static_cast<long long>(t)}, {"the segment count", static_cast<long long>(nseg)}},
+                    bad, errc::communicator, large ? 1 : 0) != 0;
+    } else {
+      int l = large ? 1 : 0;
+      EPX_MPI_BOUNDED(MPI_Iallreduce(MPI_IN_PLACE, &l, 1, MPI_INT, MPI_MAX, s_->comm, &epx_req_));
+      large = l != 0;
+    }
+    if (nseg == 0) return;
+    if (large) {
+      std::vector<std::size_t> v(4 * n);
+      for (std::size_t i = 0; i < nseg; ++i) {
+        for (std::size_t p = 0; p < n; ++p) {
+          v[p] = send_counts[p * nseg + i];
+          v[n + p] = send_displs[p * nseg + i];
+          v[2 * n + p] = recv_counts[p * nseg + i];
+          v[3 * n + p] = recv_displs[p * nseg + i];
+        }
+        exchange_chunked(send, v.data(), v.data() + n, recv, v.data() + 2 * n, v.data() + 3 * n, t);
+      }
+      return;
+    }
+    const MPI_Datatype mt = detail::mpi_type(t);
+    const auto es = static_cast<MPI_Aint>(size_of(t));
+    detail::mpi_type_list types(2 * n);  // [send types by peer, recv types by peer], freed on scope exit
+    std::vector<int> len(nseg), ones(n, 1), zeros(n, 0);
+    std::vector<MPI_Aint> disp(nseg);
+    for (std::size_t k = 0; k < 2 * n; ++k) {
+      const std::size_t p = k % n;
+      const std::size_t* c = k < n ? send_counts : recv_counts;
+      const std::size_t* d = k < n ? send_displs : recv_displs;
+      for (std::size_t i = 0; i < nseg; ++i) {
+        len[i] = static_cast<int>(c[p * nseg + i]);
+        disp[i] = static_cast<MPI_Aint>(d[p * nseg + i]) * es;
+      }
+      EPX_MPI_CHECK(MPI_Type_create_hindexed(static_cast<int>(nseg), len.data(), disp.data(), mt, &types[k]));
+      EPX_MPI_CHECK(MPI_Type_commit(&types[k]));
+    }
+    EPX_MPI_BOUNDED(MPI_Ialltoallw(send, ones.data(), zeros.data(), types.data(), recv, ones.data(), zeros.data(),
+                                types.data() + n, s_->comm, &epx_req_));
+  }
+
+  // recv = scale * sum over ranks of send (send == recv allowed); bitwise equal on all ranks.
+  void all_reduce(const void* send, void* recv, std::size_t count, datatype t, double scale) {
+    s_->op = "all_reduce";
+    if (opt_.check_counts) agree_same("all_reduce", t, count, 0, reducible_error("all_reduce", t));
+    else require_reducible("all_reduce", t);
+    const auto n = static_cast<std::size_t>(size());
+    const auto me = static_cast<std::size_t>(rank());
+    const std::size_t es = size_of(t);
+    if (count <= opt_.max_count && n * count * es <= opt_.all_reduce_gather_bytes) {
+      std::vector<unsigned char> all(n * count * es);  // [n, count] every rank's input
+      const MPI_Datatype mt = detail::mpi_type(t);
+      EPX_MPI_BOUNDED(MPI_Iallgather(send, static_cast<int>(count), mt, all.data(), static_cast<int>(count), mt,
+                                  s_->comm, &epx_req_));
+      detail::mpi_reduce_blocks(all.data(), size(), count, recv, t, scale);
+      return;
+    }
+    // Block p of the data, [start_p, start_p + len_p), is summed by rank p.
+    const std::size_t base = count / n, rem = count % n;
+    auto len = [&](std::size_t p) { return base + (p < rem ? 1 : 0); };
+    auto start = [&](std::size_t p) { return p * base + std::min(p, rem); };
+    const std::size_t mine = len(me);
+    // Displacements reach at most (n - 1) * (base + 1) <= count + n.
+    const bool large = count + n > opt_.max_count;
+    std::vector<std::size_t> v(4 * n);
+    for (std::size_t p = 0; p < n; ++p) {
+      v[p] = len(p);            // send counts: my copy of block p to rank p
+      v[n + p] = start(p);
+      v[2 * n + p] = mine;      // recv counts: every rank's copy of my block
+      v[3 * n + p] = p * mine;
+    }
+    std::vector<unsigned char> parts(n * mine * es);  // [n, mine] contributions to my block
+    std::vector<unsigned char> sum(mine * es);        // [mine] my reduced block
+    exchange(send, v.data(), v.data() + n, parts.data(), v.data() + 2 * n, v.data() + 3 * n, t, large);
+    detail::mpi_reduce_blocks(parts.data(), size(), mine, sum.data(), t, scale);
+    // Gather the reduced blocks: everyone gets block p from rank p.
+    for (std::size_t p = 0; p < n; ++p) {
+      v[p] = mine;
+      v[n + p] = 0;
+      v[2 * n + p] = len(p);
+      v[3 * n + p] = start(p);
+    }
+    exchange(sum.data(), v.data(), v.data() + n, recv, v.data() + 2 * n, v.data() + 3 * n, t, large);
+  }
+
+  // `send` is [size(), recv_count]; block r, summed over ranks and scaled, lands on rank r.
+  void reduce_scatter(const void* send, void* recv, std::size_t recv_count, datatype t, double scale) {
+    s_->op = "reduce_scatter";
+    if (opt_.check_counts) agree_same("reduce_scatter", t, recv_count, 0, reducible_error("reduce_scatter", t));
+    else require_reducible("reduce_scatter", t);
+    const auto n = static_cast<std::size_t>(size());
+    std::vector<unsigned char> parts(n * recv_count * size_of(t));  // [n, recv_count] by source rank
+    all_to_all_unchecked(send, parts.data(), recv_count, t);
+    detail::mpi_reduce_blocks(parts.data(), size(), recv_count, recv, t, scale);
+  }
+
+  // `recv` is [size(), count]: block r holds rank r's `send`.
+  void all_gather(const void* send, void* recv, std::size_t count, datatype t) {
+    s_->op = "all_gather";
+    if (opt_.check_counts) agree_same("all_gather", t, count);
+    if (count <= opt_.max_count) {
+      const MPI_Datatype mt = detail::mpi_type(t);
+      EPX_MPI_BOUNDED(MPI_Iallgather(send, static_cast<int>(count), mt, recv, static_cast<int>(count), mt, s_->comm, &epx_req_));
+      return;
+    }
+    const auto n = static_cast<std::size_t>(size());
+    std::vector<std::size_t> v(3 * n);
+    for (std::size_t p = 0; p < n; ++p) {
+      v[p] = count;
+      v[n + p] = 0;
+      v[2 * n + p] = p * count;
+    }
+    exchange_chunked(send, v.data(), v.data() + n, recv, v.data(), v.data() + 2 * n, t);
+  }
+
+  void broadcast(void* data, std::size_t count, datatype t, int root) {
+    s_->op = "broadcast";
+    std::string bad;
+    if (root < 0 || root >= size())
+      bad = detail::concat("broadcast: root (", root, ") on rank ", rank(), " out of range [0, ", size(), ")");
+    if (opt_.check_counts) agree_same("broadcast", t, count, root, bad);
+    else EPX_REQUIRE(bad.empty(), errc::input, bad);
+    const MPI_Datatype mt = detail::mpi_type(t);
+    auto* p = static_cast<unsigned char*>(data);
+    for (std::size_t off = 0; off < count; off += opt_.max_count) {
+      const std::size_t c = std::min(opt_.max_count, count - off);
+      EPX_MPI_BOUNDED(MPI_Ibcast(p + off * size_of(t), static_cast<int>(c), mt, root, s_->comm, &epx_req_));
+    }
+  }
+
+ private:
+  void all_to_all_unchecked(const void* send, void* recv, std::size_t count_per_peer, datatype t) {
+    if (count_per_peer <= opt_.max_count) {
+      EPX_MPI_BOUNDED(MPI_Ialltoall(send, static_cast<int>(count_per_peer), detail::mpi_type(t), recv,
+                                 static_cast<int>(count_per_peer), detail::mpi_type(t), s_->comm, &epx_req_));
+      return;
+    }
+    const auto n = static_cast<std::size_t>(size());
+    std::vector<std::size_t> v(2 * n);
+    for (std::size_t p = 0; p < n; ++p) {
+      v[p] = count_per_peer;
+      v[n + p] = p * count_per_peer;
+    }
+    exchange_chunked(send, v.data(), v.data() + n, recv, v.data(), v.data() + n, t);
+  }
+
+  struct state {
+    MPI_Comm comm = MPI_COMM_NULL;
+    MPI_Comm chunk_comm = MPI_COMM_NULL;  // private duplicate for chunked point-to-point traffic
+    bool owned = false;
+    int rank = 0;
+    int size = 1;
+    std::size_t chunked_rounds = 0;
+    const char* op = "";  // the collective in progress (watchdog messages)
+    state() = default;
+    state(const state&) = delete;
+    state& operator=(const state&) = delete;
+    ~state() {
+      int finalized = 0;
+      if (MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) return;  // MPI freed everything
+      if (chunk_comm != MPI_COMM_NULL) MPI_Comm_free(&chunk_comm);
+      if (owned && comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
+    }
+  };
+
+  communicator(MPI_Comm comm, bool owned, options opt) : s_(std::make_shared<state>()) {
+    int initialized = 0;
+    EPX_MPI_CHECK(MPI_Initialized(&initialized));
+    EPX_REQUIRE(initialized, errc::mpi,
+                "mpi::communicator: MPI is not initialized (create an epx::mpi::environment or call "
+                "MPI_Init_thread first)");
+    EPX_REQUIRE(comm != MPI_COMM_NULL, errc::input, "mpi::communicator: MPI_COMM_NULL cannot be wrapped");
+    s_->comm = comm;
+    s_->owned = owned;  // from here on, the state frees an owned communicator even if we throw
+    EPX_MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+    EPX_MPI_CHECK(MPI_Comm_rank(comm, &s_->rank));
+    EPX_MPI_CHECK(MPI_Comm_size(comm, &s_->size));
+    set_options(opt);
+  }
+
+  static std::string reducible_error(const char* op, datatype t) {
+    if (is_reducible(t)) return std::string();
+    return detail::concat(op, ": datatype ", to_string(t),
+                          " cannot be summed (use int32, int64, float32, float64, bfloat16 or float16)");
+  }
+  static void require_reducible(const char* op, datatype t) {
+    const std::string e = reducible_error(op, t);
+    EPX_REQUIRE(e.empty(), errc::input, e);
+  }
+
+  // One MPI_Allreduce(MAX) over [error, -failing rank, any, values..., -values...].
+  // Raises on every rank when some rank passed a non-empty `local_error` (category
+  // `local_category`; the lowest such rank's message is broadcast, so every rank names the
+  // same values) or, as errc::communicator, when `values` differ between ranks. Returns the
+  // maximum of `any` over ranks.
+  long long agree(const char* op, std::initializer_list<std::pair<const char*, long long>> values,
+                  const std::string& local_error, errc local_category, long long any = 0) const {
+    const std::size_t k = values.size();
+    std::vector<long long> buf(3 + 2 * k);
+    const bool failed = !local_error.empty();
+    buf[0] = failed ? 1 : 0;
+    buf[1] = failed ? -static_cast<long long>(rank()) : std::numeric_limits<long long>::min();
+    buf[2] = any;
+    std::size_t i = 0;
+    for (const auto& v : values) {
+      buf[3 + i] = v.second;
+      buf[3 + k + i] = -v.second;
+      ++i;
+    }
+    EPX_MPI_BOUNDED(MPI_Iallreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(buf.size()), MPI_LONG_LONG, MPI_MAX,
+                                s_->comm, &epx_req_));
+    if (buf[0] != 0) {
+      const int culprit = static_cast<int>(-buf[1]);  // lowest failing rank
+      std::string msg = culprit == rank() ? local_error : std::string();
+      int len = static_cast<int>(std::min<std::size_t>(msg.size(), 4096));
+      EPX_MPI_BOUNDED(MPI_Ibcast(&len, 1, MPI_INT, culprit, s_->comm, &epx_req_));
+      msg.resize(static_cast<std::size_t>(len));
+      EPX_MPI_BOUNDED(MPI_Ibcast(msg.data(), len, MPI_CHAR, culprit, s_->comm, &epx_req_));
+      throw error(local_category, msg, EPX_HERE);
+    }
+    i = 0;
+    for (const auto& v : values) {
+      const long long hi = buf[3 + i], lo = -buf[3 + k + i];
+      EPX_REQUIRE(hi == lo, errc::communicator, op, ": ranks disagree on ", v.first, " (values from ", lo, " to ",
+                  hi, "; rank ", rank(), " passed ", v.second, ")");
+      ++i;
+    }
+    return buf[2];
+  }
+
+  void agree_same(const char* op, datatype t, std::size_t count, int root = 0,
+                  const std::string& local_error = std::string()) const {
+    agree(op,
+          {{"the datatype", static_cast<long long>(t)},
+           {"the count", static_cast<long long>(count)},
+           {"the root", root}},
+          local_error, errc::input);
+  }
+
+  // all_to_allv count check; returns whether any rank needs the chunked path.
+  bool check_counts_v(const std::size_t* send_counts, const std::size_t* recv_counts, datatype t, bool large) {
+    const auto n = static_cast<std::size_t>(size());
+    std::vector<unsigned long long> mine(n), theirs(n);  // theirs[p]: what p sends to me
+    for (std::size_t p = 0; p < n; ++p) mine[p] = send_counts[p];
+    EPX_MPI_BOUNDED(MPI_Ialltoall(mine.data(), 1, MPI_UNSIGNED_LONG_LONG, theirs.data(), 1, MPI_UNSIGNED_LONG_LONG,
+                               s_->comm, &epx_req_));
+    std::string bad;
+    for (std::size_t p = 0; p < n && bad.empty(); ++p) {
+      if (theirs[p] != recv_counts[p])
+        bad = detail::concat("all_to_allv: send and receive counts disagree: rank ", rank(), " expects ",
+                             recv_counts[p], " ", to_string(t), " elements from rank ", p, ", which sends ",
+                             theirs[p]);
+    }
+    return agree("all_to_allv", {{"the datatype", static_cast<long long>(t)}}, bad, errc::communicator,
+                 large ? 1 : 0) != 0;
+  }
+
+  void exchange(const void* send, const std::size_t* sc, const std::size_t* sd, void* recv, const std::size_t* rc,
+                const std::size_t* rd, datatype t, bool large) {
+    if (large) {
+      exchange_chunked(send, sc, sd, recv, rc, rd, t);
+      return;
+    }
+    const int n = size();
+    std::vector<int> v(4 * static_cast<std::size_t>(n));
+    for (int p = 0; p < n; ++p) {
+      v[p] = static_cast<int>(sc[p]);
+      v[n + p] = static_cast<int>(sd[p]);
+      v[2 * n + p] = static_cast<int>(rc[p]);
+      v[3 * n + p] = static_cast<int>(rd[p]);
+    }
+    const MPI_Datatype mt = detail::mpi_type(t);
+    EPX_MPI_BOUNDED(MPI_Ialltoallv(send, v.data(), v.data() + n, mt, recv, v.data() + 2 * n, v.data() + 3 * n, mt,
+                                s_->comm, &epx_req_));
+  }
+
+  // all_to_allv as point-to-point messages of at most max_count elements. Round k moves
+  // chunk k of every peer's message; all ranks must enter together (the path is agreed).
+  void exchange_chunked(const void* send, const std::size_t* sc, const std::size_t* sd, void* recv,
+                        const std::size_t* rc, const std::size_t* rd, datatype t) {
+    if (s_->chunk_comm == MPI_COMM_NULL) {
+      EPX_MPI_CHECK(MPI_Comm_dup(s_->comm, &s_->chunk_comm));
+      EPX_MPI_CHECK(MPI_Comm_set_errhandler(s_->chunk_comm, MPI_ERRORS_RETURN));
+    }
+    const int n = size(), me = rank();
+    const std::size_t es = size_of(t), chunk = opt_.max_count;
+    const MPI_Datatype mt = detail::mpi_type(t);
+    const auto* sb = static_cast<const unsigned char*>(send);
+    auto* rb = static_cast<unsigned char*>(recv);
+    const std::size_t self = std::min(sc[me], rc[me]);  // equal unless the caller skipped the check
+    if (self != 0) std::memmove(rb + rd[me] * es, sb + sd[me] * es, self * es);
+    std::size_t rounds = 0;
+    for (int p = 0; p < n; ++p) {
+      if (p == me) continue;
+      rounds = std::max({rounds, (sc[p] + chunk - 1) / chunk, (rc[p] + chunk - 1) / chunk});
+    }
+    std::vector<MPI_Request> req;
+    req.reserve(2 * static_cast<std::size_t>(n));
+    for (std::size_t k = 0; k < rounds; ++k) {
+      ++s_->chunked_rounds;
+      req.clear();
+      const std::size_t off = k * chunk;
+      for (int d = 1; d < n; ++d) {  // receive from me-d, send to me+d: spreads the load
+        const int q = (me - d + n) % n;
+        if (rc[q] > off) {
+          req.emplace_back();
+          const int c = static_cast<int>(std::min(chunk, rc[q] - off));
+          EPX_MPI_CHECK(MPI_Irecv(rb + (rd[q] + off) * es, c, mt, q, 0, s_->chunk_comm, &req.back()));
+        }
+      }
+      for (int d = 1; d < n; ++d) {
+        const int p = (me + d) % n;
+        if (sc[p] > off) {
+          req.emplace_back();
+          const int c = static_cast<int>(std::min(chunk, sc[p] - off));
+          EPX_MPI_CHECK(MPI_Isend(sb + (sd[p] + off) * es, c, mt, p, 0, s_->chunk_comm, &req.back()));
+        }
+      }
+      if (!req.empty()) {
+        wait_bounded(req.data(), static_cast<int>(req.size()));
+      }
+    }
+  }
+
+  // Waits for n requests; with options::timeout, polls them and raises when the deadline
+  // passes (the requests stay pending: the communicator is unusable afterwards).
+  void wait_bounded(MPI_Request* reqs, int n) const {
+    if (n == 0) return;
+    if (opt_.timeout.count() == 0) {
+      EPX_MPI_CHECK(MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE));
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + opt_.timeout;
+    for (unsigned spin = 1;; ++spin) {
+      int done = 0;
+      EPX_MPI_CHECK(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE));
+      if (done) return;
+      if (spin % 64 == 0) {
+        if (std::chrono::steady_clock::now() >= deadline)
+          throw error(errc::communicator,
+                      detail::concat("watchdog: MPI ", s_->op, " on rank ", rank(), " of a communicator of ", size(),
+                                     " ranks still waits after ", opt_.timeout.count(),
+                                     " ms: a rank stalled, died, or returned without calling it (the "
+                                     "communicator cannot be used any more)"),
+                      EPX_HERE);
+        std::this_thread::yield();
+      }
+    }
+  }
+
+  std::shared_ptr<state> s_;
+  options opt_;
+};
+
+static_assert(is_communicator_v<communicator>, "epx::mpi::communicator must satisfy the communicator concept");
+
+}  // namespace epx::mpi

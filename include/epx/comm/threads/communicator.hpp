@@ -1,0 +1,582 @@
+// epx/comm/threads/communicator.hpp: the in-process communicator: N ranks as N threads of one process.
+//
+//   epx::threads::run(8, [](epx::threads::communicator& comm) {
+//     auto tp = epx::sub_communicator(comm, mesh, epx::group_kind::tp);
+//     epx::all_reduce(tp, epx::span<float>(grad), 0.5);
+//   });
+//
+// Collectives go through shared memory. Every rank publishes its buffers and counts in a
+// slot of the communicator and pulls its blocks straight from the peers' send buffers into
+// its own receive buffer with one memcpy per block (no staging copy), starting with each
+// peer as soon as that peer has published; an exit barrier keeps the senders' buffers
+// alive until every read is done. all_reduce and reduce_scatter wait for every member at
+// an entry barrier first; all_reduce splits the elements into one chunk per rank, each rank
+// sums its chunk over the ranks in rank order and writes the result into every rank's
+// receive buffer, so every rank gets bitwise the same result.
+//
+// Nothing hangs: an exception escaping any rank's function aborts the run, and every
+// pending or later collective of every rank (sub-communicators included) throws
+// epx::error(errc::communicator) naming the failed rank and its message. A rank that
+// returns from its function while others wait for it in a collective fails that
+// collective at once, and a watchdog (options::timeout) turns a collective that some
+// members have not entered in time into an error listing them. Calls that disagree
+// (different collectives, datatypes, counts, segment counts, roots or scales) are detected on every rank
+// and reported with the values.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "epx/comm/communicator.hpp"
+#include "epx/comm/datatype.hpp"
+#include "epx/comm/detail/reduce.hpp"
+#include "epx/comm/threads/state.hpp"
+#include "epx/core/error.hpp"
+
+namespace epx {
+namespace threads {
+
+// Settings of one epx::threads::run.
+struct options {
+  // A collective that some members have not entered after this long fails with an error
+  // listing them (on every rank).
+  std::chrono::milliseconds timeout = std::chrono::seconds(60);
+};
+
+class communicator;
+
+}  // namespace threads
+
+namespace detail {
+struct threads_access;
+}
+
+namespace threads {
+
+// One rank's handle on a group of threads. Only the thread that runs this rank may use it.
+// Movable, not copyable.
+class communicator {
+ public:
+  communicator(communicator&&) noexcept = default;
+  communicator& operator=(communicator&&) noexcept = default;
+  communicator(const communicator&) = delete;
+  communicator& operator=(const communicator&) = delete;
+  ~communicator() = default;
+
+  // This rank in [0, size()).
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return group_->size(); }
+  // This rank's index in the communicator of epx::threads::run.
+  int world_rank() const noexcept { return group_->world_rank(rank_); }
+
+  // Collective: members with the same color form one new communicator, ordered by
+  // (key, rank). Failures inside the new communicator abort the whole run.
+  communicator split(int color, int key) const {
+    detail::threads_slot d;
+    d.op = detail::threads_op::split;
+    d.color = color;
+    d.key = key;
+    const int n = size();
+    std::vector<std::pair<int, int>> members;  // (key, rank) of this color
+    members.reserve(static_cast<std::size_t>(n));
+    int leader = n;
+    int new_rank = 0;
+    std::string failure;
+    enter(d, [&] {
+      for (int r = 0; r < n; ++r)
+        if (slot(r).color == color) members.emplace_back(slot(r).key, r);
+      std::sort(members.begin(), members.end());
+      for (std::size_t i = 0; i < members.size(); ++i) {
+        leader = std::min(leader, members[i].second);
+        if (members[i].second == rank_) new_rank = static_cast<int>(i);
+      }
+      if (leader == rank_) {
+        std::shared_ptr<detail::threads_group> created;
+        try {
+          std::vector<int> world_ranks;
+          world_ranks.reserve(members.size());
+          for (const auto& m : members) world_ranks.push_back(group_->world_rank(m.second));
+          created = world_->make_group(std::move(world_ranks));
+        } catch (const std::exception& e) {
+          failure = e.what();
+        }
+        slot(rank_).new_group = created;
+      }
+    });
+    // Second phase: the leaders have published the new groups; pick ours up. (The slots are
+    // double-buffered, so nobody overwrites the leader's before we have read it.)
+    wait_exit();
+    std::shared_ptr<detail::threads_group> g = slot(leader).new_group;
+    EPX_REQUIRE(g != nullptr, errc::communicator, "split: could not create the group of color ", color,
+                failure.empty() ? "" : ": ", failure);
+    return communicator(world_, std::move(g), new_rank);
+  }
+
+  // Equal counts: send holds size()*count elements, block p goes to peer p.
+  void all_to_all(const void* send, void* recv, std::size_t count, datatype t) {
+    require_buffer(send, count * static_cast<std::size_t>(size()), "all_to_all", "send");
+    require_buffer(recv, count * static_cast<std::size_t>(size()), "all_to_all", "recv");
+    EPX_REQUIRE(send != recv || count == 0 || size() == 1, errc::input,
+                "all_to_all: send and recv must be distinct buffers (in place is not supported)");
+    detail::threads_slot d = make_slot(detail::threads_op::all_to_all, t, send, recv, count);
+    const std::size_t bytes = count * size_of(t);
+    enter_pull(d, [&](int p) {
+      const auto* src = static_cast<const char*>(slot(p).send) + static_cast<std::size_t>(rank_) * bytes;
+      copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, src, bytes);
+    });
+  }
+
+  // Per-peer counts and displacements in elements: send_counts[p] elements from
+  // send + send_displs[p] go to peer p, recv_counts[p] elements from peer p land at
+  // recv + recv_displs[p]. send_counts on p's side must equal recv_counts on ours.
+  void all_to_allv(const void* send, const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
+                   const std::size_t* recv_counts, const std::size_t* recv_displs, datatype t) {
+    exchange_segments(detail::threads_op::all_to_allv, send, send_counts, send_displs, recv, recv_counts,
+                      recv_displs, 1, t);
+  }
+
+  // Segmented all-to-all (see epx::all_to_allv_segments): arrays are [peers][nseg], in
+  // elements; segment i that this rank sends to peer q (send_counts[q*nseg+i] elements at
+  // send + send_displs[q*nseg+i]) lands at recv + q's recv_displs[me*nseg+i], and q's
+  // recv_counts[me*nseg+i] must equal it. One collective: every segment is copied once,
+  // straight from the sender's buffer into the receiver's, with one entry and one exit
+  // barrier for all nseg segments.
+  void all_to_allv_segments(const void* send, const std::size_t* send_counts, const std::size_t* send_displs,
+                            void* recv, const std::size_t* recv_counts, const std::size_t* recv_displs,
+                            std::size_t nseg, datatype t) {
+    exchange_segments(detail::threads_op::all_to_allv_segments, send, send_counts, send_displs, recv, recv_counts,
+                      recv_displs, nseg, t);
+  }
+
+  // recv = scale * sum over ranks of send (send == recv allowed). Summed in rank order;
+  // every rank gets bitwise the same result.
+  void all_reduce(const void* send, void* recv, std::size_t count, datatype t, double scale) {
+    require_reducible(t, "all_reduce");
+    require_buffer(send, count, "all_reduce", "send");
+    require_buffer(recv, count, "all_reduce", "recv");
+    detail::threads_slot d = make_slot(detail::threads_op::all_reduce, t, send, recv, count);
+    d.scale = scale;
+    const int n = size();
+    std::vector<const void*> srcs(static_cast<std::size_t>(n));
+    const std::size_t es = size_of(t);
+    enter_and_finish(d, [&] {
+      // This rank's chunk, in whole 64-element pieces so chunks do not share cache lines.
+      const std::size_t pieces = (count + 63) / 64;
+      const std::size_t begin = std::min(count, pieces * static_cast<std::size_t>(rank_) / n * 64);
+      const std::size_t end = std::min(count, pieces * static_cast<std::size_t>(rank_ + 1) / n * 64);
+      // Blocks of the chunk: sum into our recv, then copy to the peers' recv. Each block of
+      // every send buffer is read before the same block of any recv buffer is written, so
+      // send == recv works.
+      constexpr std::size_t block = 16 * 1024;
+      for (std::size_t b = begin; b < end; b += block) {
+        const std::size_t m = std::min(block, end - b);
+        for (int k = 0; k < n; ++k)
+          srcs[static_cast<std::size_t>(k)] = static_cast<const char*>(slot(k).send) + b * es;
+        char* mine = static_cast<char*>(recv) + b * es;
+        detail::reduce_sum(t, srcs.data(), n, mine, m, scale);
+        for (int k = 1; k < n; ++k) {
+          const int p = (rank_ + k) % n;
+          copy_bytes(static_cast<char*>(slot(p).recv) + b * es, mine, m * es);
+        }
+      }
+    });
+  }
+
+  // send holds size()*recv_count elements; block r, summed over ranks and times scale,
+  // lands in rank r's recv.
+  void reduce_scatter(const void* send, void* recv, std::size_t recv_count, datatype t, double scale) {
+    require_reducible(t, "reduce_scatter");
+    require_buffer(send, recv_count * static_cast<std::size_t>(size()), "reduce_scatter", "send");
+    require_buffer(recv, recv_count, "reduce_scatter", "recv");
+    detail::threads_slot d = make_slot(detail::threads_op::reduce_scatter, t, send, recv, recv_count);
+    d.scale = scale;
+    const int n = size();
+    std::vector<const void*> srcs(static_cast<std::size_t>(n));
+    const std::size_t es = size_of(t);
+    enter_and_finish(d, [&] {
+      for (int k = 0; k < n; ++k)
+        srcs[static_cast<std::size_t>(k)] =
+            static_cast<const char*>(slot(k).send) + static_cast<std::size_t>(rank_) * recv_count * es;
+      detail::reduce_sum(t, srcs.data(), n, recv, recv_count, scale);
+    });
+  }
+
+  // recv holds size()*count elements: block p is rank p's send.
+  void all_gather(const void* send, void* recv, std::size_t count, datatype t) {
+    require_buffer(send, count, "all_gather", "send");
+    require_buffer(recv, count * static_cast<std::size_t>(size()), "all_gather", "recv");
+    detail::threads_slot d = make_slot(detail::threads_op::all_gather, t, send, recv, count);
+    const std::size_t bytes = count * size_of(t);
+    enter_pull(d, [&](int p) {
+      copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, slot(p).send, bytes);
+    });
+  }
+
+  // data on every rank = data on root.
+  void broadcast(void* data, std::size_t count, datatype t, int root) {
+    EPX_REQUIRE(root >= 0 && root < size(), errc::input, "broadcast: root (", root, ") out of range [0, ",
+                size(), ")");
+    require_buffer(data, count, "broadcast", "data");
+    detail::threads_slot d = make_slot(detail::threads_op::broadcast, t, data, data, count);
+    d.root = root;
+    enter_pull(d, [&](int p) {
+      if (p == root && rank_ != root) copy_bytes(data, slot(root).send, count * size_of(t));
+    });
+  }
+
+  // Peer access, for ranks that share one address space (see epx::has_peer_access_v).
+  // Collective: every member publishes `count` pointers (`mine`, e.g. the buffers it lets
+  // the others read); once every member has published, f(peers) runs, where
+  // peers(r, i) is pointer i of member r (peers(rank(), i) == mine[i]). Nobody leaves
+  // before every member's f has returned, so what a member published stays valid while
+  // the others read it; a member must not write what it published while f runs, except
+  // the rows that are its own to write. If f throws on one member, that member still
+  // waits for the others' f, then rethrows; the others carry on. Members that pass
+  // different counts all fail with the values.
+  template <class F>
+  void access_peers(const void* const* mine, std::size_t count, F&& f) {
+    require_buffer(mine, count, "access_peers", "pointer list");
+    detail::threads_slot d;
+    d.op = detail::threads_op::access_peers;
+    d.send = static_cast<const void*>(mine);
+    d.count = count;
+    std::exception_ptr failure;
+    enter(d, [&] {
+      const peer_pointers peers(this);
+      try {
+        f(peers);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    });
+    wait_exit();
+    if (failure) std::rethrow_exception(failure);
+  }
+
+  // The view access_peers hands to its function.
+  class peer_pointers {
+   public:
+    const void* operator()(int r, std::size_t i) const noexcept {
+      return static_cast<const void* const*>(comm_->slot(r).send)[i];
+    }
+    int size() const noexcept { return comm_->size(); }
+
+   private:
+    friend class communicator;
+    explicit peer_pointers(const communicator* c) noexcept : comm_(c) {}
+    const communicator* comm_;
+  };
+
+  void barrier() {
+    detail::threads_slot d;
+    d.op = detail::threads_op::barrier;
+    // The entry barrier is the barrier: no buffers to keep alive, so no exit barrier.
+    enter(d, [] {});
+  }
+
+ private:
+  friend struct epx::detail::threads_access;
+
+  communicator(std::shared_ptr<detail::threads_world> world, std::shared_ptr<detail::threads_group> group,
+               int rank) noexcept
+      : world_(std::move(world)), group_(std::move(group)), rank_(rank) {}
+
+  // all_to_allv (op all_to_allv, nseg = 1) and all_to_allv_segments: the arrays are
+  // [peers][nseg] in elements; every segment is copied once, from the sender's buffer
+  // straight into the receiver's.
+  void exchange_segments(detail::threads_op op, const void* send, const std::size_t* send_counts,
+                         const std::size_t* send_displs, void* recv, const std::size_t* recv_counts,
+                         const std::size_t* recv_displs, std::size_t nseg, datatype t) {
+    const char* name = to_string(op);
+    const bool segmented = op == detail::threads_op::all_to_allv_segments;
+    const int n = size();
+    const std::size_t m = static_cast<std::size_t>(n) * nseg;
+    EPX_REQUIRE(m == 0 || (send_counts && send_displs && recv_counts && recv_displs), errc::input, name,
+                ": counts and displacements must not be null",
+                segmented ? detail::concat(" (", n, " peers x ", nseg, " segments)") : std::string());
+    std::size_t total_send = 0, total_recv = 0;
+    for (std::size_t j = 0; j < m; ++j) {
+      total_send += send_counts[j];
+      total_recv += recv_counts[j];
+    }
+    require_buffer(send, total_send, name, "send");
+    require_buffer(recv, total_recv, name, "recv");
+    EPX_REQUIRE(send != recv || total_send + total_recv == 0 || n == 1, errc::input, name,
+                ": send and recv must be distinct buffers (in place is not supported)");
+    detail::threads_slot d = make_slot(op, t, send, recv, nseg);
+    d.send_counts = send_counts;
+    d.send_displs = send_displs;
+    d.recv_counts = recv_counts;
+    d.recv_displs = recv_displs;
+    const std::size_t es = size_of(t);
+    enter_pull(d, [&](int p) {
+      const auto& s = slot(p);
+      const std::size_t from = static_cast<std::size_t>(rank_) * nseg;  // our row of p's arrays
+      const std::size_t to = static_cast<std::size_t>(p) * nseg;        // p's row of ours
+      for (std::size_t i = 0; i < nseg; ++i)
+        copy_bytes(static_cast<char*>(recv) + recv_displs[to + i] * es,
+                   static_cast<const char*>(s.send) + s.send_displs[from + i] * es, recv_counts[to + i] * es);
+    });
+  }
+
+  // A call's slot: the collective, datatype, buffers and count (the other fields as needed).
+  static detail::threads_slot make_slot(detail::threads_op op, datatype t, const void* send, void* recv,
+                                        std::size_t count) {
+    detail::threads_slot d;
+    d.op = op;
+    d.type = t;
+    d.send = send;
+    d.recv = recv;
+    d.count = count;
+    return d;
+  }
+
+  // Rank r's slot for the collective in progress (this rank's sequence number's parity).
+  detail::threads_slot& slot(int r) const noexcept { return group_->slot(group_->entered(rank_), r); }
+
+  static void copy_bytes(void* dst, const void* src, std::size_t bytes) noexcept {
+    if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
+  }
+
+  static void require_buffer(const void* p, std::size_t count, const char* op, const char* what) {
+    EPX_REQUIRE(p != nullptr || count == 0, errc::input, op, ": ", what, " is null but holds ", count,
+                " elements");
+  }
+  static void require_reducible(datatype t, const char* op) {
+    EPX_REQUIRE(is_reducible(t), errc::input, op, ": datatype ", to_string(t), " cannot be summed");
+  }
+
+  // "rank 2", or "rank 2 (world rank 6)" inside a sub-communicator.
+  std::string who(int r) const {
+    std::string s = "rank " + std::to_string(r);
+    if (group_->world_rank(r) != r) s += " (world rank " + std::to_string(group_->world_rank(r)) + ")";
+    return s;
+  }
+
+  // The exit barrier: every member has passed the entry barrier and runs bounded copy
+  // code, so this wait always completes.
+  void wait_exit() const noexcept {
+    group_->arrive_and_wait(false, std::chrono::steady_clock::time_point::max());
+  }
+
+  [[noreturn]] void on_wait_failure(detail::wait_result w, detail::threads_op op) const {
+    if (w == detail::wait_result::timed_out || w == detail::wait_result::member_gone) {
+      const std::uint64_t seq = group_->entered(rank_);
+      const bool gone = w == detail::wait_result::member_gone;
+      std::string missing;
+      for (int r = 0; r < size(); ++r)
+        if (group_->entered(r) < seq && (!gone || world_->finished(group_->world_rank(r))))
+          missing += (missing.empty() ? "" : ", ") + who(r);
+      if (missing.empty()) missing = "none at the time of the check";
+      const std::string what = detail::concat(to_string(op), " (collective #", seq, " on a communicator of ",
+                                              size(), " ranks)");
+      epx::error e(errc::communicator,
+                   gone ? detail::concat(what, " can never complete: ranks that returned from their function "
+                                               "without entering it: ", missing)
+                        : detail::concat("watchdog: ", what, " still waits after ", world_->timeout().count(),
+                                         " ms; ranks that never entered it: ", missing),
+                   EPX_HERE);
+      world_->fail(world_rank(), std::make_exception_ptr(e));
+      group_->retract(group_->entered(rank_), rank_);
+      throw e;
+    }
+    // Cancelled: whoever cancelled records the failure right after; wait for it.
+    group_->retract(group_->entered(rank_), rank_);
+    while (!world_->aborted()) std::this_thread::yield();
+    world_->throw_aborted(world_rank());
+  }
+
+  // Makes `d` this rank's call number `seq` (the next one) and returns seq.
+  std::uint64_t publish(const detail::threads_slot& d) const {
+    world_->throw_if_aborted(world_rank());
+    const std::uint64_t seq = group_->entered(rank_) + 1;
+    group_->slot(seq, rank_) = d;
+    group_->set_entered(rank_, seq);
+    group_->sync(seq, rank_).published.store(seq);
+    return seq;
+  }
+
+  // Publishes `d`, waits at the entry barrier, checks that every member called the same
+  // collective with matching arguments, then runs `work` (which must not throw). On a
+  // mismatch every member sees the same disagreement, passes the exit barrier and throws.
+  // Collectives that read peers' buffers call wait_exit afterwards (split runs a second
+  // phase first); barrier needs no exit barrier, because the slots are double-buffered.
+  template <class Work>
+  void enter(const detail::threads_slot& d, Work&& work) const {
+    const std::uint64_t seq = publish(d);
+    const auto deadline = std::chrono::steady_clock::now() + world_->timeout();
+    const auto w = group_->arrive_and_wait(true, deadline, seq);
+    if (w != detail::wait_result::passed) on_wait_failure(w, d.op);
+    std::string mismatch;
+    try {
+      mismatch = check_match();
+    } catch (...) {
+      mismatch = "could not compare the members' calls";
+    }
+    if (!mismatch.empty()) {
+      wait_exit();
+      EPX_THROW(errc::communicator, mismatch);
+    }
+    work();
+  }
+
+  // The collectives where each rank only reads from peers (all_to_all, all_to_allv,
+  // all_to_allv_segments, all_gather, broadcast): pull(p) copies this rank's blocks from peer p (must not throw).
+  // Instead of waiting for every member at the entry barrier, a rank starts copying from
+  // each peer as soon as that peer has published a matching call, registered as an
+  // accessor of the peer's buffers, and sleeps only when no published peer is left. Before
+  // the exit barrier it makes sure the entry barrier has passed (so that nobody leaves
+  // early any more) and checks every member's call, like enter().
+  template <class Pull>
+  void enter_pull(const detail::threads_slot& d, Pull&& pull) const {
+    const int n = size();
+    std::vector<char> done(static_cast<std::size_t>(n), 0);
+    const std::uint64_t seq = publish(d);
+    const auto deadline = std::chrono::steady_clock::now() + world_->timeout();
+    const auto a = group_->arrive();
+    if (a.done && a.result != detail::wait_result::passed) on_wait_failure(a.result, d.op);
+    bool all_in = a.done;  // the entry barrier has passed: every member has published
+    int remaining = n;
+    while (remaining > 0) {
+      bool progress = false;
+      for (int k = 0; k < n; ++k) {
+        const int p = (rank_ + k) % n;
+        if (done[static_cast<std::size_t>(p)] || (!all_in && !group_->published(seq, p))) continue;
+        done[static_cast<std::size_t>(p)] = 1;
+        --remaining;
+        progress = true;
+        if (p == rank_) {
+          if (pair_matches(p)) pull(p);
+        } else {
+          // The peer's counts and buffers stay valid while we are its accessor.
+          if (!group_->acquire(seq, p)) on_wait_failure(detail::wait_result::cancelled, d.op);
+          if (pair_matches(p)) pull(p);  // a mismatch is reported below, once every call is known
+          group_->release(seq, p);
+        }
+      }
+      if (remaining > 0 && !progress) {
+        const auto w = group_->wait_gen(a.gen, true, deadline, seq);
+        if (w != detail::wait_result::passed) on_wait_failure(w, d.op);
+        all_in = true;
+      }
+    }
+    if (!all_in) {
+      const auto w = group_->wait_gen(a.gen, true, deadline, seq);
+      if (w != detail::wait_result::passed) on_wait_failure(w, d.op);
+    }
+    std::string mismatch;
+    try {
+      mismatch = check_match();
+    } catch (...) {
+      mismatch = "could not compare the members' calls";
+    }
+    wait_exit();
+    if (!mismatch.empty()) EPX_THROW(errc::communicator, mismatch);
+  }
+
+  // Whether peer p's published call agrees with ours on what we read from it.
+  bool pair_matches(int p) const noexcept {
+    const auto& mine = slot(rank_);
+    const auto& s = slot(p);
+    if (s.op != mine.op || s.type != mine.type) return false;
+    switch (mine.op) {
+      case detail::threads_op::all_to_allv:
+      case detail::threads_op::all_to_allv_segments: {
+        if (s.count != mine.count) return false;
+        const std::size_t nseg = mine.count;
+        for (std::size_t i = 0; i < nseg; ++i)
+          if (s.send_counts[static_cast<std::size_t>(rank_) * nseg + i] != mine.recv_counts[static_cast<std::size_t>(p) * nseg + i])
+            return false;
+        return true;
+      }
+      case detail::threads_op::broadcast: return s.count == mine.count && s.root == mine.root;
+      default: return s.count == mine.count;
+    }
+  }
+
+  template <class Work>
+  void enter_and_finish(const detail::threads_slot& d, Work&& work) const {
+    enter(d, std::forward<Work>(work));
+    wait_exit();
+  }
+
+  // Empty if every member's published call agrees; otherwise names the values. Every
+  // member reads the same slots, so every member reaches the same verdict.
+  std::string check_match() const {
+    const int n = size();
+    const auto& s0 = slot(0);
+    for (int r = 1; r < n; ++r) {
+      const auto& s = slot(r);
+      if (s.op != s0.op)
+        return detail::concat("mismatched collectives: ", who(0), " called ", to_string(s0.op), ", ", who(r),
+                              " called ", to_string(s.op));
+    }
+    const auto op = s0.op;
+    if (op == detail::threads_op::barrier || op == detail::threads_op::split) return {};
+    for (int r = 1; r < n; ++r) {
+      const auto& s = slot(r);
+      if (s.type != s0.type)
+        return detail::concat(to_string(op), ": mismatched datatypes: ", who(0), " passed ", to_string(s0.type),
+                              ", ", who(r), " passed ", to_string(s.type));
+    }
+    if (op == detail::threads_op::all_to_allv || op == detail::threads_op::all_to_allv_segments) {
+      const bool segmented = op == detail::threads_op::all_to_allv_segments;
+      for (int r = 1; r < n; ++r)
+        if (slot(r).count != s0.count)
+          return detail::concat("all_to_allv_segments: mismatched segment counts: ", who(0), " passed ", s0.count,
+                                " segments per peer, ", who(r), " passed ", slot(r).count);
+      const std::size_t nseg = s0.count;
+      for (int src = 0; src < n; ++src)
+        for (int dst = 0; dst < n; ++dst)
+          for (std::size_t i = 0; i < nseg; ++i) {
+            const std::size_t sent = slot(src).send_counts[static_cast<std::size_t>(dst) * nseg + i];
+            const std::size_t expected = slot(dst).recv_counts[static_cast<std::size_t>(src) * nseg + i];
+            if (sent != expected)
+              return detail::concat(to_string(op), ": mismatched counts: ", who(src), " sends ", sent, " elements",
+                                    segmented ? detail::concat(" in segment ", i) : std::string(), " to ", who(dst),
+                                    ", which expects ", expected, " from it");
+          }
+      return {};
+    }
+    for (int r = 1; r < n; ++r) {
+      const auto& s = slot(r);
+      if (s.count != s0.count)
+        return detail::concat(to_string(op), ": mismatched counts: ", who(0), " passed ", s0.count, ", ", who(r),
+                              " passed ", s.count);
+      if (op == detail::threads_op::broadcast && s.root != s0.root)
+        return detail::concat("broadcast: mismatched roots: ", who(0), " passed ", s0.root, ", ", who(r),
+                              " passed ", s.root);
+      if ((op == detail::threads_op::all_reduce || op == detail::threads_op::reduce_scatter) &&
+          s.scale != s0.scale)
+        return detail::concat(to_string(op), ": mismatched scales: ", who(0), " passed ", s0.scale, ", ", who(r),
+                              " passed ", s.scale);
+    }
+    return {};
+  }
+
+  std::shared_ptr<detail::threads_world> world_;
+  std::shared_ptr<detail::threads_group> group_;
+  int rank_ = 0;
+};
+
+}  // namespace threads
+
+namespace detail {
+struct threads_access {
+  static threads::communicator make(std::shared_ptr<threads_world> w, std::shared_ptr<threads_group> g, int r) {
+    return threads::communicator(std::move(w), std::move(g), r);
+  }
+};
+}  // namespace detail
+
+static_assert(is_communicator_v<threads::communicator>, "threads::communicator must satisfy the communicator concept");
+
+}  // namespace epx

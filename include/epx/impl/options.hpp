@@ -1,0 +1,36 @@
+// epx/impl/options.hpp: the tuning knobs of a MoE layer (plain aggregates with defaults).
+#pragma once
+
+#include <cstddef>
+
+#include "epx/core/error.hpp"
+#include "epx/layout/padding.hpp"
+
+namespace epx {
+
+// How the all-to-all path learns the receive counts.
+//   host: one all_gather of a small record per rank {status, N, H, k, counts[E]}; the one
+//         host synchronisation per layer call. Bad input and shape disagreement are seen by
+//         every rank of the EP group before any row moves.
+// A later `device` mode (counts exchanged on the device into fixed worst-case receive
+// buffers, no host synchronisation, capturable in a CUDA graph) takes this slot; it is
+// not built yet, and choosing it is refused at layer construction.
+enum class count_exchange : int { host = 0, device = 1 };
+
+// Forward for training keeps what backward needs; inference keeps nothing.
+enum class mode : int { train = 0, inference = 1 };
+
+struct layer_options {
+  std::size_t hidden = 0;  // H, the row length; required (>= 1)
+  int top_k = 1;           // k, slots per token, in [1, num_experts]
+  padding pad = {};
+  count_exchange counts = count_exchange::host;
+  std::size_t chunks = 0;  // chunks of the counting sort; 0: the execution policy's default
+  // On communicators whose ranks share memory (epx::has_peer_access_v: threads) and host
+  // policies, the all-to-all path reads rows straight out of the peers' buffers: the gather
+  // is fused into the dispatch and the combine into the return, with no send buffer.
+  // false: always move rows through the communicator's all-to-all (same results, bitwise).
+  bool peer_access = true;
+};
+
+}  // namespace epx
