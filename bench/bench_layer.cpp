@@ -473,7 +473,7 @@ void bench_stage(benchmark::State& state, shape s, stage which) {
       std::vector<std::int32_t> ids;
       std::vector<float> w;
       epx::layout::send_plan<epx::exec::serial> plan;
-      epx::detail::segment_layout lay;
+      epx::detail::segments lay;
       std::vector<T> send, recv;
       std::vector<char> src;
     };
@@ -485,8 +485,10 @@ void bench_stage(benchmark::State& state, shape s, stage which) {
     d->plan = epx::layout::build_plan(ex, d->ids.data(), d->w.data(), n, s.k, s.experts, 1);
     const auto g = epx::detail::exchange_records(comm, ex, 0, n, H, s.k, me, d->plan.host_counts.data(),
                                                  static_cast<std::size_t>(s.experts), "", "bench", 1);
-    d->lay = epx::detail::make_segment_layout(g, d->plan.host_offset, me, L, epx::padding{});
-    const std::size_t R = d->lay.offsets.back();
+    const auto layout = epx::detail::make_receive_layout(s.ep, s.ep, L, epx::padding{},
+                                                         [&](int r) { return g.counts(r); });
+    d->lay = epx::detail::segments_of(layout, me);
+    const std::size_t R = layout.rows(me);
     d->send = make_rows<T>(S, H, me + 100);  // touched; the combine stage reads it as y
     d->recv.assign(R * H, epx::convert<T>(0.0f));
     const std::size_t row_bytes = H * sizeof(T);
@@ -504,8 +506,8 @@ void bench_stage(benchmark::State& state, shape s, stage which) {
     switch (which) {
       case stage::scatter:
         w.measured = [d, S, H] {
-          epx::exec::for_each_n(epx::exec::serial{}, S,
-                                epx::dispatch::gather_rows<T>{d->x.data(), d->plan.src_row.data(), d->send.data(), H});
+          epx::kernels::gather(epx::exec::serial{}, S, H, static_cast<const T*>(d->x.data()),
+                               static_cast<const std::int64_t*>(d->plan.src_row.data()), d->send.data());
           benchmark::DoNotOptimize(d->send.data());
         };
         break;
@@ -519,9 +521,8 @@ void bench_stage(benchmark::State& state, shape s, stage which) {
         break;
       case stage::combine:
         w.measured = [d, n, H, s] {
-          epx::exec::for_each_n(epx::exec::serial{}, n,
-                                epx::dispatch::combine<T>{d->send.data(), d->w.data(), d->plan.pos.data(),
-                                                          d->out.data(), H, s.k});
+          epx::kernels::combine(epx::exec::serial{}, n, H, s.k, static_cast<const T*>(d->send.data()), d->w.data(),
+                                static_cast<const std::int64_t*>(d->plan.pos.data()), d->out.data());
           benchmark::DoNotOptimize(d->out.data());
         };
         break;

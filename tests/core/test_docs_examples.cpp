@@ -212,7 +212,7 @@ TEST_CASE("docs/layer.md: counted_all_to_all is an implementation") {
     std::vector<float> w(N, 1.0f), out(N * H), gx(N * H), gw(N);
     for (std::size_t t = 0; t < N; ++t) ids[t] = static_cast<std::int32_t>((t + rank) % E);
     auto saved = layer.forward(epx::span<const float>(d.x), epx::span<const std::int32_t>(ids),
-                               epx::span<const float>(w), epx::span<float>(out), experts);
+                               epx::span<const float>(w), epx::span<float>(out), experts, epx::mode::train);
     layer.backward(std::move(saved), epx::span<const float>(d.grad_out), epx::span<float>(gx), epx::span<float>(gw),
                    experts);
     std::string& f = failures[static_cast<std::size_t>(rank)];

@@ -28,7 +28,9 @@ layer_case small(int tp, int fsdp, int ep, int E = 8, int k = 2) {
   return c;
 }
 
-// Every rank must raise errc::input whose message names the bad rank.
+// Every rank of the bad rank's EP group must raise errc::input whose message names the bad
+// rank. Options that differ between ranks (hidden, top_k) are a configuration the layer's
+// constructor refuses: errc::configuration on every rank of the world.
 template <class Impl = epx::impl::all_to_all>
 void expect_everyone_raises(const layer_case& c, bad_input kind, int bad_rank) {
   const int world = c.topology.tp * c.topology.fsdp;
@@ -50,15 +52,17 @@ void expect_everyone_raises(const layer_case& c, bad_input kind, int bad_rank) {
     CAPTURE(bad_rank);
     CAPTURE(r);
     CAPTURE(s.message);
-    const bool in_group = std::find(group.begin(), group.end(), r) != group.end();
+    const bool config = kind == bad_input::hidden_differs || kind == bad_input::top_k_differs;
+    const bool in_group = config || std::find(group.begin(), group.end(), r) != group.end();
     if (!in_group) {
       // Other EP groups are independent: their calls succeed.
       CHECK_FALSE(s.thrown);
       continue;
     }
     REQUIRE(s.thrown);
-    CHECK(s.category == epx::errc::input);
+    CHECK(s.category == (config ? epx::errc::configuration : epx::errc::input));
     CHECK(s.message.find("rank " + std::to_string(bad_rank)) != std::string::npos);
+    if (config) CHECK(s.message.find(kind == bad_input::hidden_differs ? "hidden=" : "top_k=") != std::string::npos);
   }
 }
 

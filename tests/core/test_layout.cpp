@@ -1,12 +1,14 @@
 // Counting-sort send layout, TP slicing and the per-element functors, single rank.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <cstdint>
 #include <vector>
 
 #include "epx/epx.hpp"
+#include "epx/exec/emulated.hpp"
 #include "support/reference.hpp"
 
 namespace {
@@ -127,87 +129,174 @@ TEST_CASE("slicing: floor bounds, uneven and empty slices, 64-bit") {
   CHECK_THROWS_AS(epx::slice_bounds(4, 2, 2), epx::error);
 }
 
-TEST_CASE_TEMPLATE("functors: combine, its backward and the row reduction against float64", T, float, double,
-                   epx::bf16) {
-  const std::size_t n = 9, H = 5;
-  const int k = 3;
-  const std::size_t S = n * k;
+namespace {
+// Runs every kernel of epx/kernels on policy P (whole rows on the host policies, 16-byte
+// chunks on the emulated device) and returns what they wrote, concatenated as doubles.
+template <class T, class P>
+std::vector<double> run_kernels(const P& p, std::size_t n, std::size_t H, int k, const std::vector<std::int64_t>& pos,
+                                const std::vector<T>& y, const std::vector<T>& go, const std::vector<float>& w,
+                                const std::vector<std::int64_t>& src, const std::vector<float>& scale) {
+  const std::size_t S = n * static_cast<std::size_t>(k);
+  std::vector<double> all;
+  auto put = [&](const auto& v) { for (const auto& e : v) all.push_back(epx::convert<double>(e)); };
+  std::vector<T> out(n * H, epx::convert<T>(7.0f));
+  epx::kernels::combine(p, n, H, k, y.data(), w.data(), pos.data(), out.data());
+  put(out);
+  std::vector<const T*> table(S);
+  for (std::size_t q = 0; q < S; ++q) table[q] = y.data() + q * H;
+  epx::kernels::combine(p, n, H, k, epx::kernels::row_table<T>{table.data()}, w.data(), pos.data(), out.data());
+  put(out);
+  std::vector<float> gw(S, 9.0f);
+  epx::kernels::weight_gradients(p, n, H, k, y.data(), go.data(), pos.data(), gw.data());
+  put(gw);
+  epx::kernels::reduce(p, n, H, k, y.data(), pos.data(), out.data());
+  put(out);
+  std::vector<T> dst(src.size() * H, epx::convert<T>(5.0f));
+  epx::kernels::gather(p, src.size(), H, go.data(), src.data(), dst.data());
+  put(dst);
+  epx::kernels::gather(p, src.size(), H, go.data(), src.data(), scale.data(), dst.data());
+  put(dst);
+  std::vector<const T*> rows(src.size());
+  for (std::size_t r = 0; r < src.size(); ++r) rows[r] = src[r] < 0 ? nullptr : go.data() + src[r] * H;
+  epx::kernels::copy(p, src.size(), H, rows.data(), scale.data(), dst.data());
+  put(dst);
+  std::vector<float> ws(S, -1.0f);
+  epx::kernels::scatter(p, S, pos.data(), w.data(), ws.data());
+  put(ws);
+  return all;
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("kernels against float64, the same bits on every policy and launch shape", T, float, double,
+                   epx::bf16, epx::fp16) {
   rng g(77);
-  // A random permutation as send positions, one slot masked out (-1) per token 4.
-  std::vector<std::int64_t> pos(S);
-  for (std::size_t i = 0; i < S; ++i) pos[i] = static_cast<std::int64_t>(i);
-  for (std::size_t i = S - 1; i > 0; --i) std::swap(pos[i], pos[static_cast<std::size_t>(g.below(static_cast<int>(i + 1)))]);
-  pos[4 * k + 1] = -1;
-  const auto yd = epx::ref::round_through<T>(epx::ref::random_normal(S, H, 5));
-  const auto god = epx::ref::round_through<T>(epx::ref::random_normal(n, H, 6));
-  const auto wd = epx::ref::round_through<float>(epx::ref::random_weights(n, k, 7, -1.0, 1.0));
-  const auto y = epx::ref::from_double<T>(yd);
-  const auto go = epx::ref::from_double<T>(god);
-  std::vector<float> w(wd.begin(), wd.end());
+  // H crosses the host's column block (256) and the 16-byte chunks; 4096 is a real size.
+  for (std::size_t H : {std::size_t{5}, std::size_t{300}, std::size_t{4096}}) {
+    CAPTURE(H);
+    const std::size_t n = 9;
+    const int k = 3;
+    const std::size_t S = n * k;
+    // A random permutation as send positions, one slot masked out (-1) per token 4.
+    std::vector<std::int64_t> pos(S);
+    for (std::size_t i = 0; i < S; ++i) pos[i] = static_cast<std::int64_t>(i);
+    for (std::size_t i = S - 1; i > 0; --i)
+      std::swap(pos[i], pos[static_cast<std::size_t>(g.below(static_cast<int>(i + 1)))]);
+    pos[4 * k + 1] = -1;
+    const auto yd = epx::ref::round_through<T>(epx::ref::random_normal(S, H, 5 + H));
+    const auto god = epx::ref::round_through<T>(epx::ref::random_normal(n, H, 6 + H));
+    const auto wd = epx::ref::round_through<float>(epx::ref::random_weights(n, k, 7, -1.0, 1.0));
+    const auto y = epx::ref::from_double<T>(yd);
+    const auto go = epx::ref::from_double<T>(god);
+    std::vector<float> w(wd.begin(), wd.end());
+    const std::vector<std::int64_t> src = {2, -1, 0, 8};
+    const std::vector<float> scale = {0.5f, 3.0f, -1.25f, 2.0f};
 
-  std::vector<T> out(n * H);
-  epx::exec::for_each_n(epx::exec::serial{}, n, epx::dispatch::combine<T>{y.data(), w.data(), pos.data(), out.data(), H, k});
-  std::vector<double> want(n * H, 0.0);
-  for (std::size_t t = 0; t < n; ++t)
-    for (int j = 0; j < k; ++j) {
-      const auto p = pos[t * k + j];
-      if (p < 0) continue;
-      for (std::size_t h = 0; h < H; ++h) want[t * H + h] += wd[t * k + j] * yd[p * H + h];
-    }
-  const double tol = std::is_same_v<T, epx::bf16> ? 3e-2 : 1e-6;
-  epx::ref::check_close(out, want, tol, tol, "combine");
+    const auto host = run_kernels<T>(epx::exec::serial{}, n, H, k, pos, y, go, w, src, scale);
+    // The same functors under the other policies and the device launch shape: bitwise equal.
+    const auto omp = run_kernels<T>(epx::exec::openmp{2}, n, H, k, pos, y, go, w, src, scale);
+    epx::exec::emulated_device dev;
+    const auto emu = run_kernels<T>(dev, n, H, k, pos, y, go, w, src, scale);
+    CHECK(dev.counters->launches > 0);
+    REQUIRE(host.size() == emu.size());
+    CHECK(std::memcmp(host.data(), omp.data(), host.size() * sizeof(double)) == 0);
+    CHECK(std::memcmp(host.data(), emu.data(), host.size() * sizeof(double)) == 0);
 
-  std::vector<T> gy(S * H, epx::convert<T>(0.0f));
-  std::vector<float> gw(n * k, 9.0f);
-  epx::exec::for_each_n(epx::exec::openmp{2}, n,
-                        epx::dispatch::combine_backward<T>{y.data(), go.data(), w.data(), pos.data(), gy.data(),
-                                                           gw.data(), H, k});
-  std::vector<double> want_gy(S * H, 0.0), want_gw(n * k, 0.0);
-  for (std::size_t t = 0; t < n; ++t)
-    for (int j = 0; j < k; ++j) {
-      const auto p = pos[t * k + j];
-      if (p < 0) continue;
+    // Against float64: out, out (table), grad_w, reduce, gather, scaled gather, scaled copy,
+    // scatter; each with its rounding bound: a sum of m terms in accum_t (unit roundoff uA)
+    // errs by at most m*uA*sum|terms|, and the final rounding to T by uT*|value|.
+    const double uA = std::is_same_v<T, double> ? 0x1p-53 : 0x1p-24;
+    const double uT = std::is_same_v<T, double> ? 0x1p-53
+                      : std::is_same_v<T, float> ? 0x1p-24
+                      : std::is_same_v<T, epx::bf16> ? 0x1p-8 : 0x1p-11;
+    std::vector<double> comb(n * H, 0.0), red(n * H, 0.0), gw(S, 0.0), comb_abs(n * H, 0.0), red_abs(n * H, 0.0),
+        gw_abs(S, 0.0);
+    for (std::size_t t = 0; t < n; ++t)
+      for (int j = 0; j < k; ++j) {
+        const auto p = pos[t * k + j];
+        if (p < 0) continue;
+        for (std::size_t h = 0; h < H; ++h) {
+          comb[t * H + h] += wd[t * k + j] * yd[p * H + h];
+          comb_abs[t * H + h] += std::abs(wd[t * k + j] * yd[p * H + h]);
+          red[t * H + h] += yd[p * H + h];
+          red_abs[t * H + h] += std::abs(yd[p * H + h]);
+          gw[t * k + j] += yd[p * H + h] * god[t * H + h];
+          gw_abs[t * k + j] += std::abs(yd[p * H + h] * god[t * H + h]);
+        }
+      }
+    std::vector<double> gat(src.size() * H), sgat(src.size() * H);
+    for (std::size_t r = 0; r < src.size(); ++r)
       for (std::size_t h = 0; h < H; ++h) {
-        want_gy[p * H + h] = wd[t * k + j] * god[t * H + h];
-        want_gw[t * k + j] += yd[p * H + h] * god[t * H + h];
+        gat[r * H + h] = src[r] < 0 ? 0.0 : god[src[r] * H + h];
+        sgat[r * H + h] = src[r] < 0 ? 0.0 : scale[r] * god[src[r] * H + h];
+      }
+    std::vector<double> sc(S, -1.0);
+    for (std::size_t i = 0; i < S; ++i)
+      if (pos[i] >= 0) sc[static_cast<std::size_t>(pos[i])] = wd[i];
+    std::vector<double> want, bound;
+    auto expect = [&](const std::vector<double>& v, const std::vector<double>* abs_sum, double terms, double u_out) {
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        want.push_back(v[i]);
+        // fp16 subnormals (below 2^-14) round to a multiple of 2^-24: half of it absolute.
+        const double sub = std::is_same_v<T, epx::fp16> && u_out > 0 ? 0x1p-25 : 0.0;
+        bound.push_back((abs_sum ? terms * uA * (*abs_sum)[i] : 0.0) + u_out * std::abs(v[i]) + sub);
+      }
+    };
+    expect(comb, &comb_abs, k, uT);
+    expect(comb, &comb_abs, k, uT);
+    expect(gw, &gw_abs, static_cast<double>(H) / 16 + 16, 0x1p-24);
+    expect(red, &red_abs, k, uT);
+    expect(gat, nullptr, 0, 0);
+    expect(sgat, nullptr, 0, uT + uA);
+    expect(sgat, nullptr, 0, uT + uA);
+    expect(sc, nullptr, 0, 0);
+    REQUIRE(want.size() == host.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      if (std::abs(host[i] - want[i]) > bound[i] * 1.01 + 1e-300) {
+        FAIL_CHECK("kernel output " << i << " = " << host[i] << ", float64 says " << want[i] << ", bound "
+                                    << bound[i]);
+        break;
       }
     }
-  epx::ref::check_close(gy, want_gy, tol, tol, "combine_backward grad_y");
-  epx::ref::check_close(gw, want_gw, tol, tol, "combine_backward grad_w");
-
-  std::vector<T> gx(n * H);
-  epx::exec::for_each_n(epx::exec::serial{}, n, epx::dispatch::reduce_grad_rows<T>{y.data(), pos.data(), gx.data(), H, k});
-  std::vector<double> want_gx(n * H, 0.0);
-  for (std::size_t t = 0; t < n; ++t)
-    for (int j = 0; j < k; ++j) {
-      const auto p = pos[t * k + j];
-      if (p < 0) continue;
-      for (std::size_t h = 0; h < H; ++h) want_gx[t * H + h] += yd[p * H + h];
-    }
-  epx::ref::check_close(gx, want_gx, tol, tol, "reduce_grad_rows");
-
-  // gather_rows with a padding row (-1 source)
-  std::vector<std::int64_t> src = {2, -1, 0, 8};
-  std::vector<T> dst(src.size() * H, epx::convert<T>(5.0f));
-  epx::exec::for_each_n(epx::exec::serial{}, src.size(), epx::dispatch::gather_rows<T>{go.data(), src.data(), dst.data(), H});
-  std::vector<double> want_dst(src.size() * H, 0.0);
-  for (std::size_t r = 0; r < src.size(); ++r)
-    for (std::size_t h = 0; h < H; ++h) want_dst[r * H + h] = src[r] < 0 ? 0.0 : god[src[r] * H + h];
-  epx::ref::check_close(dst, want_dst, 0, 0, "gather_rows");
+  }
 }
 
-TEST_CASE("functors are trivially copyable (device-launchable)") {
+TEST_CASE("row launches cover every column once, in the policy's shape") {
+  for (std::size_t cols : {std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{9}, std::size_t{300}}) {
+    const std::size_t rows = 5;
+    std::vector<int> hits(rows * cols, 0);
+    std::size_t calls = 0, widest = 0;
+    auto count = [&](std::size_t r, std::size_t h0, std::size_t h1) {
+      ++calls;
+      widest = std::max(widest, h1 - h0);
+      for (std::size_t h = h0; h < h1; ++h) ++hits[r * cols + h];
+    };
+    epx::exec::for_each_row<epx::bf16>(epx::exec::serial{}, rows, cols, count);
+    CHECK(calls == rows);
+    CHECK(widest == cols);
+    for (int c : hits) CHECK(c == 1);
+    std::fill(hits.begin(), hits.end(), 0);
+    calls = widest = 0;
+    epx::exec::for_each_row<epx::bf16>(epx::exec::emulated_device{}, rows, cols, count);
+    CHECK(calls == rows * ((cols + 7) / 8));  // 16 bytes = 8 bf16
+    CHECK(widest == std::min<std::size_t>(cols, 8));
+    for (int c : hits) CHECK(c == 1);
+  }
+}
+
+TEST_CASE("kernel functors are trivially copyable (device-launchable)") {
   static_assert(std::is_trivially_copyable_v<epx::layout::histogram_chunks>);
   static_assert(std::is_trivially_copyable_v<epx::layout::scan_chunks>);
   static_assert(std::is_trivially_copyable_v<epx::layout::expert_offsets>);
   static_assert(std::is_trivially_copyable_v<epx::layout::scatter_pairs>);
-  static_assert(std::is_trivially_copyable_v<epx::dispatch::gather_rows<epx::bf16>>);
-  static_assert(std::is_trivially_copyable_v<epx::dispatch::combine<float>>);
-  static_assert(std::is_trivially_copyable_v<epx::dispatch::combine_backward<epx::fp16>>);
-  static_assert(std::is_trivially_copyable_v<epx::dispatch::reduce_grad_rows<double>>);
-  static_assert(std::is_trivially_copyable_v<epx::dispatch::masked_positions>);
-  static_assert(std::is_trivially_copyable_v<epx::dispatch::masked_source_rows>);
-  CHECK(true);
+  static_assert(std::is_trivially_copyable_v<epx::layout::masked_positions>);
+  static_assert(std::is_trivially_copyable_v<epx::layout::masked_source_rows>);
+  static_assert(std::is_trivially_copyable_v<epx::kernels::row_copy<epx::bf16, epx::kernels::indexed_rows<epx::bf16>>>);
+  static_assert(std::is_trivially_copyable_v<epx::kernels::row_copy<float, epx::kernels::row_table<float>>>);
+  static_assert(std::is_trivially_copyable_v<epx::kernels::row_combine<float, epx::kernels::dense_rows<float>>>);
+  static_assert(std::is_trivially_copyable_v<epx::kernels::pair_dot<epx::fp16, epx::kernels::row_table<epx::fp16>>>);
+  static_assert(std::is_trivially_copyable_v<epx::kernels::value_scatter<float>>);
+  CHECK(epx::exec::row_shape_v<epx::exec::serial> == epx::exec::row_shape::whole_rows);
+  CHECK(epx::exec::row_shape_v<epx::exec::emulated_device> == epx::exec::row_shape::chunks16);
 }
 
 TEST_CASE("padding policy") {
@@ -228,70 +317,9 @@ TEST_CASE("padding policy") {
   CHECK_THROWS_AS((epx::padding{1, 0}.validate()), epx::error);
 }
 
-TEST_CASE_TEMPLATE("per-element functors (device form) equal the row functors bitwise", T, float, double, epx::bf16,
+TEST_CASE_TEMPLATE("the lane order of dot products, and scaled copies rounded once", T, float, double, epx::bf16,
                    epx::fp16) {
-  const std::size_t n = 7, H = 13;
-  const int k = 3;
-  const std::size_t S = n * k;
-  rng g(91);
-  std::vector<std::int64_t> pos(S);
-  for (std::size_t i = 0; i < S; ++i) pos[i] = static_cast<std::int64_t>(i);
-  for (std::size_t i = S - 1; i > 0; --i) std::swap(pos[i], pos[static_cast<std::size_t>(g.below(static_cast<int>(i + 1)))]);
-  pos[2 * k] = -1;
-  pos[5 * k + 2] = -1;
-  const auto y = epx::ref::from_double<T>(epx::ref::random_normal(S, H, 15));
-  const auto go = epx::ref::from_double<T>(epx::ref::random_normal(n, H, 16));
-  const auto wd = epx::ref::random_weights(n, k, 17, -1.0, 1.0);
-  std::vector<float> w(wd.begin(), wd.end());
-  namespace d = epx::dispatch;
-  auto bits_equal = [](const auto& a, const auto& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
-  };
-  const epx::exec::serial ser;
-
-  std::vector<T> o1(n * H), o2(n * H);
-  epx::exec::for_each_n(ser, n, d::combine<T>{y.data(), w.data(), pos.data(), o1.data(), H, k});
-  epx::exec::for_each_n(ser, n * H, d::combine_elements<T>{y.data(), w.data(), pos.data(), o2.data(), H, k});
-  CHECK(bits_equal(o1, o2));
-
-  std::vector<T> gy1(S * H, epx::convert<T>(0.0f)), gy2(S * H, epx::convert<T>(0.0f));
-  std::vector<float> gw1(S, 3.0f), gw2(S, 3.0f);
-  epx::exec::for_each_n(ser, n, d::combine_backward<T>{y.data(), go.data(), w.data(), pos.data(), gy1.data(), gw1.data(), H, k});
-  epx::exec::for_each_n(ser, S * H, d::scatter_grad_elements<T>{go.data(), w.data(), pos.data(), gy2.data(), H, k});
-  epx::exec::for_each_n(ser, S, d::weight_gradients<T>{y.data(), go.data(), pos.data(), gw2.data(), H, k});
-  CHECK(bits_equal(gy1, gy2));
-  CHECK(bits_equal(gw1, gw2));
-  CHECK(gw2[2 * k] == 0.0f);
-
-  std::vector<T> gx1(n * H), gx2(n * H);
-  epx::exec::for_each_n(ser, n, d::reduce_grad_rows<T>{y.data(), pos.data(), gx1.data(), H, k});
-  epx::exec::for_each_n(ser, n * H, d::reduce_grad_elements<T>{y.data(), pos.data(), gx2.data(), H, k});
-  CHECK(bits_equal(gx1, gx2));
-
-  std::vector<std::int64_t> src = {4, -1, 0, 6, 6};
-  std::vector<T> r1(src.size() * H), r2(src.size() * H);
-  epx::exec::for_each_n(ser, src.size(), d::gather_rows<T>{go.data(), src.data(), r1.data(), H});
-  epx::exec::for_each_n(ser, src.size() * H, d::gather_elements<T>{go.data(), src.data(), r2.data(), H});
-  CHECK(bits_equal(r1, r2));
-
-  // The launch helpers pick the row form on host policies.
-  static_assert(!d::by_element_v<epx::exec::serial> && !d::by_element_v<epx::exec::openmp>);
-  std::vector<T> o3(n * H);
-  d::launch_combine(epx::exec::openmp{2}, n, H, k, y.data(), w.data(), pos.data(), o3.data());
-  CHECK(bits_equal(o1, o3));
-  static_assert(std::is_trivially_copyable_v<d::combine_elements<T>> && std::is_trivially_copyable_v<d::weight_gradients<T>> &&
-                std::is_trivially_copyable_v<d::scatter_grad_elements<T>> &&
-                std::is_trivially_copyable_v<d::reduce_grad_elements<T>> && std::is_trivially_copyable_v<d::gather_elements<T>>);
-}
-
-TEST_CASE_TEMPLATE("row tables read the same rows bitwise; copy_rows, scale_rows; the lane order of dot products", T,
-                   float, double, epx::bf16, epx::fp16) {
-  namespace d = epx::dispatch;
   using A = epx::accum_t<T>;
-  const epx::exec::serial ser;
-  auto bits_equal = [](const auto& a, const auto& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
-  };
   for (std::size_t H : {std::size_t{1}, std::size_t{13}, std::size_t{16}, std::size_t{37}, std::size_t{300}}) {
     CAPTURE(H);
     const std::size_t n = 6;
@@ -302,31 +330,9 @@ TEST_CASE_TEMPLATE("row tables read the same rows bitwise; copy_rows, scale_rows
     pos[4] = -1;
     const auto y = epx::ref::from_double<T>(epx::ref::random_normal(S, H, 31));
     const auto go = epx::ref::from_double<T>(epx::ref::random_normal(n, H, 32));
-    const auto wd = epx::ref::random_weights(n, k, 33, -1.0, 1.0);
-    std::vector<float> w(wd.begin(), wd.end());
-    // The same rows scattered over separate allocations, reached through a table.
-    std::vector<std::vector<T>> pieces(S);
-    std::vector<const T*> table(S);
-    for (std::size_t p = 0; p < S; ++p) {
-      pieces[p].assign(y.begin() + static_cast<std::ptrdiff_t>(p * H), y.begin() + static_cast<std::ptrdiff_t>((p + 1) * H));
-      table[p] = pieces[p].data();
-    }
-    const d::row_table<T> rows{table.data()};
-
-    std::vector<T> o1(n * H), o2(n * H);
-    epx::exec::for_each_n(ser, n, d::combine<T>{y.data(), w.data(), pos.data(), o1.data(), H, k});
-    d::launch_combine(ser, n, H, k, rows, w.data(), pos.data(), o2.data());
-    CHECK(bits_equal(o1, o2));
-
-    std::vector<T> gy1(S * H, epx::convert<T>(0.0f)), gy2(S * H, epx::convert<T>(0.0f));
-    std::vector<float> gw1(S, 3.0f), gw2(S, 3.0f), gw3(S, 3.0f);
-    d::launch_combine_backward(ser, n, H, k, y.data(), go.data(), w.data(), pos.data(), gy1.data(), gw1.data());
-    d::launch_combine_backward(ser, n, H, k, rows, go.data(), w.data(), pos.data(), gy2.data(), gw2.data());
-    d::launch_weight_gradients(ser, n, H, k, rows, go.data(), pos.data(), gw3.data());
-    CHECK(bits_equal(gy1, gy2));
-    CHECK(bits_equal(gw1, gw2));
-    CHECK(bits_equal(gw1, gw3));
-    CHECK(gw3[4] == 0.0f);
+    std::vector<float> gw(S, 3.0f);
+    epx::kernels::weight_gradients(epx::exec::emulated_device{}, n, H, k, y.data(), go.data(), pos.data(), gw.data());
+    CHECK(gw[4] == 0.0f);
     // grad_w sums 16 interleaved lanes in h order each, then the lanes in order.
     for (std::size_t i = 0; i < S; ++i) {
       if (pos[i] < 0) continue;
@@ -336,64 +342,67 @@ TEST_CASE_TEMPLATE("row tables read the same rows bitwise; copy_rows, scale_rows
         lane[h % 16] += epx::convert<A>(y[static_cast<std::size_t>(pos[i]) * H + h]) * epx::convert<A>(go[t * H + h]);
       A sum = A(0);
       for (A v : lane) sum += v;
-      CHECK(gw1[i] == static_cast<float>(sum));
+      CHECK(gw[i] == static_cast<float>(sum));
     }
-
-    std::vector<T> gx1(n * H), gx2(n * H);
-    d::launch_reduce_grad_rows(ser, n, H, k, y.data(), pos.data(), gx1.data());
-    d::launch_reduce_grad_rows(ser, n, H, k, rows, pos.data(), gx2.data());
-    CHECK(bits_equal(gx1, gx2));
-
-    // copy_rows and scale_rows: a null source is a zero row.
-    std::vector<const T*> src = {table[3], nullptr, table[0], table[3]};
+    // A scaled copy: scale * row in accum_t, rounded once to T; a null source is a zero row.
+    std::vector<const T*> src = {y.data() + 3 * H, nullptr, y.data(), y.data() + 3 * H};
     std::vector<float> sc = {0.5f, 9.0f, -2.0f, 1.0f};
-    std::vector<T> c(src.size() * H, epx::convert<T>(5.0f)), sr(src.size() * H, epx::convert<T>(5.0f));
-    d::launch_copy_rows(ser, src.size(), H, src.data(), c.data());
-    d::launch_scale_rows(ser, src.size(), H, src.data(), sc.data(), sr.data());
+    std::vector<T> sr(src.size() * H, epx::convert<T>(5.0f));
+    epx::kernels::copy(epx::exec::emulated_device{}, src.size(), H, src.data(), sc.data(), sr.data());
     for (std::size_t r = 0; r < src.size(); ++r)
       for (std::size_t h = 0; h < H; ++h) {
-        const double v = src[r] ? epx::convert<double>(src[r][h]) : 0.0;
-        CHECK(epx::convert<double>(c[r * H + h]) == v);
         const T want = src[r] ? epx::convert<T>(static_cast<A>(sc[r]) * epx::convert<A>(src[r][h])) : epx::convert<T>(0.0f);
         CHECK(std::memcmp(&sr[r * H + h], &want, sizeof(T)) == 0);
       }
   }
 }
 
-TEST_CASE("peer rows: every member's layout from the gathered counts; dispatch and return are inverse maps") {
+TEST_CASE("receive layout: every member's segments, offsets and row records from one count matrix") {
   namespace d = epx::detail;
   rng g(123);
   for (int trial = 0; trial < 40; ++trial) {
     const int ep = 1 + g.below(5), L = 1 + g.below(3), E = ep * L;
     const epx::padding pad{g.below(3), 1 + g.below(3)};
-    d::group_records rec;
-    rec.size = ep;
-    rec.stride = d::record_header + static_cast<std::size_t>(E);
-    rec.data.assign(rec.stride * static_cast<std::size_t>(ep), 0);
-    for (int s = 0; s < ep; ++s)
-      for (int e = 0; e < E; ++e)
-        rec.data[static_cast<std::size_t>(s) * rec.stride + d::record_header + static_cast<std::size_t>(e)] =
-            g.below(4) == 0 ? 0 : g.below(6);
-    const d::group_layout gl = d::make_group_layout(rec, L, pad);
-    // Each member's own layout (what the staged route uses) agrees with the group view.
+    std::vector<std::vector<std::int64_t>> counts(static_cast<std::size_t>(ep), std::vector<std::int64_t>(static_cast<std::size_t>(E)));
+    for (auto& c : counts)
+      for (auto& v : c) v = g.below(4) == 0 ? 0 : g.below(6);
+    const d::receive_layout lay =
+        d::make_receive_layout(ep, ep, L, pad, [&](int s) { return counts[static_cast<std::size_t>(s)].data(); });
+    // Each member's segments and offsets, recomputed here from the definition.
     std::vector<std::size_t> R(static_cast<std::size_t>(ep)), S(static_cast<std::size_t>(ep));
     for (int me = 0; me < ep; ++me) {
-      std::vector<std::int64_t> off(static_cast<std::size_t>(E) + 1, 0);
-      for (int e = 0; e < E; ++e) off[static_cast<std::size_t>(e) + 1] = off[static_cast<std::size_t>(e)] + rec.counts(me)[e];
-      const d::segment_layout lay = d::make_segment_layout(rec, off, me, L, pad);
-      R[static_cast<std::size_t>(me)] = lay.offsets.back();
-      S[static_cast<std::size_t>(me)] = static_cast<std::size_t>(off.back());
-      for (int s = 0; s < ep; ++s)
-        for (int l = 0; l < L; ++l)
-          CHECK(gl.recv_at(me, s, l) == lay.recv_displs[static_cast<std::size_t>(s * L + l)]);
-      for (int e = 0; e < E; ++e) CHECK(gl.send_at(me, static_cast<std::size_t>(e)) == lay.send_displs[static_cast<std::size_t>(e)]);
+      const auto& mine = counts[static_cast<std::size_t>(me)];
+      std::size_t at = 0;
+      const d::segments seg = d::segments_of(lay, me);
+      for (int e = 0; e < E; ++e) {
+        CHECK(seg.send_displs[static_cast<std::size_t>(e)] == at);
+        CHECK(seg.send_counts[static_cast<std::size_t>(e)] == static_cast<std::size_t>(mine[static_cast<std::size_t>(e)]));
+        at += static_cast<std::size_t>(mine[static_cast<std::size_t>(e)]);
+      }
+      S[static_cast<std::size_t>(me)] = at;
+      CHECK(lay.sent(me) == at);
+      std::size_t off = 0;
+      for (int l = 0; l < L; ++l) {
+        CHECK(lay.offsets(me)[l] == off);
+        std::size_t row = off;
+        for (int s = 0; s < ep; ++s) {
+          const auto c = static_cast<std::size_t>(counts[static_cast<std::size_t>(s)][static_cast<std::size_t>(me * L + l)]);
+          CHECK(seg.recv_displs[static_cast<std::size_t>(s * L + l)] == row);
+          CHECK(seg.recv_counts[static_cast<std::size_t>(s * L + l)] == c);
+          row += c;
+        }
+        CHECK(lay.received(me)[l] == row - off);
+        off += pad.padded_rows(row - off);
+      }
+      CHECK(lay.rows(me) == off);
+      R[static_cast<std::size_t>(me)] = off;
     }
     // received[d][r] = (s, q): row r of d comes from send position q of s; padding stays (-1, -1).
     std::vector<std::vector<std::pair<int, std::size_t>>> received(static_cast<std::size_t>(ep));
     for (int dd = 0; dd < ep; ++dd) {
       auto& v = received[static_cast<std::size_t>(dd)];
       v.assign(R[static_cast<std::size_t>(dd)], {-1, 0});
-      d::for_each_received(gl, dd, [&](std::size_t i, int s, std::size_t q) {
+      d::for_each_received(lay, dd, [&](std::size_t i, int s, std::size_t q) {
         REQUIRE(i < v.size());
         CHECK(v[i].first == -1);  // every row written once
         v[i] = {s, q};
@@ -402,7 +411,7 @@ TEST_CASE("peer rows: every member's layout from the gathered counts; dispatch a
     // Every send position of every member returns from exactly the row it was sent to.
     for (int me = 0; me < ep; ++me) {
       std::vector<int> seen(S[static_cast<std::size_t>(me)], 0);
-      d::for_each_returned(gl, me, [&](std::size_t p, int dd, std::size_t r) {
+      d::for_each_returned(lay, me, [&](std::size_t p, int dd, std::size_t r) {
         REQUIRE(p < seen.size());
         ++seen[p];
         REQUIRE(r < received[static_cast<std::size_t>(dd)].size());
@@ -410,5 +419,15 @@ TEST_CASE("peer rows: every member's layout from the gathered counts; dispatch a
       });
       for (int c : seen) CHECK(c == 1);
     }
+    // The masked path's layout: one source, the owner's local experts only.
+    const int me = g.below(ep);
+    const d::receive_layout one =
+        d::make_receive_layout(1, ep, L, pad, [&](int) { return counts[static_cast<std::size_t>(me)].data(); });
+    std::size_t off = 0;
+    for (int l = 0; l < L; ++l) {
+      CHECK(one.offsets(me)[l] == off);
+      off += pad.padded_rows(static_cast<std::size_t>(counts[static_cast<std::size_t>(me)][static_cast<std::size_t>(me * L + l)]));
+    }
+    CHECK(one.rows(me) == off);
   }
 }

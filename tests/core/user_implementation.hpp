@@ -27,7 +27,7 @@ class local_only {
   struct state {
     epx::layout::send_plan<Exec> plan;       // pos [N*k]: row of pair (t, j) in the expert-major buffer
     std::vector<std::size_t> offsets;        // [E+1]
-    epx::exec::buffer<float, Exec> weights;  // [N*k]
+    epx::exec::buffer<float, Exec> weights;  // [N*k] in send order
     epx::exec::buffer<T, Exec> x_rows;       // [N*k, H]
     epx::exec::buffer<T, Exec> y_rows;       // [N*k, H]
   };
@@ -43,18 +43,18 @@ class local_only {
     s.offsets.assign(s.plan.host_offset.begin(), s.plan.host_offset.end());
     s.x_rows = epx::exec::make_buffer<T>(ex, S * H);
     s.y_rows = epx::exec::make_buffer<T>(ex, S * H);
-    epx::exec::for_each_n(ex, S, epx::dispatch::gather_rows<T>{a.x, s.plan.src_row.data(), s.x_rows.data(), H});
+    epx::kernels::gather(ex, S, H, a.x, static_cast<const std::int64_t*>(s.plan.src_row.data()), s.x_rows.data());
     const epx::expert_rows<const T> rows{s.x_rows.data(), S, H, s.offsets.data(), E, 0};
     experts.forward(ex, rows, s.y_rows.data());
-    epx::exec::for_each_n(ex, N, epx::dispatch::combine<T>{s.y_rows.data(), a.weights, s.plan.pos.data(), a.out, H,
-                                                           a.top_k});
+    epx::kernels::combine(ex, N, H, a.top_k, static_cast<const T*>(s.y_rows.data()), a.weights, s.plan.pos.data(),
+                          a.out);
     if (ctx_.stats != nullptr) {
       ctx_.stats->path = name;
       ctx_.stats->tokens_per_local_expert = s.plan.host_counts;
     }
     if (saved != nullptr) {
-      s.weights = epx::exec::make_buffer<float>(ex, S);
-      epx::exec::copy_n(ex, a.weights, S, s.weights.data());
+      s.weights = epx::exec::make_buffer<float>(ex, S);  // in send order
+      epx::kernels::scatter(ex, S, static_cast<const std::int64_t*>(s.plan.pos.data()), a.weights, s.weights.data());
       saved->template emplace<state<T, Exec>>(std::move(s));
     }
   }
@@ -66,13 +66,13 @@ class local_only {
     const std::size_t N = a.rows, H = a.hidden, S = N * static_cast<std::size_t>(a.top_k);
     auto grad_y = epx::exec::make_buffer<T>(ex, S * H);
     auto grad_in = epx::exec::make_buffer<T>(ex, S * H);
-    epx::exec::for_each_n(ex, N, epx::dispatch::combine_backward<T>{s.y_rows.data(), a.grad_out, s.weights.data(),
-                                                                    s.plan.pos.data(), grad_y.data(),
-                                                                    a.grad_weights, H, a.top_k});
+    epx::kernels::gather(ex, S, H, a.grad_out, static_cast<const std::int64_t*>(s.plan.src_row.data()),
+                         static_cast<const float*>(s.weights.data()), grad_y.data());
+    epx::kernels::weight_gradients(ex, N, H, a.top_k, static_cast<const T*>(s.y_rows.data()), a.grad_out,
+                                   s.plan.pos.data(), a.grad_weights);
     const epx::expert_rows<const T> rows{s.x_rows.data(), S, H, s.offsets.data(), ctx_.num_experts(), 0};
     experts.backward(ex, rows, static_cast<const T*>(grad_y.data()), grad_in.data());
-    epx::exec::for_each_n(ex, N, epx::dispatch::reduce_grad_rows<T>{grad_in.data(), s.plan.pos.data(), a.grad_x, H,
-                                                                    a.top_k});
+    epx::kernels::reduce(ex, N, H, a.top_k, static_cast<const T*>(grad_in.data()), s.plan.pos.data(), a.grad_x);
   }
 
  private:

@@ -82,10 +82,6 @@ void check_clean(const rel::step_config& s, const run_outcome& o, const char* wh
   (void)s;
 }
 
-std::string hidden_value(const rel::step_config& s, int delta) {
-  return "H=" + std::to_string(s.c.hidden + delta);
-}
-
 struct counts {
   int trials = 0, by_kind[16] = {}, by_phase_throw[5] = {}, watchdog_named_stalled = 0;
 };
@@ -188,8 +184,24 @@ void inject(const rel::step_config& s, const rel::fault_spec& f, const std::vect
       }
       break;
     }
+    case fault_kind::hidden_differs: {
+      // Layer options that differ between ranks: the constructor's agreement refuses them
+      // on every rank of the world, naming the rank and the value.
+      const std::string values = "hidden=" + std::to_string(s.c.hidden + 1);
+      CHECK(o.category == epx::errc::configuration);
+      CHECK(o.seconds < watchdog.count() / 1000.0);
+      for (int r = 0; r < world; ++r) {
+        const auto& x = o.ranks[static_cast<std::size_t>(r)];
+        CAPTURE(r);
+        CAPTURE(x.message);
+        REQUIRE(x.thrown);
+        CHECK(x.category == epx::errc::configuration);
+        CHECK(x.message.find(values) != std::string::npos);
+        CHECK(rel::names_rank(x.message, f.rank));
+      }
+      break;
+    }
     case fault_kind::rows_differ:
-    case fault_kind::hidden_differs:
     case fault_kind::bad_id:
     case fault_kind::nan_weight: {
       // The EP group of the bad rank agrees on an errc::input error naming the values; the
@@ -202,7 +214,6 @@ void inject(const rel::step_config& s, const rel::fault_spec& f, const std::vect
       std::string values;
       switch (f.kind) {
         case fault_kind::rows_differ: values = "N=" + std::to_string(s.rows[static_cast<std::size_t>(b)] + 1); break;
-        case fault_kind::hidden_differs: values = hidden_value(s, 1); break;
         case fault_kind::bad_id: values = "expert id (" + std::to_string(s.c.topology.experts) + ") of token"; break;
         default: values = "is not finite"; break;
       }

@@ -1,13 +1,20 @@
 // epx/exec/host.hpp: host execution policies.
 //
-// Per-element work is written once as a functor `f(std::size_t i)` marked EPX_HOST_DEVICE
-// and launched through an execution policy:
+// Per-element work is written once as a functor marked EPX_HOST_DEVICE and launched
+// through an execution policy:
 //
-//   epx::exec::for_each_n(policy, n, f);   // calls f(i) for i in [0, n), any order
+//   epx::exec::for_each_n(policy, n, f);              // f(i) for i in [0, n), any order
+//   epx::exec::for_each_row<T>(policy, rows, cols, g); // g(r, h0, h1): columns [h0, h1) of row r
+//
+// for_each_row covers every column of every row exactly once; the policy chooses the
+// launch shape (row_shape_v): host policies call g once per whole row (long contiguous
+// loops), device policies once per 16-byte chunk of a row (neighbouring threads touch
+// neighbouring bytes). The functor is the same either way.
 //
 // Host policies: `serial` (one thread) and `openmp` (a parallel loop when the translation
 // unit is compiled with OpenMP, serial otherwise). The CUDA policy `epx::exec::cuda`
-// (epx/exec/cuda.cuh) launches the very same functors through Thrust on a user stream.
+// (epx/exec/cuda.cuh) launches the very same functors with a grid-stride kernel on a user
+// stream.
 //
 // Memory: `buffer<T, Policy>` owns `n` elements in the policy's memory space (host memory
 // here, device memory for the CUDA policy); `copy_n`, `fill_zero` move and clear it.
@@ -58,6 +65,59 @@ void for_each_n(const openmp& p, std::size_t n, F&& f) {
   (void)p;
   for (std::size_t i = 0; i < n; ++i) f(i);
 #endif
+}
+
+// The launch shape of a row operation on a policy.
+enum class row_shape : int {
+  whole_rows = 0,  // g(r, 0, cols) once per row
+  chunks16 = 1,    // g(r, h0, h1) once per 16 bytes of a row (the last chunk may be shorter)
+};
+template <class P, class = void>
+struct row_shape_of : std::integral_constant<row_shape, row_shape::chunks16> {};  // device policies
+template <class P>
+struct row_shape_of<P, std::enable_if_t<is_host_policy_v<P>>>
+    : std::integral_constant<row_shape, row_shape::whole_rows> {};
+template <class P>
+inline constexpr row_shape row_shape_v = row_shape_of<std::remove_cv_t<P>>::value;
+
+namespace detail {
+template <class G>
+struct whole_row_call {
+  G g;
+  std::size_t cols;
+  EPX_HOST_DEVICE void operator()(std::size_t r) const { g(r, 0, cols); }
+};
+// One division per chunk (not per element) recovers the row.
+template <class G>
+struct row_chunk_call {
+  G g;
+  std::size_t chunks;  // per row
+  std::size_t width;   // elements per chunk
+  std::size_t cols;
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    const std::size_t r = i / chunks;
+    const std::size_t h0 = (i - r * chunks) * width;
+    g(r, h0, h0 + width < cols ? h0 + width : cols);
+  }
+};
+}  // namespace detail
+
+// Elements of T in one 16-byte chunk (at least 1).
+template <class T>
+inline constexpr std::size_t chunk_elements = sizeof(T) >= 16 ? 1 : 16 / sizeof(T);
+
+// g(r, h0, h1) over rows [0, rows) and columns [0, cols) of elements of type T, in the
+// policy's launch shape (row_shape_v<P>). Every (row, column) is covered exactly once.
+template <class T, class P, class G>
+void for_each_row(const P& p, std::size_t rows, std::size_t cols, G g) {
+  if (rows == 0 || cols == 0) return;
+  if constexpr (row_shape_v<P> == row_shape::whole_rows) {
+    for_each_n(p, rows, detail::whole_row_call<G>{g, cols});
+  } else {
+    constexpr std::size_t w = chunk_elements<T>;
+    const std::size_t chunks = (cols + w - 1) / w;
+    for_each_n(p, rows * chunks, detail::row_chunk_call<G>{g, chunks, w, cols});
+  }
 }
 
 // Host memory owned by a host policy. Not value-initialised: callers fill what they read.
@@ -130,3 +190,8 @@ inline void synchronize(const serial&) {}
 inline void synchronize(const openmp&) {}
 
 }  // namespace epx::exec
+
+// The emulated device policy is declared with the host policies, so that library code
+// (whose qualified exec:: calls see only what is declared before it) finds its functions
+// whatever the order of includes.
+#include "epx/exec/emulated.hpp"

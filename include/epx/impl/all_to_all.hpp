@@ -2,9 +2,10 @@
 //
 // Forward, per call:
 //   1. TP slice [b, e) of the N rows (empty slices join everything below);
-//   2. counting-sort send layout of the slice's (row, slot) pairs (epx/layout/plan.hpp);
-//   3. count exchange: all_gather of {status, N, H, k, counts[E]} over the EP group; bad
-//      input anywhere raises on every rank here, before rows move;
+//   2-3. the shared prologue (epx/impl/prologue.hpp): counting-sort send layout of the
+//      slice's (row, slot) pairs, count exchange (all_gather of {status, N, H, k,
+//      counts[E]} over the EP group; bad input anywhere raises on every rank here, before
+//      rows move) and the receive layout (epx/layout/receive.hpp);
 //   4. rows land expert-major (with zero padding rows) at the owner of their expert, with
 //      no second permutation;
 //   5. the user's experts (over their own inputs in inference when they allow it,
@@ -36,112 +37,27 @@
 #include <vector>
 
 #include "epx/comm/collectives.hpp"
-#include "epx/layout/exchange.hpp"
-#include "epx/layout/receive.hpp"
 #include "epx/comm/settle.hpp"
-#include "epx/exec/workspace.hpp"
-#include "epx/kernels/functors.hpp"
-#include "epx/kernels/launch.hpp"
-#include "epx/impl/implementation.hpp"
-#include "epx/layout/slicing.hpp"
 #include "epx/exec/host.hpp"
+#include "epx/exec/workspace.hpp"
 #include "epx/impl/experts.hpp"
-#include "epx/layout/plan.hpp"
+#include "epx/impl/implementation.hpp"
+#include "epx/impl/prologue.hpp"
+#include "epx/kernels/launch.hpp"
+#include "epx/layout/receive.hpp"
+#include "epx/layout/slicing.hpp"
 
 namespace epx {
 namespace detail {
 
-// Where rows go and land, in rows. Arrays are [ep][L] (segment l of peer d).
-struct segment_layout {
-  std::vector<std::size_t> send_counts, send_displs;  // this rank's send buffer (send order)
-  std::vector<std::size_t> recv_counts, recv_displs;  // this rank's expert-major buffer
-  std::vector<std::size_t> offsets;                   // [L+1] expert-major offsets, padding included
-  std::vector<std::size_t> received;                  // [L] rows received per local expert
-};
-
-inline segment_layout make_segment_layout(const group_records& g, const std::vector<std::int64_t>& my_offset,
-                                          int my_ep_rank, int L, const padding& pad) {
-  const int ep = g.size;
-  const std::size_t m = static_cast<std::size_t>(ep) * static_cast<std::size_t>(L);
-  segment_layout s;
-  s.send_counts.assign(m, 0);
-  s.send_displs.assign(m, 0);
-  s.recv_counts.assign(m, 0);
-  s.recv_displs.assign(m, 0);
-  s.offsets.assign(static_cast<std::size_t>(L) + 1, 0);
-  s.received.assign(static_cast<std::size_t>(L), 0);
-  const int me = my_ep_rank;
-  for (int d = 0; d < ep; ++d)
-    for (int l = 0; l < L; ++l) {
-      const std::size_t e = static_cast<std::size_t>(d) * static_cast<std::size_t>(L) + static_cast<std::size_t>(l);
-      s.send_counts[e] = static_cast<std::size_t>(my_offset[e + 1] - my_offset[e]);
-      s.send_displs[e] = static_cast<std::size_t>(my_offset[e]);
-    }
-  std::size_t off = 0;
-  for (int l = 0; l < L; ++l) {
-    s.offsets[static_cast<std::size_t>(l)] = off;
-    std::size_t at = off;
-    for (int src = 0; src < ep; ++src) {
-      const auto c = static_cast<std::size_t>(g.counts(src)[me * L + l]);
-      const std::size_t i = static_cast<std::size_t>(src) * static_cast<std::size_t>(L) + static_cast<std::size_t>(l);
-      s.recv_counts[i] = c;
-      s.recv_displs[i] = at;
-      at += c;
-    }
-    s.received[static_cast<std::size_t>(l)] = at - off;
-    off += pad.padded_rows(at - off);
-  }
-  s.offsets[static_cast<std::size_t>(L)] = off;
-  return s;
-}
-
-// This rank's per-local-expert statistics from its expert-major layout ([L+1] offsets,
-// padding included; [L] rows received), and zeroed per-peer row counts ([ep]).
-inline void fill_local_stats(layer_stats& st, const char* path, const std::vector<std::size_t>& offsets,
-                             const std::vector<std::size_t>& received, int ep) {
-  const std::size_t L = received.size();
-  st.path = path;
-  st.tokens_per_local_expert.assign(L, 0);
-  st.padding_per_local_expert.assign(L, 0);
-  for (std::size_t l = 0; l < L; ++l) {
-    st.tokens_per_local_expert[l] = static_cast<std::int64_t>(received[l]);
-    st.padding_per_local_expert[l] = static_cast<std::int64_t>(offsets[l + 1] - offsets[l] - received[l]);
-  }
-  st.rows_sent.assign(static_cast<std::size_t>(ep), 0);
-  st.rows_received.assign(static_cast<std::size_t>(ep), 0);
-  st.peer_access = false;
-}
-
-// Group-wide load statistics from gathered counts ([E] per rank).
-inline void fill_group_stats(layer_stats& st, const group_records& g, int ep, int L) {
-  const int E = ep * L;
-  st.tokens_per_expert.assign(static_cast<std::size_t>(E), 0);
-  for (int r = 0; r < g.size; ++r)
-    for (int e = 0; e < E; ++e) st.tokens_per_expert[static_cast<std::size_t>(e)] += g.counts(r)[e];
-  std::int64_t total = 0, mx = 0;
-  for (auto c : st.tokens_per_expert) {
-    total += c;
-    mx = std::max(mx, c);
-  }
-  st.max_expert_load = static_cast<double>(mx);
-  st.mean_expert_load = static_cast<double>(total) / E;
-  std::int64_t rmx = 0;
-  for (int d = 0; d < ep; ++d) {
-    std::int64_t s = 0;
-    for (int l = 0; l < L; ++l) s += st.tokens_per_expert[static_cast<std::size_t>(d * L + l)];
-    rmx = std::max(rmx, s);
-  }
-  st.max_rank_load = static_cast<double>(rmx);
-  st.mean_rank_load = static_cast<double>(total) / ep;
-}
-
-// Zero-fills the padding rows of an expert-major buffer.
+// Zero-fills the padding rows of owner `me`'s expert-major buffer.
 template <class Exec, class T>
-void zero_padding(const Exec& ex, T* rows, const std::vector<std::size_t>& offsets,
-                  const std::vector<std::size_t>& received, std::size_t H) {
-  for (std::size_t l = 0; l + 1 < offsets.size(); ++l) {
-    const std::size_t b = offsets[l] + received[l];
-    exec::fill_zero(ex, rows + b * H, (offsets[l + 1] - b) * H);
+void zero_padding(const Exec& ex, T* rows, const receive_layout& lay, int me, std::size_t H) {
+  const std::size_t* off = lay.offsets(me);
+  const std::size_t* got = lay.received(me);
+  for (int l = 0; l < lay.L; ++l) {
+    const std::size_t b = off[l] + got[l];
+    exec::fill_zero(ex, rows + b * H, (off[l + 1] - b) * H);
   }
 }
 
@@ -152,103 +68,93 @@ class all_to_all_impl {
 
   explicit all_to_all_impl(const layer_context<Comm>& ctx) : ctx_(ctx) {}
 
+  // Any mesh: the all-to-all path has no rule of its own beyond the mesh's.
+  static std::string can_implement(const mesh&, const layer_options&) { return {}; }
+
   // What backward needs; buffers in the policy's memory space.
   template <class T, class Exec>
   struct state {
     std::size_t rows = 0, hidden = 0;
     int top_k = 0;
     row_slice slice;
-    std::size_t recv_rows = 0;
-    segment_layout layout;
-    bool direct = false;                    // made by the peer-access path (y stays at the owners)
-    group_layout group;                     // direct: every member's layout
-    exec::buffer<std::int64_t, Exec> pos;   // [n*k] send position of pair (t, j)
-    exec::buffer<float, Exec> weights;      // [n*k] copy of the slice's routing weights; direct: [S] in send order
-    exec::buffer<std::int64_t, Exec> src_row;  // direct: [S] the slice row of each send position
-    rows_buffer<T, Exec> x_recv;            // [R, H] expert-major input rows
-    rows_buffer<T, Exec> y;                 // staged: [S, H] outputs in send order; direct: [R, H] expert-major
+    receive_layout layout;
+    segments seg;                              // staged: this rank's segments
+    bool direct = false;                       // made by the direct route (y stays at the owners)
+    exec::buffer<std::int64_t, Exec> pos;      // [n*k] send position of pair (t, j)
+    exec::buffer<std::int64_t, Exec> src_row;  // [S] the slice row of each send position
+    exec::buffer<float, Exec> weights;         // [S] routing weight of each send position
+    rows_buffer<T, Exec> x_recv;               // [R, H] expert-major input rows
+    rows_buffer<T, Exec> y;                    // staged: [S, H] outputs in send order; direct: [R, H] expert-major
   };
 
   template <class T, class Exec, class Experts>
   void forward(const Exec& ex, const forward_args<T>& a, Experts& experts, saved_state<T>* saved) {
     check_experts_forward<Experts, Exec, T>();
-    const int E = ctx_.num_experts(), L = ctx_.local_experts(), tp = ctx_.tp_size();
+    const int L = ctx_.local_experts(), tp = ctx_.tp_size(), me = ctx_.ep_rank();
     const std::size_t H = a.hidden;
     const auto k = static_cast<std::size_t>(a.top_k);
     const row_slice sl = a.status == 0 ? slice_bounds(a.rows, tp, ctx_.tp_rank()) : row_slice{};
     const std::size_t n = sl.size();
 
-    // 1-3: layout and count exchange.
-    auto plan = layout::build_plan(ex, a.status == 0 ? a.ids + sl.begin * k : nullptr,
-                                   a.status == 0 ? a.weights + sl.begin * k : nullptr, n, a.top_k, E,
-                                   ctx_.options.chunks);
-    std::int64_t status = a.status;
-    std::string msg = a.status_message;
-    if (status == 0 && !plan.check) {
-      status = 2;
-      msg = layout::describe(plan.check, a.top_k, E, sl.begin);
-    }
-    const group_records g = exchange_records(*ctx_.ep, ex, status, a.rows, H, a.top_k, ctx_.rank,
-                                             plan.host_counts.data(), static_cast<std::size_t>(E), msg,
-                                             "moe_layer forward", tp);
-    segment_layout lay = make_segment_layout(g, plan.host_offset, ctx_.ep_rank(), L, ctx_.options.pad);
+    // 1-3: send plan, count exchange, receive layout.
+    route_request q;
+    q.row0 = sl.begin;
+    q.n = n;
+    q.agree_rows = tp;
+    q.path = name;
+    routed<Exec> r = route_forward(ctx_, ex, a, q);
+    const receive_layout& lay = r.layout;
     const bool direct = uses_peer_access<Exec>();
-    record_stats(g, lay);
     if (ctx_.stats != nullptr) ctx_.stats->peer_access = direct;
-    const std::size_t S = n * k, R = lay.offsets.back();
+    const std::size_t S = n * k, R = lay.rows(me);
     const T* x = a.x + sl.begin * H;
     const float* w = a.weights + sl.begin * k;
     T* out = a.out + sl.begin * H;
     exec::fill_zero(ex, a.out, sl.begin * H);  // the slice's rows are all written below
     exec::fill_zero(ex, a.out + sl.end * H, (a.rows - sl.end) * H);
     auto x_recv = make_rows<T>(ws_, ex, R * H);
-    const expert_rows<const T> rows{x_recv.data(), R, H, lay.offsets.data(), L, ctx_.first_expert()};
+    const expert_rows<const T> rows{x_recv.data(), R, H, lay.offsets(me), L, ctx_.first_expert()};
     rows_buffer<T, Exec> y;  // the experts' outputs: [S, H] in send order (staged), [R, H] at the owner (direct)
-    group_layout gl;
+    segments seg;
 
     if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
       if (direct) {
         // 4: every rank pulls its expert-major rows straight out of the owners' x (gather
         // and dispatch in one pass; padding rows come out zero).
-        gl = make_group_layout(g, L, ctx_.options.pad);
-        const int me = ctx_.ep_rank();
         auto table = ws_.template acquire<const T*>(std::max(R, S));
-        const void* mine[2] = {x, plan.src_row.data()};
+        const void* mine[2] = {x, r.plan.src_row.data()};
         ctx_.ep->access_peers(mine, 2, [&](const auto& peers) {
-          fill_receive_table(gl, me, table.data(), R, [&](int s, std::size_t q) {
+          fill_receive_table(lay, me, table.data(), R, [&](int s, std::size_t p) {
             const auto* src_row = static_cast<const std::int64_t*>(peers(s, 1));
-            return static_cast<const T*>(peers(s, 0)) + static_cast<std::size_t>(src_row[q]) * H;
+            return static_cast<const T*>(peers(s, 0)) + static_cast<std::size_t>(src_row[p]) * H;
           });
-          dispatch::launch_copy_rows(ex, R, H, static_cast<const T* const*>(table.data()), x_recv.data());
+          kernels::copy(ex, R, H, static_cast<const T* const*>(table.data()), x_recv.data());
         });
         // 5: experts.
         T* y_rows = run_experts(ex, experts, rows, x_recv.data(), saved != nullptr, y);
         // 6-7: combine reads every slot's output row in place at its owner.
         const void* mine_y[1] = {y_rows};
         ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {
-          fill_return_table(gl, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
-          dispatch::launch_combine(ex, n, H, a.top_k, dispatch::row_table<T>{table.data()}, w, plan.pos.data(), out);
+          fill_return_table(lay, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
+          kernels::combine(ex, n, H, a.top_k, kernels::row_table<T>{table.data()}, w, r.plan.pos.data(), out);
         });
       }
     }
     if (!direct) {
       // 4: rows into send order, then the segmented all-to-all lands them expert-major.
+      seg = segments_of(lay, me);
       auto send = make_rows<T>(ws_, ex, S * H);
-      dispatch::launch_gather(ex, S, H, x, static_cast<const std::int64_t*>(plan.src_row.data()), send.data());
-      zero_padding(ex, x_recv.data(), lay.offsets, lay.received, H);
+      kernels::gather(ex, S, H, x, static_cast<const std::int64_t*>(r.plan.src_row.data()), send.data());
+      zero_padding(ex, x_recv.data(), lay, me, H);
       settle(ex, *ctx_.ep);
-      all_to_allv_segments(*ctx_.ep, static_cast<const T*>(send.data()), make_span(lay.send_counts),
-                           make_span(lay.send_displs), x_recv.data(), make_span(lay.recv_counts),
-                           make_span(lay.recv_displs), static_cast<std::size_t>(L), H);
+      exchange_rows(seg, static_cast<const T*>(send.data()), x_recv.data(), L, H, false);
       // 5: experts.
       rows_buffer<T, Exec> y_recv;
       const T* y_rows = run_experts(ex, experts, rows, x_recv.data(), saved != nullptr, y_recv);
       // 6: outputs back into send order (reusing the send buffer); 7: combine.
       settle(ex, *ctx_.ep);
-      all_to_allv_segments(*ctx_.ep, y_rows, make_span(lay.recv_counts),
-                           make_span(lay.recv_displs), send.data(), make_span(lay.send_counts),
-                           make_span(lay.send_displs), static_cast<std::size_t>(L), H);
-      dispatch::launch_combine(ex, n, H, a.top_k, static_cast<const T*>(send.data()), w, plan.pos.data(), out);
+      exchange_rows(seg, y_rows, send.data(), L, H, true);
+      kernels::combine(ex, n, H, a.top_k, static_cast<const T*>(send.data()), w, r.plan.pos.data(), out);
       y = std::move(send);
     }
     // The TP group sums the slices.
@@ -261,18 +167,13 @@ class all_to_all_impl {
       s.hidden = H;
       s.top_k = a.top_k;
       s.slice = sl;
-      s.recv_rows = R;
-      s.layout = std::move(lay);
       s.direct = direct;
-      s.group = std::move(gl);
-      s.weights = exec::make_buffer<float>(ex, S);
-      if (direct) {  // what the owners read in backward: the weight and row of each send position
-        for (std::size_t i = 0; i < S; ++i) s.weights.data()[plan.pos.data()[i]] = w[i];
-        s.src_row = std::move(plan.src_row);
-      } else {
-        exec::copy_n(ex, w, S, s.weights.data());
-      }
-      s.pos = std::move(plan.pos);
+      s.weights = exec::make_buffer<float>(ex, S);  // the weight of each send position
+      kernels::scatter(ex, S, static_cast<const std::int64_t*>(r.plan.pos.data()), w, s.weights.data());
+      s.layout = std::move(r.layout);
+      s.seg = std::move(seg);
+      s.pos = std::move(r.plan.pos);
+      s.src_row = std::move(r.plan.src_row);
       s.x_recv = std::move(x_recv);
       s.y = std::move(y);
     }
@@ -282,79 +183,74 @@ class all_to_all_impl {
   void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
     check_experts_backward<Experts, Exec, T>();
     auto& s = saved.template get<state<T, Exec>>();
-    const int L = ctx_.local_experts(), tp = ctx_.tp_size();
+    const int L = ctx_.local_experts(), tp = ctx_.tp_size(), me = ctx_.ep_rank();
     const std::size_t H = s.hidden;
     const auto k = static_cast<std::size_t>(s.top_k);
     exchange_backward_status(*ctx_.ep, ex, a, s.rows, s.hidden, s.top_k, ctx_.rank, tp);
     const row_slice sl = s.slice;
-    const std::size_t n = sl.size(), S = n * k, R = s.recv_rows;
-    const segment_layout& lay = s.layout;
+    const receive_layout& lay = s.layout;
+    const std::size_t n = sl.size(), S = n * k, R = lay.rows(me);
     const T* grad_out = a.grad_out + sl.begin * H;
-    const float* w = static_cast<const float*>(s.weights.data());
+    const float* w_send = static_cast<const float*>(s.weights.data());
     T* grad_x = a.grad_x + sl.begin * H;
     float* grad_w = a.grad_weights + sl.begin * k;
     exec::fill_zero(ex, a.grad_weights, a.rows * k);
     exec::fill_zero(ex, a.grad_x, sl.begin * H);  // the slice's rows are all written below
     exec::fill_zero(ex, a.grad_x + sl.end * H, (a.rows - sl.end) * H);
-    const expert_rows<const T> rows{s.x_recv.data(), R, H, lay.offsets.data(), L, ctx_.first_expert()};
+    const expert_rows<const T> rows{s.x_recv.data(), R, H, lay.offsets(me), L, ctx_.first_expert()};
     auto grad_recv = make_rows<T>(ws_, ex, R * H);
     auto grad_in = make_rows<T>(ws_, ex, R * H);
 
     if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
       if (s.direct) {
-        const group_layout& gl = s.group;
-        const int me = ctx_.ep_rank();
         auto table = ws_.template acquire<const T*>(std::max(R, S));
         auto scale = ws_.template acquire<float>(R);
         // The owners make their grad_y rows straight from the token owners' grad_out
         // (scatter and dispatch in one pass); each token owner takes the dot products of its
         // grad_out rows with the slots' outputs kept at their owners (grad_w).
-        const void* mine[4] = {grad_out, s.src_row.data(), s.weights.data(), s.y.data()};
-        ctx_.ep->access_peers(mine, 4, [&](const auto& peers) {
+        const void* mine[3] = {grad_out, s.src_row.data(), s.weights.data()};
+        ctx_.ep->access_peers(mine, 3, [&](const auto& peers) {
           // Row i: send position q of member src, i.e. its grad_out row src_row[q] times its
           // weight (padding rows: null, a zero row).
-          fill_receive_table(gl, me, table.data(), R, [&](int src, std::size_t q) {
+          fill_receive_table(lay, me, table.data(), R, [&](int src, std::size_t p) {
             const auto* src_row = static_cast<const std::int64_t*>(peers(src, 1));
-            return static_cast<const T*>(peers(src, 0)) + static_cast<std::size_t>(src_row[q]) * H;
+            return static_cast<const T*>(peers(src, 0)) + static_cast<std::size_t>(src_row[p]) * H;
           });
-          for_each_received(gl, me, [&](std::size_t i, int src, std::size_t q) {
-            scale.data()[i] = static_cast<const float*>(peers(src, 2))[q];
+          for_each_received(lay, me, [&](std::size_t i, int src, std::size_t p) {
+            scale.data()[i] = static_cast<const float*>(peers(src, 2))[p];
           });
-          dispatch::launch_scale_rows(ex, R, H, static_cast<const T* const*>(table.data()),
-                                      static_cast<const float*>(scale.data()), grad_recv.data());
+          kernels::copy(ex, R, H, static_cast<const T* const*>(table.data()), static_cast<const float*>(scale.data()),
+                        grad_recv.data());
         });
         const void* mine_y[1] = {s.y.data()};
         ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {
-          fill_return_table(gl, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
-          dispatch::launch_weight_gradients(ex, n, H, s.top_k, dispatch::row_table<T>{table.data()}, grad_out,
-                                            s.pos.data(), grad_w);
+          fill_return_table(lay, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
+          kernels::weight_gradients(ex, n, H, s.top_k, kernels::row_table<T>{table.data()}, grad_out, s.pos.data(),
+                                    grad_w);
         });
         experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in.data());
         // Each token sums its slots' input gradients in place at their owners.
         const void* mine_i[1] = {grad_in.data()};
         ctx_.ep->access_peers(mine_i, 1, [&](const auto& peers) {
-          fill_return_table(gl, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
-          dispatch::launch_reduce_grad_rows(ex, n, H, s.top_k, dispatch::row_table<T>{table.data()}, s.pos.data(),
-                                            grad_x);
+          fill_return_table(lay, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
+          kernels::reduce(ex, n, H, s.top_k, kernels::row_table<T>{table.data()}, s.pos.data(), grad_x);
         });
       }
     }
     if (!s.direct) {
-      auto grad_send = make_rows<T>(ws_, ex, S * H);  // grad_y rows in send order
-      dispatch::launch_combine_backward(ex, n, H, s.top_k, static_cast<const T*>(s.y.data()), grad_out, w,
-                                        s.pos.data(), grad_send.data(), grad_w);
-      zero_padding(ex, grad_recv.data(), lay.offsets, lay.received, H);
+      // grad_y rows in send order: w * grad_out of the position's row; grad_w from the
+      // outputs kept in send order.
+      auto grad_send = make_rows<T>(ws_, ex, S * H);
+      kernels::gather(ex, S, H, grad_out, static_cast<const std::int64_t*>(s.src_row.data()), w_send,
+                      grad_send.data());
+      kernels::weight_gradients(ex, n, H, s.top_k, static_cast<const T*>(s.y.data()), grad_out, s.pos.data(), grad_w);
+      zero_padding(ex, grad_recv.data(), lay, me, H);
       settle(ex, *ctx_.ep);
-      all_to_allv_segments(*ctx_.ep, static_cast<const T*>(grad_send.data()), make_span(lay.send_counts),
-                           make_span(lay.send_displs), grad_recv.data(), make_span(lay.recv_counts),
-                           make_span(lay.recv_displs), static_cast<std::size_t>(L), H);
+      exchange_rows(s.seg, static_cast<const T*>(grad_send.data()), grad_recv.data(), L, H, false);
       experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in.data());
       settle(ex, *ctx_.ep);
-      all_to_allv_segments(*ctx_.ep, static_cast<const T*>(grad_in.data()), make_span(lay.recv_counts),
-                           make_span(lay.recv_displs), grad_send.data(), make_span(lay.send_counts),
-                           make_span(lay.send_displs), static_cast<std::size_t>(L), H);
-      dispatch::launch_reduce_grad_rows(ex, n, H, s.top_k, static_cast<const T*>(grad_send.data()), s.pos.data(),
-                                        grad_x);
+      exchange_rows(s.seg, static_cast<const T*>(grad_in.data()), grad_send.data(), L, H, true);
+      kernels::reduce(ex, n, H, s.top_k, static_cast<const T*>(grad_send.data()), s.pos.data(), grad_x);
     }
     if (tp > 1) {
       settle(ex, *ctx_.ep);
@@ -364,6 +260,18 @@ class all_to_all_impl {
   }
 
  private:
+  // The segmented all-to-all of the staged route: send order -> expert-major (dispatch),
+  // or back (`back`: expert-major -> send order).
+  template <class T>
+  void exchange_rows(const segments& g, const T* from, T* to, int L, std::size_t H, bool back) {
+    if (!back)
+      all_to_allv_segments(*ctx_.ep, from, make_span(g.send_counts), make_span(g.send_displs), to,
+                           make_span(g.recv_counts), make_span(g.recv_displs), static_cast<std::size_t>(L), H);
+    else
+      all_to_allv_segments(*ctx_.ep, from, make_span(g.recv_counts), make_span(g.recv_displs), to,
+                           make_span(g.send_counts), make_span(g.send_displs), static_cast<std::size_t>(L), H);
+  }
+
   // Runs the experts over `rows` (whose data is x_recv) and returns their outputs: written
   // over x_recv when the experts allow it and nothing is kept for backward, into `y`
   // (allocated here, R rows) otherwise.
@@ -383,20 +291,6 @@ class all_to_all_impl {
   template <class Exec>
   bool uses_peer_access() const noexcept {
     return has_peer_access_v<Comm> && exec::is_host_policy_v<Exec> && ctx_.options.peer_access;
-  }
-
-  void record_stats(const group_records& g, const segment_layout& lay) {
-    if (ctx_.stats == nullptr) return;
-    layer_stats& st = *ctx_.stats;
-    const int ep = ctx_.ep_size(), L = ctx_.local_experts();
-    fill_local_stats(st, name, lay.offsets, lay.received, ep);
-    for (int d = 0; d < ep; ++d)
-      for (int l = 0; l < L; ++l) {
-        const auto i = static_cast<std::size_t>(d * L + l);
-        st.rows_sent[static_cast<std::size_t>(d)] += static_cast<std::int64_t>(lay.send_counts[i]);
-        st.rows_received[static_cast<std::size_t>(d)] += static_cast<std::int64_t>(lay.recv_counts[i]);
-      }
-    fill_group_stats(st, g, ep, L);
   }
 
   layer_context<Comm> ctx_;

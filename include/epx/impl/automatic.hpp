@@ -6,6 +6,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "epx/impl/all_reduce.hpp"
 #include "epx/impl/all_to_all.hpp"
@@ -20,7 +21,13 @@ class automatic_impl {
   static constexpr const char* name = "automatic";
 
   explicit automatic_impl(const layer_context<Comm>& ctx) : a2a_(ctx) {
-    if (ctx.ep_size() == ctx.tp_size()) masked_ = std::make_unique<all_reduce_impl<Comm>>(ctx);
+    if (all_reduce_impl<Comm>::can_implement(*ctx.topology, ctx.options).empty())
+      masked_ = std::make_unique<all_reduce_impl<Comm>>(ctx);
+  }
+
+  // Any mesh: the all-to-all path runs whatever the masked path cannot.
+  static std::string can_implement(const mesh& m, const layer_options& o) {
+    return all_to_all_impl<Comm>::can_implement(m, o);
   }
 
   template <class T, class Exec, class Experts>

@@ -8,6 +8,9 @@
 //   struct my_impl {
 //     explicit my_impl(const epx::layer_context<Comm>& ctx);   // collective-free; may validate
 //     static constexpr const char* name = "my_impl";            // optional, shown in stats
+//     static std::string can_implement(const epx::mesh&, const epx::layer_options&);
+//                                  // optional: "" if it runs this mesh and these options,
+//                                  // else the reason (the layer raises errc::configuration)
 //     template <class T, class Exec, class Experts>
 //     void forward(const Exec&, const epx::forward_args<T>& a, Experts& experts,
 //                  epx::saved_state<T>* saved);                 // null for inference
@@ -34,6 +37,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -147,6 +151,61 @@ template <class I>
 struct impl_name<I, std::void_t<decltype(I::name)>> {
   static constexpr const char* value = I::name;
 };
+
+template <class I, class = void>
+struct has_can_implement : std::false_type {};
+template <class I>
+struct has_can_implement<I, std::void_t<decltype(std::string(
+                                I::can_implement(std::declval<const mesh&>(), std::declval<const layer_options&>())))>>
+    : std::true_type {};
 }  // namespace detail
+
+// "" when implementation I runs mesh m with options o, else the reason. Implementations
+// without a can_implement run everything.
+template <class I>
+std::string can_implement(const mesh& m, const layer_options& o) {
+  if constexpr (detail::has_can_implement<I>::value)
+    return std::string(I::can_implement(m, o));
+  else
+    return {};
+}
+
+// The implementation concept, one sentence per part (the forward/backward members are
+// templates, checked where the layer calls them with its own types).
+template <class I, class Comm>
+constexpr bool check_implementation() {
+  static_assert(std::is_constructible_v<I, const layer_context<Comm>&>,
+                "epx: the implementation must be constructible from `const epx::layer_context<Comm>&` "
+                "(see epx/impl/implementation.hpp)");
+  return std::is_constructible_v<I, const layer_context<Comm>&>;
+}
+
+namespace detail {
+template <class I, class Exec, class T, class Experts, class = void>
+struct has_impl_forward : std::false_type {};
+template <class I, class Exec, class T, class Experts>
+struct has_impl_forward<I, Exec, T, Experts,
+                        std::void_t<decltype(std::declval<I&>().forward(
+                            std::declval<const Exec&>(), std::declval<const forward_args<T>&>(),
+                            std::declval<Experts&>(), std::declval<saved_state<T>*>()))>> : std::true_type {};
+template <class I, class Exec, class T, class Experts, class = void>
+struct has_impl_backward : std::false_type {};
+template <class I, class Exec, class T, class Experts>
+struct has_impl_backward<I, Exec, T, Experts,
+                         std::void_t<decltype(std::declval<I&>().backward(
+                             std::declval<const Exec&>(), std::declval<const backward_args<T>&>(),
+                             std::declval<Experts&>(), std::declval<saved_state<T>&>()))>> : std::true_type {};
+}  // namespace detail
+
+template <class I, class Exec, class T, class Experts>
+constexpr bool check_implementation_calls() {
+  static_assert(detail::has_impl_forward<I, Exec, T, Experts>::value,
+                "epx: the implementation needs `template <class T, class Exec, class Experts> void forward(const Exec&, "
+                "const epx::forward_args<T>&, Experts&, epx::saved_state<T>*)` (see epx/impl/implementation.hpp)");
+  static_assert(detail::has_impl_backward<I, Exec, T, Experts>::value,
+                "epx: the implementation needs `template <class T, class Exec, class Experts> void backward(const Exec&, "
+                "const epx::backward_args<T>&, Experts&, epx::saved_state<T>&)` (see epx/impl/implementation.hpp)");
+  return true;
+}
 
 }  // namespace epx

@@ -1,8 +1,12 @@
 // epx/impl/stats.hpp: load statistics of the last layer call, readable by the user.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
+
+#include "epx/layout/receive.hpp"
 
 namespace epx {
 
@@ -31,5 +35,57 @@ struct layer_stats {
   // max/mean expert load; 1 is perfect balance, 0 when nothing was routed.
   double imbalance() const noexcept { return mean_expert_load > 0.0 ? max_expert_load / mean_expert_load : 0.0; }
 };
+
+namespace detail {
+
+// The one statistics routine of the built-in implementations: this rank is owner and
+// source `me` of the receive layout. `moves_rows`: rows travel between ranks (all-to-all);
+// the masked path moves none (rows_sent, rows_received stay zero).
+inline void record_stats(layer_stats& st, const char* path, const receive_layout& lay, int me, bool moves_rows) {
+  const int L = lay.L, owners = lay.owners;
+  const auto Ls = static_cast<std::size_t>(L);
+  const std::size_t E = lay.E();
+  st.path = path;
+  st.peer_access = false;
+  st.tokens_per_local_expert.assign(Ls, 0);
+  st.padding_per_local_expert.assign(Ls, 0);
+  const std::size_t* off = lay.offsets(me);
+  const std::size_t* got = lay.received(me);
+  for (std::size_t l = 0; l < Ls; ++l) {
+    st.tokens_per_local_expert[l] = static_cast<std::int64_t>(got[l]);
+    st.padding_per_local_expert[l] = static_cast<std::int64_t>(off[l + 1] - off[l] - got[l]);
+  }
+  st.rows_sent.assign(static_cast<std::size_t>(owners), 0);
+  st.rows_received.assign(static_cast<std::size_t>(owners), 0);
+  if (moves_rows)
+    for (int d = 0; d < owners; ++d)
+      for (int l = 0; l < L; ++l) {
+        const auto i = static_cast<std::size_t>(d) * Ls + static_cast<std::size_t>(l);
+        st.rows_sent[static_cast<std::size_t>(d)] += lay.count(me, i);
+        st.rows_received[static_cast<std::size_t>(d)] +=
+            lay.count(d, static_cast<std::size_t>(me) * Ls + static_cast<std::size_t>(l));
+      }
+  // Group-wide loads: every source's pairs per global expert.
+  st.tokens_per_expert.assign(E, 0);
+  for (int s = 0; s < lay.sources; ++s)
+    for (std::size_t e = 0; e < E; ++e) st.tokens_per_expert[e] += lay.count(s, e);
+  std::int64_t total = 0, mx = 0;
+  for (auto c : st.tokens_per_expert) {
+    total += c;
+    mx = std::max(mx, c);
+  }
+  st.max_expert_load = static_cast<double>(mx);
+  st.mean_expert_load = E ? static_cast<double>(total) / static_cast<double>(E) : 0.0;
+  std::int64_t rmx = 0;
+  for (int d = 0; d < owners; ++d) {
+    std::int64_t sum = 0;
+    for (std::size_t l = 0; l < Ls; ++l) sum += st.tokens_per_expert[static_cast<std::size_t>(d) * Ls + l];
+    rmx = std::max(rmx, sum);
+  }
+  st.max_rank_load = static_cast<double>(rmx);
+  st.mean_rank_load = owners ? static_cast<double>(total) / owners : 0.0;
+}
+
+}  // namespace detail
 
 }  // namespace epx

@@ -1,16 +1,23 @@
 // epx/layer/moe_layer.hpp: the expert-parallel MoE layer a user instantiates.
 //
 //   epx::moe_layer<Comm, T, Impl, Exec> layer(mesh, world, {.hidden = H, .top_k = k});
-//   auto saved = layer.forward(x, ids, weights, out, experts, epx::mode::train);
+//   epx::moe_layer<Comm, T, Impl, Exec> layer(mesh, world_rank, ep_comm, tp_comm, options);  // own groups
+//   auto saved = layer.forward(x, ids, weights, out, experts, epx::mode::train);  // or mode::inference
 //   layer.backward(std::move(saved), grad_out, grad_x, grad_weights, experts);
 //   layer.stats();   // load of the last call
 //
 // Comm: a communicator (threads, MPI, NCCL). T: float, double, bf16 or fp16 activations.
 // Impl: impl::all_to_all (default), impl::all_reduce (ep == tp), impl::automatic, or a
 // user type meeting the concept of epx/impl/implementation.hpp. Exec: an execution
-// policy (exec::serial, exec::openmp, exec::cuda).
+// policy (exec::serial, exec::openmp, exec::cuda; epx/exec/policy.hpp). Each is checked
+// with a static_assert that names what is missing.
 //
-// Construction is collective over `world` (it makes the ep and tp sub-communicators once).
+// Construction is collective over `world` (it makes the ep and tp sub-communicators once),
+// or, from communicators the caller already has, over the ep and tp groups. Either way it
+// checks that every rank built the same mesh and options, that the communicators match
+// the mesh (sizes, members) and that the implementation runs this mesh
+// (can_implement); any failure raises errc::configuration on every rank, naming the rank
+// and the values (epx/layer/agreement.hpp).
 // Every call is collective over the EP group. Bad input on any rank (shapes, expert ids,
 // non-finite weights) raises epx::error(errc::input) on every rank of the EP group before
 // any row moves.
@@ -33,6 +40,8 @@
 #include "epx/impl/all_to_all.hpp"
 #include "epx/impl/implementation.hpp"
 #include "epx/exec/host.hpp"
+#include "epx/exec/policy.hpp"
+#include "epx/layer/agreement.hpp"
 #include "epx/impl/experts.hpp"
 #include "epx/impl/options.hpp"
 #include "epx/impl/stats.hpp"
@@ -58,36 +67,51 @@ class moe_layer {
   static_assert(is_activation_type_v<T>, "epx::moe_layer: T must be float, double, epx::bf16 or epx::fp16");
   static_assert(is_communicator_v<Comm>,
                 "epx::moe_layer: Comm must meet the communicator concept of epx/comm/communicator.hpp");
+  static_assert(exec::check_execution_policy<Exec>(), "epx::moe_layer: Exec must be an execution policy");
 
  public:
   using value_type = T;
   using impl_type = impl_for_t<Impl, Comm>;
-  static_assert(std::is_constructible_v<impl_type, const layer_context<Comm>&>,
-                "epx::moe_layer: the implementation must be constructible from const epx::layer_context<Comm>& "
-                "(see epx/impl/implementation.hpp)");
+  static_assert(check_implementation<impl_type, Comm>(), "epx::moe_layer: Impl must be an implementation");
 
-  // Collective over `world`. Validates the options against the mesh and the mesh against
-  // the communicator (errc::configuration).
+  // Collective over `world`: makes the ep and tp sub-communicators. Raises
+  // errc::configuration on every rank when a rank's mesh does not fit `world`, its options
+  // do not fit the mesh or the implementation, or two ranks built different meshes or
+  // options.
   moe_layer(const mesh& m, Comm& world, const layer_options& options, Exec policy = Exec{})
-      : mesh_(std::make_unique<mesh>(m)), exec_(policy), options_(validated(m, world, options)) {
+      : mesh_(std::make_unique<mesh>(m)), exec_(policy), options_(options) {
+    detail::agree_on_layer(world, m, options_, world.rank(), "world", local_check(m, world.size(), options_));
     ep_ = std::make_unique<Comm>(sub_communicator(world, m, group_kind::ep));
     tp_ = std::make_unique<Comm>(sub_communicator(world, m, group_kind::tp));
-    stats_ = std::make_unique<layer_stats>();
-    layer_context<Comm> ctx;
-    ctx.topology = mesh_.get();
-    ctx.rank = world.rank();
-    ctx.ep = ep_.get();
-    ctx.tp = tp_.get();
-    ctx.options = options_;
-    ctx.stats = stats_.get();
-    impl_ = std::make_unique<impl_type>(ctx);
+    start(world.rank());
+  }
+
+  // For frameworks that already have the groups: `ep` and `tp` are this rank's EP and TP
+  // communicators of mesh `m` (their members in the mesh's order), `world_rank` this rank's
+  // place in the mesh. Collective over ep and over tp; the layer keeps its own copies of
+  // the communicators. Raises errc::configuration on every rank of a group whose sizes,
+  // members, mesh or options disagree.
+  moe_layer(const mesh& m, int world_rank, Comm ep, Comm tp, const layer_options& options, Exec policy = Exec{})
+      : mesh_(std::make_unique<mesh>(m)), exec_(policy), options_(options) {
+    std::string why = local_check(m, m.world(), options_);
+    if (why.empty())
+      why = group_check(m, world_rank, ep.size(), ep.rank(), tp.size(), tp.rank());
+    detail::agree_on_layer(ep, m, options_, world_rank, "ep", why);
+    detail::agree_on_layer(tp, m, options_, world_rank, "tp", why);
+    detail::agree_on_group(ep, m, group_kind::ep, world_rank);
+    detail::agree_on_group(tp, m, group_kind::tp, world_rank);
+    ep_ = std::make_unique<Comm>(std::move(ep));
+    tp_ = std::make_unique<Comm>(std::move(tp));
+    start(world_rank);
   }
 
   // x: [N, H]; ids, weights: [N, k]; out: [N, H] (fully written). Returns what backward
   // needs for mode::train, an empty handle for mode::inference.
   template <class Experts>
   saved_state<T> forward(span<const T> x, span<const std::int32_t> ids, span<const float> weights, span<T> out,
-                         Experts& experts, mode m = mode::train) {
+                         Experts& experts, mode m) {
+    check_experts_forward<Experts, Exec, T>();
+    check_implementation_calls<impl_type, Exec, T, Experts>();
     const std::size_t H = options_.hidden;
     const auto k = static_cast<std::size_t>(options_.top_k);
     forward_args<T> a;
@@ -123,6 +147,7 @@ class moe_layer {
   template <class Experts>
   void backward(saved_state<T>&& saved, span<const T> grad_out, span<T> grad_x, span<float> grad_weights,
                 Experts& experts) {
+    check_experts_backward<Experts, Exec, T>();
     saved_state<T> s = std::move(saved);
     EPX_REQUIRE(!s.empty(), errc::input,
                 "backward needs the saved state of a training forward (this one is empty: an inference call, "
@@ -157,14 +182,49 @@ class moe_layer {
   Comm& tp_communicator() noexcept { return *tp_; }
 
  private:
-  static layer_options validated(const mesh& m, const Comm& world, const layer_options& o) {
-    m.validate_world(world.size());
-    m.validate_top_k(o.top_k);
-    EPX_REQUIRE(o.hidden >= 1, errc::configuration, "layer_options.hidden (", o.hidden, ") must be at least 1");
-    o.pad.validate();
-    EPX_REQUIRE(o.counts == count_exchange::host, errc::configuration,
-                "layer_options.counts: the device-side count exchange is not available yet; use count_exchange::host");
-    return o;
+  // This rank's own checks, as a sentence ("" when fine): the mesh against a world of
+  // `world_size` ranks, the options against the mesh and the implementation.
+  static std::string local_check(const mesh& m, int world_size, const layer_options& o) {
+    try {
+      m.validate_world(world_size);
+      m.validate_top_k(o.top_k);
+      EPX_REQUIRE(o.hidden >= 1, errc::configuration, "layer_options.hidden (", o.hidden, ") must be at least 1");
+      o.pad.validate();
+      EPX_REQUIRE(o.counts == count_exchange::host, errc::configuration,
+                  "layer_options.counts: the device-side count exchange is not available yet; use count_exchange::host");
+      return can_implement<impl_type>(m, o);
+    } catch (const error& e) {
+      return e.message();
+    }
+  }
+
+  // The caller's communicators against the mesh, as a sentence ("" when they fit).
+  static std::string group_check(const mesh& m, int world_rank, int ep_size, int ep_rank, int tp_size, int tp_rank) {
+    if (world_rank < 0 || world_rank >= m.world())
+      return detail::concat("world rank (", world_rank, ") out of range [0, ", m.world(), ")");
+    if (ep_size != m.ep())
+      return detail::concat("the ep communicator has ", ep_size, " ranks but the mesh has ep=", m.ep());
+    if (tp_size != m.tp())
+      return detail::concat("the tp communicator has ", tp_size, " ranks but the mesh has tp=", m.tp());
+    if (ep_rank != m.ep_rank(world_rank))
+      return detail::concat("world rank ", world_rank, " is rank ", ep_rank, " of the ep communicator but rank ",
+                            m.ep_rank(world_rank), " of the mesh's ep group");
+    if (tp_rank != m.coords(world_rank).tp)
+      return detail::concat("world rank ", world_rank, " is rank ", tp_rank, " of the tp communicator but rank ",
+                            m.coords(world_rank).tp, " of the mesh's tp group");
+    return {};
+  }
+
+  void start(int world_rank) {
+    stats_ = std::make_unique<layer_stats>();
+    layer_context<Comm> ctx;
+    ctx.topology = mesh_.get();
+    ctx.rank = world_rank;
+    ctx.ep = ep_.get();
+    ctx.tp = tp_.get();
+    ctx.options = options_;
+    ctx.stats = stats_.get();
+    impl_ = std::make_unique<impl_type>(ctx);
   }
 
   // Heap-held so that the layer can move while the implementation keeps pointers to them.

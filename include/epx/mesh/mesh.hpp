@@ -86,11 +86,6 @@ class mesh {
     EPX_REQUIRE(k >= 1 && k <= c_.experts, errc::configuration, "top_k (", k,
                 ") must be in [1, num_experts (", c_.experts, ")]");
   }
-  // The masked all-reduce path needs every rank of an EP group to hold the same rows.
-  void validate_all_reduce_path() const {
-    EPX_REQUIRE(c_.ep == c_.tp, errc::configuration,
-                "the all_reduce implementation requires ep_size (", c_.ep, ") == tp_size (", c_.tp, ")");
-  }
   // Checks that a communicator of `comm_size` ranks fits this mesh.
   void validate_world(int comm_size) const {
     EPX_REQUIRE(comm_size == c_.world, errc::configuration, "communicator size (", comm_size,

@@ -1,0 +1,73 @@
+// epx/impl/prologue.hpp: what every forward call of the built-in implementations does
+// before rows move.
+//
+//   1. the counting-sort send plan of the call's (row, slot) pairs (epx/layout/plan.hpp),
+//      which also finds the first bad expert id or non-finite weight;
+//   2. the record exchange over the EP group (epx/layout/exchange.hpp): status, shapes and,
+//      on the all-to-all path, the per-expert counts; bad input anywhere raises on every
+//      rank here;
+//   3. the receive layout (epx/layout/receive.hpp) from the gathered counts (all-to-all) or
+//      from this rank's own counts (masked path);
+//   4. the statistics of the call (detail::record_stats).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "epx/impl/implementation.hpp"
+#include "epx/impl/stats.hpp"
+#include "epx/layout/exchange.hpp"
+#include "epx/layout/plan.hpp"
+#include "epx/layout/receive.hpp"
+
+namespace epx::detail {
+
+template <class Exec>
+struct routed {
+  layout::send_plan<Exec> plan;
+  group_records records;
+  receive_layout layout;
+};
+
+// What a call routes: the pairs of rows [row0, row0 + n) of the call's N = a.rows rows.
+struct route_request {
+  std::size_t row0 = 0;
+  std::size_t n = 0;
+  bool gather_counts = true;  // all-to-all: every rank's counts travel; masked: only the checks
+  int agree_rows = 1;         // N must agree within runs of this many consecutive EP ranks
+  const char* path = "";      // the implementation's name, for the statistics
+  bool moves_rows = true;
+};
+
+template <class Comm, class Exec, class T>
+routed<Exec> route_forward(const layer_context<Comm>& ctx, const Exec& ex, const forward_args<T>& a,
+                           const route_request& q) {
+  const int E = ctx.num_experts(), L = ctx.local_experts();
+  const auto k = static_cast<std::size_t>(a.top_k);
+  const bool ok = a.status == 0;
+  routed<Exec> r;
+  r.plan = layout::build_plan(ex, ok ? a.ids + q.row0 * k : nullptr, ok ? a.weights + q.row0 * k : nullptr,
+                              ok ? q.n : 0, a.top_k, E, ctx.options.chunks);
+  std::int64_t status = a.status;
+  std::string msg = a.status_message;
+  if (status == 0 && !r.plan.check) {
+    status = 2;
+    msg = layout::describe(r.plan.check, a.top_k, E, q.row0);
+  }
+  const std::size_t ncounts = q.gather_counts ? static_cast<std::size_t>(E) : 0;
+  r.records = exchange_records(*ctx.ep, ex, status, a.rows, a.hidden, a.top_k, ctx.rank,
+                               ncounts ? r.plan.host_counts.data() : nullptr, ncounts, msg, "moe_layer forward",
+                               q.agree_rows);
+  const int ep = ctx.ep_size();
+  if (q.gather_counts)
+    r.layout = make_receive_layout(ep, ep, L, ctx.options.pad, [&](int s) { return r.records.counts(s); });
+  else
+    r.layout = make_receive_layout(1, ep, L, ctx.options.pad, [&](int) { return r.plan.host_counts.data(); });
+  if (ctx.stats != nullptr)
+    record_stats(*ctx.stats, q.path, r.layout, ctx.ep_rank(), q.moves_rows);
+  return r;
+}
+
+}  // namespace epx::detail

@@ -1,0 +1,59 @@
+// epx/kernels/dot.hpp: the routing-weight gradients, one dot product per (token, slot).
+//
+//   grad_w[t, j] = sum_h y(pos[t*k+j])[h] * grad_out[t, h]     (0 for a negative position)
+//
+// The sum runs in dot_lanes interleaved lanes: lane w holds the terms h = w, w + dot_lanes,
+// ... in h order, and the lanes are added in lane order at the end. A fixed order, the same
+// on every policy (bitwise reproducible), that a host compiler vectorises without
+// reassociating anything.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "epx/core/config.hpp"
+#include "epx/core/numeric.hpp"
+#include "epx/kernels/rows.hpp"
+
+namespace epx::kernels {
+
+namespace detail {
+inline constexpr std::size_t dot_lanes = 16;
+
+template <class A, class T, class U>
+EPX_HOST_DEVICE inline A dot_in_lanes(const T* a, const U* b, std::size_t n) noexcept {
+  A lane[dot_lanes];
+  for (std::size_t w = 0; w < dot_lanes; ++w) lane[w] = A(0);
+  std::size_t h = 0;
+  for (; h + dot_lanes <= n; h += dot_lanes)
+    for (std::size_t w = 0; w < dot_lanes; ++w) lane[w] += convert<A>(a[h + w]) * convert<A>(b[h + w]);
+  for (std::size_t w = 0; h + w < n; ++w) lane[w] += convert<A>(a[h + w]) * convert<A>(b[h + w]);
+  A s = A(0);
+  for (std::size_t w = 0; w < dot_lanes; ++w) s += lane[w];
+  return s;
+}
+}  // namespace detail
+
+// Call with i = t*k + j in [0, n*k).
+template <class T, class Rows>
+struct pair_dot {
+  Rows y;                   // dense_rows or row_table, indexed by position
+  const T* grad_out;        // [n, H]
+  const std::int64_t* pos;  // [n, k]
+  float* grad_weights;      // [n, k]
+  std::size_t hidden;
+  int top_k;
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    using A = accum_t<T>;
+    const std::int64_t p = pos[i];
+    if (p < 0) {
+      grad_weights[i] = 0.0f;
+      return;
+    }
+    const T* g = grad_out + (i / static_cast<std::size_t>(top_k)) * hidden;
+    grad_weights[i] = static_cast<float>(detail::dot_in_lanes<A>(row_at(y, static_cast<std::size_t>(p), hidden), g, hidden));
+  }
+};
+
+}  // namespace epx::kernels

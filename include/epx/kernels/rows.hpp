@@ -1,0 +1,103 @@
+// epx/kernels/rows.hpp: where an operation reads its rows, and the row copy.
+//
+// A row source names row r of an operation:
+//   dense_rows{base}          row r at base + r*H;
+//   indexed_rows{base, index} row r at base + index[r]*H, no row for index[r] < 0;
+//   row_table{rows}           row r at rows[r], anywhere (a peer's buffer), no row for null.
+// "No row" reads as a zero row.
+//
+// row_copy writes dst[r, h0:h1] = src(r)[h0:h1], or scale[r] * src(r)[h0:h1] rounded to T
+// (in accum_t<T>) when a scale is given. It is every row movement of the layer: gather into
+// send order, the direct route's pull from the peers, the gradient rows w * grad_out.
+// Launched through exec::for_each_row (epx/kernels/launch.hpp), so the policy chooses the
+// shape: whole rows on the host, 16-byte chunks on a device.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "epx/core/config.hpp"
+#include "epx/core/numeric.hpp"
+
+namespace epx::kernels {
+
+template <class T>
+struct dense_rows {
+  const T* base;  // [*, H]
+};
+
+template <class T>
+struct indexed_rows {
+  const T* base;               // [*, H]
+  const std::int64_t* index;   // [rows]; negative: no row
+};
+
+template <class T>
+struct row_table {
+  const T* const* rows;  // [rows]; null: no row
+};
+
+template <class T>
+EPX_HOST_DEVICE inline const T* row_at(dense_rows<T> s, std::size_t r, std::size_t hidden) noexcept {
+  return s.base + r * hidden;
+}
+template <class T>
+EPX_HOST_DEVICE inline const T* row_at(indexed_rows<T> s, std::size_t r, std::size_t hidden) noexcept {
+  const std::int64_t i = s.index[r];
+  return i < 0 ? nullptr : s.base + static_cast<std::size_t>(i) * hidden;
+}
+template <class T>
+EPX_HOST_DEVICE inline const T* row_at(row_table<T> s, std::size_t r, std::size_t) noexcept {
+  return s.rows[r];
+}
+
+namespace detail {
+// n elements from s to d: libc's copy on the host, a plain loop on a device.
+template <class T>
+EPX_HOST_DEVICE inline void copy_elements(T* d, const T* s, std::size_t n) noexcept {
+#if defined(__CUDA_ARCH__)
+  for (std::size_t h = 0; h < n; ++h) d[h] = s[h];
+#else
+  if (n) std::memcpy(static_cast<void*>(d), static_cast<const void*>(s), n * sizeof(T));
+#endif
+}
+}  // namespace detail
+
+// dst[r, h0:h1] = src(r)[h0:h1] (scale null) or scale[r] * src(r)[h0:h1]; zero for no row.
+template <class T, class Src>
+struct row_copy {
+  Src src;             // row source
+  const float* scale;  // [rows] or null
+  T* dst;              // [rows, H]
+  std::size_t hidden;
+
+  EPX_HOST_DEVICE void operator()(std::size_t r, std::size_t h0, std::size_t h1) const {
+    using A = accum_t<T>;
+    T* d = dst + r * hidden;
+    const T* s = row_at(src, r, hidden);
+    if (s == nullptr) {
+      for (std::size_t h = h0; h < h1; ++h) d[h] = convert<T>(0.0f);
+    } else if (scale == nullptr) {
+      detail::copy_elements(d + h0, s + h0, h1 - h0);
+    } else {
+      const A w = static_cast<A>(scale[r]);
+      for (std::size_t h = h0; h < h1; ++h) d[h] = convert<T>(w * convert<A>(s[h]));
+    }
+  }
+};
+
+// out[pos[i]] = v[i] for every i with pos[i] >= 0: values into send (or expert-major) order.
+template <class V>
+struct value_scatter {
+  const std::int64_t* pos;  // [n]
+  const V* v;               // [n]
+  V* out;                   // [max pos + 1]
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    const std::int64_t p = pos[i];
+    if (p >= 0) out[static_cast<std::size_t>(p)] = v[i];
+  }
+};
+
+}  // namespace epx::kernels

@@ -1,0 +1,119 @@
+// epx/layer/agreement.hpp: every rank of a layer built the same mesh and options.
+//
+// A layer whose ranks disagree on the mesh or the options would move rows by different
+// layouts: a buffer overflow or silently zero rows. At construction every rank contributes
+// one small record (its world rank, the mesh, the options and the sizes and ranks of its
+// communicators) to an all_gather over a communicator; every rank compares all records with
+// the first one and, on any difference, raises epx::error(errc::configuration) naming the
+// ranks and the values, on every rank (they all see the same records).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "epx/comm/collectives.hpp"
+#include "epx/core/error.hpp"
+#include "epx/core/span.hpp"
+#include "epx/impl/options.hpp"
+#include "epx/mesh/mesh.hpp"
+
+namespace epx::detail {
+
+struct layer_record_field {
+  const char* name;
+  std::int64_t value;
+};
+
+// The fields that must agree, in a fixed order (world_rank, first, is for messages only).
+inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_options& o, int world_rank) {
+  return {{"world_rank", world_rank},
+          {"tp", m.tp()},
+          {"fsdp", m.fsdp()},
+          {"ep", m.ep()},
+          {"pp", m.pp()},
+          {"dp_replicate", m.dp_replicate()},
+          {"num_experts", m.experts()},
+          {"hidden", static_cast<std::int64_t>(o.hidden)},
+          {"top_k", o.top_k},
+          {"pad.rows_per_expert", o.pad.rows_per_expert},
+          {"pad.align", o.pad.align},
+          {"counts", static_cast<std::int64_t>(o.counts)},
+          {"chunks", static_cast<std::int64_t>(o.chunks)},
+          {"peer_access", o.peer_access ? 1 : 0}};
+}
+
+// Collective over `comm`: raises errc::configuration on every rank of comm when a rank
+// found its own configuration wrong (`local_error` non-empty: the mesh against its
+// communicator, the options against the mesh), or when two ranks differ in any field of
+// layer_record. `where` names the communicator in the message.
+template <class Comm>
+void agree_on_layer(Comm& comm, const mesh& m, const layer_options& o, int world_rank, const char* where,
+                    const std::string& local_error = {}) {
+  auto fields = layer_record(m, o, world_rank);
+  fields.push_back({"status", local_error.empty() ? 0 : 1});
+  const std::size_t F = fields.size();
+  const auto P = static_cast<std::size_t>(comm.size());
+  std::vector<std::int64_t> mine(F), all(F * P);
+  for (std::size_t f = 0; f < F; ++f) mine[f] = fields[f].value;
+  all_gather(comm, span<const std::int64_t>(mine.data(), F), span<std::int64_t>(all.data(), all.size()));
+  bool failed = false;
+  for (std::size_t r = 0; r < P; ++r) failed = failed || all[r * F + F - 1] != 0;
+  if (failed) {  // every rank takes this branch: the second all_gather matches
+    constexpr std::size_t B = 256;
+    std::vector<char> msg(B, '\0'), msgs(B * P, '\0');
+    local_error.copy(msg.data(), B - 1);
+    all_gather(comm, span<const char>(msg.data(), B), span<char>(msgs.data(), msgs.size()));
+    // One entry per distinct message, with the ranks that report it.
+    std::vector<std::string> text;
+    std::vector<std::string> ranks;
+    for (std::size_t r = 0; r < P; ++r) {
+      if (all[r * F + F - 1] == 0) continue;
+      const std::string t(msgs.data() + r * B);
+      std::size_t i = 0;
+      while (i < text.size() && text[i] != t) ++i;
+      if (i == text.size()) {
+        text.push_back(t);
+        ranks.emplace_back();
+      }
+      ranks[i] += concat(ranks[i].empty() ? "" : ",", all[r * F]);
+    }
+    std::string why;
+    for (std::size_t i = 0; i < text.size(); ++i) why += concat("; rank ", ranks[i], ": ", text[i]);
+    throw error(errc::configuration, concat("moe_layer: bad configuration in the ", where, " communicator", why),
+                EPX_HERE);
+  }
+  std::string why;
+  for (std::size_t r = 1; r < P; ++r)
+    for (std::size_t f = 1; f < F; ++f)
+      if (all[r * F + f] != all[f])
+        why += concat("; rank ", all[r * F], " has ", fields[f].name, "=", all[r * F + f], " but rank ", all[0],
+                      " has ", fields[f].name, "=", all[f]);
+  EPX_REQUIRE(why.empty(), errc::configuration, "moe_layer: the ranks of the ", where,
+              " communicator built different meshes or layer options", why);
+}
+
+// Collective over `comm`, a group of kind g of mesh m holding world rank `world_rank`:
+// raises errc::configuration on every rank of comm unless its members are, in rank order,
+// the world ranks the mesh puts in that group.
+template <class Comm>
+void agree_on_group(Comm& comm, const mesh& m, group_kind g, int world_rank) {
+  const auto P = static_cast<std::size_t>(comm.size());
+  const std::int64_t mine[2] = {world_rank, comm.rank()};
+  std::vector<std::int64_t> all(2 * P);
+  all_gather(comm, span<const std::int64_t>(mine, 2), span<std::int64_t>(all.data(), all.size()));
+  std::string why;
+  const auto w0 = static_cast<int>(all[0]);
+  const bool w0_ok = w0 >= 0 && w0 < m.world() && static_cast<int>(P) == m.group_size(g);
+  for (std::size_t r = 0; r < P; ++r) {
+    const auto w = static_cast<int>(all[2 * r]);
+    const int expect = w0_ok ? m.group_member(g, w0, static_cast<int>(r)) : -1;
+    if (w != expect)
+      why += concat("; member ", r, " is world rank ", w, " but the mesh puts world rank ", expect, " there");
+  }
+  EPX_REQUIRE(why.empty(), errc::configuration, "moe_layer: the ", to_string(g),
+              " communicator does not hold the ranks of the mesh's ", to_string(g), " group", why);
+}
+
+}  // namespace epx::detail
