@@ -13,9 +13,10 @@
 namespace epx::routing {
 
 // p = softmax(logits) in float32, the top-k of p, weights p at the selected ids; with
-// `renormalize` the k weights are divided by their sum. Selection is done on the logits,
-// which orders experts exactly as p does (softmax is strictly increasing) without the
-// rounding ties of float32 probabilities.
+// `renormalize` the k weights are divided by their sum. Selection compares the float32 p
+// themselves (the very values the weights are made of), not the logits: distinct logits
+// can round to one p (logits 0 and 1e-8 both give p = 0.5; logits far below the maximum
+// give p = 0), and such experts tie, the tie going to the lower expert id.
 struct softmax_topk {
   bool renormalize = false;
 };
@@ -36,21 +37,22 @@ struct softmax_topk_forward {
     const T* l = logits + t * static_cast<std::size_t>(E);
     token_status st{status_ok, -1, 0.0};
     if (!check_logits(l, E, st)) return fail_token(ids, weights, k, status, t, st);
-    topk_list<max_top_k> top(k);
     float mx = convert<float>(l[0]);
-    for (int e = 0; e < E; ++e) {
+    for (int e = 1; e < E; ++e) {
       const float v = convert<float>(l[e]);
       mx = v > mx ? v : mx;
-      top.offer(v, e);
     }
     float z = 0.0f;
     for (int e = 0; e < E; ++e) z += exp_f32(convert<float>(l[e]) - mx);
+    // The top-k of p, offered in ascending id: equal p keep the lower id first. The keys are
+    // the weights, so selection and weights see the same float32 values.
+    topk_list<max_top_k> top(k);
+    for (int e = 0; e < E; ++e) top.offer(exp_f32(convert<float>(l[e]) - mx) / z, e);
     float sel = 0.0f;
     for (int j = 0; j < k; ++j) {
-      const float p = exp_f32(top.key[j] - mx) / z;
-      weights[t * k + j] = p;
+      weights[t * k + j] = top.key[j];
       ids[t * k + j] = top.id[j];
-      sel += p;
+      sel += top.key[j];
     }
     if (renormalize)
       for (int j = 0; j < k; ++j) weights[t * k + j] /= sel;
