@@ -3,8 +3,10 @@
 // execution policy; ties; group-limited selection; bad inputs with their messages.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <string>
 
 #include "epx/routing/routing.hpp"
@@ -219,6 +221,88 @@ TEST_CASE("route: ties go to the lower expert id") {
     const auto r = run_route(p, ex, l, 1, 8, 4);
     CHECK(r.ids == std::vector<std::int32_t>{0, 1, 2, 3});
   }
+}
+
+// softmax_topk selects on p = softmax(logits) as float32 computes it, not on the logits:
+// experts whose float32 p are equal tie, and the tie goes to the lower id even where the
+// higher id has the larger logit.
+TEST_CASE("route: softmax_topk takes the top-k of the float32 p, ties to the lower id") {
+  const auto check = [](const auto& ex) {
+    // exp(-1e-8) rounds to 1 in float32, so p = {0.5, 0.5}: a tie, expert 0.
+    for (bool renorm : {false, true}) {
+      const auto r = run_route(routing::softmax_topk{renorm}, ex, std::vector<float>{0.0f, 1e-8f}, 1, 2, 1);
+      CHECK(r.ids == std::vector<std::int32_t>{0});
+      CHECK(r.weights[0] == (renorm ? 1.0f : 0.5f));
+    }
+    // Four logits within 3e-9 of each other have one float32 p: k = 2 takes the two lowest
+    // ids of the four, not the two largest logits (ids 1 and 3).
+    {
+      const std::vector<float> l = {-1.0f, 3e-9f, 0.0f, 2e-9f, 1e-9f};
+      const auto r = run_route(routing::softmax_topk{}, ex, l, 1, 5, 2);
+      CHECK(r.ids == std::vector<std::int32_t>{1, 2});
+      CHECK(r.weights[0] == r.weights[1]);
+    }
+    // p that underflow to 0 in float32 tie at 0: after the two live experts comes the lowest
+    // id, not the largest logit (-150, id 1).
+    {
+      const std::vector<float> l = {-200.0f, -150.0f, 0.0f, -160.0f, 0.5f};
+      for (bool renorm : {false, true}) {
+        const auto r = run_route(routing::softmax_topk{renorm}, ex, l, 1, 5, 3);
+        CHECK(r.ids == std::vector<std::int32_t>{4, 2, 0});
+        CHECK(r.weights[2] == 0.0f);
+      }
+    }
+    // Near ties in bulk, against the p the library returns: with k = E the weights are every
+    // expert's float32 p; for each k the ids must be the first k experts by that p,
+    // descending, ties to the lower id, and the weights exactly those p.
+    const int E = 12;
+    const std::size_t N = 40;
+    std::vector<float> l(N * E);
+    for (std::size_t t = 0; t < N; ++t)
+      for (int e = 0; e < E; ++e) {
+        float v = static_cast<float>((t * 5 + e * 3) % 4) - 1.5f;               // four bases
+        for (std::size_t u = 0; u < (t + e * 7) % 5; ++u) v = std::nextafter(v, 10.0f);  // a few ulps up
+        if ((t + e) % 3 == 0) v = -300.0f + static_cast<float>(e);               // p underflows to 0
+        l[t * E + e] = v;
+      }
+    const auto all = run_route(routing::softmax_topk{}, ex, l, N, E, E);
+    std::size_t ties = 0;
+    for (int k : {1, 2, 3, 5, 8, 10, E}) {
+      CAPTURE(k);
+      const auto r = run_route(routing::softmax_topk{}, ex, l, N, E, k);
+      for (std::size_t t = 0; t < N; ++t) {
+        CAPTURE(t);
+        std::vector<float> p(E);
+        for (int j = 0; j < E; ++j) p[all.ids[t * E + j]] = all.weights[t * E + j];
+        std::vector<int> order(E);
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return p[a] > p[b]; });
+        for (int j = 0; j < k; ++j) {
+          CHECK(r.ids[t * k + j] == order[j]);
+          CHECK(r.weights[t * k + j] == p[order[j]]);
+        }
+        if (k < E && p[order[k - 1]] == p[order[k]] && l[t * E + order[k - 1]] < l[t * E + order[k]]) ++ties;
+      }
+    }
+    CHECK(ties > 0);  // the data holds ties in p that selection on the logits would break the other way
+  };
+  SUBCASE("serial") { check(epx::exec::serial{}); }
+  SUBCASE("openmp") { check(epx::exec::openmp{2}); }
+}
+
+TEST_CASE("reference softmax_topk takes the top-k of the float32 p, ties to the lower id") {
+  auto r = ref::softmax_topk({0.0, 1e-8}, 1, 2, 1, false);
+  CHECK(r.ids == std::vector<std::int32_t>{0});
+  CHECK(r.margin[0] < 1e-7);  // a tie made by rounding: tests do not compare such tokens
+  r = ref::softmax_topk({-1.0, 3e-9, 0.0, 2e-9, 1e-9}, 1, 5, 2, false);
+  CHECK(r.ids == std::vector<std::int32_t>{1, 2});
+  r = ref::softmax_topk({-200.0, -150.0, 0.0, -160.0, 0.5}, 1, 5, 3, true);
+  CHECK(r.ids == std::vector<std::int32_t>{4, 2, 0});
+  CHECK(r.weights[2] < 1e-60);
+  // Equal logits are an exact tie (margin 0), compared like any other token.
+  r = ref::softmax_topk({1.0, 3.0, 3.0, 0.5, 3.0}, 1, 5, 2, false);
+  CHECK(r.ids == std::vector<std::int32_t>{1, 2});
+  CHECK(r.margin[0] == 0.0);
 }
 
 TEST_CASE("route: sigmoid_bias group-limited selection by hand") {

@@ -274,8 +274,9 @@ struct routing_result {
   std::vector<std::int32_t> ids;  // [N, k], slot 0 = best
   std::vector<double> weights;    // [N, k]
   // Per token: the smallest gap between a selection score that was taken and one that was
-  // not (k-th vs (k+1)-th expert, and kept vs dropped group scores). Tests compare ids
-  // exactly only where this exceeds float32 rounding; +inf when nothing was left out.
+  // not (k-th vs (k+1)-th expert, and kept vs dropped group scores; softmax_topk measures
+  // it in logits, see there). Tests compare ids exactly only where this exceeds float32
+  // rounding; +inf when nothing was left out.
   std::vector<double> margin;  // [N]
 };
 
@@ -294,6 +295,19 @@ inline double topk_of(const double* key, const std::vector<int>& cand, int k, st
   return key[c[k - 1]] - key[c[k]];
 }
 
+// The smallest |l[a] - l[b]| between a selected expert a (one of the k `ids`) and an
+// unselected expert b, +inf if every expert is selected. Where the selection follows the
+// logits this is the k-th largest logit minus the (k+1)-th.
+inline double logit_gap(const double* l, int E, int k, const std::int32_t* ids) {
+  std::vector<char> selected(E, 0);
+  for (int j = 0; j < k; ++j) selected[ids[j]] = 1;
+  double gap = std::numeric_limits<double>::infinity();
+  for (int j = 0; j < k; ++j)
+    for (int b = 0; b < E; ++b)
+      if (!selected[b]) gap = std::min(gap, std::abs(l[ids[j]] - l[b]));
+  return gap;
+}
+
 inline void check_route_args(std::size_t n_logits, std::size_t N, int E, int k) {
   require(E >= 1 && k >= 1 && k <= E, "routing: need E >= 1 and 1 <= k <= E");
   require(n_logits == N * static_cast<std::size_t>(E), "routing: logits must hold N*E values");
@@ -301,20 +315,30 @@ inline void check_route_args(std::size_t n_logits, std::size_t N, int E, int k) 
 
 }  // namespace detail
 
-// p = softmax(logits) per token; top-k of p (equivalently of the logits); weights p at the
-// selected ids, divided by their sum when `renormalize`.
+// p = softmax(logits) per token; the top-k of p as a float32 value (the spec's p is
+// float32), ties to the lower id: experts whose p round to the same float32 tie even where
+// their logits differ (logits 0 and 1e-8; logits so low that p rounds to 0). The float32 p
+// here is the float64 p rounded once; the library computes it in float32 and may land an
+// ulp or two away, which matters only for near ties, so the margin is the smallest logit
+// gap between a selected and an unselected expert (a gap in log p, the scale on which
+// float32 rounds p): 0 for equal logits, which tie in both, tiny for a tie made by
+// rounding, which tests do not compare. Weights are the float64 p at the selected ids,
+// divided by their sum when `renormalize`.
 inline routing_result softmax_topk(const std::vector<double>& logits, std::size_t N, int E, int k,
                                    bool renormalize) {
   detail::check_route_args(logits.size(), N, E, k);
   routing_result r{std::vector<std::int32_t>(N * k), std::vector<double>(N * k), std::vector<double>(N)};
   const auto all = iota_experts(E);
+  std::vector<double> p32(E);
   for (std::size_t t = 0; t < N; ++t) {
     const double* l = &logits[t * E];
-    r.margin[t] = detail::topk_of(l, all, k, &r.ids[t * k]);
     double mx = l[0];
     for (int e = 1; e < E; ++e) mx = std::max(mx, l[e]);
     double z = 0;
     for (int e = 0; e < E; ++e) z += std::exp(l[e] - mx);
+    for (int e = 0; e < E; ++e) p32[e] = static_cast<float>(std::exp(l[e] - mx) / z);
+    detail::topk_of(p32.data(), all, k, &r.ids[t * k]);
+    r.margin[t] = detail::logit_gap(l, E, k, &r.ids[t * k]);
     double s = 0;
     for (int j = 0; j < k; ++j) {
       r.weights[t * k + j] = std::exp(l[r.ids[t * k + j]] - mx) / z;
