@@ -5,6 +5,9 @@
 #   -DEXPECT=<file with the expected stdout>
 #   -DVERSION=<version asked of find_package>  -DEXPECT_CONFIGURE_FAILURE=ON
 #   -DEPX_HAVE_CUDA=ON|OFF  whether the installed package must provide epx::cuda
+#   -DEPX_HAVE_OPENMP=ON|OFF  whether epx::epx carries OpenMP: the consumer, linking only
+#                             epx::epx, must then compile with it and run exec::openmp on
+#                             2 threads (it prints "exec::openmp: parallel, 2 threads")
 cmake_minimum_required(VERSION 3.25)
 
 function(run what)
@@ -45,6 +48,17 @@ endif()
 if(VERSION)
   list(APPEND extra -DEPX_CONSUMER_VERSION=${VERSION})
 endif()
+if(EPX_HAVE_OPENMP)
+  list(APPEND extra -DEPX_CONSUMER_EXPECT_OPENMP=ON)
+  set(want_openmp "exec::openmp: parallel, 2 threads\n")
+else()
+  list(APPEND extra -DEPX_CONSUMER_EXPECT_OPENMP=OFF)
+  set(want_openmp "exec::openmp: serial\n")
+  if(NOT MODE STREQUAL "find_package")
+    # The epx under test has no OpenMP: the nested epx must not look for it either.
+    list(APPEND extra -DEPX_ENABLE_OPENMP=OFF)
+  endif()
+endif()
 
 set(configure ${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR}/consumer -B ${WORK_DIR}/build -G ${GENERATOR}
     -DCMAKE_CXX_COMPILER=${CXX} -DCMAKE_BUILD_TYPE=Release -DEPX_CONSUMER_MODE=${MODE}
@@ -64,8 +78,10 @@ endif()
 run("configure" ${configure})
 message(STATUS "${run_out}")
 run("build" ${CMAKE_COMMAND} --build ${WORK_DIR}/build -j2)
-run("run" ${WORK_DIR}/build/epx_consumer)
+# OMP_THREAD_LIMIT or OMP_DYNAMIC in the environment could hold the team below 2 threads.
+run("run" ${CMAKE_COMMAND} -E env --unset=OMP_THREAD_LIMIT --unset=OMP_DYNAMIC ${WORK_DIR}/build/epx_consumer)
 file(READ ${EXPECT} want)
+string(APPEND want "${want_openmp}")
 if(NOT run_out STREQUAL want)
   message(FATAL_ERROR "consumer output differs; got:\n${run_out}\nexpected:\n${want}")
 endif()
