@@ -5,6 +5,12 @@
 #   -DEXPECT=<file with the expected stdout>
 #   -DVERSION=<version asked of find_package>  -DEXPECT_CONFIGURE_FAILURE=ON
 #   -DEPX_HAVE_CUDA=ON|OFF  whether the installed package must provide epx::cuda
+#   -DEPX_ENABLE_CUDA=ON|OFF  passed on to the consumer when given; without it, the
+#                             add_subdirectory and fetchcontent modes check that epx, not
+#                             being the top-level project, probed for neither CUDA nor MPI
+#   -DEPX_HAVE_OPENMP=ON|OFF  whether epx::epx carries OpenMP: the consumer, linking only
+#                             epx::epx, must then compile with it and run exec::openmp on
+#                             2 threads (it prints "exec::openmp: parallel, 2 threads")
 cmake_minimum_required(VERSION 3.25)
 
 function(run what)
@@ -45,10 +51,25 @@ endif()
 if(VERSION)
   list(APPEND extra -DEPX_CONSUMER_VERSION=${VERSION})
 endif()
+if(EPX_HAVE_OPENMP)
+  list(APPEND extra -DEPX_CONSUMER_EXPECT_OPENMP=ON)
+  set(want_openmp "exec::openmp: parallel, 2 threads\n")
+else()
+  list(APPEND extra -DEPX_CONSUMER_EXPECT_OPENMP=OFF)
+  set(want_openmp "exec::openmp: serial\n")
+  if(NOT MODE STREQUAL "find_package")
+    # The epx under test has no OpenMP: the nested epx must not look for it either.
+    list(APPEND extra -DEPX_ENABLE_OPENMP=OFF)
+  endif()
+endif()
+
+if(DEFINED EPX_ENABLE_CUDA)
+  list(APPEND extra -DEPX_ENABLE_CUDA=${EPX_ENABLE_CUDA})
+endif()
 
 set(configure ${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR}/consumer -B ${WORK_DIR}/build -G ${GENERATOR}
     -DCMAKE_CXX_COMPILER=${CXX} -DCMAKE_BUILD_TYPE=Release -DEPX_CONSUMER_MODE=${MODE}
-    -DEPX_CONSUMER_SOURCE_DIR=${EPX_SOURCE_DIR} -DEPX_ENABLE_CUDA=${EPX_ENABLE_CUDA} ${extra})
+    -DEPX_CONSUMER_SOURCE_DIR=${EPX_SOURCE_DIR} ${extra})
 if(EXPECT_CONFIGURE_FAILURE)
   run("may-fail" ${configure})
   if(run_rc EQUAL 0)
@@ -61,11 +82,43 @@ if(EXPECT_CONFIGURE_FAILURE)
   message(STATUS "configure failed as expected:\n${run_err}")
   return()
 endif()
+string(TIMESTAMP t0 "%s")
 run("configure" ${configure})
+string(TIMESTAMP t1 "%s")
+math(EXPR configure_s "${t1} - ${t0}")
 message(STATUS "${run_out}")
+message(STATUS "consumer configure (${MODE}): about ${configure_s} s")
+
+# A nested epx with its defaults must not probe for CUDA (check_language runs nvcc) or MPI
+# (FindMPI runs the wrappers): both options default to OFF when epx is not the top level.
+if(NOT MODE STREQUAL "find_package" AND NOT DEFINED EPX_ENABLE_CUDA)
+  file(STRINGS ${WORK_DIR}/build/CMakeCache.txt cache)
+  foreach(want IN ITEMS "EPX_ENABLE_CUDA:BOOL=OFF" "EPX_ENABLE_MPI:BOOL=OFF")
+    if(NOT want IN_LIST cache)
+      message(FATAL_ERROR "the consumer's cache lacks ${want}: a nested epx must default to it")
+    endif()
+  endforeach()
+  set(probed)
+  foreach(line IN LISTS cache)
+    if(line MATCHES "^(CMAKE_CUDA_[A-Z_]*|CUDAToolkit_[A-Za-z_]*|EPX_NCCL_[A-Z_]*|MPI_[A-Za-z_]*|MPIEXEC_[A-Z_]*)(:[A-Z]+)?=")
+      list(APPEND probed "${CMAKE_MATCH_1}")
+    endif()
+  endforeach()
+  if(probed)
+    message(FATAL_ERROR "a nested epx probed for CUDA or MPI; cache entries: ${probed}")
+  endif()
+  foreach(msg IN ITEMS "Looking for a CUDA compiler" "Found MPI" "Could NOT find MPI")
+    string(FIND "${run_out}${run_err}" "${msg}" at)
+    if(NOT at EQUAL -1)
+      message(FATAL_ERROR "a nested epx probed for CUDA or MPI ('${msg}'):\n${run_out}")
+    endif()
+  endforeach()
+endif()
 run("build" ${CMAKE_COMMAND} --build ${WORK_DIR}/build -j2)
-run("run" ${WORK_DIR}/build/epx_consumer)
+# OMP_THREAD_LIMIT or OMP_DYNAMIC in the environment could hold the team below 2 threads.
+run("run" ${CMAKE_COMMAND} -E env --unset=OMP_THREAD_LIMIT --unset=OMP_DYNAMIC ${WORK_DIR}/build/epx_consumer)
 file(READ ${EXPECT} want)
+string(APPEND want "${want_openmp}")
 if(NOT run_out STREQUAL want)
   message(FATAL_ERROR "consumer output differs; got:\n${run_out}\nexpected:\n${want}")
 endif()

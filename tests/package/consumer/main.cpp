@@ -1,7 +1,22 @@
-// Builds a mesh through the public umbrella header and prints its rank table.
+// Builds a mesh through the public umbrella header and prints its rank table, then says
+// whether exec::openmp runs in parallel with nothing but epx::epx linked.
 #include <epx/epx.hpp>
 
+#include <cstddef>
 #include <iostream>
+#include <set>
+#include <vector>
+
+#if EPX_HAS_OPENMP
+#include <omp.h>
+#endif
+
+// Set by the package tests: whether the epx under test was built with OpenMP. epx::epx
+// must then bring OpenMP's compile flags, whichever way the consumer found it.
+#if defined(EPX_CONSUMER_EXPECT_OPENMP)
+static_assert(EPX_HAS_OPENMP == EPX_CONSUMER_EXPECT_OPENMP,
+              "EPX_HAS_OPENMP differs from the OpenMP setting of the epx under test");
+#endif
 
 int main() {
   static_assert(EPX_VERSION_MAJOR == 0 && EPX_VERSION_MINOR == 1, "unexpected epx version");
@@ -16,6 +31,22 @@ int main() {
     return 1;
   } catch (const epx::error& e) {
     std::cout << "error: " << e.message() << "\n";
+  }
+
+  // Two threads asked for: each element records the OpenMP thread that ran it.
+  std::vector<int> ran_on(64, 0);
+  epx::exec::for_each_n(epx::exec::openmp{2}, ran_on.size(), [&](std::size_t i) {
+#if EPX_HAS_OPENMP
+    ran_on[i] = omp_get_thread_num();
+#else
+    (void)i;
+#endif
+  });
+  const std::set<int> threads(ran_on.begin(), ran_on.end());
+  if (threads.size() > 1) {
+    std::cout << "exec::openmp: parallel, " << threads.size() << " threads\n";
+  } else {
+    std::cout << "exec::openmp: serial\n";
   }
   return 0;
 }
