@@ -29,8 +29,8 @@
 #include "epx/core/numeric.hpp"
 #include "epx/exec/cuda.cuh"
 
-#if __has_include("epx/kernels/functors.hpp")
-#include "epx/kernels/functors.hpp"
+#if __has_include("epx/kernels/launch.hpp")
+#include "epx/kernels/launch.hpp"
 #define EPX_BENCH_HAVE_FUNCTORS 1
 #else
 #define EPX_BENCH_HAVE_FUNCTORS 0
@@ -248,11 +248,14 @@ void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, s
 
 #if EPX_BENCH_HAVE_FUNCTORS
   {
-    const epx::dispatch::gather_rows<T> g{x.data(), src.data(), send.data(), H};
-    row("gather_rows (functor)", shape, gather_bytes, tm.time([&] { epx::exec::for_each_n(dev, S, g); }, 2, iters),
-        floor_gbps);
-    const epx::dispatch::combine<T> c{send.data(), w.data(), pos.data(), out.data(), H, static_cast<int>(k)};
-    row("combine (functor)", shape, combine_bytes, tm.time([&] { epx::exec::for_each_n(dev, N, c); }, 2, iters),
+    const T* xs = x.data();
+    const std::int64_t* src_rows = src.data();
+    row("gather (kernels::gather)", shape, gather_bytes,
+        tm.time([&] { epx::kernels::gather(dev, S, H, xs, src_rows, send.data()); }, 2, iters), floor_gbps);
+    const T* ys = send.data();
+    row("combine (kernels::combine)", shape, combine_bytes,
+        tm.time([&] { epx::kernels::combine(dev, N, H, static_cast<int>(k), ys, w.data(), pos.data(), out.data()); }, 2,
+                iters),
         floor_gbps);
   }
 #endif
@@ -287,9 +290,15 @@ void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, s
       tm.time([&] { trip(gv, S * words, cvb, N * words); }, 1, std::max(1, iters / 2)), floor_gbps);
 #if EPX_BENCH_HAVE_FUNCTORS
   {
-    const epx::dispatch::gather_rows<T> g{x.data(), src.data(), send.data(), H};
-    const epx::dispatch::combine<T> cb{back.data(), w.data(), pos.data(), out.data(), H, static_cast<int>(k)};
-    row("round trip nccl ws1 (functor)", shape, trip_bytes, tm.time([&] { trip(g, S, cb, N); }, 1, std::max(1, iters / 2)),
+    const T* xs = x.data();
+    const T* bs = back.data();
+    const std::int64_t* src_rows = src.data();
+    row("round trip nccl ws1 (kernels)", shape, trip_bytes, tm.time([&] {
+          epx::kernels::gather(dev, S, H, xs, src_rows, send.data());
+          epx::all_to_allv_segments(comm, send.data(), c_, o_, recv.data(), c_, o_, E_, H);
+          epx::all_to_allv_segments(comm, recv.data(), c_, o_, back.data(), c_, o_, E_, H);
+          epx::kernels::combine(dev, N, H, static_cast<int>(k), bs, w.data(), pos.data(), out.data());
+        }, 1, std::max(1, iters / 2)),
         floor_gbps);
   }
 #endif

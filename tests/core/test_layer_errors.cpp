@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -135,7 +136,7 @@ void expect_configuration_error(int world, epx::mesh_config mc, epx::layer_optio
 }
 }  // namespace
 
-TEST_CASE("bad configuration raises on every rank before any collective") {
+TEST_CASE("bad configuration raises on every rank, together, before rows move") {
   epx::layer_options o;
   o.hidden = 4;
   o.top_k = 2;
@@ -163,6 +164,172 @@ TEST_CASE("bad configuration raises on every rank before any collective") {
   }
   SUBCASE("all_reduce path with ep != tp") {
     expect_configuration_error<epx::impl::all_reduce>(4, {1, 4, 1, 1, 4, 8, 0}, o, "requires ep_size (4) == tp_size (1)");
+  }
+}
+
+namespace {
+struct scale_experts {
+  template <class Exec>
+  void forward(const Exec&, const epx::expert_rows<const float>& in, float* y) {
+    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i) y[i] = 2.0f * in.rows[i];
+  }
+  template <class Exec>
+  void backward(const Exec&, const epx::expert_rows<const float>&, const float*, float*) {}
+};
+
+// Each rank builds the layer from its own mesh config (mine(rank)); returns what each raised.
+std::vector<raised> construct_each(int world, const std::function<epx::mesh_config(int)>& mine, epx::layer_options o) {
+  std::vector<raised> seen(static_cast<std::size_t>(world));
+  epx::threads::options opts;
+  opts.timeout = std::chrono::seconds(20);
+  epx::threads::run(
+      world,
+      [&](comm_t& comm) {
+        raised r;
+        try {
+          const epx::mesh m(mine(comm.rank()));
+          epx::moe_layer<comm_t, float> layer(m, comm, o);
+        } catch (const epx::error& e) {
+          r.thrown = true;
+          r.category = e.category();
+          r.message = e.what();
+        }
+        seen[static_cast<std::size_t>(comm.rank())] = r;
+      },
+      opts);
+  return seen;
+}
+}  // namespace
+
+TEST_CASE("ranks that built different meshes or options raise errc::configuration on every rank") {
+  epx::layer_options o;
+  o.hidden = 4;
+  o.top_k = 2;
+  SUBCASE("one rank says ep=2, the other ep=1") {
+    // Without the agreement the staged route overflows a heap buffer here.
+    const auto seen = construct_each(2, [](int r) { return epx::mesh_config{1, 2, 1, 1, r == 0 ? 2 : 1, 4, 0}; }, o);
+    for (const auto& x : seen) {
+      CAPTURE(x.message);
+      REQUIRE(x.thrown);
+      CHECK(x.category == epx::errc::configuration);
+      CHECK(x.message.find("rank 1 has ep=1 but rank 0 has ep=2") != std::string::npos);
+    }
+  }
+  SUBCASE("the ranks disagree on tp") {
+    // rank 0: tp=2 x fsdp=1; rank 1: tp=1 x fsdp=2 (both fit 2 ranks).
+    const auto seen =
+        construct_each(2, [](int r) { return r == 0 ? epx::mesh_config{2, 1, 1, 1, 2, 4, 0} : epx::mesh_config{1, 2, 1, 1, 2, 4, 0}; }, o);
+    for (const auto& x : seen) {
+      CAPTURE(x.message);
+      REQUIRE(x.thrown);
+      CHECK(x.category == epx::errc::configuration);
+      CHECK(x.message.find("rank 1 has tp=1 but rank 0 has tp=2") != std::string::npos);
+      CHECK(x.message.find("rank 1 has fsdp=2 but rank 0 has fsdp=1") != std::string::npos);
+    }
+  }
+  SUBCASE("the ranks disagree on the number of experts and the padding") {
+    epx::layer_options p = o;
+    const auto seen = construct_each(4, [](int r) { return epx::mesh_config{1, 4, 1, 1, 4, r == 3 ? 4 : 8, 0}; }, p);
+    for (const auto& x : seen) {
+      CAPTURE(x.message);
+      REQUIRE(x.thrown);
+      CHECK(x.category == epx::errc::configuration);
+      CHECK(x.message.find("rank 3 has num_experts=4 but rank 0 has num_experts=8") != std::string::npos);
+    }
+  }
+  SUBCASE("one rank's own configuration is bad: every rank hears it") {
+    std::vector<raised> seen(4);
+    epx::threads::run(4, [&](comm_t& comm) {
+      raised x;
+      try {
+        const epx::mesh m(epx::mesh_config{1, 4, 1, 1, 4, 8, 0});
+        epx::layer_options mine = o;
+        if (comm.rank() == 2) mine.top_k = 9;  // more than the 8 experts
+        epx::moe_layer<comm_t, float> layer(m, comm, mine);
+      } catch (const epx::error& e) {
+        x.thrown = true;
+        x.category = e.category();
+        x.message = e.what();
+      }
+      seen[static_cast<std::size_t>(comm.rank())] = x;
+    });
+    for (const auto& x : seen) {
+      CAPTURE(x.message);
+      REQUIRE(x.thrown);
+      CHECK(x.category == epx::errc::configuration);
+      CHECK(x.message.find("rank 2: top_k (9) must be in [1, num_experts (8)]") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("framework constructor: the caller's ep and tp communicators, checked against the mesh") {
+  const epx::mesh_config mc{2, 2, 1, 1, 4, 8, 0};  // tp=2, fsdp=2, ep=4: world 4
+  epx::layer_options o;
+  o.hidden = 6;
+  o.top_k = 2;
+  SUBCASE("the same results as the layer that makes its own groups") {
+    std::vector<std::vector<float>> a(4), b(4);
+    epx::threads::run(4, [&](comm_t& comm) {
+      const epx::mesh m(mc);
+      const int r = comm.rank();
+      const std::size_t N = 5, H = 6;
+      std::vector<float> x(N * H), w(N * 2, 0.5f), out(N * H);
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 7 + static_cast<std::size_t>(m.batch(r))) % 11) - 5.0f;
+      std::vector<std::int32_t> ids(N * 2);
+      for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 3 + 1) % 8);
+      scale_experts ex;
+      epx::moe_layer<comm_t, float> own(m, comm, o);
+      own.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                  epx::span<float>(out), ex, epx::mode::inference);
+      a[static_cast<std::size_t>(r)] = out;
+      comm_t ep = epx::sub_communicator(comm, m, epx::group_kind::ep);
+      comm_t tp = epx::sub_communicator(comm, m, epx::group_kind::tp);
+      epx::moe_layer<comm_t, float> given(m, r, std::move(ep), std::move(tp), o);
+      given.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                    epx::span<float>(out), ex, epx::mode::inference);
+      b[static_cast<std::size_t>(r)] = out;
+    });
+    for (int r = 0; r < 4; ++r) CHECK(a[static_cast<std::size_t>(r)] == b[static_cast<std::size_t>(r)]);
+  }
+  SUBCASE("communicators that do not match the mesh raise on every rank") {
+    for (int variant = 0; variant < 3; ++variant) {
+      CAPTURE(variant);
+      std::vector<raised> seen(4);
+      epx::threads::options opts;
+      opts.timeout = std::chrono::seconds(20);
+      epx::threads::run(
+          4,
+          [&](comm_t& comm) {
+            const epx::mesh m(mc);
+            raised x;
+            try {
+              comm_t ep = epx::sub_communicator(comm, m, epx::group_kind::ep);
+              comm_t tp = epx::sub_communicator(comm, m, epx::group_kind::tp);
+              if (variant == 0) {
+                comm_t tp2 = epx::sub_communicator(comm, m, epx::group_kind::tp);
+                epx::moe_layer<comm_t, float> l(m, comm.rank(), std::move(tp2), std::move(tp), o);  // tp where ep belongs
+              } else if (variant == 1) {
+                // The ep group in the wrong order (reversed ranks).
+                comm_t rev = comm.split(0, 3 - comm.rank());
+                epx::moe_layer<comm_t, float> l(m, comm.rank(), std::move(rev), std::move(tp), o);
+              } else {
+                epx::moe_layer<comm_t, float> l(m, (comm.rank() + 1) % 4, std::move(ep), std::move(tp), o);  // wrong world rank
+              }
+            } catch (const epx::error& e) {
+              x.thrown = true;
+              x.category = e.category();
+              x.message = e.what();
+            }
+            seen[static_cast<std::size_t>(comm.rank())] = x;
+          },
+          opts);
+      for (const auto& x : seen) {
+        CAPTURE(x.message);
+        REQUIRE(x.thrown);
+        CHECK(x.category == epx::errc::configuration);
+      }
+      if (variant == 0) CHECK(seen[0].message.find("the ep communicator has 2 ranks but the mesh has ep=4") != std::string::npos);
+    }
   }
 }
 
