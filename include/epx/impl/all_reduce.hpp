@@ -97,14 +97,9 @@ class all_reduce_impl {
     // The experts write over their inputs when they allow it and nothing is kept for backward.
     const expert_rows<const T> rows{x_local.data(), R, H, offsets.data(), L, first};
     rows_buffer<T, Exec> y_local;
-    T* y = x_local.data();
-    if (saved != nullptr || !forward_in_place_v<Experts>) {
-      y_local = make_rows<T>(ws_, ex, R * H);
-      y = y_local.data();
-    }
-    experts.forward(ex, rows, y);
+    const T* y = run_experts(ws_, ex, experts, rows, x_local.data(), saved != nullptr, y_local);
 
-    kernels::combine(ex, N, H, a.top_k, static_cast<const T*>(y), a.weights,
+    kernels::combine(ex, N, H, a.top_k, y, a.weights,
                      static_cast<const std::int64_t*>(local_pos.data()), a.out);
     settle(ex, *ctx_.ep);
     all_reduce(*ctx_.ep, span<T>(a.out, N * H));

@@ -131,7 +131,7 @@ class all_to_all_impl {
           kernels::copy(ex, R, H, static_cast<const T* const*>(table.data()), x_recv.data());
         });
         // 5: experts.
-        T* y_rows = run_experts(ex, experts, rows, x_recv.data(), saved != nullptr, y);
+        T* y_rows = run_experts(ws_, ex, experts, rows, x_recv.data(), saved != nullptr, y);
         // 6-7: combine reads every slot's output row in place at its owner.
         const void* mine_y[1] = {y_rows};
         ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {
@@ -150,7 +150,7 @@ class all_to_all_impl {
       exchange_rows(seg, static_cast<const T*>(send.data()), x_recv.data(), L, H, false);
       // 5: experts.
       rows_buffer<T, Exec> y_recv;
-      const T* y_rows = run_experts(ex, experts, rows, x_recv.data(), saved != nullptr, y_recv);
+      const T* y_rows = run_experts(ws_, ex, experts, rows, x_recv.data(), saved != nullptr, y_recv);
       // 6: outputs back into send order (reusing the send buffer); 7: combine.
       settle(ex, *ctx_.ep);
       exchange_rows(seg, y_rows, send.data(), L, H, true);
@@ -270,21 +270,6 @@ class all_to_all_impl {
     else
       all_to_allv_segments(*ctx_.ep, from, make_span(g.recv_counts), make_span(g.recv_displs), to,
                            make_span(g.send_counts), make_span(g.send_displs), static_cast<std::size_t>(L), H);
-  }
-
-  // Runs the experts over `rows` (whose data is x_recv) and returns their outputs: written
-  // over x_recv when the experts allow it and nothing is kept for backward, into `y`
-  // (allocated here, R rows) otherwise.
-  template <class T, class Exec, class Experts>
-  T* run_experts(const Exec& ex, Experts& experts, const expert_rows<const T>& rows, T* x_recv, bool training,
-                 rows_buffer<T, Exec>& y) {
-    T* out = x_recv;
-    if (training || !forward_in_place_v<Experts>) {
-      y = make_rows<T>(ws_, ex, rows.num_rows * rows.hidden);
-      out = y.data();
-    }
-    experts.forward(ex, rows, out);
-    return out;
   }
 
   // Whether this call reads rows out of the peers' buffers (see layer_options::peer_access).

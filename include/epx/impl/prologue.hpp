@@ -8,7 +8,8 @@
 //      rank here;
 //   3. the receive layout (epx/layout/receive.hpp) from the gathered counts (all-to-all) or
 //      from this rank's own counts (masked path);
-//   4. the statistics of the call (detail::record_stats).
+//   4. the statistics of the call (detail::record_stats);
+// and runs the experts (run_experts), in place where they allow it.
 #pragma once
 
 #include <cstddef>
@@ -16,6 +17,8 @@
 #include <string>
 #include <utility>
 
+#include "epx/exec/workspace.hpp"
+#include "epx/impl/experts.hpp"
 #include "epx/impl/implementation.hpp"
 #include "epx/impl/stats.hpp"
 #include "epx/layout/exchange.hpp"
@@ -68,6 +71,21 @@ routed<Exec> route_forward(const layer_context<Comm>& ctx, const Exec& ex, const
   if (ctx.stats != nullptr)
     record_stats(*ctx.stats, q.path, r.layout, ctx.ep_rank(), q.moves_rows);
   return r;
+}
+
+// Runs the experts over `rows` (whose data is `x`) and returns their outputs: written over
+// x when the experts allow it (epx::forward_in_place_v) and nothing is kept for backward,
+// into `y` (allocated here, rows.num_rows rows) otherwise.
+template <class T, class Exec, class Experts>
+T* run_experts(workspace& ws, const Exec& ex, Experts& experts, const expert_rows<const T>& rows, T* x, bool training,
+               rows_buffer<T, Exec>& y) {
+  T* out = x;
+  if (training || !forward_in_place_v<Experts>) {
+    y = make_rows<T>(ws, ex, rows.num_rows * rows.hidden);
+    out = y.data();
+  }
+  experts.forward(ex, rows, out);
+  return out;
 }
 
 }  // namespace epx::detail

@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -122,16 +123,10 @@ class moe_layer {
     a.rows = x.size() / H;
     a.hidden = H;
     a.top_k = options_.top_k;
-    std::string msg;
     const std::size_t N = a.rows;
-    if (x.size() % H != 0)
-      msg = detail::concat("x has ", x.size(), " elements, not a multiple of the hidden size H=", H);
-    else if (ids.size() != N * k)
-      msg = detail::concat("expert ids have ", ids.size(), " elements but N*k = ", N, "*", k, " = ", N * k);
-    else if (weights.size() != N * k)
-      msg = detail::concat("routing weights have ", weights.size(), " elements but N*k = ", N, "*", k, " = ", N * k);
-    else if (out.size() != N * H)
-      msg = detail::concat("out has ", out.size(), " elements but N*H = ", N, "*", H, " = ", N * H);
+    const std::string msg = shape_error("x", x.size(), {{"expert ids have", ids.size(), N, k, "N*k"},
+                                                       {"routing weights have", weights.size(), N, k, "N*k"},
+                                                       {"out has", out.size(), N, H, "N*H"}});
     if (!msg.empty()) a.status = 1;
     a.status_message = msg.c_str();
     saved_state<T> saved;
@@ -162,13 +157,8 @@ class moe_layer {
     a.hidden = H;
     a.top_k = options_.top_k;
     const std::size_t N = a.rows;
-    std::string msg;
-    if (grad_out.size() % H != 0)
-      msg = detail::concat("grad_out has ", grad_out.size(), " elements, not a multiple of the hidden size H=", H);
-    else if (grad_x.size() != N * H)
-      msg = detail::concat("grad_x has ", grad_x.size(), " elements but N*H = ", N, "*", H, " = ", N * H);
-    else if (grad_weights.size() != N * k)
-      msg = detail::concat("grad_weights have ", grad_weights.size(), " elements but N*k = ", N, "*", k, " = ", N * k);
+    const std::string msg = shape_error("grad_out", grad_out.size(), {{"grad_x has", grad_x.size(), N, H, "N*H"},
+                                                                     {"grad_weights have", grad_weights.size(), N, k, "N*k"}});
     if (!msg.empty()) a.status = 1;
     a.status_message = msg.c_str();
     impl_->backward(exec_, a, experts, s);
@@ -182,6 +172,24 @@ class moe_layer {
   Comm& tp_communicator() noexcept { return *tp_; }
 
  private:
+  struct size_rule {
+    const char* what;  // "out has"
+    std::size_t have, rows, cols;
+    const char* product;  // "N*H"
+  };
+  // The first shape mismatch of a call as a sentence ("" when the shapes fit): `first`
+  // holds whole rows of H; every rule's tensor holds rows*cols elements.
+  std::string shape_error(const char* first, std::size_t first_size, std::initializer_list<size_rule> rules) const {
+    const std::size_t H = options_.hidden;
+    if (first_size % H != 0)
+      return detail::concat(first, " has ", first_size, " elements, not a multiple of the hidden size H=", H);
+    for (const auto& r : rules)
+      if (r.have != r.rows * r.cols)
+        return detail::concat(r.what, " ", r.have, " elements but ", r.product, " = ", r.rows, "*", r.cols, " = ",
+                              r.rows * r.cols);
+    return {};
+  }
+
   // This rank's own checks, as a sentence ("" when fine): the mesh against a world of
   // `world_size` ranks, the options against the mesh and the implementation.
   static std::string local_check(const mesh& m, int world_size, const layer_options& o) {
