@@ -38,18 +38,13 @@
 #include "epx/comm/communicator.hpp"
 #include "epx/comm/datatype.hpp"
 #include "epx/comm/detail/reduce.hpp"
+#include "epx/comm/threads/agreement.hpp"
+#include "epx/comm/threads/options.hpp"
 #include "epx/comm/threads/state.hpp"
 #include "epx/core/error.hpp"
 
 namespace epx {
 namespace threads {
-
-// Settings of one epx::threads::run.
-struct options {
-  // A collective that some members have not entered after this long fails with an error
-  // listing them (on every rank).
-  std::chrono::milliseconds timeout = std::chrono::seconds(60);
-};
 
 class communicator;
 
@@ -355,11 +350,7 @@ class communicator {
   }
 
   // "rank 2", or "rank 2 (world rank 6)" inside a sub-communicator.
-  std::string who(int r) const {
-    std::string s = "rank " + std::to_string(r);
-    if (group_->world_rank(r) != r) s += " (world rank " + std::to_string(group_->world_rank(r)) + ")";
-    return s;
-  }
+  std::string who(int r) const { return detail::threads_who(*group_, r); }
 
   // The exit barrier: every member has passed the entry barrier and runs bounded copy
   // code, so this wait always completes.
@@ -482,24 +473,10 @@ class communicator {
     if (!mismatch.empty()) EPX_THROW(errc::communicator, mismatch);
   }
 
-  // Whether peer p's published call agrees with ours on what we read from it.
+  // Whether peer p's published call agrees with ours on what we read from it
+  // (epx/comm/threads/agreement.hpp).
   bool pair_matches(int p) const noexcept {
-    const auto& mine = slot(rank_);
-    const auto& s = slot(p);
-    if (s.op != mine.op || s.type != mine.type) return false;
-    switch (mine.op) {
-      case detail::threads_op::all_to_allv:
-      case detail::threads_op::all_to_allv_segments: {
-        if (s.count != mine.count) return false;
-        const std::size_t nseg = mine.count;
-        for (std::size_t i = 0; i < nseg; ++i)
-          if (s.send_counts[static_cast<std::size_t>(rank_) * nseg + i] != mine.recv_counts[static_cast<std::size_t>(p) * nseg + i])
-            return false;
-        return true;
-      }
-      case detail::threads_op::broadcast: return s.count == mine.count && s.root == mine.root;
-      default: return s.count == mine.count;
-    }
+    return detail::threads_pair_matches(*group_, group_->entered(rank_), rank_, p);
   }
 
   template <class Work>
@@ -508,59 +485,9 @@ class communicator {
     wait_exit();
   }
 
-  // Empty if every member's published call agrees; otherwise names the values. Every
-  // member reads the same slots, so every member reaches the same verdict.
-  std::string check_match() const {
-    const int n = size();
-    const auto& s0 = slot(0);
-    for (int r = 1; r < n; ++r) {
-      const auto& s = slot(r);
-      if (s.op != s0.op)
-        return detail::concat("mismatched collectives: ", who(0), " called ", to_string(s0.op), ", ", who(r),
-                              " called ", to_string(s.op));
-    }
-    const auto op = s0.op;
-    if (op == detail::threads_op::barrier || op == detail::threads_op::split) return {};
-    for (int r = 1; r < n; ++r) {
-      const auto& s = slot(r);
-      if (s.type != s0.type)
-        return detail::concat(to_string(op), ": mismatched datatypes: ", who(0), " passed ", to_string(s0.type),
-                              ", ", who(r), " passed ", to_string(s.type));
-    }
-    if (op == detail::threads_op::all_to_allv || op == detail::threads_op::all_to_allv_segments) {
-      const bool segmented = op == detail::threads_op::all_to_allv_segments;
-      for (int r = 1; r < n; ++r)
-        if (slot(r).count != s0.count)
-          return detail::concat("all_to_allv_segments: mismatched segment counts: ", who(0), " passed ", s0.count,
-                                " segments per peer, ", who(r), " passed ", slot(r).count);
-      const std::size_t nseg = s0.count;
-      for (int src = 0; src < n; ++src)
-        for (int dst = 0; dst < n; ++dst)
-          for (std::size_t i = 0; i < nseg; ++i) {
-            const std::size_t sent = slot(src).send_counts[static_cast<std::size_t>(dst) * nseg + i];
-            const std::size_t expected = slot(dst).recv_counts[static_cast<std::size_t>(src) * nseg + i];
-            if (sent != expected)
-              return detail::concat(to_string(op), ": mismatched counts: ", who(src), " sends ", sent, " elements",
-                                    segmented ? detail::concat(" in segment ", i) : std::string(), " to ", who(dst),
-                                    ", which expects ", expected, " from it");
-          }
-      return {};
-    }
-    for (int r = 1; r < n; ++r) {
-      const auto& s = slot(r);
-      if (s.count != s0.count)
-        return detail::concat(to_string(op), ": mismatched counts: ", who(0), " passed ", s0.count, ", ", who(r),
-                              " passed ", s.count);
-      if (op == detail::threads_op::broadcast && s.root != s0.root)
-        return detail::concat("broadcast: mismatched roots: ", who(0), " passed ", s0.root, ", ", who(r),
-                              " passed ", s.root);
-      if ((op == detail::threads_op::all_reduce || op == detail::threads_op::reduce_scatter) &&
-          s.scale != s0.scale)
-        return detail::concat(to_string(op), ": mismatched scales: ", who(0), " passed ", s0.scale, ", ", who(r),
-                              " passed ", s.scale);
-    }
-    return {};
-  }
+  // Empty if every member's published call agrees; otherwise names the values
+  // (epx/comm/threads/agreement.hpp).
+  std::string check_match() const { return detail::threads_check_match(*group_, group_->entered(rank_)); }
 
   std::shared_ptr<detail::threads_world> world_;
   std::shared_ptr<detail::threads_group> group_;

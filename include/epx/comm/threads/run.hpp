@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "epx/comm/threads/communicator.hpp"
+#include "epx/comm/threads/options.hpp"
+#include "epx/comm/threads/state.hpp"
 #include "epx/core/error.hpp"
 
 namespace epx {
