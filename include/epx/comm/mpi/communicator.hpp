@@ -352,6 +352,6 @@ class communicator {
   options opt_;
 };
 
-static_assert(is_communicator_v<communicator>, "epx::mpi::communicator must satisfy the communicator concept");
+static_assert(check_communicator<communicator>(), "epx::mpi::communicator must satisfy the communicator concept");
 
 }  // namespace epx::mpi

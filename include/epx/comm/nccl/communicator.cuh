@@ -371,7 +371,7 @@ class communicator {
   exec::device_buffer<std::int32_t> scratch_;  // [1] for barrier()
 };
 
-static_assert(is_communicator_v<communicator>,
+static_assert(check_communicator<communicator>(),
               "epx::nccl::communicator must meet the communicator concept (epx/comm/communicator.hpp)");
 
 }  // namespace epx::nccl

@@ -504,6 +504,6 @@ struct threads_access {
 };
 }  // namespace detail
 
-static_assert(is_communicator_v<threads::communicator>, "threads::communicator must satisfy the communicator concept");
+static_assert(check_communicator<threads::communicator>(), "threads::communicator must satisfy the communicator concept");
 
 }  // namespace epx
