@@ -19,9 +19,13 @@
 // epx::error(errc::communicator) naming the failed rank and its message. A rank that
 // returns from its function while others wait for it in a collective fails that
 // collective at once, and a watchdog (options::timeout) turns a collective that some
-// members have not entered in time into an error listing them. Calls that disagree
-// (different collectives, datatypes, counts, segment counts, roots or scales) are detected on every rank
-// and reported with the values.
+// members have not entered in time into an error listing them; such a failure ends that
+// communicator (its pending and later collectives raise the same error on every member),
+// not the run. Calls that disagree (different collectives, datatypes, counts, segment
+// counts, roots or scales) are detected on every rank and reported with the values
+// (epx/comm/threads/agreement.hpp); the communicator stays usable. An error that a rank
+// catches is its own to handle: only an exception that escapes a rank's function aborts
+// the run (epx/comm/threads/run.hpp).
 #pragma once
 
 #include <algorithm>
@@ -73,7 +77,8 @@ class communicator {
   int world_rank() const noexcept { return group_->world_rank(rank_); }
 
   // Collective: members with the same color form one new communicator, ordered by
-  // (key, rank). Failures inside the new communicator abort the whole run.
+  // (key, rank). It belongs to the same run: an exception escaping any rank's function
+  // aborts its collectives too.
   communicator split(int color, int key) const {
     detail::threads_slot d;
     d.op = detail::threads_op::split;
@@ -358,31 +363,48 @@ class communicator {
     group_->arrive_and_wait(false, std::chrono::steady_clock::time_point::max());
   }
 
+  // The error of a collective that timed out or can never complete (a member is gone).
+  epx::error wait_failure(detail::wait_result w, detail::threads_op op) const {
+    const std::uint64_t seq = group_->entered(rank_);
+    const bool gone = w == detail::wait_result::member_gone;
+    std::string missing;
+    for (int r = 0; r < size(); ++r)
+      if (group_->entered(r) < seq && (!gone || world_->finished(group_->world_rank(r))))
+        missing += (missing.empty() ? "" : ", ") + who(r);
+    if (missing.empty()) missing = "none at the time of the check";
+    const std::string what = detail::concat(to_string(op), " (collective #", seq, " on a communicator of ",
+                                            size(), " ranks)");
+    return epx::error(errc::communicator,
+                      gone ? detail::concat(what, " can never complete: ranks that returned from their function "
+                                                  "without entering it: ", missing)
+                           : detail::concat("watchdog: ", what, " still waits after ", world_->timeout().count(),
+                                            " ms; ranks that never entered it: ", missing),
+                      EPX_HERE);
+  }
+
   [[noreturn]] void on_wait_failure(detail::wait_result w, detail::threads_op op) const {
     if (w == detail::wait_result::timed_out || w == detail::wait_result::member_gone) {
-      const std::uint64_t seq = group_->entered(rank_);
-      const bool gone = w == detail::wait_result::member_gone;
-      std::string missing;
-      for (int r = 0; r < size(); ++r)
-        if (group_->entered(r) < seq && (!gone || world_->finished(group_->world_rank(r))))
-          missing += (missing.empty() ? "" : ", ") + who(r);
-      if (missing.empty()) missing = "none at the time of the check";
-      const std::string what = detail::concat(to_string(op), " (collective #", seq, " on a communicator of ",
-                                              size(), " ranks)");
-      epx::error e(errc::communicator,
-                   gone ? detail::concat(what, " can never complete: ranks that returned from their function "
-                                               "without entering it: ", missing)
-                        : detail::concat("watchdog: ", what, " still waits after ", world_->timeout().count(),
-                                         " ms; ranks that never entered it: ", missing),
-                   EPX_HERE);
-      world_->fail(world_rank(), std::make_exception_ptr(e));
+      // We cancelled the generation. This group is broken (the generation stays cancelled),
+      // the run is not: a rank that catches the error goes on with its other communicators.
+      // It aborts the run only if it escapes a rank's function (epx::threads::run).
+      std::exception_ptr e;
+      try {
+        e = std::make_exception_ptr(wait_failure(w, op));
+      } catch (...) {
+        e = std::current_exception();  // out of memory: the members still learn that it failed
+      }
+      group_->fail(world_rank(), e);
       group_->retract(group_->entered(rank_), rank_);
-      throw e;
+      std::rethrow_exception(e);
     }
-    // Cancelled: whoever cancelled records the failure right after; wait for it.
+    // Cancelled: whoever cancelled records the failure right after (the group's, or the
+    // run's abort); wait for it.
     group_->retract(group_->entered(rank_), rank_);
-    while (!world_->aborted()) std::this_thread::yield();
-    world_->throw_aborted(world_rank());
+    for (;;) {
+      if (group_->failed()) group_->throw_failed(world_rank());
+      if (world_->aborted()) world_->throw_aborted(world_rank());
+      std::this_thread::yield();
+    }
   }
 
   // Makes `d` this rank's call number `seq` (the next one) and returns seq.
