@@ -770,3 +770,210 @@ TEST_CASE("threads: access_peers failures: mismatched counts, a throwing functio
   }
   check_next_run_works(n);
 }
+
+// --- failures a rank catches, and failures that escape ---------------------------------------
+//
+// epx::threads::run rethrows only an exception that escapes a rank's function. An error
+// that every rank catches (calls that disagree, bad input found on every rank, a
+// communicator ended by the watchdog or by a member that returned) leaves the run alive:
+// run returns normally, and the communicators not involved keep working.
+
+TEST_CASE("threads: errors that every rank catches leave the run alive, and later collectives work") {
+  for (int n : {2, 3, 4, 8}) {
+    CAPTURE(n);
+    seen_errors mismatch(n), bad_input(n), counts(n);
+    std::atomic<int> ok{0};
+    // run returns normally: nothing escaped.
+    epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      const int me = comm.rank();
+      // 1. A collective whose counts disagree (errc::communicator on every rank).
+      std::vector<float> x(8, 1.0f);
+      try {
+        epx::all_reduce(comm, epx::span<float>(x.data(), me == n - 1 ? 7 : 8));
+      } catch (const epx::error& e) {
+        mismatch.record(me, e);
+      }
+      // 2. Bad input seen by every rank after a collective agreement, as the layer does:
+      // every rank contributes its status, and every rank raises errc::input together.
+      try {
+        std::vector<std::int32_t> status(static_cast<std::size_t>(n)), mine{me == 0 ? 1 : 0};
+        epx::all_gather(comm, epx::span<const std::int32_t>(mine), epx::span<std::int32_t>(status));
+        for (int r = 0; r < n; ++r)
+          EPX_REQUIRE(status[static_cast<std::size_t>(r)] == 0, epx::errc::input, "bad input on rank ", r);
+      } catch (const epx::error& e) {
+        bad_input.record(me, e);
+      }
+      // 3. all_to_allv counts that disagree.
+      std::vector<std::size_t> sc(n, 1), sd(n), rc(n, 1), rd(n);
+      for (int p = 0; p < n; ++p) sd[p] = rd[p] = static_cast<std::size_t>(p);
+      if (me == 1) rc[0] = 0;
+      std::vector<int> send(n, me), recv(n, -1);
+      try {
+        comm.all_to_allv(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), epx::datatype::int32);
+      } catch (const epx::error& e) {
+        counts.record(me, e);
+      }
+      // The world and its sub-communicators still work.
+      std::vector<double> y{1.0 + me};
+      epx::all_reduce(comm, epx::span<double>(y));
+      comm.barrier();
+      auto halves = comm.split(me % 2, me);
+      std::vector<int> one{1};
+      epx::all_reduce(halves, epx::span<int>(one));
+      if (y[0] == n * (n + 1) / 2.0 && one[0] == halves.size()) ++ok;
+    }, short_options());
+    CHECK(ok.load() == n);
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(mismatch.categories[r] == epx::errc::communicator);
+      CHECK(contains(mismatch.messages[r], "all_reduce: mismatched counts"));
+      CHECK(bad_input.categories[r] == epx::errc::input);
+      CHECK(contains(bad_input.messages[r], "bad input on rank 0"));
+      CHECK(counts.categories[r] == epx::errc::communicator);
+      CHECK(contains(counts.messages[r], "rank 0 sends 1 elements to rank 1, which expects 0 from it"));
+    }
+  }
+  check_next_run_works(4);
+}
+
+TEST_CASE("threads: a communicator ended by the watchdog fails its members, not the run, when they catch it") {
+  // Pairs {0,1} and {2,3}. Rank 1 is late for the pair's all_reduce: rank 0's watchdog
+  // ends the pair (rank 1 then sees the same failure); both catch it. The pair stays
+  // broken; the other pair and the world keep working; run returns normally.
+  const int n = 4;
+  epx::threads::options o;
+  o.timeout = milliseconds(300);
+  seen_errors first(n), again(n);
+  std::atomic<bool> rank0_caught{false}, rank1_caught{false};
+  std::atomic<int> ok{0};
+  const auto wait_for = [](const std::atomic<bool>& flag) {
+    while (!flag.load()) std::this_thread::sleep_for(milliseconds(1));
+  };
+  epx::threads::run(n, [&](epx::threads::communicator& comm) {
+    const int me = comm.rank();
+    auto pair = comm.split(me / 2, me);
+    std::vector<int> x{1};
+    if (me == 1) wait_for(rank0_caught);  // enters only after rank 0's watchdog has fired
+    try {
+      epx::all_reduce(pair, epx::span<int>(x));
+    } catch (const epx::error& e) {
+      first.record(me, e);
+    }
+    if (me == 0) rank0_caught = true;
+    if (me == 1) rank1_caught = true;
+    if (me < 2) {
+      try {
+        pair.barrier();  // the pair stays broken
+      } catch (const epx::error& e) {
+        again.record(me, e);
+      }
+    }
+    wait_for(rank1_caught);  // nobody waits in the world for rank 1 past the watchdog
+    std::vector<double> y{1.0};
+    epx::all_reduce(comm, epx::span<double>(y));
+    comm.barrier();
+    if (y[0] == n && (me < 2 || x[0] == 2)) ++ok;
+  }, o);
+  CHECK(ok.load() == n);
+  CHECK(first.categories[0] == epx::errc::communicator);
+  CHECK(contains(first.messages[0], "watchdog: all_reduce (collective #1 on a communicator of 2 ranks)"));
+  CHECK(contains(first.messages[0], "ranks that never entered it: rank 1"));
+  CHECK(first.categories[1] == epx::errc::communicator);
+  CHECK(contains(first.messages[1], "rank 0 failed: watchdog: all_reduce"));
+  for (int r : {0, 1}) {
+    CAPTURE(r);
+    CHECK(contains(again.messages[r], "rank 0 failed: watchdog: all_reduce"));
+  }
+  for (int r : {2, 3}) CHECK(first.messages[r].empty());
+  check_next_run_works(n);
+}
+
+TEST_CASE("threads: a member that returns early fails its communicator, not the run, when the others catch it") {
+  // Rank 3 returns right after the split; its pair partner (rank 2) finds the pair's
+  // collective can never complete and catches it. Ranks 0 and 1 never notice.
+  const int n = 4;
+  seen_errors seen(n);
+  std::atomic<int> ok{0};
+  const auto t0 = clock_type::now();
+  epx::threads::run(n, [&](epx::threads::communicator& comm) {
+    const int me = comm.rank();
+    auto pair = comm.split(me / 2, me);
+    if (me == 3) return;
+    std::vector<int> x{1};
+    for (int round = 0; round < 2; ++round) {
+      try {
+        epx::all_reduce(pair, epx::span<int>(x));
+        if (x[0] == 1 << (round + 1)) ++ok;
+      } catch (const epx::error& e) {
+        seen.record(me, e);
+      }
+    }
+  }, short_options());
+  CHECK(clock_type::now() - t0 < milliseconds(3500));  // not the watchdog
+  CHECK(ok.load() == 4);                               // ranks 0 and 1, two rounds each
+  CHECK(seen.categories[2] == epx::errc::communicator);
+  CHECK(contains(seen.messages[2], "can never complete: ranks that returned from their function without entering it: "
+                                   "rank 1 (world rank 3)"));
+  CHECK(seen.messages[0].empty());
+  CHECK(seen.messages[1].empty());
+  check_next_run_works(n);
+}
+
+TEST_CASE("threads: a failure that escapes one rank still aborts the run, after errors the ranks caught") {
+  const int n = 4;
+  {
+    // Every rank catches a mismatch; then rank 2 lets its own exception escape.
+    seen_errors seen(n);
+    CHECK_THROWS_WITH_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      std::vector<float> x(4, 1.0f);
+      try {
+        epx::all_reduce(comm, epx::span<float>(x.data(), comm.rank() == 0 ? 3 : 4));
+      } catch (const epx::error&) {
+      }
+      if (comm.rank() == 2) throw std::runtime_error("rank two escapes");
+      try {
+        comm.barrier();
+      } catch (const epx::error& e) {
+        seen.record(comm.rank(), e);
+      }
+    }, short_options()), doctest::Contains("rank two escapes"), std::runtime_error);
+    for (int r : {0, 1, 3}) {
+      CAPTURE(r);
+      CHECK(contains(seen.messages[r], "rank 2 failed: rank two escapes"));
+    }
+  }
+  {
+    // Every rank gets the mismatch; rank 1 lets it escape, the others catch it. run
+    // rethrows the one that escaped, as it was thrown.
+    bool threw = false;
+    try {
+      epx::threads::run(n, [&](epx::threads::communicator& comm) {
+        std::vector<int> x(5, 0);
+        try {
+          epx::broadcast(comm, epx::span<int>(x), comm.rank() == 3 ? 1 : 0);
+        } catch (const epx::error&) {
+          if (comm.rank() == 1) throw;
+        }
+      }, short_options());
+    } catch (const epx::error& e) {
+      threw = true;
+      CHECK(e.category() == epx::errc::communicator);
+      CHECK(contains(e.message(), "broadcast: mismatched roots: rank 0 passed 0, rank 3 passed 1"));
+    }
+    CHECK(threw);
+  }
+  {
+    // The watchdog ends the world communicator; rank 0 lets it escape, the others catch it.
+    epx::threads::options o;
+    o.timeout = milliseconds(200);
+    CHECK_THROWS_WITH_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      if (comm.rank() == 3) std::this_thread::sleep_for(milliseconds(600));
+      try {
+        comm.barrier();
+      } catch (const epx::error&) {
+        if (comm.rank() == 0) throw;
+      }
+    }, o), doctest::Contains("watchdog: barrier"), epx::error);
+  }
+  check_next_run_works(n);
+}

@@ -1,7 +1,7 @@
 // epx/comm/communicator.hpp: the communicator concept shared by every backend.
 //
 // A communicator `C` (threads::communicator, mpi::communicator, nccl::communicator) is a
-// movable value exposing:
+// move-constructible value exposing:
 //
 //   int  rank() const;                  // this rank in [0, size())
 //   int  size() const;
@@ -24,7 +24,24 @@
 // gradient averaging costs no extra pass. Every failure raises epx::error; a failure on
 // one rank reaches the others as an error too (never a hang).
 //
-// Optional, for backends whose ranks share one address space (threads::communicator):
+// is_communicator_v<C> is true when C has all of the above (these are the calls the layer,
+// the gradient hooks and the typed collectives make). check_communicator<C>() says which
+// call is missing: one static_assert per requirement, each naming the member it needs:
+//
+//   static_assert(epx::check_communicator<my_comm>());
+//
+// Optional members, used when present (with exactly these arguments):
+//
+//   void all_to_allv_segments(const void* send, const std::size_t* send_counts,
+//                             const std::size_t* send_displs, void* recv, const std::size_t* recv_counts,
+//                             const std::size_t* recv_displs, std::size_t nseg, datatype t);
+//                                       // arrays [peers][nseg]: every segment of every peer in
+//                                       // one collective (epx::all_to_allv_segments, which
+//                                       // otherwise runs nseg rounds of all_to_allv)
+//   void wait();                        // bounded wait for the work the communicator queued on
+//                                       // a device stream (epx/comm/settle.hpp)
+//
+// and, for backends whose ranks share one address space (threads::communicator):
 //
 //   class peer_pointers { const void* operator()(int r, std::size_t i) const; int size() const; };
 //   template <class F> void access_peers(const void* const* mine, std::size_t count, F&& f);
@@ -46,24 +63,113 @@
 
 namespace epx {
 
-template <class C, class = void>
-struct is_communicator : std::false_type {};
+namespace detail {
+
+// One detector per required call: the expression, with the argument types of the concept.
+template <class C>
+using comm_rank_t = decltype(std::declval<const C&>().rank());
+template <class C>
+using comm_size_t = decltype(std::declval<const C&>().size());
+template <class C>
+using comm_split_t = decltype(std::declval<const C&>().split(0, 0));
+template <class C>
+using comm_all_to_all_t = decltype(std::declval<C&>().all_to_all(std::declval<const void*>(), std::declval<void*>(),
+                                                                  std::size_t{}, datatype::byte));
+template <class C>
+using comm_all_to_allv_t = decltype(std::declval<C&>().all_to_allv(
+    std::declval<const void*>(), std::declval<const std::size_t*>(), std::declval<const std::size_t*>(),
+    std::declval<void*>(), std::declval<const std::size_t*>(), std::declval<const std::size_t*>(), datatype::byte));
+template <class C>
+using comm_all_reduce_t = decltype(std::declval<C&>().all_reduce(std::declval<const void*>(), std::declval<void*>(),
+                                                                  std::size_t{}, datatype::float32, 1.0));
+template <class C>
+using comm_reduce_scatter_t = decltype(std::declval<C&>().reduce_scatter(
+    std::declval<const void*>(), std::declval<void*>(), std::size_t{}, datatype::float32, 1.0));
+template <class C>
+using comm_all_gather_t = decltype(std::declval<C&>().all_gather(std::declval<const void*>(), std::declval<void*>(),
+                                                                  std::size_t{}, datatype::byte));
+template <class C>
+using comm_broadcast_t =
+    decltype(std::declval<C&>().broadcast(std::declval<void*>(), std::size_t{}, datatype::byte, 0));
+template <class C>
+using comm_barrier_t = decltype(std::declval<C&>().barrier());
+
+template <template <class> class Op, class C, class = void>
+struct comm_detect : std::false_type {};
+template <template <class> class Op, class C>
+struct comm_detect<Op, C, std::void_t<Op<C>>> : std::true_type {};
+
+// Detected, and the result converts to R.
+template <template <class> class Op, class C, class R, class = void>
+struct comm_detect_r : std::false_type {};
+template <template <class> class Op, class C, class R>
+struct comm_detect_r<Op, C, R, std::void_t<Op<C>>> : std::is_convertible<Op<C>, R> {};
+
+// Which requirements of the communicator concept `C` (no reference, no cv) meets.
+template <class C>
+struct communicator_has {
+  static constexpr bool move_constructible = std::is_move_constructible_v<C>;
+  static constexpr bool rank = comm_detect_r<comm_rank_t, C, int>::value;
+  static constexpr bool size = comm_detect_r<comm_size_t, C, int>::value;
+  static constexpr bool split = comm_detect_r<comm_split_t, C, C>::value;
+  static constexpr bool all_to_all = comm_detect<comm_all_to_all_t, C>::value;
+  static constexpr bool all_to_allv = comm_detect<comm_all_to_allv_t, C>::value;
+  static constexpr bool all_reduce = comm_detect<comm_all_reduce_t, C>::value;
+  static constexpr bool reduce_scatter = comm_detect<comm_reduce_scatter_t, C>::value;
+  static constexpr bool all_gather = comm_detect<comm_all_gather_t, C>::value;
+  static constexpr bool broadcast = comm_detect<comm_broadcast_t, C>::value;
+  static constexpr bool barrier = comm_detect<comm_barrier_t, C>::value;
+  static constexpr bool all = move_constructible && rank && size && split && all_to_all && all_to_allv &&
+                              all_reduce && reduce_scatter && all_gather && broadcast && barrier;
+};
 
 template <class C>
-struct is_communicator<
-    C, std::void_t<decltype(std::declval<const C&>().rank()), decltype(std::declval<const C&>().size()),
-                   decltype(std::declval<const C&>().split(0, 0)),
-                   decltype(std::declval<C&>().all_to_allv(
-                       std::declval<const void*>(), std::declval<const std::size_t*>(),
-                       std::declval<const std::size_t*>(), std::declval<void*>(),
-                       std::declval<const std::size_t*>(), std::declval<const std::size_t*>(),
-                       datatype::byte)),
-                   decltype(std::declval<C&>().all_reduce(std::declval<const void*>(), std::declval<void*>(),
-                                                           std::size_t{}, datatype::float32, 1.0)),
-                   decltype(std::declval<C&>().barrier())>> : std::true_type {};
+using communicator_has_t = communicator_has<std::remove_cv_t<std::remove_reference_t<C>>>;
+
+}  // namespace detail
+
+// Whether C meets the communicator concept (every required call above).
+template <class C, class = void>
+struct is_communicator : std::bool_constant<detail::communicator_has_t<C>::all> {};
 
 template <class C>
 inline constexpr bool is_communicator_v = is_communicator<std::remove_cv_t<std::remove_reference_t<C>>>::value;
+
+// The concept as a diagnostic: fails to compile, with one message per missing call, unless
+// C meets it; returns true otherwise. `static_assert(epx::check_communicator<C>());`
+template <class C>
+constexpr bool check_communicator() {
+  using has = detail::communicator_has_t<C>;
+  static_assert(has::move_constructible,
+                "epx: the communicator type must be move constructible (sub-communicators made by split are "
+                "returned and kept by value)");
+  static_assert(has::rank, "epx: the communicator type needs `int rank() const`");
+  static_assert(has::size, "epx: the communicator type needs `int size() const`");
+  static_assert(has::split,
+                "epx: the communicator type needs `C split(int color, int key) const` returning the communicator "
+                "type");
+  static_assert(has::all_to_all,
+                "epx: the communicator type needs `void all_to_all(const void* send, void* recv, std::size_t "
+                "count_per_peer, datatype t)`");
+  static_assert(has::all_to_allv,
+                "epx: the communicator type needs `void all_to_allv(const void* send, const std::size_t* "
+                "send_counts, const std::size_t* send_displs, void* recv, const std::size_t* recv_counts, const "
+                "std::size_t* recv_displs, datatype t)`");
+  static_assert(has::all_reduce,
+                "epx: the communicator type needs `void all_reduce(const void* send, void* recv, std::size_t "
+                "count, datatype t, double scale)`");
+  static_assert(has::reduce_scatter,
+                "epx: the communicator type needs `void reduce_scatter(const void* send, void* recv, std::size_t "
+                "recv_count, datatype t, double scale)`");
+  static_assert(has::all_gather,
+                "epx: the communicator type needs `void all_gather(const void* send, void* recv, std::size_t "
+                "count, datatype t)`");
+  static_assert(has::broadcast,
+                "epx: the communicator type needs `void broadcast(void* data, std::size_t count, datatype t, int "
+                "root)`");
+  static_assert(has::barrier, "epx: the communicator type needs `void barrier()`");
+  return has::all;
+}
 
 template <class C, class = void>
 struct has_peer_access : std::false_type {};

@@ -14,10 +14,12 @@
 // - The communicator wraps an MPI_Comm and switches it to MPI_ERRORS_RETURN so that every
 //   failing call becomes epx::error(errc::mpi). A wrapped user communicator is never freed;
 //   communicators made by split() (and the private duplicate used for chunked transfers)
-//   are owned and freed with MPI_Comm_free when the last copy goes away.
+//   are owned and freed with MPI_Comm_free when the last copy goes away
+//   (epx/comm/mpi/state.hpp).
 // - MPI counts are int. Messages whose counts or displacements exceed `options::max_count`
 //   elements travel as point-to-point chunks of at most max_count elements, in rounds, on a
-//   private duplicate of the communicator (so no tag can collide with the user's traffic).
+//   private duplicate of the communicator (so no tag can collide with the user's traffic):
+//   epx/comm/mpi/transport.hpp.
 // - Sums (all_reduce, reduce_scatter) are not MPI_SUM: each rank receives the block it owns
 //   from every rank, adds the contributions in rank order in the accumulation type (float for
 //   bf16/fp16), multiplies by `scale` and rounds once; all_reduce then gathers the blocks
@@ -26,97 +28,38 @@
 //   algorithm choice, and equal to the threads backend's (epx/comm/detail/reduce.hpp).
 // - Every collective but split runs as the nonblocking MPI call and waits for it with a
 //   watchdog (`options::timeout`, default 10 minutes), so a rank that stalls or leaves turns
-//   into an error on the ranks that wait instead of a hang.
+//   into an error on the ranks that wait instead of a hang: epx/comm/mpi/wait.hpp.
 // - With `options::check_counts` (default on) every collective first agrees, with one small
 //   MPI_Allreduce, that all ranks called it with the same datatype and counts; all_to_allv
 //   also exchanges the counts (an all_to_all of one integer per peer) and checks that what
 //   each sender sends is what its receiver expects. A disagreement raises
-//   epx::error(errc::communicator) on every rank, naming the values.
+//   epx::error(errc::communicator) on every rank, naming the values:
+//   epx/comm/mpi/agreement.hpp.
 #pragma once
 
 #include <mpi.h>
 
 #include <algorithm>
-#include <chrono>
 #include <climits>
 #include <cstddef>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <exception>
 #include <initializer_list>
-#include <limits>
 #include <memory>
 #include <string>
-#include <thread>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "epx/comm/communicator.hpp"
 #include "epx/comm/datatype.hpp"
+#include "epx/comm/mpi/agreement.hpp"
+#include "epx/comm/mpi/environment.hpp"
+#include "epx/comm/mpi/options.hpp"
+#include "epx/comm/mpi/state.hpp"
 #include "epx/comm/mpi/support.hpp"
+#include "epx/comm/mpi/transport.hpp"
+#include "epx/comm/mpi/wait.hpp"
 #include "epx/core/error.hpp"
 
 namespace epx::mpi {
-
-// Tuning and checking of one communicator (plain aggregate; copies made by split inherit it).
-struct options {
-  // Agree on datatype and counts before each collective, and check in all_to_allv that the
-  // counts each rank sends match what the receivers expect. Costs one small MPI_Allreduce
-  // (plus, for all_to_allv, an all_to_all of one integer per peer) per call. Without it,
-  // all_to_allv runs as point-to-point messages with no extra synchronization.
-  bool check_counts = true;
-  // Largest count or displacement, in elements, handed to one MPI call. Larger transfers go
-  // in chunks of at most this many elements. MPI counts are int, hence the default; tests
-  // lower it to exercise the chunked path with small buffers. Must be at least 1.
-  std::size_t max_count = static_cast<std::size_t>(INT_MAX);
-  // all_reduce of at most this many bytes over all ranks (size() * count * element size)
-  // gathers every rank's input and sums it locally in rank order: one round of messages
-  // instead of two, same bits. Larger ones split the sum by blocks over the ranks.
-  std::size_t all_reduce_gather_bytes = std::size_t{256} << 10;
-  // Watchdog: a collective still unfinished after this long (a rank stalled, died outside
-  // epx::mpi::run, or returned without calling it) raises epx::error(errc::communicator) on
-  // the ranks that wait, naming the collective; the communicator cannot be used after that
-  // (epx::mpi::run then ends the job with the message). Zero: wait forever, as MPI does.
-  // split() is not covered (MPI has no nonblocking split).
-  std::chrono::milliseconds timeout = std::chrono::minutes(10);
-};
-
-// Initializes MPI on construction (MPI_Init_thread) unless it already is, and finalizes it on
-// destruction if and only if this guard initialized it. Neither copyable nor movable.
-class environment {
- public:
-  explicit environment(int* argc = nullptr, char*** argv = nullptr, int required = MPI_THREAD_FUNNELED) {
-    int initialized = 0;
-    EPX_MPI_CHECK(MPI_Initialized(&initialized));
-    if (initialized) {
-      EPX_MPI_CHECK(MPI_Query_thread(&provided_));
-      return;
-    }
-    EPX_MPI_CHECK(MPI_Init_thread(argc, argv, required, &provided_));
-    owns_ = true;
-  }
-  environment(int& argc, char**& argv, int required = MPI_THREAD_FUNNELED)
-      : environment(&argc, &argv, required) {}
-  environment(const environment&) = delete;
-  environment& operator=(const environment&) = delete;
-  ~environment() {
-    if (!owns_) return;
-    int finalized = 0;
-    if (MPI_Finalized(&finalized) == MPI_SUCCESS && !finalized) MPI_Finalize();
-  }
-
-  // The thread support level MPI provides (MPI_THREAD_SINGLE ... MPI_THREAD_MULTIPLE).
-  int thread_level() const noexcept { return provided_; }
-  // Whether this guard initialized MPI (and will finalize it).
-  bool owns_mpi() const noexcept { return owns_; }
-
- private:
-  int provided_ = MPI_THREAD_SINGLE;
-  bool owns_ = false;
-};
 
 // A communicator (see epx/comm/communicator.hpp) over an MPI_Comm. Copies share the
 // wrapped communicator (shared ownership: an owned MPI_Comm is freed with the last copy;
@@ -212,28 +155,8 @@ class communicator {
     const std::size_t m = n * nseg;
     bool large = nseg > static_cast<std::size_t>(INT_MAX);
     for (std::size_t j = 0; j < m; ++j) large = large || send_counts[j] > opt_.max_count || recv_counts[j] > opt_.max_count;
-    if (opt_.check_counts) {
-      std::vector<unsigned long long> mine(m), theirs(m);  // theirs[p*nseg+i]: what p sends me in segment i
-      for (std::size_t j = 0; j < m; ++j) mine[j] = send_counts[j];
-      if (m > 0 && nseg <= static_cast<std::size_t>(INT_MAX)) {
-        EPX_MPI_BOUNDED(MPI_Ialltoall(mine.data(), static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG, theirs.data(),
-                                   static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG, s_->comm, &epx_req_));
-      }
-      std::string bad;
-      for (std::size_t j = 0; j < m && bad.empty() && nseg <= static_cast<std::size_t>(INT_MAX); ++j) {
-        if (theirs[j] != recv_counts[j])
-          bad = detail::concat("all_to_allv_segments: send and receive counts disagree: rank ", rank(), " expects ",
-                               recv_counts[j], " ", to_string(t), " elements in segment ", j % nseg, " from rank ",
-                               j / nseg, ", which sends ", theirs[j]);
-      }
-      large = agree("all_to_allv_segments",
-                    {{"the datatype", static_cast<long long>(t)}, {"the segment count", static_cast<long long>(nseg)}},
-                    bad, errc::communicator, large ? 1 : 0) != 0;
-    } else {
-      int l = large ? 1 : 0;
-      EPX_MPI_BOUNDED(MPI_Iallreduce(MPI_IN_PLACE, &l, 1, MPI_INT, MPI_MAX, s_->comm, &epx_req_));
-      large = l != 0;
-    }
+    large = opt_.check_counts ? detail::mpi_check_segment_counts(*s_, opt_, send_counts, recv_counts, nseg, t, large)
+                              : detail::mpi_any(*s_, opt_, large);
     if (nseg == 0) return;
     if (large) {
       std::vector<std::size_t> v(4 * n);
@@ -373,24 +296,8 @@ class communicator {
     exchange_chunked(send, v.data(), v.data() + n, recv, v.data(), v.data() + n, t);
   }
 
-  struct state {
-    MPI_Comm comm = MPI_COMM_NULL;
-    MPI_Comm chunk_comm = MPI_COMM_NULL;  // private duplicate for chunked point-to-point traffic
-    bool owned = false;
-    int rank = 0;
-    int size = 1;
-    std::size_t chunked_rounds = 0;
-    const char* op = "";  // the collective in progress (watchdog messages)
-    state() = default;
-    state(const state&) = delete;
-    state& operator=(const state&) = delete;
-    ~state() {
-      int finalized = 0;
-      if (MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) return;  // MPI freed everything
-      if (chunk_comm != MPI_COMM_NULL) MPI_Comm_free(&chunk_comm);
-      if (owned && comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
-    }
-  };
+  // Shared by the copies (epx/comm/mpi/state.hpp).
+  using state = detail::mpi_state;
 
   communicator(MPI_Comm comm, bool owned, options opt) : s_(std::make_shared<state>()) {
     int initialized = 0;
@@ -417,170 +324,34 @@ class communicator {
     EPX_REQUIRE(e.empty(), errc::input, e);
   }
 
-  // One MPI_Allreduce(MAX) over [error, -failing rank, any, values..., -values...].
-  // Raises on every rank when some rank passed a non-empty `local_error` (category
-  // `local_category`; the lowest such rank's message is broadcast, so every rank names the
-  // same values) or, as errc::communicator, when `values` differ between ranks. Returns the
-  // maximum of `any` over ranks.
+  // The agreement (epx/comm/mpi/agreement.hpp), on this communicator.
   long long agree(const char* op, std::initializer_list<std::pair<const char*, long long>> values,
                   const std::string& local_error, errc local_category, long long any = 0) const {
-    const std::size_t k = values.size();
-    std::vector<long long> buf(3 + 2 * k);
-    const bool failed = !local_error.empty();
-    buf[0] = failed ? 1 : 0;
-    buf[1] = failed ? -static_cast<long long>(rank()) : std::numeric_limits<long long>::min();
-    buf[2] = any;
-    std::size_t i = 0;
-    for (const auto& v : values) {
-      buf[3 + i] = v.second;
-      buf[3 + k + i] = -v.second;
-      ++i;
-    }
-    EPX_MPI_BOUNDED(MPI_Iallreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(buf.size()), MPI_LONG_LONG, MPI_MAX,
-                                s_->comm, &epx_req_));
-    if (buf[0] != 0) {
-      const int culprit = static_cast<int>(-buf[1]);  // lowest failing rank
-      std::string msg = culprit == rank() ? local_error : std::string();
-      int len = static_cast<int>(std::min<std::size_t>(msg.size(), 4096));
-      EPX_MPI_BOUNDED(MPI_Ibcast(&len, 1, MPI_INT, culprit, s_->comm, &epx_req_));
-      msg.resize(static_cast<std::size_t>(len));
-      EPX_MPI_BOUNDED(MPI_Ibcast(msg.data(), len, MPI_CHAR, culprit, s_->comm, &epx_req_));
-      throw error(local_category, msg, EPX_HERE);
-    }
-    i = 0;
-    for (const auto& v : values) {
-      const long long hi = buf[3 + i], lo = -buf[3 + k + i];
-      EPX_REQUIRE(hi == lo, errc::communicator, op, ": ranks disagree on ", v.first, " (values from ", lo, " to ",
-                  hi, "; rank ", rank(), " passed ", v.second, ")");
-      ++i;
-    }
-    return buf[2];
+    return detail::mpi_agree(*s_, opt_, op, values, local_error, local_category, any);
   }
-
   void agree_same(const char* op, datatype t, std::size_t count, int root = 0,
                   const std::string& local_error = std::string()) const {
-    agree(op,
-          {{"the datatype", static_cast<long long>(t)},
-           {"the count", static_cast<long long>(count)},
-           {"the root", root}},
-          local_error, errc::input);
+    detail::mpi_agree_same(*s_, opt_, op, t, count, root, local_error);
   }
-
   // all_to_allv count check; returns whether any rank needs the chunked path.
   bool check_counts_v(const std::size_t* send_counts, const std::size_t* recv_counts, datatype t, bool large) {
-    const auto n = static_cast<std::size_t>(size());
-    std::vector<unsigned long long> mine(n), theirs(n);  // theirs[p]: what p sends to me
-    for (std::size_t p = 0; p < n; ++p) mine[p] = send_counts[p];
-    EPX_MPI_BOUNDED(MPI_Ialltoall(mine.data(), 1, MPI_UNSIGNED_LONG_LONG, theirs.data(), 1, MPI_UNSIGNED_LONG_LONG,
-                               s_->comm, &epx_req_));
-    std::string bad;
-    for (std::size_t p = 0; p < n && bad.empty(); ++p) {
-      if (theirs[p] != recv_counts[p])
-        bad = detail::concat("all_to_allv: send and receive counts disagree: rank ", rank(), " expects ",
-                             recv_counts[p], " ", to_string(t), " elements from rank ", p, ", which sends ",
-                             theirs[p]);
-    }
-    return agree("all_to_allv", {{"the datatype", static_cast<long long>(t)}}, bad, errc::communicator,
-                 large ? 1 : 0) != 0;
+    return detail::mpi_check_counts_v(*s_, opt_, send_counts, recv_counts, t, large);
   }
 
+  // The transport (epx/comm/mpi/transport.hpp), on this communicator.
   void exchange(const void* send, const std::size_t* sc, const std::size_t* sd, void* recv, const std::size_t* rc,
                 const std::size_t* rd, datatype t, bool large) {
-    if (large) {
-      exchange_chunked(send, sc, sd, recv, rc, rd, t);
-      return;
-    }
-    const int n = size();
-    std::vector<int> v(4 * static_cast<std::size_t>(n));
-    for (int p = 0; p < n; ++p) {
-      v[p] = static_cast<int>(sc[p]);
-      v[n + p] = static_cast<int>(sd[p]);
-      v[2 * n + p] = static_cast<int>(rc[p]);
-      v[3 * n + p] = static_cast<int>(rd[p]);
-    }
-    const MPI_Datatype mt = detail::mpi_type(t);
-    EPX_MPI_BOUNDED(MPI_Ialltoallv(send, v.data(), v.data() + n, mt, recv, v.data() + 2 * n, v.data() + 3 * n, mt,
-                                s_->comm, &epx_req_));
+    detail::mpi_exchange(*s_, opt_, send, sc, sd, recv, rc, rd, t, large);
   }
-
-  // all_to_allv as point-to-point messages of at most max_count elements. Round k moves
-  // chunk k of every peer's message; all ranks must enter together (the path is agreed).
   void exchange_chunked(const void* send, const std::size_t* sc, const std::size_t* sd, void* recv,
                         const std::size_t* rc, const std::size_t* rd, datatype t) {
-    if (s_->chunk_comm == MPI_COMM_NULL) {
-      EPX_MPI_CHECK(MPI_Comm_dup(s_->comm, &s_->chunk_comm));
-      EPX_MPI_CHECK(MPI_Comm_set_errhandler(s_->chunk_comm, MPI_ERRORS_RETURN));
-    }
-    const int n = size(), me = rank();
-    const std::size_t es = size_of(t), chunk = opt_.max_count;
-    const MPI_Datatype mt = detail::mpi_type(t);
-    const auto* sb = static_cast<const unsigned char*>(send);
-    auto* rb = static_cast<unsigned char*>(recv);
-    const std::size_t self = std::min(sc[me], rc[me]);  // equal unless the caller skipped the check
-    if (self != 0) std::memmove(rb + rd[me] * es, sb + sd[me] * es, self * es);
-    std::size_t rounds = 0;
-    for (int p = 0; p < n; ++p) {
-      if (p == me) continue;
-      rounds = std::max({rounds, (sc[p] + chunk - 1) / chunk, (rc[p] + chunk - 1) / chunk});
-    }
-    std::vector<MPI_Request> req;
-    req.reserve(2 * static_cast<std::size_t>(n));
-    for (std::size_t k = 0; k < rounds; ++k) {
-      ++s_->chunked_rounds;
-      req.clear();
-      const std::size_t off = k * chunk;
-      for (int d = 1; d < n; ++d) {  // receive from me-d, send to me+d: spreads the load
-        const int q = (me - d + n) % n;
-        if (rc[q] > off) {
-          req.emplace_back();
-          const int c = static_cast<int>(std::min(chunk, rc[q] - off));
-          EPX_MPI_CHECK(MPI_Irecv(rb + (rd[q] + off) * es, c, mt, q, 0, s_->chunk_comm, &req.back()));
-        }
-      }
-      for (int d = 1; d < n; ++d) {
-        const int p = (me + d) % n;
-        if (sc[p] > off) {
-          req.emplace_back();
-          const int c = static_cast<int>(std::min(chunk, sc[p] - off));
-          EPX_MPI_CHECK(MPI_Isend(sb + (sd[p] + off) * es, c, mt, p, 0, s_->chunk_comm, &req.back()));
-        }
-      }
-      if (!req.empty()) {
-        wait_bounded(req.data(), static_cast<int>(req.size()));
-      }
-    }
-  }
-
-  // Waits for n requests; with options::timeout, polls them and raises when the deadline
-  // passes (the requests stay pending: the communicator is unusable afterwards).
-  void wait_bounded(MPI_Request* reqs, int n) const {
-    if (n == 0) return;
-    if (opt_.timeout.count() == 0) {
-      EPX_MPI_CHECK(MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE));
-      return;
-    }
-    const auto deadline = std::chrono::steady_clock::now() + opt_.timeout;
-    for (unsigned spin = 1;; ++spin) {
-      int done = 0;
-      EPX_MPI_CHECK(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE));
-      if (done) return;
-      if (spin % 64 == 0) {
-        if (std::chrono::steady_clock::now() >= deadline)
-          throw error(errc::communicator,
-                      detail::concat("watchdog: MPI ", s_->op, " on rank ", rank(), " of a communicator of ", size(),
-                                     " ranks still waits after ", opt_.timeout.count(),
-                                     " ms: a rank stalled, died, or returned without calling it (the "
-                                     "communicator cannot be used any more)"),
-                      EPX_HERE);
-        std::this_thread::yield();
-      }
-    }
+    detail::mpi_exchange_chunked(*s_, opt_, send, sc, sd, recv, rc, rd, t);
   }
 
   std::shared_ptr<state> s_;
   options opt_;
 };
 
-static_assert(is_communicator_v<communicator>, "epx::mpi::communicator must satisfy the communicator concept");
+static_assert(check_communicator<communicator>(), "epx::mpi::communicator must satisfy the communicator concept");
 
 }  // namespace epx::mpi

@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "epx/comm/mpi/communicator.hpp"
+#include "epx/comm/mpi/environment.hpp"
 
 namespace epx::mpi {
 

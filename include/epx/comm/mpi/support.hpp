@@ -1,5 +1,5 @@
-// epx/comm/mpi/support.hpp: MPI call checking, datatype mapping and the local
-// block reduction of the MPI backend. Needs <mpi.h>; included by epx/comm/mpi/communicator.hpp only.
+// epx/comm/mpi/support.hpp: MPI call checking, datatype mapping and the local block
+// reduction of the MPI backend. Needs <mpi.h>; included by the epx/comm/mpi/ headers.
 #pragma once
 
 #include <mpi.h>
@@ -35,14 +35,7 @@ inline void mpi_check(int code, const char* call, source_location where) {
 }
 
 #define EPX_MPI_CHECK(call) ::epx::detail::mpi_check((call), #call, EPX_HERE)
-// Inside epx::mpi::communicator: starts the nonblocking call `call`, whose request argument
-// is `&epx_req_`, and waits for it under the communicator's watchdog (wait_bounded).
-#define EPX_MPI_BOUNDED(call)                \
-  do {                                       \
-    MPI_Request epx_req_ = MPI_REQUEST_NULL; \
-    EPX_MPI_CHECK(call);                     \
-    wait_bounded(&epx_req_, 1);              \
-  } while (0)
+// (EPX_MPI_BOUNDED, a nonblocking call waited for under the watchdog: epx/comm/mpi/wait.hpp.)
 
 // The MPI datatype that moves elements of `t`. The 16-bit float types travel as raw 16-bit
 // words: MPI never does arithmetic on them (sums are local, in float).

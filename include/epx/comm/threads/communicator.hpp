@@ -19,9 +19,13 @@
 // epx::error(errc::communicator) naming the failed rank and its message. A rank that
 // returns from its function while others wait for it in a collective fails that
 // collective at once, and a watchdog (options::timeout) turns a collective that some
-// members have not entered in time into an error listing them. Calls that disagree
-// (different collectives, datatypes, counts, segment counts, roots or scales) are detected on every rank
-// and reported with the values.
+// members have not entered in time into an error listing them; such a failure ends that
+// communicator (its pending and later collectives raise the same error on every member),
+// not the run. Calls that disagree (different collectives, datatypes, counts, segment
+// counts, roots or scales) are detected on every rank and reported with the values
+// (epx/comm/threads/agreement.hpp); the communicator stays usable. An error that a rank
+// catches is its own to handle: only an exception that escapes a rank's function aborts
+// the run (epx/comm/threads/run.hpp).
 #pragma once
 
 #include <algorithm>
@@ -38,18 +42,13 @@
 #include "epx/comm/communicator.hpp"
 #include "epx/comm/datatype.hpp"
 #include "epx/comm/detail/reduce.hpp"
+#include "epx/comm/threads/agreement.hpp"
+#include "epx/comm/threads/options.hpp"
 #include "epx/comm/threads/state.hpp"
 #include "epx/core/error.hpp"
 
 namespace epx {
 namespace threads {
-
-// Settings of one epx::threads::run.
-struct options {
-  // A collective that some members have not entered after this long fails with an error
-  // listing them (on every rank).
-  std::chrono::milliseconds timeout = std::chrono::seconds(60);
-};
 
 class communicator;
 
@@ -78,7 +77,8 @@ class communicator {
   int world_rank() const noexcept { return group_->world_rank(rank_); }
 
   // Collective: members with the same color form one new communicator, ordered by
-  // (key, rank). Failures inside the new communicator abort the whole run.
+  // (key, rank). It belongs to the same run: an exception escaping any rank's function
+  // aborts its collectives too.
   communicator split(int color, int key) const {
     detail::threads_slot d;
     d.op = detail::threads_op::split;
@@ -355,11 +355,7 @@ class communicator {
   }
 
   // "rank 2", or "rank 2 (world rank 6)" inside a sub-communicator.
-  std::string who(int r) const {
-    std::string s = "rank " + std::to_string(r);
-    if (group_->world_rank(r) != r) s += " (world rank " + std::to_string(group_->world_rank(r)) + ")";
-    return s;
-  }
+  std::string who(int r) const { return detail::threads_who(*group_, r); }
 
   // The exit barrier: every member has passed the entry barrier and runs bounded copy
   // code, so this wait always completes.
@@ -367,31 +363,48 @@ class communicator {
     group_->arrive_and_wait(false, std::chrono::steady_clock::time_point::max());
   }
 
+  // The error of a collective that timed out or can never complete (a member is gone).
+  epx::error wait_failure(detail::wait_result w, detail::threads_op op) const {
+    const std::uint64_t seq = group_->entered(rank_);
+    const bool gone = w == detail::wait_result::member_gone;
+    std::string missing;
+    for (int r = 0; r < size(); ++r)
+      if (group_->entered(r) < seq && (!gone || world_->finished(group_->world_rank(r))))
+        missing += (missing.empty() ? "" : ", ") + who(r);
+    if (missing.empty()) missing = "none at the time of the check";
+    const std::string what = detail::concat(to_string(op), " (collective #", seq, " on a communicator of ",
+                                            size(), " ranks)");
+    return epx::error(errc::communicator,
+                      gone ? detail::concat(what, " can never complete: ranks that returned from their function "
+                                                  "without entering it: ", missing)
+                           : detail::concat("watchdog: ", what, " still waits after ", world_->timeout().count(),
+                                            " ms; ranks that never entered it: ", missing),
+                      EPX_HERE);
+  }
+
   [[noreturn]] void on_wait_failure(detail::wait_result w, detail::threads_op op) const {
     if (w == detail::wait_result::timed_out || w == detail::wait_result::member_gone) {
-      const std::uint64_t seq = group_->entered(rank_);
-      const bool gone = w == detail::wait_result::member_gone;
-      std::string missing;
-      for (int r = 0; r < size(); ++r)
-        if (group_->entered(r) < seq && (!gone || world_->finished(group_->world_rank(r))))
-          missing += (missing.empty() ? "" : ", ") + who(r);
-      if (missing.empty()) missing = "none at the time of the check";
-      const std::string what = detail::concat(to_string(op), " (collective #", seq, " on a communicator of ",
-                                              size(), " ranks)");
-      epx::error e(errc::communicator,
-                   gone ? detail::concat(what, " can never complete: ranks that returned from their function "
-                                               "without entering it: ", missing)
-                        : detail::concat("watchdog: ", what, " still waits after ", world_->timeout().count(),
-                                         " ms; ranks that never entered it: ", missing),
-                   EPX_HERE);
-      world_->fail(world_rank(), std::make_exception_ptr(e));
+      // We cancelled the generation. This group is broken (the generation stays cancelled),
+      // the run is not: a rank that catches the error goes on with its other communicators.
+      // It aborts the run only if it escapes a rank's function (epx::threads::run).
+      std::exception_ptr e;
+      try {
+        e = std::make_exception_ptr(wait_failure(w, op));
+      } catch (...) {
+        e = std::current_exception();  // out of memory: the members still learn that it failed
+      }
+      group_->fail(world_rank(), e);
       group_->retract(group_->entered(rank_), rank_);
-      throw e;
+      std::rethrow_exception(e);
     }
-    // Cancelled: whoever cancelled records the failure right after; wait for it.
+    // Cancelled: whoever cancelled records the failure right after (the group's, or the
+    // run's abort); wait for it.
     group_->retract(group_->entered(rank_), rank_);
-    while (!world_->aborted()) std::this_thread::yield();
-    world_->throw_aborted(world_rank());
+    for (;;) {
+      if (group_->failed()) group_->throw_failed(world_rank());
+      if (world_->aborted()) world_->throw_aborted(world_rank());
+      std::this_thread::yield();
+    }
   }
 
   // Makes `d` this rank's call number `seq` (the next one) and returns seq.
@@ -482,24 +495,10 @@ class communicator {
     if (!mismatch.empty()) EPX_THROW(errc::communicator, mismatch);
   }
 
-  // Whether peer p's published call agrees with ours on what we read from it.
+  // Whether peer p's published call agrees with ours on what we read from it
+  // (epx/comm/threads/agreement.hpp).
   bool pair_matches(int p) const noexcept {
-    const auto& mine = slot(rank_);
-    const auto& s = slot(p);
-    if (s.op != mine.op || s.type != mine.type) return false;
-    switch (mine.op) {
-      case detail::threads_op::all_to_allv:
-      case detail::threads_op::all_to_allv_segments: {
-        if (s.count != mine.count) return false;
-        const std::size_t nseg = mine.count;
-        for (std::size_t i = 0; i < nseg; ++i)
-          if (s.send_counts[static_cast<std::size_t>(rank_) * nseg + i] != mine.recv_counts[static_cast<std::size_t>(p) * nseg + i])
-            return false;
-        return true;
-      }
-      case detail::threads_op::broadcast: return s.count == mine.count && s.root == mine.root;
-      default: return s.count == mine.count;
-    }
+    return detail::threads_pair_matches(*group_, group_->entered(rank_), rank_, p);
   }
 
   template <class Work>
@@ -508,59 +507,9 @@ class communicator {
     wait_exit();
   }
 
-  // Empty if every member's published call agrees; otherwise names the values. Every
-  // member reads the same slots, so every member reaches the same verdict.
-  std::string check_match() const {
-    const int n = size();
-    const auto& s0 = slot(0);
-    for (int r = 1; r < n; ++r) {
-      const auto& s = slot(r);
-      if (s.op != s0.op)
-        return detail::concat("mismatched collectives: ", who(0), " called ", to_string(s0.op), ", ", who(r),
-                              " called ", to_string(s.op));
-    }
-    const auto op = s0.op;
-    if (op == detail::threads_op::barrier || op == detail::threads_op::split) return {};
-    for (int r = 1; r < n; ++r) {
-      const auto& s = slot(r);
-      if (s.type != s0.type)
-        return detail::concat(to_string(op), ": mismatched datatypes: ", who(0), " passed ", to_string(s0.type),
-                              ", ", who(r), " passed ", to_string(s.type));
-    }
-    if (op == detail::threads_op::all_to_allv || op == detail::threads_op::all_to_allv_segments) {
-      const bool segmented = op == detail::threads_op::all_to_allv_segments;
-      for (int r = 1; r < n; ++r)
-        if (slot(r).count != s0.count)
-          return detail::concat("all_to_allv_segments: mismatched segment counts: ", who(0), " passed ", s0.count,
-                                " segments per peer, ", who(r), " passed ", slot(r).count);
-      const std::size_t nseg = s0.count;
-      for (int src = 0; src < n; ++src)
-        for (int dst = 0; dst < n; ++dst)
-          for (std::size_t i = 0; i < nseg; ++i) {
-            const std::size_t sent = slot(src).send_counts[static_cast<std::size_t>(dst) * nseg + i];
-            const std::size_t expected = slot(dst).recv_counts[static_cast<std::size_t>(src) * nseg + i];
-            if (sent != expected)
-              return detail::concat(to_string(op), ": mismatched counts: ", who(src), " sends ", sent, " elements",
-                                    segmented ? detail::concat(" in segment ", i) : std::string(), " to ", who(dst),
-                                    ", which expects ", expected, " from it");
-          }
-      return {};
-    }
-    for (int r = 1; r < n; ++r) {
-      const auto& s = slot(r);
-      if (s.count != s0.count)
-        return detail::concat(to_string(op), ": mismatched counts: ", who(0), " passed ", s0.count, ", ", who(r),
-                              " passed ", s.count);
-      if (op == detail::threads_op::broadcast && s.root != s0.root)
-        return detail::concat("broadcast: mismatched roots: ", who(0), " passed ", s0.root, ", ", who(r),
-                              " passed ", s.root);
-      if ((op == detail::threads_op::all_reduce || op == detail::threads_op::reduce_scatter) &&
-          s.scale != s0.scale)
-        return detail::concat(to_string(op), ": mismatched scales: ", who(0), " passed ", s0.scale, ", ", who(r),
-                              " passed ", s.scale);
-    }
-    return {};
-  }
+  // Empty if every member's published call agrees; otherwise names the values
+  // (epx/comm/threads/agreement.hpp).
+  std::string check_match() const { return detail::threads_check_match(*group_, group_->entered(rank_)); }
 
   std::shared_ptr<detail::threads_world> world_;
   std::shared_ptr<detail::threads_group> group_;
@@ -577,6 +526,6 @@ struct threads_access {
 };
 }  // namespace detail
 
-static_assert(is_communicator_v<threads::communicator>, "threads::communicator must satisfy the communicator concept");
+static_assert(check_communicator<threads::communicator>(), "threads::communicator must satisfy the communicator concept");
 
 }  // namespace epx

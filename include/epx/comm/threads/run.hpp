@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "epx/comm/threads/communicator.hpp"
+#include "epx/comm/threads/options.hpp"
+#include "epx/comm/threads/state.hpp"
 #include "epx/core/error.hpp"
 
 namespace epx {
@@ -15,10 +17,13 @@ namespace epx {
 namespace threads {
 
 // Runs f(comm) on n threads, comm being rank i of n (an `epx::threads::communicator&`).
-// Returns when every thread has finished. If any rank's function threw, the run is
-// aborted (the other ranks' collectives throw epx::error(errc::communicator)) and, after
-// all threads have joined, the first failure is rethrown on the calling thread as it was
-// thrown (an epx::error keeps its category and message).
+// Returns when every thread has finished. If an exception escapes any rank's function, the
+// run is aborted (the other ranks' pending and later collectives throw
+// epx::error(errc::communicator)) and, after all threads have joined, the first exception
+// that escaped is rethrown on the calling thread as it was thrown (an epx::error keeps its
+// category and message). Errors that the functions catch are theirs: a collective whose
+// calls disagree, bad input the layer found on every rank, even a communicator ended by the
+// watchdog. If every function returns normally, so does run.
 template <class F>
 void run(int n, F&& f, const options& opts = {}) {
   EPX_REQUIRE(n >= 1, errc::configuration, "threads::run: number of ranks (", n, ") must be at least 1");

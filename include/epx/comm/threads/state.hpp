@@ -1,8 +1,10 @@
 // epx/comm/threads/state.hpp: shared state behind epx::threads::communicator.
 //
 // A `threads_world` is one call of epx::threads::run: the abort state shared by every
-// communicator split from it. A `threads_group` is one communicator's members: a slot per
-// member where each rank publishes its call (buffers, counts) and a generation barrier.
+// communicator split from it (set when an exception escapes a rank's function). A
+// `threads_group` is one communicator's members: a slot per member where each rank
+// publishes its call (buffers, counts), a generation barrier, and the failure of a
+// collective that broke the group without aborting the run (the watchdog, a member gone).
 #pragma once
 
 #include <algorithm>
@@ -191,6 +193,36 @@ class threads_group {
     cv_.notify_all();
   }
 
+  // A collective of this group failed on its own (the watchdog, or a member that returned
+  // without entering it), not because the run aborted. The member that cancelled the
+  // generation records the failure here; the members that see the cancellation raise it
+  // too. The generation stays cancelled, so the group cannot be used any more, but the run
+  // goes on: only an exception that escapes a rank's function aborts it. Later calls keep
+  // the first failure.
+  void fail(int world_rank, const std::exception_ptr& e) noexcept {
+    std::lock_guard<std::mutex> lk(failure_m_);
+    if (failed_.load()) return;
+    failed_rank_ = world_rank;
+    try {
+      failure_ = describe_exception(e);
+    } catch (...) {
+      failure_.clear();
+    }
+    failed_.store(true);
+  }
+  bool failed() const noexcept { return failed_.load(); }
+
+  [[noreturn]] void throw_failed(int world_rank) const {
+    int r;
+    std::string m;
+    {
+      std::lock_guard<std::mutex> lk(failure_m_);
+      r = failed_rank_;
+      m = failure_;
+    }
+    EPX_THROW(errc::communicator, "rank ", r, " failed: ", m, " (collective aborted on rank ", world_rank, ")");
+  }
+
  private:
   static constexpr std::uint64_t cancel_bit = std::uint64_t{1} << 31;
   static constexpr std::uint64_t count_mask = cancel_bit - 1;
@@ -230,6 +262,10 @@ class threads_group {
   alignas(64) std::atomic<int> sleepers_{0};
   std::mutex m_;
   std::condition_variable cv_;
+  std::atomic<bool> failed_{false};
+  mutable std::mutex failure_m_;
+  int failed_rank_ = -1;
+  std::string failure_;
 };
 
 class threads_world {
@@ -263,8 +299,9 @@ class threads_world {
     return g;
   }
 
-  // Records the first failure and wakes every waiter of every group. Later calls keep the
-  // first failure.
+  // Aborts the run: records the first failure (an exception that escaped a rank's function,
+  // rethrown by epx::threads::run) and wakes every waiter of every group, whose pending and
+  // later collectives then raise it. Later calls keep the first failure.
   void fail(int world_rank, std::exception_ptr e) noexcept {
     {
       std::lock_guard<std::mutex> lk(m_);
@@ -297,7 +334,7 @@ class threads_world {
     if (aborted()) throw_aborted(world_rank);
   }
 
-  // The first failure, or null.
+  // The first failure that aborted the run, or null.
   std::exception_ptr first_failure() const {
     std::lock_guard<std::mutex> lk(m_);
     return first_;

@@ -1,0 +1,140 @@
+// epx/comm/mpi/agreement.hpp: how the ranks of an MPI communicator agree before a collective
+// (needs <mpi.h>).
+//
+// With `options::check_counts` (default on) every collective first agrees, with one small
+// MPI_Allreduce, that all ranks called it with the same datatype and counts (and root);
+// a rank's own bad argument travels in the same reduction, so it reaches every rank.
+// all_to_allv (and all_to_allv_segments) also exchange the counts (an all_to_all of one
+// integer per peer and segment) and check that what each sender sends is what its receiver
+// expects. A disagreement raises epx::error(errc::communicator) on every rank, naming the
+// values; a rank's bad argument raises its category (errc::input) on every rank, with the
+// lowest such rank's message. The same reduction tells every rank whether any of them
+// needs the chunked path (epx/comm/mpi/transport.hpp), so that all take the same one.
+#pragma once
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <initializer_list>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "epx/comm/datatype.hpp"
+#include "epx/comm/mpi/options.hpp"
+#include "epx/comm/mpi/state.hpp"
+#include "epx/comm/mpi/support.hpp"
+#include "epx/comm/mpi/wait.hpp"
+#include "epx/core/error.hpp"
+
+namespace epx::detail {
+
+// One MPI_Allreduce(MAX) over [error, -failing rank, any, values..., -values...].
+// Raises on every rank when some rank passed a non-empty `local_error` (category
+// `local_category`; the lowest such rank's message is broadcast, so every rank names the
+// same values) or, as errc::communicator, when `values` differ between ranks. Returns the
+// maximum of `any` over ranks.
+inline long long mpi_agree(const mpi_state& s, const mpi::options& opt, const char* op,
+                           std::initializer_list<std::pair<const char*, long long>> values,
+                           const std::string& local_error, errc local_category, long long any = 0) {
+  const std::size_t k = values.size();
+  std::vector<long long> buf(3 + 2 * k);
+  const bool failed = !local_error.empty();
+  buf[0] = failed ? 1 : 0;
+  buf[1] = failed ? -static_cast<long long>(s.rank) : std::numeric_limits<long long>::min();
+  buf[2] = any;
+  std::size_t i = 0;
+  for (const auto& v : values) {
+    buf[3 + i] = v.second;
+    buf[3 + k + i] = -v.second;
+    ++i;
+  }
+  EPX_MPI_BOUNDED_ON(s, opt, MPI_Iallreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(buf.size()), MPI_LONG_LONG,
+                                            MPI_MAX, s.comm, &epx_req_));
+  if (buf[0] != 0) {
+    const int culprit = static_cast<int>(-buf[1]);  // lowest failing rank
+    std::string msg = culprit == s.rank ? local_error : std::string();
+    int len = static_cast<int>(std::min<std::size_t>(msg.size(), 4096));
+    EPX_MPI_BOUNDED_ON(s, opt, MPI_Ibcast(&len, 1, MPI_INT, culprit, s.comm, &epx_req_));
+    msg.resize(static_cast<std::size_t>(len));
+    EPX_MPI_BOUNDED_ON(s, opt, MPI_Ibcast(msg.data(), len, MPI_CHAR, culprit, s.comm, &epx_req_));
+    throw error(local_category, msg, EPX_HERE);
+  }
+  i = 0;
+  for (const auto& v : values) {
+    const long long hi = buf[3 + i], lo = -buf[3 + k + i];
+    EPX_REQUIRE(hi == lo, errc::communicator, op, ": ranks disagree on ", v.first, " (values from ", lo, " to ", hi,
+                "; rank ", s.rank, " passed ", v.second, ")");
+    ++i;
+  }
+  return buf[2];
+}
+
+// The common case: datatype, count and root must agree; `local_error` as for mpi_agree
+// (raised as errc::input).
+inline void mpi_agree_same(const mpi_state& s, const mpi::options& opt, const char* op, datatype t,
+                           std::size_t count, int root = 0, const std::string& local_error = std::string()) {
+  mpi_agree(s, opt, op,
+            {{"the datatype", static_cast<long long>(t)},
+             {"the count", static_cast<long long>(count)},
+             {"the root", root}},
+            local_error, errc::input);
+}
+
+// all_to_allv's count check: every rank learns what each peer sends it and compares it with
+// what it expects; then every rank agrees on the datatype and on the verdict. Returns
+// whether any rank needs the chunked path (`large` on some rank).
+inline bool mpi_check_counts_v(const mpi_state& s, const mpi::options& opt, const std::size_t* send_counts,
+                               const std::size_t* recv_counts, datatype t, bool large) {
+  const auto n = static_cast<std::size_t>(s.size);
+  std::vector<unsigned long long> mine(n), theirs(n);  // theirs[p]: what p sends to me
+  for (std::size_t p = 0; p < n; ++p) mine[p] = send_counts[p];
+  EPX_MPI_BOUNDED_ON(s, opt, MPI_Ialltoall(mine.data(), 1, MPI_UNSIGNED_LONG_LONG, theirs.data(), 1,
+                                           MPI_UNSIGNED_LONG_LONG, s.comm, &epx_req_));
+  std::string bad;
+  for (std::size_t p = 0; p < n && bad.empty(); ++p) {
+    if (theirs[p] != recv_counts[p])
+      bad = concat("all_to_allv: send and receive counts disagree: rank ", s.rank, " expects ", recv_counts[p], " ",
+                   to_string(t), " elements from rank ", p, ", which sends ", theirs[p]);
+  }
+  return mpi_agree(s, opt, "all_to_allv", {{"the datatype", static_cast<long long>(t)}}, bad, errc::communicator,
+                   large ? 1 : 0) != 0;
+}
+
+// all_to_allv_segments' count check: as mpi_check_counts_v, per peer and segment (arrays
+// [peers][nseg]); the segment count must agree too. Returns whether any rank needs the
+// chunked path.
+inline bool mpi_check_segment_counts(const mpi_state& s, const mpi::options& opt, const std::size_t* send_counts,
+                                     const std::size_t* recv_counts, std::size_t nseg, datatype t, bool large) {
+  const std::size_t m = static_cast<std::size_t>(s.size) * nseg;
+  std::vector<unsigned long long> mine(m), theirs(m);  // theirs[p*nseg+i]: what p sends me in segment i
+  for (std::size_t j = 0; j < m; ++j) mine[j] = send_counts[j];
+  if (m > 0 && nseg <= static_cast<std::size_t>(INT_MAX)) {
+    EPX_MPI_BOUNDED_ON(s, opt, MPI_Ialltoall(mine.data(), static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG,
+                                             theirs.data(), static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG, s.comm,
+                                             &epx_req_));
+  }
+  std::string bad;
+  for (std::size_t j = 0; j < m && bad.empty() && nseg <= static_cast<std::size_t>(INT_MAX); ++j) {
+    if (theirs[j] != recv_counts[j])
+      bad = concat("all_to_allv_segments: send and receive counts disagree: rank ", s.rank, " expects ",
+                   recv_counts[j], " ", to_string(t), " elements in segment ", j % nseg, " from rank ", j / nseg,
+                   ", which sends ", theirs[j]);
+  }
+  return mpi_agree(s, opt, "all_to_allv_segments",
+                   {{"the datatype", static_cast<long long>(t)}, {"the segment count", static_cast<long long>(nseg)}},
+                   bad, errc::communicator, large ? 1 : 0) != 0;
+}
+
+// Without the count check: whether any rank passed `mine` = true (one MPI_Allreduce(MAX)),
+// so that every rank takes the same path.
+inline bool mpi_any(const mpi_state& s, const mpi::options& opt, bool mine) {
+  int l = mine ? 1 : 0;
+  EPX_MPI_BOUNDED_ON(s, opt, MPI_Iallreduce(MPI_IN_PLACE, &l, 1, MPI_INT, MPI_MAX, s.comm, &epx_req_));
+  return l != 0;
+}
+
+}  // namespace epx::detail

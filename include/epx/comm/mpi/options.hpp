@@ -1,0 +1,36 @@
+// epx/comm/mpi/options.hpp: epx::mpi::options, the settings of one MPI communicator (plain
+// C++: this header does not need <mpi.h>).
+#pragma once
+
+#include <chrono>
+#include <climits>
+#include <cstddef>
+
+namespace epx::mpi {
+
+// Tuning and checking of one communicator (plain aggregate; copies made by split inherit it).
+struct options {
+  // Agree on datatype and counts before each collective, and check in all_to_allv that the
+  // counts each rank sends match what the receivers expect. Costs one small MPI_Allreduce
+  // (plus, for all_to_allv, an all_to_all of one integer per peer) per call. Without it,
+  // all_to_allv runs as point-to-point messages with no extra synchronization.
+  // (epx/comm/mpi/agreement.hpp)
+  bool check_counts = true;
+  // Largest count or displacement, in elements, handed to one MPI call. Larger transfers go
+  // in chunks of at most this many elements. MPI counts are int, hence the default; tests
+  // lower it to exercise the chunked path with small buffers. Must be at least 1.
+  // (epx/comm/mpi/transport.hpp)
+  std::size_t max_count = static_cast<std::size_t>(INT_MAX);
+  // all_reduce of at most this many bytes over all ranks (size() * count * element size)
+  // gathers every rank's input and sums it locally in rank order: one round of messages
+  // instead of two, same bits. Larger ones split the sum by blocks over the ranks.
+  std::size_t all_reduce_gather_bytes = std::size_t{256} << 10;
+  // Watchdog: a collective still unfinished after this long (a rank stalled, died outside
+  // epx::mpi::run, or returned without calling it) raises epx::error(errc::communicator) on
+  // the ranks that wait, naming the collective; the communicator cannot be used after that
+  // (epx::mpi::run then ends the job with the message). Zero: wait forever, as MPI does.
+  // split() is not covered (MPI has no nonblocking split). (epx/comm/mpi/wait.hpp)
+  std::chrono::milliseconds timeout = std::chrono::minutes(10);
+};
+
+}  // namespace epx::mpi
