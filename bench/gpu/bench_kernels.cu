@@ -10,7 +10,7 @@
 //   fraction     GB/s of the kernel / copy floor GB/s (target >= 0.85)
 //   round trip   gather_rows -> all_to_allv_segments (E segments) -> back -> combine on an
 //                epx::nccl::communicator of one rank; floor_ratio = time / (bytes / floor)
-// Rows "functor" launch the library's functors (epx/kernels/functors.hpp) through
+// Rows "kernels" launch the library's kernels (epx/kernels/launch.hpp) through
 // exec::for_each_n(exec::cuda); rows "vec16" are this file's reference kernels that give
 // each thread 16 contiguous bytes of a row (what reaching the floor takes), for comparison.
 #include <cuda_runtime.h>
@@ -421,7 +421,7 @@ int main(int argc, char** argv) {
       bench_shape<epx::bf16>(s, comm, 128, 4096, 8, 64, floor_gbps, iters);
     }
     comm.barrier();
-    std::printf("frac = GB/s / copy floor (target >= 0.85). \"functor\": epx/kernels/functors.hpp through "
+    std::printf("frac = GB/s / copy floor (target >= 0.85). \"kernels\": epx/kernels/launch.hpp through "
                 "exec::cuda; \"vec16 ref\": 16 bytes per thread.\n");
     EPX_CUDA_CHECK(cudaStreamDestroy(s));
     return 0;

@@ -53,7 +53,7 @@ struct row_combine {
         if (p < 0) continue;
         const A w = weights ? static_cast<A>(weights[t * k + j]) : A(1);
         const T* yr = row_at(y, static_cast<std::size_t>(p), hidden) + b;
-        for (std::size_t h = 0; h < m; ++h) acc[h] += w * convert<A>(yr[h]);
+        for (std::size_t h = 0; h < m; ++h) acc[h] = detail::mul_add(acc[h], w, convert<A>(yr[h]));
       }
       for (std::size_t h = 0; h < m; ++h) o[b + h] = convert<T>(acc[h]);
     }

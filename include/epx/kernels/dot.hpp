@@ -26,8 +26,8 @@ EPX_HOST_DEVICE inline A dot_in_lanes(const T* a, const U* b, std::size_t n) noe
   for (std::size_t w = 0; w < dot_lanes; ++w) lane[w] = A(0);
   std::size_t h = 0;
   for (; h + dot_lanes <= n; h += dot_lanes)
-    for (std::size_t w = 0; w < dot_lanes; ++w) lane[w] += convert<A>(a[h + w]) * convert<A>(b[h + w]);
-  for (std::size_t w = 0; h + w < n; ++w) lane[w] += convert<A>(a[h + w]) * convert<A>(b[h + w]);
+    for (std::size_t w = 0; w < dot_lanes; ++w) lane[w] = mul_add(lane[w], convert<A>(a[h + w]), convert<A>(b[h + w]));
+  for (std::size_t w = 0; h + w < n; ++w) lane[w] = mul_add(lane[w], convert<A>(a[h + w]), convert<A>(b[h + w]));
   A s = A(0);
   for (std::size_t w = 0; w < dot_lanes; ++w) s += lane[w];
   return s;

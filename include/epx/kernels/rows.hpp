@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "epx/core/config.hpp"
 #include "epx/core/numeric.hpp"
@@ -53,6 +54,22 @@ EPX_HOST_DEVICE inline const T* row_at(row_table<T> s, std::size_t r, std::size_
 }
 
 namespace detail {
+// acc + a * b, rounded after the product and after the sum on every compiler: device
+// compilers contract a*b+c into one fused multiply-add by default, host compilers do not
+// (for x86-64 without -mfma, or with -ffp-contract=off), and a fused one rounds once. The
+// kernels accumulate through this, so every policy computes the same bits.
+template <class A>
+EPX_HOST_DEVICE inline A mul_add(A acc, A a, A b) noexcept {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<A, float>)
+    return __fadd_rn(acc, __fmul_rn(a, b));
+  else
+    return __dadd_rn(acc, __dmul_rn(a, b));
+#else
+  return acc + a * b;
+#endif
+}
+
 // n elements from s to d: libc's copy on the host, a plain loop on a device.
 template <class T>
 EPX_HOST_DEVICE inline void copy_elements(T* d, const T* s, std::size_t n) noexcept {

@@ -1,6 +1,7 @@
 // epx/layer/moe_layer.hpp: the expert-parallel MoE layer a user instantiates.
 //
-//   epx::moe_layer<Comm, T, Impl, Exec> layer(mesh, world, {.hidden = H, .top_k = k});
+//   epx::layer_options options;  options.hidden = H;  options.top_k = k;
+//   epx::moe_layer<Comm, T, Impl, Exec> layer(mesh, world, options);
 //   epx::moe_layer<Comm, T, Impl, Exec> layer(mesh, world_rank, ep_comm, tp_comm, options);  // own groups
 //   auto saved = layer.forward(x, ids, weights, out, experts, epx::mode::train);  // or mode::inference
 //   layer.backward(std::move(saved), grad_out, grad_x, grad_weights, experts);
@@ -66,8 +67,7 @@ using impl_for_t = typename detail::bind_impl<Impl, Comm>::type;
 template <class Comm, class T, class Impl = impl::all_to_all, class Exec = exec::serial>
 class moe_layer {
   static_assert(is_activation_type_v<T>, "epx::moe_layer: T must be float, double, epx::bf16 or epx::fp16");
-  static_assert(is_communicator_v<Comm>,
-                "epx::moe_layer: Comm must meet the communicator concept of epx/comm/communicator.hpp");
+  static_assert(check_communicator<Comm>(), "epx::moe_layer: Comm must be a communicator");
   static_assert(exec::check_execution_policy<Exec>(), "epx::moe_layer: Exec must be an execution policy");
 
  public:
