@@ -44,6 +44,24 @@ void all_to_allv(Comm& comm, const T* send, span<const std::size_t> send_counts,
                    recv_displs.data(), datatype_of<T>());
 }
 
+namespace detail {
+// [send counts | send displs | recv counts | recv displs] of m entries each, in elements:
+// entry j is entry first + j*stride of each row-count array, times row_elems.
+inline std::vector<std::size_t> in_elements(span<const std::size_t> sc, span<const std::size_t> sd,
+                                            span<const std::size_t> rc, span<const std::size_t> rd, std::size_t first,
+                                            std::size_t stride, std::size_t m, std::size_t row_elems) {
+  std::vector<std::size_t> v(4 * m);
+  for (std::size_t j = 0; j < m; ++j) {
+    const std::size_t i = first + j * stride;
+    v[j] = sc[i] * row_elems;
+    v[m + j] = sd[i] * row_elems;
+    v[2 * m + j] = rc[i] * row_elems;
+    v[3 * m + j] = rd[i] * row_elems;
+  }
+  return v;
+}
+}  // namespace detail
+
 // Rows of `row_elems` elements each: counts and offsets are in rows. Moves whole rows
 // without the caller multiplying by the row length.
 template <class Comm, class T>
@@ -54,13 +72,7 @@ void all_to_allv_rows(Comm& comm, const T* send, span<const std::size_t> send_ro
   EPX_REQUIRE(send_rows.size() == n && send_row_offsets.size() == n && recv_rows.size() == n &&
                   recv_row_offsets.size() == n,
               errc::input, "all_to_allv_rows: counts and offsets need one entry per peer (", n, ")");
-  std::vector<std::size_t> v(4 * n);
-  for (std::size_t p = 0; p < n; ++p) {
-    v[p] = send_rows[p] * row_elems;
-    v[n + p] = send_row_offsets[p] * row_elems;
-    v[2 * n + p] = recv_rows[p] * row_elems;
-    v[3 * n + p] = recv_row_offsets[p] * row_elems;
-  }
+  const auto v = detail::in_elements(send_rows, send_row_offsets, recv_rows, recv_row_offsets, 0, 1, n, row_elems);
   comm.all_to_allv(send, v.data(), v.data() + n, recv, v.data() + 2 * n, v.data() + 3 * n,
                    datatype_of<T>());
 }
@@ -95,24 +107,14 @@ void all_to_allv_segments(Comm& comm, const T* send, span<const std::size_t> sen
               errc::input, "all_to_allv_segments: counts and displacements need peers*nseg (", n, "*", nseg,
               " = ", m, ") entries");
   if constexpr (detail::has_native_segments<Comm>::value) {
-    std::vector<std::size_t> v(4 * m);
-    for (std::size_t i = 0; i < m; ++i) {
-      v[i] = send_seg_counts[i] * row_elems;
-      v[m + i] = send_seg_displs[i] * row_elems;
-      v[2 * m + i] = recv_seg_counts[i] * row_elems;
-      v[3 * m + i] = recv_seg_displs[i] * row_elems;
-    }
+    const auto v = detail::in_elements(send_seg_counts, send_seg_displs, recv_seg_counts, recv_seg_displs, 0, 1, m,
+                                       row_elems);
     comm.all_to_allv_segments(send, v.data(), v.data() + m, recv, v.data() + 2 * m, v.data() + 3 * m, nseg,
                               datatype_of<T>());
   } else {
-    std::vector<std::size_t> v(4 * n);
     for (std::size_t i = 0; i < nseg; ++i) {
-      for (std::size_t p = 0; p < n; ++p) {
-        v[p] = send_seg_counts[p * nseg + i] * row_elems;
-        v[n + p] = send_seg_displs[p * nseg + i] * row_elems;
-        v[2 * n + p] = recv_seg_counts[p * nseg + i] * row_elems;
-        v[3 * n + p] = recv_seg_displs[p * nseg + i] * row_elems;
-      }
+      const auto v = detail::in_elements(send_seg_counts, send_seg_displs, recv_seg_counts, recv_seg_displs, i, nseg, n,
+                                         row_elems);
       comm.all_to_allv(send, v.data(), v.data() + n, recv, v.data() + 2 * n, v.data() + 3 * n, datatype_of<T>());
     }
   }

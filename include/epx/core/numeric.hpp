@@ -83,21 +83,35 @@ EPX_HOST_DEVICE inline float fp16_bits_to_float(std::uint16_t h) noexcept {
 
 }  // namespace detail
 
-struct bf16 {
-  std::uint16_t bits;
-  bf16() = default;
-  EPX_HOST_DEVICE explicit bf16(float f) noexcept : bits(detail::float_to_bf16_bits(f)) {}
-  EPX_HOST_DEVICE explicit operator float() const noexcept { return detail::bf16_bits_to_float(bits); }
-  EPX_HOST_DEVICE static bf16 from_bits(std::uint16_t b) noexcept { bf16 v; v.bits = b; return v; }
+namespace detail {
+struct bf16_codec {
+  EPX_HOST_DEVICE static std::uint16_t encode(float f) noexcept { return float_to_bf16_bits(f); }
+  EPX_HOST_DEVICE static float decode(std::uint16_t b) noexcept { return bf16_bits_to_float(b); }
+};
+struct fp16_codec {
+  EPX_HOST_DEVICE static std::uint16_t encode(float f) noexcept { return float_to_fp16_bits(f); }
+  EPX_HOST_DEVICE static float decode(std::uint16_t b) noexcept { return fp16_bits_to_float(b); }
 };
 
-struct fp16 {
+// A 16-bit float in storage: its bits, converted from and to float by Codec (round to
+// nearest even; NaN stays NaN).
+template <class Codec>
+struct half_storage {
   std::uint16_t bits;
-  fp16() = default;
-  EPX_HOST_DEVICE explicit fp16(float f) noexcept : bits(detail::float_to_fp16_bits(f)) {}
-  EPX_HOST_DEVICE explicit operator float() const noexcept { return detail::fp16_bits_to_float(bits); }
-  EPX_HOST_DEVICE static fp16 from_bits(std::uint16_t b) noexcept { fp16 v; v.bits = b; return v; }
+  half_storage() = default;
+  EPX_HOST_DEVICE explicit half_storage(float f) noexcept : bits(Codec::encode(f)) {}
+  EPX_HOST_DEVICE explicit operator float() const noexcept { return Codec::decode(bits); }
+  EPX_HOST_DEVICE static half_storage from_bits(std::uint16_t b) noexcept {
+    half_storage v;
+    v.bits = b;
+    return v;
+  }
 };
+}  // namespace detail
+
+// bfloat16 (8-bit exponent) and IEEE binary16 (5-bit exponent) storage types.
+using bf16 = detail::half_storage<detail::bf16_codec>;
+using fp16 = detail::half_storage<detail::fp16_codec>;
 
 static_assert(sizeof(bf16) == 2 && std::is_trivially_copyable_v<bf16>);
 static_assert(sizeof(fp16) == 2 && std::is_trivially_copyable_v<fp16>);

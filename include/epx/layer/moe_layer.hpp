@@ -113,22 +113,17 @@ class moe_layer {
                          Experts& experts, mode m) {
     check_experts_forward<Experts, Exec, T>();
     check_implementation_calls<impl_type, Exec, T, Experts>();
-    const std::size_t H = options_.hidden;
+    const std::size_t H = options_.hidden, N = x.size() / H;
     const auto k = static_cast<std::size_t>(options_.top_k);
     forward_args<T> a;
     a.x = x.data();
     a.ids = ids.data();
     a.weights = weights.data();
     a.out = out.data();
-    a.rows = x.size() / H;
-    a.hidden = H;
-    a.top_k = options_.top_k;
-    const std::size_t N = a.rows;
     const std::string msg = shape_error("x", x.size(), {{"expert ids have", ids.size(), N, k, "N*k"},
                                                        {"routing weights have", weights.size(), N, k, "N*k"},
                                                        {"out has", out.size(), N, H, "N*H"}});
-    if (!msg.empty()) a.status = 1;
-    a.status_message = msg.c_str();
+    set_shape(a, N, msg);
     saved_state<T> saved;
     impl_->forward(exec_, a, experts, m == mode::train ? &saved : nullptr);
     stats_->calls += 1;
@@ -147,20 +142,15 @@ class moe_layer {
     EPX_REQUIRE(!s.empty(), errc::input,
                 "backward needs the saved state of a training forward (this one is empty: an inference call, "
                 "already consumed, or default-constructed)");
-    const std::size_t H = options_.hidden;
+    const std::size_t H = options_.hidden, N = grad_out.size() / H;
     const auto k = static_cast<std::size_t>(options_.top_k);
     backward_args<T> a;
     a.grad_out = grad_out.data();
     a.grad_x = grad_x.data();
     a.grad_weights = grad_weights.data();
-    a.rows = grad_out.size() / H;
-    a.hidden = H;
-    a.top_k = options_.top_k;
-    const std::size_t N = a.rows;
     const std::string msg = shape_error("grad_out", grad_out.size(), {{"grad_x has", grad_x.size(), N, H, "N*H"},
                                                                      {"grad_weights have", grad_weights.size(), N, k, "N*k"}});
-    if (!msg.empty()) a.status = 1;
-    a.status_message = msg.c_str();
+    set_shape(a, N, msg);
     impl_->backward(exec_, a, experts, s);
   }
 
@@ -172,6 +162,16 @@ class moe_layer {
   Comm& tp_communicator() noexcept { return *tp_; }
 
  private:
+  // The shape fields every call's arguments carry; `msg` must outlive the call.
+  template <class Args>
+  void set_shape(Args& a, std::size_t rows, const std::string& msg) const {
+    a.rows = rows;
+    a.hidden = options_.hidden;
+    a.top_k = options_.top_k;
+    a.status = msg.empty() ? 0 : 1;
+    a.status_message = msg.c_str();
+  }
+
   struct size_rule {
     const char* what;  // "out has"
     std::size_t have, rows, cols;

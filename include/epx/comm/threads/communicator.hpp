@@ -159,11 +159,8 @@ class communicator {
   // recv = scale * sum over ranks of send (send == recv allowed). Summed in rank order;
   // every rank gets bitwise the same result.
   void all_reduce(const void* send, void* recv, std::size_t count, datatype t, double scale) {
-    require_reducible(t, "all_reduce");
-    require_buffer(send, count, "all_reduce", "send");
-    require_buffer(recv, count, "all_reduce", "recv");
-    detail::threads_slot d = make_slot(detail::threads_op::all_reduce, t, send, recv, count);
-    d.scale = scale;
+    detail::threads_slot d = reduction_slot(detail::threads_op::all_reduce, "all_reduce", t, send, count, recv, count,
+                                            scale);
     const int n = size();
     std::vector<const void*> srcs(static_cast<std::size_t>(n));
     const std::size_t es = size_of(t);
@@ -193,11 +190,8 @@ class communicator {
   // send holds size()*recv_count elements; block r, summed over ranks and times scale,
   // lands in rank r's recv.
   void reduce_scatter(const void* send, void* recv, std::size_t recv_count, datatype t, double scale) {
-    require_reducible(t, "reduce_scatter");
-    require_buffer(send, recv_count * static_cast<std::size_t>(size()), "reduce_scatter", "send");
-    require_buffer(recv, recv_count, "reduce_scatter", "recv");
-    detail::threads_slot d = make_slot(detail::threads_op::reduce_scatter, t, send, recv, recv_count);
-    d.scale = scale;
+    detail::threads_slot d = reduction_slot(detail::threads_op::reduce_scatter, "reduce_scatter", t, send,
+                                            recv_count * static_cast<std::size_t>(size()), recv, recv_count, scale);
     const int n = size();
     std::vector<const void*> srcs(static_cast<std::size_t>(n));
     const std::size_t es = size_of(t);
@@ -327,6 +321,15 @@ class communicator {
     });
   }
 
+  // check_match, with a failure to compare reported as a mismatch.
+  std::string checked_match() const {
+    try {
+      return check_match();
+    } catch (...) {
+      return "could not compare the members' calls";
+    }
+  }
+
   // A call's slot: the collective, datatype, buffers and count (the other fields as needed).
   static detail::threads_slot make_slot(detail::threads_op op, datatype t, const void* send, void* recv,
                                         std::size_t count) {
@@ -336,6 +339,18 @@ class communicator {
     d.send = send;
     d.recv = recv;
     d.count = count;
+    return d;
+  }
+
+  // The checked slot of a sum (all_reduce, reduce_scatter): send holds send_count elements,
+  // recv recv_count.
+  detail::threads_slot reduction_slot(detail::threads_op op, const char* what, datatype t, const void* send,
+                                      std::size_t send_count, void* recv, std::size_t recv_count, double scale) const {
+    require_reducible(t, what);
+    require_buffer(send, send_count, what, "send");
+    require_buffer(recv, recv_count, what, "recv");
+    detail::threads_slot d = make_slot(op, t, send, recv, recv_count);
+    d.scale = scale;
     return d;
   }
 
@@ -428,12 +443,7 @@ class communicator {
     const auto deadline = std::chrono::steady_clock::now() + world_->timeout();
     const auto w = group_->arrive_and_wait(true, deadline, seq);
     if (w != detail::wait_result::passed) on_wait_failure(w, d.op);
-    std::string mismatch;
-    try {
-      mismatch = check_match();
-    } catch (...) {
-      mismatch = "could not compare the members' calls";
-    }
+    const std::string mismatch = checked_match();
     if (!mismatch.empty()) {
       wait_exit();
       EPX_THROW(errc::communicator, mismatch);
@@ -485,12 +495,7 @@ class communicator {
       const auto w = group_->wait_gen(a.gen, true, deadline, seq);
       if (w != detail::wait_result::passed) on_wait_failure(w, d.op);
     }
-    std::string mismatch;
-    try {
-      mismatch = check_match();
-    } catch (...) {
-      mismatch = "could not compare the members' calls";
-    }
+    const std::string mismatch = checked_match();
     wait_exit();
     if (!mismatch.empty()) EPX_THROW(errc::communicator, mismatch);
   }
