@@ -474,7 +474,7 @@ void run_rank_typed(Comm& raw_world, const step_config& s, const fault_spec& f, 
   o.peer_access = s.c.peer_access;
   try {
     plan->phase = "construction";
-    moe_layer<fcomm, T, Impl> layer(m, world, o);
+    moe_layer<fcomm, T, Impl, test_exec> layer(m, world, o);
     plan->phase = "forward";
     auto saved = layer.forward(span<const T>(x), span<const std::int32_t>(ids), span<const float>(w), span<T>(out),
                                experts, s.inference ? mode::inference : mode::train);

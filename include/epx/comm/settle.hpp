@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "epx/exec/host.hpp"
+#include "epx/exec/host_copy.hpp"
 
 namespace epx::detail {
 
@@ -21,11 +22,29 @@ struct has_bounded_wait : std::false_type {};
 template <class C>
 struct has_bounded_wait<C, std::void_t<decltype(std::declval<C&>().wait())>> : std::true_type {};
 
+// Communicators whose collectives read and write device memory in the order of a device
+// queue (epx::nccl::communicator: `execution()` names its stream). The others (threads,
+// MPI) read host-addressable memory from the host, after the policy's work has finished.
+template <class C, class = void>
+struct is_device_communicator : std::false_type {};
+template <class C>
+struct is_device_communicator<C, std::void_t<decltype(std::declval<const C&>().execution())>> : std::true_type {};
+template <class C>
+inline constexpr bool is_device_communicator_v = is_device_communicator<C>::value;
+
 // Waits for `ex`'s queued work; with a communicator that has a bounded wait(), through it.
 template <class Exec, class Comm>
 void settle(const Exec& ex, Comm& comm) {
   if constexpr (!exec::is_host_policy_v<Exec> && has_bounded_wait<Comm>::value) comm.wait();
-  exec::synchronize(ex);
+  host_sync(ex);
+}
+
+// Before a collective over device buffers: a host communicator reads them from the host, so
+// the policy's queued work must finish first (a host synchronisation); a device
+// communicator runs on the policy's queue (the layer checks they are the same), after it.
+template <class Exec, class Comm>
+void order_before_collective(const Exec& ex, Comm& comm) {
+  if constexpr (!exec::is_host_policy_v<Exec> && !is_device_communicator_v<Comm>) settle(ex, comm);
 }
 
 }  // namespace epx::detail

@@ -56,6 +56,8 @@ struct cuda {
   cudaStream_t stream = 0;
 };
 
+inline bool same_queue(const cuda& a, const cuda& b) { return a.stream == b.stream; }
+
 template <class P>
 struct is_device_policy : std::false_type {};
 template <>

@@ -22,6 +22,7 @@
 namespace epx::exec {
 
 struct emulated_device {
+  int queue = 0;  // which emulated queue (stream) the work goes to
   struct counters_t {
     long long synchronizations = 0;
     long long launches = 0;
@@ -57,5 +58,7 @@ void fill_zero(const emulated_device&, T* dst, std::size_t n) {
 }
 
 inline void synchronize(const emulated_device& p) { ++p.counters->synchronizations; }
+
+inline bool same_queue(const emulated_device& a, const emulated_device& b) { return a.queue == b.queue; }
 
 }  // namespace epx::exec

@@ -185,6 +185,14 @@ void copy_from_host(const P& p, const T* host_src, std::size_t n, T* dst) {
   copy_n(p, host_src, n, dst);
 }
 
+// Whether two policies put their work on one queue (so work on one is ordered after work
+// on the other without a wait). Host policies have no queue; policies of different kinds
+// never share one.
+template <class A, class B>
+bool same_queue(const A&, const B&) {
+  return std::is_same_v<A, B> && is_host_policy_v<A>;
+}
+
 // Host policies finish their work before returning.
 inline void synchronize(const serial&) {}
 inline void synchronize(const openmp&) {}

@@ -11,18 +11,33 @@
 
 namespace epx::detail {
 
+// Host synchronisations the library has made on device policies on this thread (host
+// policies have no queue to wait for and are not counted). The layer reports the count of
+// one call in layer_stats::host_syncs.
+inline long long& host_syncs_on_this_thread() noexcept {
+  thread_local long long n = 0;
+  return n;
+}
+
+// Waits for the policy's queued work and counts the wait when there is a queue.
+template <class Exec>
+void host_sync(const Exec& ex) {
+  if constexpr (!exec::is_host_policy_v<Exec>) ++host_syncs_on_this_thread();
+  exec::synchronize(ex);
+}
+
 template <class Exec, class T>
 void to_host(const Exec& ex, const T* src, std::size_t n, T* host_dst) {
   if (n == 0) return;
   exec::copy_n(ex, src, n, host_dst);
-  exec::synchronize(ex);
+  host_sync(ex);
 }
 
 template <class Exec, class T>
 void from_host(const Exec& ex, const T* host_src, std::size_t n, T* dst) {
   if (n == 0) return;
   exec::copy_n(ex, host_src, n, dst);
-  exec::synchronize(ex);
+  host_sync(ex);
 }
 
 }  // namespace epx::detail

@@ -84,12 +84,12 @@ class all_reduce_impl {
     auto local_offset = exec::make_buffer<std::int64_t>(ex, static_cast<std::size_t>(L) + 1);
     auto row_source = exec::make_buffer<std::int64_t>(ex, R);
     auto local_pos = exec::make_buffer<std::int64_t>(ex, N * k);
-    detail::from_host(ex, off64.data(), off64.size(), local_offset.data());
+    exec::copy_n(ex, static_cast<const std::int64_t*>(off64.data()), off64.size(), local_offset.data());  // queued, no wait
     exec::for_each_n(ex, static_cast<std::size_t>(L),
-                     layout::masked_source_rows{r.plan.src_row.data(), r.plan.expert_offset.data(),
+                     layout::masked_source_rows{r.plan.src_row.data(), r.plan.expert_offset(),
                                                 local_offset.data(), row_source.data(), first});
     exec::for_each_n(ex, N * k,
-                     layout::masked_positions{a.ids, r.plan.pos.data(), r.plan.expert_offset.data(),
+                     layout::masked_positions{a.ids, r.plan.pos.data(), r.plan.expert_offset(),
                                               local_offset.data(), local_pos.data(), first, L});
     auto x_local = make_rows<T>(ws_, ex, R * H);  // pooled for host policies (detail::workspace)
     kernels::gather(ex, R, H, a.x, static_cast<const std::int64_t*>(row_source.data()), x_local.data());
@@ -101,7 +101,7 @@ class all_reduce_impl {
 
     kernels::combine(ex, N, H, a.top_k, y, a.weights,
                      static_cast<const std::int64_t*>(local_pos.data()), a.out);
-    settle(ex, *ctx_.ep);
+    order_before_collective(ex, *ctx_.ep);
     all_reduce(*ctx_.ep, span<T>(a.out, N * H));
 
     if (saved != nullptr) {
@@ -141,7 +141,7 @@ class all_reduce_impl {
     experts.backward(ex, rows, static_cast<const T*>(grad_y.data()), grad_in.data());
     kernels::reduce(ex, N, H, s.top_k, static_cast<const T*>(grad_in.data()),
                     static_cast<const std::int64_t*>(s.local_pos.data()), a.grad_x);
-    settle(ex, *ctx_.ep);
+    order_before_collective(ex, *ctx_.ep);
     all_reduce(*ctx_.ep, span<T>(a.grad_x, N * H));
     all_reduce(*ctx_.ep, span<float>(a.grad_weights, N * k));
   }

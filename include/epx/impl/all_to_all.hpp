@@ -146,19 +146,19 @@ class all_to_all_impl {
       auto send = make_rows<T>(ws_, ex, S * H);
       kernels::gather(ex, S, H, x, static_cast<const std::int64_t*>(r.plan.src_row.data()), send.data());
       zero_padding(ex, x_recv.data(), lay, me, H);
-      settle(ex, *ctx_.ep);
+      order_before_collective(ex, *ctx_.ep);
       exchange_rows(seg, static_cast<const T*>(send.data()), x_recv.data(), L, H, false);
       // 5: experts.
       rows_buffer<T, Exec> y_recv;
       const T* y_rows = run_experts(ws_, ex, experts, rows, x_recv.data(), saved != nullptr, y_recv);
       // 6: outputs back into send order (reusing the send buffer); 7: combine.
-      settle(ex, *ctx_.ep);
+      order_before_collective(ex, *ctx_.ep);
       exchange_rows(seg, y_rows, send.data(), L, H, true);
       kernels::combine(ex, n, H, a.top_k, static_cast<const T*>(send.data()), w, r.plan.pos.data(), out);
       y = std::move(send);
     }
     // The TP group sums the slices.
-    settle(ex, *ctx_.ep);
+    order_before_collective(ex, *ctx_.ep);
     if (tp > 1) all_reduce(*ctx_.tp, span<T>(a.out, a.rows * H));
 
     if (saved != nullptr) {
@@ -245,15 +245,15 @@ class all_to_all_impl {
                       grad_send.data());
       kernels::weight_gradients(ex, n, H, s.top_k, static_cast<const T*>(s.y.data()), grad_out, s.pos.data(), grad_w);
       zero_padding(ex, grad_recv.data(), lay, me, H);
-      settle(ex, *ctx_.ep);
+      order_before_collective(ex, *ctx_.ep);
       exchange_rows(s.seg, static_cast<const T*>(grad_send.data()), grad_recv.data(), L, H, false);
       experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in.data());
-      settle(ex, *ctx_.ep);
+      order_before_collective(ex, *ctx_.ep);
       exchange_rows(s.seg, static_cast<const T*>(grad_in.data()), grad_send.data(), L, H, true);
       kernels::reduce(ex, n, H, s.top_k, static_cast<const T*>(grad_send.data()), s.pos.data(), grad_x);
     }
     if (tp > 1) {
-      settle(ex, *ctx_.ep);
+      order_before_collective(ex, *ctx_.ep);
       all_reduce(*ctx_.tp, span<T>(a.grad_x, a.rows * H));
       all_reduce(*ctx_.tp, span<float>(a.grad_weights, a.rows * k));
     }

@@ -31,6 +31,10 @@ struct layer_stats {
   // instead of moving them through the communicator's all-to-all.
   bool peer_access = false;
   std::int64_t calls = 0;
+  // Host synchronisations the last forward or backward call made on a device policy (0 on
+  // host policies, which have no queue to wait for): the count exchange's read-back, and
+  // on host communicators (threads, MPI) one before each collective over device buffers.
+  std::int64_t host_syncs = 0;
 
   // max/mean expert load; 1 is perfect balance, 0 when nothing was routed.
   double imbalance() const noexcept { return mean_expert_load > 0.0 ? max_expert_load / mean_expert_load : 0.0; }

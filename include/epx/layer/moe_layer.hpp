@@ -34,6 +34,7 @@
 
 #include "epx/comm/collectives.hpp"
 #include "epx/comm/communicator.hpp"
+#include "epx/comm/settle.hpp"
 #include "epx/core/error.hpp"
 #include "epx/core/numeric.hpp"
 #include "epx/core/span.hpp"
@@ -81,7 +82,9 @@ class moe_layer {
   // options.
   moe_layer(const mesh& m, Comm& world, const layer_options& options, Exec policy = Exec{})
       : mesh_(std::make_unique<mesh>(m)), exec_(policy), options_(options) {
-    detail::agree_on_layer(world, m, options_, world.rank(), "world", local_check(m, world.size(), options_));
+    std::string why = local_check(m, world.size(), options_);
+    if (why.empty()) why = queue_check(world, policy);
+    detail::agree_on_layer(world, m, options_, world.rank(), "world", why);
     ep_ = std::make_unique<Comm>(sub_communicator(world, m, group_kind::ep));
     tp_ = std::make_unique<Comm>(sub_communicator(world, m, group_kind::tp));
     start(world.rank());
@@ -95,8 +98,9 @@ class moe_layer {
   moe_layer(const mesh& m, int world_rank, Comm ep, Comm tp, const layer_options& options, Exec policy = Exec{})
       : mesh_(std::make_unique<mesh>(m)), exec_(policy), options_(options) {
     std::string why = local_check(m, m.world(), options_);
-    if (why.empty())
-      why = group_check(m, world_rank, ep.size(), ep.rank(), tp.size(), tp.rank());
+    if (why.empty()) why = group_check(m, world_rank, ep.size(), ep.rank(), tp.size(), tp.rank());
+    if (why.empty()) why = queue_check(ep, policy);
+    if (why.empty()) why = queue_check(tp, policy);
     detail::agree_on_layer(ep, m, options_, world_rank, "ep", why);
     detail::agree_on_layer(tp, m, options_, world_rank, "tp", why);
     detail::agree_on_group(ep, m, group_kind::ep, world_rank);
@@ -125,7 +129,9 @@ class moe_layer {
                                                        {"out has", out.size(), N, H, "N*H"}});
     set_shape(a, N, msg);
     saved_state<T> saved;
+    const long long syncs = detail::host_syncs_on_this_thread();
     impl_->forward(exec_, a, experts, m == mode::train ? &saved : nullptr);
+    stats_->host_syncs = detail::host_syncs_on_this_thread() - syncs;
     stats_->calls += 1;
     if (stats_->path == nullptr || stats_->path[0] == '\0') stats_->path = detail::impl_name<impl_type>::value;
     return saved;
@@ -151,7 +157,9 @@ class moe_layer {
     const std::string msg = shape_error("grad_out", grad_out.size(), {{"grad_x has", grad_x.size(), N, H, "N*H"},
                                                                      {"grad_weights have", grad_weights.size(), N, k, "N*k"}});
     set_shape(a, N, msg);
+    const long long syncs = detail::host_syncs_on_this_thread();
     impl_->backward(exec_, a, experts, s);
+    stats_->host_syncs = detail::host_syncs_on_this_thread() - syncs;
   }
 
   const layer_stats& stats() const noexcept { return *stats_; }
@@ -220,6 +228,20 @@ class moe_layer {
     if (tp_rank != m.coords(world_rank).tp)
       return detail::concat("world rank ", world_rank, " is rank ", tp_rank, " of the tp communicator but rank ",
                             m.coords(world_rank).tp, " of the mesh's tp group");
+    return {};
+  }
+
+  // A device communicator runs its collectives on its own queue (a CUDA stream); the layer
+  // orders them after the policy's work by running both on one queue, so they must match.
+  static std::string queue_check(const Comm& c, const Exec& policy) {
+    if constexpr (detail::is_device_communicator_v<Comm>) {
+      using exec::same_queue;  // found by argument-dependent lookup for exec::cuda and the others
+      if (!same_queue(c.execution(), policy))
+        return "the communicator runs on another device queue (stream) than the execution policy: build the policy "
+               "on the communicator's stream (e.g. exec::cuda{comm.stream()}) or set_stream the communicator";
+    }
+    (void)c;
+    (void)policy;
     return {};
   }
 

@@ -42,6 +42,25 @@ struct group_records {
   const std::int64_t* counts(int r) const { return data.data() + static_cast<std::size_t>(r) * stride + record_header; }
 };
 
+// all_gather of n host elements per rank into `all` (host memory). Host communicators
+// gather host memory directly; a device communicator gathers device copies on its queue,
+// and the host waits once, for the result.
+template <class Comm, class Exec, class T>
+void gather_small(Comm& comm, const Exec& ex, const T* mine, std::size_t n, T* all) {
+  const std::size_t total = n * static_cast<std::size_t>(comm.size());
+  if constexpr (is_device_communicator_v<Comm>) {
+    auto send = exec::make_buffer<T>(ex, n);
+    auto recv = exec::make_buffer<T>(ex, total);
+    exec::copy_n(ex, mine, n, send.data());  // queued: `mine` outlives the wait below
+    all_gather(comm, span<const T>(send.data(), n), span<T>(recv.data(), total));
+    exec::copy_n(ex, static_cast<const T*>(recv.data()), total, all);
+    settle(ex, comm);
+  } else {
+    (void)ex;
+    all_gather(comm, span<const T>(mine, n), span<T>(all, total));
+  }
+}
+
 // Collective over `comm`. `counts` (host memory, ncounts entries) may be null when
 // ncounts == 0. `what` names the call in messages; `tp` is the TP group size inside comm
 // (N must agree within each run of tp consecutive ranks; pass comm.size() when every rank
@@ -62,14 +81,7 @@ group_records exchange_records(Comm& comm, const Exec& ex, std::int64_t status, 
   if (ncounts) std::memcpy(mine.data() + record_header, counts, ncounts * sizeof(std::int64_t));
   const std::size_t total = g.stride * static_cast<std::size_t>(g.size);
   g.data.assign(total, 0);
-  {
-    auto send = exec::make_buffer<std::int64_t>(ex, g.stride);
-    auto recv = exec::make_buffer<std::int64_t>(ex, total);
-    detail::from_host(ex, mine.data(), g.stride, send.data());
-    all_gather(comm, span<const std::int64_t>(send.data(), g.stride), span<std::int64_t>(recv.data(), total));
-    settle(ex, comm);  // the all_gather may still be queued on a device stream
-    detail::to_host(ex, recv.data(), total, g.data.data());
-  }
+  gather_small(comm, ex, mine.data(), g.stride, g.data.data());
 
   std::string why;
   bool failed = false;
@@ -107,14 +119,7 @@ group_records exchange_records(Comm& comm, const Exec& ex, std::int64_t status, 
   std::vector<char> msg(message_bytes, '\0');
   std::memcpy(msg.data(), message.data(), std::min(message.size(), message_bytes - 1));
   std::vector<char> all(message_bytes * static_cast<std::size_t>(g.size), '\0');
-  {
-    auto send = exec::make_buffer<char>(ex, message_bytes);
-    auto recv = exec::make_buffer<char>(ex, all.size());
-    detail::from_host(ex, msg.data(), message_bytes, send.data());
-    all_gather(comm, span<const char>(send.data(), message_bytes), span<char>(recv.data(), all.size()));
-    settle(ex, comm);  // the all_gather may still be queued on a device stream
-    detail::to_host(ex, recv.data(), all.size(), all.data());
-  }
+  gather_small(comm, ex, msg.data(), message_bytes, all.data());
   std::string full = concat(what, ": bad input in the expert-parallel group");
   for (int r = 0; r < g.size; ++r) {
     if (g.status(r) == 0) continue;

@@ -109,11 +109,13 @@ struct expert_offsets {
   }
 };
 
-// Pass 3. Call with c in [0, C), only after pass 1 found no bad pair. Uses the scanned
-// chunk_counts row of chunk c as its cursor (so they are consumed). pos[i] is the send
-// position of pair i = t*k+j; src_row[p] = t for every send position p.
+// Pass 3. Call with c in [0, C). Uses the scanned chunk_counts row of chunk c as its cursor
+// (so they are consumed). pos[i] is the send position of pair i = t*k+j; src_row[p] = t for
+// every send position p. Bad pairs (not counted by pass 1) get no position: the call that
+// found them raises before anything reads the plan.
 struct scatter_pairs {
   const std::int32_t* ids;             // [pairs]
+  const float* weights;                // [pairs], or null
   std::size_t pairs;
   std::size_t chunk_pairs;
   int num_experts;
@@ -133,9 +135,11 @@ struct scatter_pairs {
     std::size_t j = begin % k;
     for (std::size_t i = begin; i < end; ++i) {
       const std::int32_t e = ids[i];
-      const std::int64_t p = expert_offset[e] + cursor[e]++;
-      pos[i] = p;
-      src_row[p] = t;
+      if (e >= 0 && e < num_experts && (weights == nullptr || is_finite_bits(weights[i]))) {
+        const std::int64_t p = expert_offset[e] + cursor[e]++;
+        pos[i] = p;
+        src_row[p] = t;
+      }
       if (++j == k) {
         j = 0;
         ++t;
@@ -170,7 +174,8 @@ struct input_check {
 };
 
 // The send layout of one slice. Buffers live in the policy's memory space; the small
-// per-expert arrays are also kept on the host (host_counts, host_offset).
+// per-chunk and per-expert arrays sit in one `summary` buffer, read back to the host
+// (host_counts, host_offset, check) with one copy and one synchronisation.
 template <class Exec>
 struct send_plan {
   std::size_t pairs = 0;
@@ -178,14 +183,16 @@ struct send_plan {
   int top_k = 0;
   std::size_t chunks = 0;
   exec::buffer<std::int64_t, Exec> chunk_counts;   // [C, E]
-  exec::buffer<std::int64_t, Exec> chunk_bad;      // [C]
-  exec::buffer<std::int64_t, Exec> expert_counts;  // [E]
-  exec::buffer<std::int64_t, Exec> expert_offset;  // [E+1]
+  exec::buffer<std::int64_t, Exec> summary;        // [C] chunk_bad | [E] expert_counts | [E+1] expert_offset
   exec::buffer<std::int64_t, Exec> pos;            // [n*k] send position of pair (t, j)
   exec::buffer<std::int64_t, Exec> src_row;        // [n*k] slice row of send position p
   std::vector<std::int64_t> host_counts;           // [E]
   std::vector<std::int64_t> host_offset;           // [E+1]
   input_check check;
+
+  std::int64_t* chunk_bad() noexcept { return summary.data(); }
+  std::int64_t* expert_counts() noexcept { return summary.data() + chunks; }
+  std::int64_t* expert_offset() noexcept { return summary.data() + chunks + static_cast<std::size_t>(num_experts); }
 };
 
 // Builds the plan for `n` rows of `k` pairs. ids, weights: [n, k] in the policy's memory
@@ -208,32 +215,33 @@ send_plan<Exec> build_plan(const Exec& ex, const std::int32_t* ids, const float*
   p.chunks = C;
   const auto Es = static_cast<std::size_t>(E);
   p.chunk_counts = exec::make_buffer<std::int64_t>(ex, C * Es);
-  p.chunk_bad = exec::make_buffer<std::int64_t>(ex, C);
-  p.expert_counts = exec::make_buffer<std::int64_t>(ex, Es);
-  p.expert_offset = exec::make_buffer<std::int64_t>(ex, Es + 1);
+  p.summary = exec::make_buffer<std::int64_t>(ex, C + 2 * Es + 1);
   p.pos = exec::make_buffer<std::int64_t>(ex, p.pairs);
   p.src_row = exec::make_buffer<std::int64_t>(ex, p.pairs);
-  p.host_counts.assign(Es, 0);
-  p.host_offset.assign(Es + 1, 0);
 
-  exec::for_each_n(ex, C, histogram_chunks{ids, weights, p.pairs, per, E, p.chunk_counts.data(), p.chunk_bad.data()});
-  std::vector<std::int64_t> bad(C);
-  detail::to_host(ex, p.chunk_bad.data(), C, bad.data());
-  for (std::size_t c = 0; c < C; ++c) {
-    if (bad[c] < 0) continue;
-    p.check.pair = bad[c];
-    detail::to_host(ex, ids + bad[c], 1, &p.check.id);
-    if (weights != nullptr) detail::to_host(ex, weights + bad[c], 1, &p.check.weight);
-    p.check.kind = (p.check.id < 0 || p.check.id >= E) ? input_check::bad_expert_id : input_check::non_finite_weight;
-    return p;  // counts stay zero on the host
-  }
-  exec::for_each_n(ex, Es, scan_chunks{p.chunk_counts.data(), p.expert_counts.data(), C, E});
-  exec::for_each_n(ex, 1, expert_offsets{p.expert_counts.data(), p.expert_offset.data(), E});
+  // The three passes run whatever pass 1 finds (bad pairs are left out), so the host reads
+  // the bad-pair flags, counts and offsets back together.
+  exec::for_each_n(ex, C, histogram_chunks{ids, weights, p.pairs, per, E, p.chunk_counts.data(), p.chunk_bad()});
+  exec::for_each_n(ex, Es, scan_chunks{p.chunk_counts.data(), p.expert_counts(), C, E});
+  exec::for_each_n(ex, 1, expert_offsets{p.expert_counts(), p.expert_offset(), E});
   exec::for_each_n(ex, C,
-                   scatter_pairs{ids, p.pairs, per, E, k, p.expert_offset.data(), p.chunk_counts.data(),
+                   scatter_pairs{ids, weights, p.pairs, per, E, k, p.expert_offset(), p.chunk_counts.data(),
                                  p.pos.data(), p.src_row.data()});
-  detail::to_host(ex, p.expert_counts.data(), Es, p.host_counts.data());
-  detail::to_host(ex, p.expert_offset.data(), Es + 1, p.host_offset.data());
+  std::vector<std::int64_t> host(C + 2 * Es + 1);
+  detail::to_host(ex, static_cast<const std::int64_t*>(p.summary.data()), host.size(), host.data());
+  for (std::size_t c = 0; c < C; ++c) {
+    if (host[c] < 0) continue;
+    // Bad input (the error path): its values, for the message; counts stay zero.
+    p.check.pair = host[c];
+    detail::to_host(ex, ids + host[c], 1, &p.check.id);
+    if (weights != nullptr) detail::to_host(ex, weights + host[c], 1, &p.check.weight);
+    p.check.kind = (p.check.id < 0 || p.check.id >= E) ? input_check::bad_expert_id : input_check::non_finite_weight;
+    p.host_counts.assign(Es, 0);
+    p.host_offset.assign(Es + 1, 0);
+    return p;
+  }
+  p.host_counts.assign(host.begin() + static_cast<std::ptrdiff_t>(C), host.begin() + static_cast<std::ptrdiff_t>(C + Es));
+  p.host_offset.assign(host.begin() + static_cast<std::ptrdiff_t>(C + Es), host.end());
   return p;
 }
 
