@@ -2,10 +2,12 @@
 //
 // The limits of the per-token functors (max_top_k, max_groups), the policy trait, and the
 // detail pieces every policy uses: the per-token status the functors write, the finite
-// checks of logits and backward inputs, the top-k validation, and the host side check that
-// turns a failing token into an epx::error. The policies themselves live one per header:
-// softmax_topk.hpp, topk_softmax.hpp, sigmoid_bias.hpp, given.hpp; routing.hpp includes them
-// all and holds route() and route_backward().
+// checks of logits and backward inputs, forward_io and backward_io (the inputs and outputs
+// every forward or backward functor shares, with its per-token prologue and epilogue), the
+// top-k validation, and the host side check that turns a failing token into an epx::error.
+// The policies themselves live one per header: softmax_topk.hpp, topk_softmax.hpp,
+// sigmoid_bias.hpp, given.hpp; routing.hpp includes them all and holds route() and
+// route_backward().
 #pragma once
 
 #include <cstddef>
@@ -54,6 +56,9 @@ enum status_kind : std::int32_t {
   status_bad_grad = 4,
 };
 
+// The status of a token that passed.
+EPX_HOST_DEVICE constexpr token_status token_ok() noexcept { return token_status{status_ok, -1, 0.0}; }
+
 // Scans a token's logits: returns false (and fills `st`) at the first non-finite one.
 // Double logits are checked before the conversion, so a value that overflows float32
 // is reported as well (as its float32 image, +-inf).
@@ -72,15 +77,6 @@ EPX_HOST_DEVICE inline bool check_logits(const T* l, int E, token_status& st) no
     }
   }
   return true;
-}
-
-EPX_HOST_DEVICE inline void fail_token(std::int32_t* ids, float* weights, int k, token_status* status,
-                                       std::size_t t, const token_status& st) noexcept {
-  for (int j = 0; j < k; ++j) {
-    ids[t * k + j] = -1;
-    weights[t * k + j] = 0.0f;
-  }
-  status[t] = st;
 }
 
 // Shared checks of the backward inputs of token t: finite logits, ids in [0, E), finite
@@ -106,6 +102,69 @@ EPX_HOST_DEVICE inline bool backward_prologue(const T* l, int E, int k, const st
   }
   return true;
 }
+
+// What every forward functor reads and writes: logits [N, E] in, ids [N, k], weights [N, k]
+// and the per-token status [N] out. A functor holds one as its member `io` and adds its
+// policy's parameters. Its operator() calls begin(), then fail() or done(): sigmoid_bias
+// can still fail a token after the logit check (a non-finite bias).
+template <class T>
+struct forward_io {
+  const T* logits;  // [N, E]
+  int E;
+  int k;
+  std::int32_t* ids;     // [N, k]
+  float* weights;        // [N, k]
+  token_status* status;  // [N]
+
+  // Points `l` at the logits of token t; returns false, with the token failed, when one of
+  // them is not finite.
+  EPX_HOST_DEVICE bool begin(std::size_t t, const T*& l) const noexcept {
+    l = logits + t * static_cast<std::size_t>(E);
+    token_status st = token_ok();
+    if (check_logits(l, E, st)) return true;
+    fail(t, st);
+    return false;
+  }
+
+  // Token t failed with `st`: ids -1, weights 0.
+  EPX_HOST_DEVICE void fail(std::size_t t, const token_status& st) const noexcept {
+    for (int j = 0; j < k; ++j) {
+      ids[t * k + j] = -1;
+      weights[t * k + j] = 0.0f;
+    }
+    status[t] = st;
+  }
+
+  EPX_HOST_DEVICE void done(std::size_t t) const noexcept { status[t] = token_ok(); }
+};
+
+// What every backward functor reads and writes: logits [N, E], ids [N, k] and
+// grad_weights [N, k] in, grad_logits [N, E] and the per-token status [N] out. A functor
+// holds one as its member `io` and adds its policy's parameters.
+template <class T>
+struct backward_io {
+  const T* logits;  // [N, E]
+  int E;
+  int k;
+  const std::int32_t* ids;  // [N, k]
+  const float* grad_w;      // [N, k]
+  float* grad_logits;       // [N, E]
+  token_status* status;     // [N]
+
+  // Runs the backward of token t: zero-fills its gradient row and makes the checks every
+  // backward makes (backward_prologue); when they pass, calls body(l, id, g, gl) with the
+  // token's logits [E], ids [k], grad_weights [k] and gradient row [E]. Writes the status.
+  template <class Body>
+  EPX_HOST_DEVICE void run(std::size_t t, const Body& body) const {
+    const T* l = logits + t * static_cast<std::size_t>(E);
+    const std::int32_t* id = ids + t * k;
+    const float* g = grad_w + t * k;
+    float* gl = grad_logits + t * static_cast<std::size_t>(E);
+    token_status st = token_ok();
+    if (backward_prologue(l, E, k, id, g, gl, st)) body(l, id, g, gl);
+    status[t] = st;
+  }
+};
 
 // ---- host side ---------------------------------------------------------------------------
 

@@ -26,10 +26,12 @@
 // space (host memory for exec::serial / exec::openmp, device memory for exec::cuda).
 //
 // This header includes every policy and holds route() and route_backward():
-//   routing/common.hpp        limits, is_routing_policy_v, status and finite checks
+//   routing/common.hpp        limits, is_routing_policy_v, status and finite checks,
+//                             the inputs and outputs every functor shares (forward_io,
+//                             backward_io)
 //   routing/softmax_topk.hpp  routing/topk_softmax.hpp  routing/sigmoid_bias.hpp
 //   routing/given.hpp         one policy each, its forward and backward functors
-//   routing/detail/topk.hpp   the per-token top-k list and float32 math
+//   routing/detail/topk.hpp   the per-token top-k list and float32 math (sigmoid, softmax)
 #pragma once
 
 #include <cstddef>
@@ -53,6 +55,42 @@ namespace epx::routing {
 // route() refuses) validate(), launch_forward() and launch_backward(); route() and
 // route_backward() below pick the overloads for the policy at hand.
 
+namespace detail {
+
+// What route() and route_backward() do once the types are checked: the policy's checks of
+// E and k, nothing more for N == 0, the null-pointer check (`pointers` names the pointers
+// for the message), then launch(status) with a per-token status buffer [N], which is read
+// back and turned into an epx::error for the first failing token.
+template <class Policy, class Exec, class Launch>
+void run_checked(const Policy& policy, const Exec& exec, const char* call, std::size_t N, int E, int k,
+                 bool non_null, const char* pointers, const Launch& launch) {
+  validate(policy, call, E, k);
+  if (N == 0) return;
+  EPX_REQUIRE(non_null, errc::input, call, "(", policy_name(policy), "): null ", pointers, " for N = ", N,
+              " tokens");
+  auto status = exec::make_buffer<token_status>(exec, N);
+  launch(status.data());
+  check_status(exec, status.data(), N, call, policy_name(policy));
+}
+
+// The functors are launched by value on CUDA devices: plain aggregates, no virtual functions.
+static_assert(std::is_trivially_copyable_v<softmax_topk_forward<bf16>> &&
+                  std::is_trivially_copyable_v<softmax_topk_backward<bf16>> &&
+                  std::is_trivially_copyable_v<topk_softmax_forward<bf16>> &&
+                  std::is_trivially_copyable_v<topk_softmax_backward<bf16>> &&
+                  std::is_trivially_copyable_v<sigmoid_bias_forward<bf16>> &&
+                  std::is_trivially_copyable_v<sigmoid_bias_backward<bf16>>,
+              "routing functors must stay trivially copyable");
+
+// The span forms' N: the number of rows of E in `size` logits.
+inline std::size_t token_count(const char* call, std::size_t size, int E) {
+  EPX_REQUIRE(E >= 1 && size % static_cast<std::size_t>(E) == 0, errc::input, call, ": logits hold ", size,
+              " values, not a multiple of E (", E, ")");
+  return size / static_cast<std::size_t>(E);
+}
+
+}  // namespace detail
+
 // Routes N tokens: logits [N, E] -> ids [N, k] (global expert ids, slot 0 best) and
 // weights [N, k] (float32). T is float, double, bf16 or fp16; the math is float32.
 // Raises epx::error(errc::input) for E < 1, k outside [1, min(E, max_top_k)] and
@@ -69,13 +107,11 @@ void route(const Policy& policy, const Exec& exec, const T* logits, std::size_t 
                   "epx::routing::given means the caller computes ids and weights: hand them to the layer "
                   "directly instead of calling route()");
   } else {
-    detail::validate(policy, "route", E, k);
-    if (N == 0) return;
-    EPX_REQUIRE(logits != nullptr && ids != nullptr && weights != nullptr, errc::input,
-                "route(", detail::policy_name(policy), "): null logits, ids or weights for N = ", N, " tokens");
-    auto status = exec::make_buffer<detail::token_status>(exec, N);
-    detail::launch_forward(policy, exec, logits, N, E, k, ids, weights, status.data());
-    detail::check_status(exec, status.data(), N, "route", detail::policy_name(policy));
+    detail::run_checked(policy, exec, "route", N, E, k, logits != nullptr && ids != nullptr && weights != nullptr,
+                        "logits, ids or weights", [&](detail::token_status* status) {
+                          detail::launch_forward(policy, exec, N,
+                                                 detail::forward_io<T>{logits, E, k, ids, weights, status});
+                        });
   }
 }
 
@@ -85,9 +121,7 @@ template <class Policy, class Exec, class L>
 void route(const Policy& policy, const Exec& exec, span<L> logits, int E, int k, span<std::int32_t> ids,
            span<float> weights) {
   using T = std::remove_const_t<L>;
-  EPX_REQUIRE(E >= 1 && logits.size() % static_cast<std::size_t>(E) == 0, errc::input,
-              "route: logits hold ", logits.size(), " values, not a multiple of E (", E, ")");
-  const std::size_t N = logits.size() / static_cast<std::size_t>(E);
+  const std::size_t N = detail::token_count("route", logits.size(), E);
   EPX_REQUIRE(k >= 1 && ids.size() == N * static_cast<std::size_t>(k) && weights.size() == ids.size(), errc::input,
               "route: ids (", ids.size(), ") and weights (", weights.size(), ") must hold N * k = ", N, " * ", k,
               " values");
@@ -112,14 +146,13 @@ void route_backward(const Policy& policy, const Exec& exec, const T* logits, std
                   "epx::routing::given has no logits: the gradient of user-supplied weights is grad_weights "
                   "itself, returned by the layer's backward");
   } else {
-    detail::validate(policy, "route_backward", E, k);
-    if (N == 0) return;
-    EPX_REQUIRE(logits != nullptr && ids != nullptr && grad_weights != nullptr && grad_logits != nullptr,
-                errc::input, "route_backward(", detail::policy_name(policy),
-                "): null logits, ids, grad_weights or grad_logits for N = ", N, " tokens");
-    auto status = exec::make_buffer<detail::token_status>(exec, N);
-    detail::launch_backward(policy, exec, logits, N, E, k, ids, grad_weights, grad_logits, status.data());
-    detail::check_status(exec, status.data(), N, "route_backward", detail::policy_name(policy));
+    detail::run_checked(
+        policy, exec, "route_backward", N, E, k,
+        logits != nullptr && ids != nullptr && grad_weights != nullptr && grad_logits != nullptr,
+        "logits, ids, grad_weights or grad_logits", [&](detail::token_status* status) {
+          detail::launch_backward(policy, exec, N,
+                                  detail::backward_io<T>{logits, E, k, ids, grad_weights, grad_logits, status});
+        });
   }
 }
 
@@ -129,9 +162,7 @@ template <class Policy, class Exec, class L>
 void route_backward(const Policy& policy, const Exec& exec, span<L> logits, int E, int k,
                     span<const std::int32_t> ids, span<const float> weights, span<const float> grad_weights,
                     span<float> grad_logits) {
-  EPX_REQUIRE(E >= 1 && logits.size() % static_cast<std::size_t>(E) == 0, errc::input,
-              "route_backward: logits hold ", logits.size(), " values, not a multiple of E (", E, ")");
-  const std::size_t N = logits.size() / static_cast<std::size_t>(E);
+  const std::size_t N = detail::token_count("route_backward", logits.size(), E);
   EPX_REQUIRE(k >= 1 && ids.size() == N * static_cast<std::size_t>(k) && grad_weights.size() == ids.size() &&
                   (weights.empty() || weights.size() == ids.size()),
               errc::input, "route_backward: ids (", ids.size(), "), weights (", weights.size(), ") and grad_weights (",

@@ -78,35 +78,32 @@ EPX_HOST_DEVICE inline bool sigmoid_bias_select(const T* l, int E, const float* 
 
 template <class T>
 struct sigmoid_bias_forward {
-  const T* logits;  // [N, E]
-  int E;
-  int k;
+  forward_io<T> io;
   const float* bias;  // [E] or null
   int n_group;
   int topk_group;
   float scaling;
   bool normalize;
-  std::int32_t* ids;     // [N, k]
-  float* weights;        // [N, k]
-  token_status* status;  // [N]
 
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
-    const T* l = logits + t * static_cast<std::size_t>(E);
-    token_status st{status_ok, -1, 0.0};
-    if (!check_logits(l, E, st)) return fail_token(ids, weights, k, status, t, st);
+    const T* l;
+    if (!io.begin(t, l)) return;
+    const int k = io.k;
     topk_list<max_top_k> top(k);
-    if (!sigmoid_bias_select(l, E, bias, n_group, topk_group, top, st))
-      return fail_token(ids, weights, k, status, t, st);
+    token_status st = token_ok();
+    if (!sigmoid_bias_select(l, io.E, bias, n_group, topk_group, top, st)) return io.fail(t, st);
+    float* w = io.weights + t * k;
+    std::int32_t* id = io.ids + t * k;
     float sum = 0.0f;
     for (int j = 0; j < k; ++j) {
       const float s = sigmoid_f32(convert<float>(l[top.id[j]]));
-      weights[t * k + j] = s;
-      ids[t * k + j] = top.id[j];
+      w[j] = s;
+      id[j] = top.id[j];
       sum += s;
     }
     const float scale = normalize ? scaling / (sum + 1e-20f) : scaling;
-    for (int j = 0; j < k; ++j) weights[t * k + j] *= scale;
-    status[t] = st;
+    for (int j = 0; j < k; ++j) w[j] *= scale;
+    io.done(t);
   }
 };
 
@@ -115,39 +112,26 @@ struct sigmoid_bias_forward {
 // The bias only selects: it has no gradient. Unselected logits get 0.
 template <class T>
 struct sigmoid_bias_backward {
-  const T* logits;  // [N, E]
-  int E;
-  int k;
+  backward_io<T> io;
   float scaling;
   bool normalize;
-  const std::int32_t* ids;  // [N, k]
-  const float* grad_w;      // [N, k]
-  float* grad_logits;       // [N, E]
-  token_status* status;     // [N]
 
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
-    const T* l = logits + t * static_cast<std::size_t>(E);
-    const std::int32_t* id = ids + t * k;
-    const float* g = grad_w + t * k;
-    float* gl = grad_logits + t * static_cast<std::size_t>(E);
-    token_status st{status_ok, -1, 0.0};
-    if (!backward_prologue(l, E, k, id, g, gl, st)) {
-      status[t] = st;
-      return;
-    }
-    float s[max_top_k];
-    float sum = 0.0f;
-    for (int j = 0; j < k; ++j) sum += (s[j] = sigmoid_f32(convert<float>(l[id[j]])));
-    if (normalize) {
-      const float D = sum + 1e-20f;
-      float dot = 0.0f;
-      for (int j = 0; j < k; ++j) dot += g[j] * s[j];
-      const float mean = dot / D;
-      for (int j = 0; j < k; ++j) gl[id[j]] += scaling * (g[j] - mean) / D * s[j] * (1.0f - s[j]);
-    } else {
-      for (int j = 0; j < k; ++j) gl[id[j]] += scaling * g[j] * s[j] * (1.0f - s[j]);
-    }
-    status[t] = st;
+    io.run(t, [&](const T* l, const std::int32_t* id, const float* g, float* gl) {
+      const int k = io.k;
+      float s[max_top_k];
+      float sum = 0.0f;
+      for (int j = 0; j < k; ++j) sum += (s[j] = sigmoid_f32(convert<float>(l[id[j]])));
+      if (normalize) {
+        const float D = sum + 1e-20f;
+        float dot = 0.0f;
+        for (int j = 0; j < k; ++j) dot += g[j] * s[j];
+        const float mean = dot / D;
+        for (int j = 0; j < k; ++j) gl[id[j]] += scaling * (g[j] - mean) / D * s[j] * (1.0f - s[j]);
+      } else {
+        for (int j = 0; j < k; ++j) gl[id[j]] += scaling * g[j] * s[j] * (1.0f - s[j]);
+      }
+    });
   }
 };
 
@@ -173,19 +157,15 @@ inline void validate(const sigmoid_bias& policy, const char* call, int E, int k)
 }
 
 template <class Exec, class T>
-void launch_forward(const sigmoid_bias& policy, const Exec& exec, const T* logits, std::size_t N, int E, int k,
-                    std::int32_t* ids, float* weights, token_status* status) {
+void launch_forward(const sigmoid_bias& policy, const Exec& exec, std::size_t N, const forward_io<T>& io) {
   exec::for_each_n(exec, N,
-                   sigmoid_bias_forward<T>{logits, E, k, policy.bias, policy.n_group, policy.topk_group,
-                                           policy.scaling, policy.normalize, ids, weights, status});
+                   sigmoid_bias_forward<T>{io, policy.bias, policy.n_group, policy.topk_group, policy.scaling,
+                                           policy.normalize});
 }
 
 template <class Exec, class T>
-void launch_backward(const sigmoid_bias& policy, const Exec& exec, const T* logits, std::size_t N, int E, int k,
-                     const std::int32_t* ids, const float* grad_weights, float* grad_logits, token_status* status) {
-  exec::for_each_n(exec, N,
-                   sigmoid_bias_backward<T>{logits, E, k, policy.scaling, policy.normalize, ids, grad_weights,
-                                            grad_logits, status});
+void launch_backward(const sigmoid_bias& policy, const Exec& exec, std::size_t N, const backward_io<T>& io) {
+  exec::for_each_n(exec, N, sigmoid_bias_backward<T>{io, policy.scaling, policy.normalize});
 }
 
 }  // namespace detail

@@ -23,40 +23,37 @@ struct softmax_topk {
 
 namespace detail {
 
+// The float32 softmax of a token's logits: the p of the forward and the backward.
+template <class T>
+EPX_HOST_DEVICE inline softmax_f32 softmax_of_logits(const T* l, int E) noexcept {
+  return softmax_of(E, [&](int e) { return convert<float>(l[e]); });
+}
+
 template <class T>
 struct softmax_topk_forward {
-  const T* logits;  // [N, E]
-  int E;
-  int k;
+  forward_io<T> io;
   bool renormalize;
-  std::int32_t* ids;      // [N, k]
-  float* weights;         // [N, k]
-  token_status* status;   // [N]
 
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
-    const T* l = logits + t * static_cast<std::size_t>(E);
-    token_status st{status_ok, -1, 0.0};
-    if (!check_logits(l, E, st)) return fail_token(ids, weights, k, status, t, st);
-    float mx = convert<float>(l[0]);
-    for (int e = 1; e < E; ++e) {
-      const float v = convert<float>(l[e]);
-      mx = v > mx ? v : mx;
-    }
-    float z = 0.0f;
-    for (int e = 0; e < E; ++e) z += exp_f32(convert<float>(l[e]) - mx);
+    const T* l;
+    if (!io.begin(t, l)) return;
+    const int k = io.k;
+    const softmax_f32 sm = softmax_of_logits(l, io.E);
     // The top-k of p, offered in ascending id: equal p keep the lower id first. The keys are
     // the weights, so selection and weights see the same float32 values.
     topk_list<max_top_k> top(k);
-    for (int e = 0; e < E; ++e) top.offer(exp_f32(convert<float>(l[e]) - mx) / z, e);
+    for (int e = 0; e < io.E; ++e) top.offer(sm.p(convert<float>(l[e])), e);
+    float* w = io.weights + t * k;
+    std::int32_t* id = io.ids + t * k;
     float sel = 0.0f;
     for (int j = 0; j < k; ++j) {
-      weights[t * k + j] = top.key[j];
-      ids[t * k + j] = top.id[j];
+      w[j] = top.key[j];
+      id[j] = top.id[j];
       sel += top.key[j];
     }
     if (renormalize)
-      for (int j = 0; j < k; ++j) weights[t * k + j] /= sel;
-    status[t] = st;
+      for (int j = 0; j < k; ++j) w[j] /= sel;
+    io.done(t);
   }
 };
 
@@ -65,51 +62,32 @@ struct softmax_topk_forward {
 //   grad_l_e = p_e (gp_e - sum_j p_{id_j} gp_j), gp_e = 0 for unselected experts.
 template <class T>
 struct softmax_topk_backward {
-  const T* logits;  // [N, E]
-  int E;
-  int k;
+  backward_io<T> io;
   bool renormalize;
-  const std::int32_t* ids;  // [N, k]
-  const float* grad_w;      // [N, k]
-  float* grad_logits;       // [N, E]
-  token_status* status;     // [N]
 
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
-    const T* l = logits + t * static_cast<std::size_t>(E);
-    const std::int32_t* id = ids + t * k;
-    const float* g = grad_w + t * k;
-    float* gl = grad_logits + t * static_cast<std::size_t>(E);
-    token_status st{status_ok, -1, 0.0};
-    if (!backward_prologue(l, E, k, id, g, gl, st)) {
-      status[t] = st;
-      return;
-    }
-    float mx = convert<float>(l[0]);
-    for (int e = 1; e < E; ++e) {
-      const float v = convert<float>(l[e]);
-      mx = v > mx ? v : mx;
-    }
-    float z = 0.0f;
-    for (int e = 0; e < E; ++e) z += exp_f32(convert<float>(l[e]) - mx);
-    float p[max_top_k];
-    float gp[max_top_k];
-    float S = 0.0f;
-    for (int j = 0; j < k; ++j) {
-      p[j] = exp_f32(convert<float>(l[id[j]]) - mx) / z;
-      S += p[j];
-    }
-    if (renormalize) {
-      float gw = 0.0f;
-      for (int j = 0; j < k; ++j) gw += g[j] * (p[j] / S);
-      for (int j = 0; j < k; ++j) gp[j] = (g[j] - gw) / S;
-    } else {
-      for (int j = 0; j < k; ++j) gp[j] = g[j];
-    }
-    float dot = 0.0f;
-    for (int j = 0; j < k; ++j) dot += p[j] * gp[j];
-    for (int e = 0; e < E; ++e) gl[e] = -(exp_f32(convert<float>(l[e]) - mx) / z) * dot;
-    for (int j = 0; j < k; ++j) gl[id[j]] += p[j] * gp[j];
-    status[t] = st;
+    io.run(t, [&](const T* l, const std::int32_t* id, const float* g, float* gl) {
+      const int E = io.E, k = io.k;
+      const softmax_f32 sm = softmax_of_logits(l, E);
+      float p[max_top_k];
+      float gp[max_top_k];
+      float S = 0.0f;
+      for (int j = 0; j < k; ++j) {
+        p[j] = sm.p(convert<float>(l[id[j]]));
+        S += p[j];
+      }
+      if (renormalize) {
+        float gw = 0.0f;
+        for (int j = 0; j < k; ++j) gw += g[j] * (p[j] / S);
+        for (int j = 0; j < k; ++j) gp[j] = (g[j] - gw) / S;
+      } else {
+        for (int j = 0; j < k; ++j) gp[j] = g[j];
+      }
+      float dot = 0.0f;
+      for (int j = 0; j < k; ++j) dot += p[j] * gp[j];
+      for (int e = 0; e < E; ++e) gl[e] = -sm.p(convert<float>(l[e])) * dot;
+      for (int j = 0; j < k; ++j) gl[id[j]] += p[j] * gp[j];
+    });
   }
 };
 
@@ -122,16 +100,13 @@ inline void validate(const softmax_topk& policy, const char* call, int E, int k)
 }
 
 template <class Exec, class T>
-void launch_forward(const softmax_topk& policy, const Exec& exec, const T* logits, std::size_t N, int E, int k,
-                    std::int32_t* ids, float* weights, token_status* status) {
-  exec::for_each_n(exec, N, softmax_topk_forward<T>{logits, E, k, policy.renormalize, ids, weights, status});
+void launch_forward(const softmax_topk& policy, const Exec& exec, std::size_t N, const forward_io<T>& io) {
+  exec::for_each_n(exec, N, softmax_topk_forward<T>{io, policy.renormalize});
 }
 
 template <class Exec, class T>
-void launch_backward(const softmax_topk& policy, const Exec& exec, const T* logits, std::size_t N, int E, int k,
-                     const std::int32_t* ids, const float* grad_weights, float* grad_logits, token_status* status) {
-  exec::for_each_n(exec, N,
-                   softmax_topk_backward<T>{logits, E, k, policy.renormalize, ids, grad_weights, grad_logits, status});
+void launch_backward(const softmax_topk& policy, const Exec& exec, std::size_t N, const backward_io<T>& io) {
+  exec::for_each_n(exec, N, softmax_topk_backward<T>{io, policy.renormalize});
 }
 
 }  // namespace detail

@@ -39,6 +39,32 @@ EPX_HOST_DEVICE inline bool is_finite_f64(double x) noexcept {
   return x - x == 0.0;  // NaN - NaN and inf - inf are NaN
 }
 
+// The float32 softmax of n values v(0), ..., v(n - 1): p(x) = exp(x - mx) / z, where mx is
+// the largest value and z the sum of exp(v(i) - mx) taken in ascending i.
+struct softmax_f32 {
+  float mx;
+  float z;
+
+  EPX_HOST_DEVICE float p(float x) const noexcept { return exp_f32(x - mx) / z; }
+};
+
+// With `ex` non-null, also stores ex[i] = exp(v(i) - mx), the terms of z.
+template <class V>
+EPX_HOST_DEVICE inline softmax_f32 softmax_of(int n, const V& v, float* ex = nullptr) noexcept {
+  float mx = v(0);
+  for (int i = 1; i < n; ++i) {
+    const float x = v(i);
+    mx = x > mx ? x : mx;
+  }
+  float z = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    const float e = exp_f32(v(i) - mx);
+    if (ex != nullptr) ex[i] = e;
+    z += e;
+  }
+  return softmax_f32{mx, z};
+}
+
 // A running top-k list: keys descending, ties in insertion order. Candidates are offered
 // in ascending expert id, so ties end up ordered by the lower expert id first.
 template <int Capacity>
