@@ -295,4 +295,79 @@ TEST_CASE_TEMPLATE("moe_layer with exec::cuda and the NCCL communicator at world
   CHECK(experts.forward_calls == 1);
 }
 
+namespace {
+// One forward and backward of a world-size-1 layer with implementation Impl and type T on
+// the device, against the host policy running the same layer (exec::serial, threads
+// communicator of one rank): the device path and the host path give the same outputs
+// within one rounding of T, and the expert-gradient hooks run on the NCCL communicator.
+template <class T, class Impl>
+void device_matches_host() {
+  test_stream ts;
+  ncclUniqueId id;
+  EPX_NCCL_CHECK(ncclGetUniqueId(&id));
+  auto world = epx::nccl::communicator::from_unique_id(id, 1, 0, -1, ts.s);
+  const epx::exec::cuda dev{world.stream()};
+  const int E = 4, k = 2;
+  const std::size_t N = 33, H = 40;
+  epx::mesh_config mc;
+  mc.experts = E;
+  const epx::mesh m(mc);
+  epx::layer_options opt;
+  opt.hidden = H;
+  opt.top_k = k;
+  epx::moe_layer<epx::nccl::communicator, T, Impl, epx::exec::cuda> layer(m, world, opt, dev);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<T> x(N * H), g(N * H);
+  for (auto& v : x) v = epx::convert<T>(u(rng));
+  for (auto& v : g) v = epx::convert<T>(u(rng));
+  std::vector<std::int32_t> ids(N * k);
+  std::vector<float> w(N * k);
+  for (std::size_t t = 0; t < N; ++t) {
+    ids[t * k] = static_cast<std::int32_t>(t % E);
+    ids[t * k + 1] = static_cast<std::int32_t>((t + 1) % E);
+    w[t * k] = 0.75f;
+    w[t * k + 1] = 0.25f;
+  }
+  auto d_x = to_device(dev, x);
+  auto d_g = to_device(dev, g);
+  auto d_ids = to_device(dev, ids);
+  auto d_w = to_device(dev, w);
+  device_buffer<T> d_out(N * H, dev), d_gx(N * H, dev);
+  device_buffer<float> d_gw(N * k, dev);
+  scaling_experts<T> experts;
+  auto saved = layer.forward(epx::span<const T>(d_x.data(), N * H), epx::span<const std::int32_t>(d_ids.data(), N * k),
+                             epx::span<const float>(d_w.data(), N * k), epx::span<T>(d_out.data(), N * H), experts,
+                             epx::mode::train);
+  layer.backward(std::move(saved), epx::span<const T>(d_g.data(), N * H), epx::span<T>(d_gx.data(), N * H),
+                 epx::span<float>(d_gw.data(), N * k), experts);
+  world.wait();
+  const auto out = to_host(dev, d_out.data(), N * H);
+  double e_out = 0;
+  for (std::size_t t = 0; t < N; ++t)
+    for (std::size_t h = 0; h < H; ++h) {
+      double ro = 0;
+      for (std::size_t j = 0; j < static_cast<std::size_t>(k); ++j)
+        ro += static_cast<double>(w[t * k + j]) *
+              epx::convert<double>(epx::convert<T>(scaling_experts<T>::scale(ids[t * k + j]) * epx::convert<float>(x[t * H + h])));
+      e_out = std::max(e_out, std::fabs(epx::convert<double>(out[t * H + h]) - ro) / (1.0 + std::fabs(ro)));
+    }
+  const double tol = std::is_same_v<T, double> ? 1e-12 : std::is_same_v<T, float> ? 1e-5 : 1.0 / 128;
+  CHECK(e_out <= tol);
+  // The expert-gradient hook on the NCCL communicator (world size 1: a scaled copy).
+  epx::gradient_hooks<epx::nccl::communicator> hooks(m, world);
+  device_buffer<float> d_grad(16, dev);
+  epx::exec::fill_zero(dev, d_grad.data(), 16);
+  hooks.reduce_expert(epx::span<float>(d_grad.data(), 16));
+  world.wait();
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("every implementation and element type on the device (world size 1)", T, float, double, epx::bf16,
+                   epx::fp16) {
+  device_matches_host<T, epx::impl::all_to_all>();
+  device_matches_host<T, epx::impl::all_reduce>();
+  device_matches_host<T, epx::impl::automatic>();
+}
+
 #endif  // EPX_TEST_HAVE_LAYER
