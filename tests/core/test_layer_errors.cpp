@@ -333,6 +333,23 @@ TEST_CASE("framework constructor: the caller's ep and tp communicators, checked 
   }
 }
 
+TEST_CASE("can_implement: the masked path's rule lives in its implementation") {
+  using comm = comm_t;
+  epx::layer_options o;
+  o.hidden = 4;
+  o.top_k = 2;
+  const epx::mesh ep_eq_tp(epx::mesh_config{2, 2, 1, 1, 2, 8, 0});
+  const epx::mesh ep_gt_tp(epx::mesh_config{1, 4, 1, 1, 4, 8, 0});
+  CHECK(epx::can_implement<epx::impl_for_t<epx::impl::all_reduce, comm>>(ep_eq_tp, o).empty());
+  const std::string why = epx::can_implement<epx::impl_for_t<epx::impl::all_reduce, comm>>(ep_gt_tp, o);
+  CHECK(why.find("requires ep_size (4) == tp_size (1)") != std::string::npos);
+  CHECK(epx::can_implement<epx::impl_for_t<epx::impl::all_to_all, comm>>(ep_gt_tp, o).empty());
+  CHECK(epx::can_implement<epx::impl_for_t<epx::impl::automatic, comm>>(ep_gt_tp, o).empty());
+  // An implementation without can_implement runs everything.
+  struct plain {};
+  CHECK(epx::can_implement<plain>(ep_gt_tp, o).empty());
+}
+
 TEST_CASE("saved state: inference keeps nothing; backward of an empty state raises") {
   epx::threads::run(2, [](comm_t& comm) {
     const epx::mesh m(epx::mesh_config{1, 2, 1, 1, 2, 4, 0});

@@ -12,6 +12,7 @@
 
 #include "epx/comm/nccl.cuh"
 #include "epx/exec/cuda.cuh"
+#include "epx/grad/hooks.hpp"
 
 #if __has_include("epx/routing/routing.hpp")
 #include "epx/routing/routing.hpp"
