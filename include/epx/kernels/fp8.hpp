@@ -1,0 +1,171 @@
+// epx/kernels/fp8.hpp: rows to FP8 E4M3 with one float32 scale per 128 elements, and back.
+//
+// The FP8 forward dispatch (contract section 12). A row of H elements (H a multiple of
+// fp8_block = 128) is H / 128 blocks of 128 consecutive elements; block b of row r has
+// the scale scale[r * H/128 + b], and the row travels as H E4M3 bytes:
+//
+//   v_h    = float(x[r, h])                         (exact for float, bf16, fp16)
+//   amax   = max over the block of |v_h|            (NaN elements do not count)
+//   scale  = amax / 448, rounded to float;  1 when that is 0 (an all-zero block, or
+//            an amax so small that the quotient underflows)
+//   q[r,h] = fp8_e4m3(v_h / scale)                   (the quotient rounded to float, then
+//            to E4M3: nearest even, saturating to +-448; epx/core/fp8.hpp)
+//
+// and comes back as out[r, h] = T(A(float(q[r, h])) * A(scale)) in A = accum_t<T>
+// (exact for double; for float the product is rounded once; for bf16 and fp16 once to
+// float and once to T). A NaN element stays NaN; an infinite element makes its block's
+// scale infinite, and the whole block comes back as NaN. A "no row" (a negative index, a
+// null row pointer) quantises to zero bytes with scale 1.
+//
+// Every operation is one EPX_HOST_DEVICE functor run by every policy, host and device
+// alike, with the same bits: quantisation by exec::for_each_n, one call per (row, block);
+// dequantisation by exec::for_each_row<T>. Divisions and products are rounded to nearest
+// on every compiler (no contraction into a fused multiply-add, no approximate division).
+//
+//   check_fp8_hidden(H)                                  errc::configuration unless H % 128 == 0
+//   quantise_e4m3(ex, rows, H, x, q, scale)              q[r], scale[r] from x[r]
+//   quantise_e4m3(ex, rows, H, x, index, q, scale)       ... from x[index[r]]   (zero for index < 0)
+//   quantise_e4m3(ex, rows, H, table, q, scale)          ... from *table[r]     (zero for null)
+//   dequantise_e4m3(ex, rows, H, q, scale, out)          out[r] = q[r] * scale[r]
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "epx/core/config.hpp"
+#include "epx/core/error.hpp"
+#include "epx/core/fp8.hpp"
+#include "epx/core/numeric.hpp"
+#include "epx/exec/host.hpp"
+#include "epx/kernels/rows.hpp"
+
+namespace epx::kernels {
+
+// Elements per scale along a row.
+inline constexpr std::size_t fp8_block = 128;
+
+// Scales per row of `hidden` elements (hidden a multiple of fp8_block).
+constexpr std::size_t fp8_scales_per_row(std::size_t hidden) noexcept { return hidden / fp8_block; }
+
+// The FP8 dispatch needs a hidden size that is a multiple of 128.
+inline void check_fp8_hidden(std::size_t hidden) {
+  EPX_REQUIRE(hidden % fp8_block == 0, errc::configuration,
+              "FP8 dispatch needs a hidden size that is a multiple of ", fp8_block,
+              " (one float32 scale per block of ", fp8_block, " elements), but the hidden size is ", hidden);
+}
+
+namespace detail {
+
+// a / b and a * b rounded to nearest on host and device alike.
+EPX_HOST_DEVICE inline float div_rn(float a, float b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+template <class A>
+EPX_HOST_DEVICE inline A mul_rn(A a, A b) noexcept {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<A, float>)
+    return __fmul_rn(a, b);
+  else
+    return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+EPX_HOST_DEVICE inline float abs_bits(float v) noexcept {
+  return epx::detail::bits_float(epx::detail::float_bits(v) & 0x7fffffffu);
+}
+
+}  // namespace detail
+
+// The scale of a block whose largest magnitude is amax (amax >= 0, not NaN).
+EPX_HOST_DEVICE inline float fp8_block_scale(float amax) noexcept {
+  const float s = detail::div_rn(amax, fp8_e4m3_max);
+  return s > 0.0f ? s : 1.0f;
+}
+
+// Block i = r * H/128 + b: q[r, 128b : 128b+128] and scale[i] from src(r).
+template <class T, class Src>
+struct fp8_quantise {
+  Src src;            // row source (epx/kernels/rows.hpp)
+  fp8_e4m3* dst;      // [rows, H]
+  float* scale;       // [rows, H / 128]
+  std::size_t hidden;
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    const std::size_t blocks = hidden / fp8_block;
+    const std::size_t r = i / blocks;
+    const std::size_t h0 = (i - r * blocks) * fp8_block;
+    fp8_e4m3* d = dst + r * hidden + h0;
+    const T* s = row_at(src, r, hidden);
+    if (s == nullptr) {
+      for (std::size_t h = 0; h < fp8_block; ++h) d[h] = fp8_e4m3::from_bits(0);
+      scale[i] = 1.0f;
+      return;
+    }
+    s += h0;
+    float amax = 0.0f;
+    for (std::size_t h = 0; h < fp8_block; ++h) {
+      const float a = detail::abs_bits(convert<float>(s[h]));
+      if (a > amax) amax = a;  // false for NaN
+    }
+    const float sc = fp8_block_scale(amax);
+    for (std::size_t h = 0; h < fp8_block; ++h) d[h] = fp8_e4m3(detail::div_rn(convert<float>(s[h]), sc));
+    scale[i] = sc;
+  }
+};
+
+// out[r, h0:h1] = T(A(q[r, h]) * A(scale[r, h / 128])).
+template <class T>
+struct fp8_dequantise {
+  const fp8_e4m3* src;  // [rows, H]
+  const float* scale;   // [rows, H / 128]
+  T* dst;               // [rows, H]
+  std::size_t hidden;
+
+  EPX_HOST_DEVICE void operator()(std::size_t r, std::size_t h0, std::size_t h1) const {
+    using A = accum_t<T>;
+    const fp8_e4m3* q = src + r * hidden;
+    const float* sc = scale + r * (hidden / fp8_block);
+    T* d = dst + r * hidden;
+    for (std::size_t h = h0; h < h1; ++h)
+      d[h] = convert<T>(detail::mul_rn(static_cast<A>(static_cast<float>(q[h])), static_cast<A>(sc[h / fp8_block])));
+  }
+};
+
+// The launches. H must be a multiple of fp8_block (check_fp8_hidden); q is [rows, H],
+// scale [rows, H / 128], in the policy's memory.
+template <class Exec, class T, class Src>
+void quantise_e4m3_rows(const Exec& ex, std::size_t rows, std::size_t H, Src src, fp8_e4m3* q, float* scale) {
+  const std::size_t n = rows * (H / fp8_block);
+  if (n) exec::for_each_n(ex, n, fp8_quantise<T, Src>{src, q, scale, H});
+}
+
+template <class Exec, class T>
+void quantise_e4m3(const Exec& ex, std::size_t rows, std::size_t H, const T* x, fp8_e4m3* q, float* scale) {
+  quantise_e4m3_rows<Exec, T>(ex, rows, H, dense_rows<T>{x}, q, scale);
+}
+
+template <class Exec, class T>
+void quantise_e4m3(const Exec& ex, std::size_t rows, std::size_t H, const T* x, const std::int64_t* index,
+                   fp8_e4m3* q, float* scale) {
+  quantise_e4m3_rows<Exec, T>(ex, rows, H, indexed_rows<T>{x, index}, q, scale);
+}
+
+template <class Exec, class T>
+void quantise_e4m3(const Exec& ex, std::size_t rows, std::size_t H, const T* const* table, fp8_e4m3* q,
+                   float* scale) {
+  quantise_e4m3_rows<Exec, T>(ex, rows, H, row_table<T>{table}, q, scale);
+}
+
+template <class Exec, class T>
+void dequantise_e4m3(const Exec& ex, std::size_t rows, std::size_t H, const fp8_e4m3* q, const float* scale, T* out) {
+  exec::for_each_row<T>(ex, rows, H, fp8_dequantise<T>{q, scale, out, H});
+}
+
+}  // namespace epx::kernels
