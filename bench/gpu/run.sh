@@ -79,6 +79,7 @@ if [[ $doctest_ok == 1 ]]; then
   build test_cuda_exec tests/cuda/exec.cu tests/cuda/support/device_main.cpp
   build test_cuda_nccl tests/cuda/nccl.cu tests/cuda/support/device_main.cpp
   build test_cuda_layer tests/cuda/layer.cu tests/cuda/support/device_main.cpp
+  build test_cuda_fp8 tests/cuda/fp8.cu tests/cuda/support/device_main.cpp
 fi
 build epx_bench_gpu_kernels bench/gpu/bench_kernels.cu
 build_failed=0
@@ -109,6 +110,7 @@ if [[ $doctest_ok == 1 ]]; then
   run_test test_cuda_exec
   run_test test_cuda_nccl
   run_test test_cuda_layer
+  run_test test_cuda_fp8
 else
   result[tests]="NOT BUILT (doctest missing)"
 fi
