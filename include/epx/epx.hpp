@@ -16,6 +16,7 @@
 #include "epx/exec/host.hpp"
 #include "epx/exec/policy.hpp"
 #include "epx/routing/routing.hpp"
+#include "epx/routing/balance.hpp"
 #include "epx/layout/plan.hpp"
 #include "epx/layout/slicing.hpp"
 #include "epx/layout/receive.hpp"
