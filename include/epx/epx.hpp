@@ -18,6 +18,7 @@
 #include "epx/routing/routing.hpp"
 #include "epx/routing/balance.hpp"
 #include "epx/layout/plan.hpp"
+#include "epx/layout/capacity.hpp"
 #include "epx/layout/slicing.hpp"
 #include "epx/layout/receive.hpp"
 #include "epx/kernels/launch.hpp"
