@@ -113,7 +113,7 @@ call_limits count_nodes(const mesh& m, const layer_options& o, const Exec& ex, c
     const int E = m.experts(), per_node = E / (m.ep() / o.ranks_per_node);
     auto nodes = exec::make_buffer<std::int32_t>(ex, n);
     auto tally = exec::make_buffer<std::int64_t>(ex, node_tally_size);
-    exec::for_each_n(ex, n, routing::token_nodes{ids, nodes.data(), k, E, per_node});
+    exec::for_each_n(ex, n, routing::token_nodes{ids, nodes.data(), k, E, per_node, 1.0 / per_node});
     exec::for_each_n(ex, 1, node_tally_sum{nodes.data(), n, tally.data()});
     to_host(ex, static_cast<const std::int64_t*>(tally.data()), node_tally_size, c.tally);
   }
@@ -124,6 +124,44 @@ call_limits count_nodes(const mesh& m, const layer_options& o, const Exec& ex, c
   return c;
 }
 
+// Launches layout::drop_pairs over the segments `seg` (host), with the scratch that score
+// priority needs for segments that drop many pairs. Returns the segment table in the
+// policy's memory. `seg` may go after the call: the copy has read it (device policies
+// stage pageable memory before returning); the buffers are freed in stream order.
+template <class Exec>
+exec::buffer<layout::drop_segment, Exec> run_drop_pairs(const capacity_policy& cap, const Exec& ex,
+                                                        std::vector<layout::drop_segment>& seg,
+                                                        const std::int32_t* ids, const float* weights, int k,
+                                                        int sources, layout::send_plan<Exec>& plan) {
+  const bool by_score = cap.priority == drop_priority::score;
+  std::int64_t scratch = 0;
+  if (by_score)
+    for (auto& s : seg) {
+      const std::int64_t n = layout::drop_pairs::scratch_size(s.count, s.keep);
+      s.scratch = n > 0 ? scratch : -1;
+      scratch += n;
+    }
+  auto table = exec::make_buffer<layout::drop_segment>(ex, seg.size());
+  exec::copy_n(ex, static_cast<const layout::drop_segment*>(seg.data()), seg.size(), table.data());
+  exec::buffer<std::int64_t, Exec> pair_of;
+  exec::buffer<std::uint32_t, Exec> key;
+  if (scratch > 0) {
+    pair_of = exec::make_buffer<std::int64_t>(ex, static_cast<std::size_t>(scratch));
+    key = exec::make_buffer<std::uint32_t>(ex, static_cast<std::size_t>(scratch));
+  }
+  // Many positions to look at: one sweep over the pairs reads them in order.
+  const bool sweep = scratch > 0 && static_cast<std::size_t>(scratch) * 8 > plan.pairs;
+  if (sweep)
+    exec::for_each_n(ex, plan.pairs,
+                     layout::fill_scratch{ids, weights, plan.pos.data(), table.data(), pair_of.data(), key.data(),
+                                          sources});
+  exec::for_each_n(ex, seg.size(),
+                   layout::drop_pairs{ids, weights, plan.pos.data(), plan.src_row.data(), table.data(),
+                                      scratch > 0 ? pair_of.data() : nullptr, scratch > 0 ? key.data() : nullptr, k,
+                                      sources, by_score, sweep});
+  return table;
+}
+
 // Step 2, all-to-all path: sources are the ep ranks (records), this rank is `me`; its plan
 // covers its TP slice (ids, weights at the slice's first row).
 template <class Exec>
@@ -132,37 +170,21 @@ void apply_capacity(const capacity_policy& cap, const Exec& ex, const group_reco
   if (!cap.enabled()) return;
   const int S = g.size;
   const auto Es = static_cast<std::size_t>(E);
-  std::vector<std::int64_t> counts(static_cast<std::size_t>(S) * Es), pairs(static_cast<std::size_t>(S));
+  std::vector<std::int64_t> pairs(static_cast<std::size_t>(S));
   for (int s = 0; s < S; ++s) {
-    std::copy(g.counts(s), g.counts(s) + E, counts.begin() + static_cast<std::ptrdiff_t>(s) * E);
     const auto rows = slice_bounds(static_cast<std::size_t>(g.rows(s)), tp, s % tp).size();
     pairs[static_cast<std::size_t>(s)] = static_cast<std::int64_t>(rows) * k;
   }
-  c.kept = layout::keep_counts(cap, S, E, counts.data(), pairs.data());
-  c.dropped.assign(Es, 0);
-  for (std::size_t i = 0; i < counts.size(); ++i) c.dropped[i % Es] += counts[i] - c.kept[i];
+  c.dropped.resize(Es);
+  c.kept = layout::keep_counts(cap, S, E, [&](int s) { return g.counts(s); }, pairs.data(), c.dropped.data());
   // This rank's segments: one per expert, its plan block.
   std::vector<layout::drop_segment> seg(Es);
   bool drops = false;
   for (std::size_t e = 0; e < Es; ++e) {
-    seg[e] = {plan.host_offset[e], plan.host_counts[e], c.kept[static_cast<std::size_t>(me) * Es + e], 0};
+    seg[e] = {plan.host_offset[e], plan.host_counts[e], c.kept[static_cast<std::size_t>(me) * Es + e], 0, -1};
     drops = drops || seg[e].keep < seg[e].count;
   }
-  if (!drops) return;
-  auto table = exec::make_buffer<layout::drop_segment>(ex, Es);
-  exec::copy_n(ex, static_cast<const layout::drop_segment*>(seg.data()), Es, table.data());
-  const bool by_score = cap.priority == drop_priority::score;
-  exec::buffer<std::int64_t, Exec> pair_of;
-  exec::buffer<std::uint32_t, Exec> key;
-  if (by_score) {
-    pair_of = exec::make_buffer<std::int64_t>(ex, plan.pairs);
-    key = exec::make_buffer<std::uint32_t>(ex, plan.pairs);
-  }
-  exec::for_each_n(ex, Es,
-                   layout::drop_pairs{ids, weights, plan.pos.data(), plan.src_row.data(), table.data(),
-                                      by_score ? pair_of.data() : nullptr, by_score ? key.data() : nullptr, k, 1});
-  // `seg` may go: the copy above has read it (device policies stage pageable memory before
-  // returning); the device buffers are freed in stream order.
+  if (drops) run_drop_pairs(cap, ex, seg, ids, weights, k, 1, plan);
 }
 
 // Step 2, masked path: the plan covers all N rows of the group, split into the ep slices
@@ -197,32 +219,20 @@ void apply_capacity_masked(const capacity_policy& cap, const Exec& ex, int ep, i
       const std::int64_t end = s + 1 < Ss ? starts[e * Ss + s + 1] : plan.host_offset[e + 1];
       counts[s * Es + e] = plan.pairs > 0 ? end - starts[e * Ss + s] : 0;
     }
-  c.kept = layout::keep_counts(cap, S, E, counts.data(), pairs.data());
-  c.dropped.assign(Es, 0);
+  c.dropped.resize(Es);
+  c.kept = layout::keep_counts(cap, S, E, counts.data(), pairs.data(), c.dropped.data());
   std::vector<layout::drop_segment> seg(Es * Ss);
   std::vector<std::int64_t> kept_e(Es, 0);
   std::int64_t shift = 0;
   for (std::size_t e = 0; e < Es; ++e)
     for (std::size_t s = 0; s < Ss; ++s) {
       const std::int64_t n = counts[s * Es + e], keep = c.kept[s * Es + e];
-      seg[e * Ss + s] = {starts[e * Ss + s], n, keep, shift};
+      seg[e * Ss + s] = {starts[e * Ss + s], n, keep, shift, -1};
       shift += n - keep;
-      c.dropped[e] += n - keep;
       kept_e[e] += keep;
     }
   if (shift == 0) return;
-  auto table = exec::make_buffer<layout::drop_segment>(ex, seg.size());
-  exec::copy_n(ex, static_cast<const layout::drop_segment*>(seg.data()), seg.size(), table.data());
-  const bool by_score = cap.priority == drop_priority::score;
-  exec::buffer<std::int64_t, Exec> pair_of;
-  exec::buffer<std::uint32_t, Exec> key;
-  if (by_score) {
-    pair_of = exec::make_buffer<std::int64_t>(ex, plan.pairs);
-    key = exec::make_buffer<std::uint32_t>(ex, plan.pairs);
-  }
-  exec::for_each_n(ex, seg.size(),
-                   layout::drop_pairs{ids, weights, plan.pos.data(), plan.src_row.data(), table.data(),
-                                      by_score ? pair_of.data() : nullptr, by_score ? key.data() : nullptr, k, S});
+  const auto table = run_drop_pairs(cap, ex, seg, ids, weights, k, S, plan);
   auto src_row = exec::make_buffer<std::int64_t>(ex, plan.pairs);
   exec::for_each_n(ex, plan.pairs,
                    layout::compact_pairs{ids, plan.pos.data(), plan.src_row.data(), src_row.data(), table.data(), S});

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "epx/core/config.hpp"
@@ -87,43 +88,57 @@ struct capacity_policy {
 
 namespace layout {
 
-// kept[s][e] for `sources` senders in ep-rank order: counts [sources][E] (the count
-// exchange's matrix), pairs[s] = the pairs sender s dispatches (its rows times k).
-inline std::vector<std::int64_t> keep_counts(const capacity_policy& c, int sources, int E,
-                                             const std::int64_t* counts, const std::int64_t* pairs) {
+// kept[s][e] for `sources` senders in ep-rank order: counts_of(s) points at sender s's E
+// counts (a row of the count exchange's matrix), pairs[s] = the pairs sender s dispatches
+// (its rows times k). `dropped` (when not null, [E]) receives the pairs each expert loses.
+template <class CountsOf, std::enable_if_t<std::is_invocable_v<CountsOf&, int>, int> = 0>
+std::vector<std::int64_t> keep_counts(const capacity_policy& c, int sources, int E, CountsOf&& counts_of,
+                                      const std::int64_t* pairs, std::int64_t* dropped = nullptr) {
   const auto S = static_cast<std::size_t>(sources), Es = static_cast<std::size_t>(E);
-  std::vector<std::int64_t> kept(counts, counts + S * Es);
-  if (!c.enabled()) return kept;
-  if (c.mode == capacity_mode::local) {
-    for (std::size_t s = 0; s < S; ++s) {
-      const std::int64_t C = c.limit(pairs[s], E);
-      for (std::size_t e = 0; e < Es; ++e) kept[s * Es + e] = std::min(kept[s * Es + e], C);
-    }
-    return kept;
+  std::vector<std::int64_t> kept(S * Es);
+  if (dropped != nullptr)
+    for (std::size_t e = 0; e < Es; ++e) dropped[e] = 0;
+  const bool global = c.mode == capacity_mode::global;
+  std::int64_t C = INT64_MAX;
+  std::vector<std::int64_t> left;  // global: what the lower ep ranks left of each expert's capacity
+  if (global) {
+    std::int64_t P = 0;
+    for (std::size_t s = 0; s < S; ++s) P += pairs[s];
+    C = c.limit(P, E);
+    left.assign(Es, C);
   }
-  std::int64_t P = 0;
-  for (std::size_t s = 0; s < S; ++s) P += pairs[s];
-  const std::int64_t C = c.limit(P, E);
-  for (std::size_t e = 0; e < Es; ++e) {
-    std::int64_t before = 0;  // pairs of e from lower ep ranks
-    for (std::size_t s = 0; s < S; ++s) {
-      const std::int64_t n = counts[s * Es + e];
-      const std::int64_t room = C - before > 0 ? C - before : 0;
-      kept[s * Es + e] = n < room ? n : room;
-      before += n;
+  for (std::size_t s = 0; s < S; ++s) {
+    const std::int64_t* n = counts_of(static_cast<int>(s));
+    std::int64_t* k = kept.data() + s * Es;
+    if (c.mode == capacity_mode::local) C = c.limit(pairs[s], E);
+    for (std::size_t e = 0; e < Es; ++e) {
+      const std::int64_t room = global ? left[e] : C;
+      k[e] = n[e] < room ? n[e] : room;
+      if (global) left[e] = room - k[e];
+      if (dropped != nullptr) dropped[e] += n[e] - k[e];
     }
   }
   return kept;
 }
 
+// The same over a contiguous count matrix [sources][E].
+inline std::vector<std::int64_t> keep_counts(const capacity_policy& c, int sources, int E, const std::int64_t* counts,
+                                             const std::int64_t* pairs, std::int64_t* dropped = nullptr) {
+  return keep_counts(
+      c, sources, E, [&](int s) { return counts + static_cast<std::size_t>(s) * static_cast<std::size_t>(E); }, pairs,
+      dropped);
+}
+
 // One segment of the send order: `count` pairs of one source for one expert from position
 // `begin`, of which `keep` stay; `shift` = pairs dropped in all earlier segments (for
-// compact_pairs). Int64 fields only, so a table of them copies as [segments][4] int64.
+// compact_pairs); `scratch` = where the segment's `count` entries start in drop_pairs'
+// scratch arrays (score priority, segments that drop), else -1.
 struct drop_segment {
   std::int64_t begin;
   std::int64_t count;
   std::int64_t keep;
   std::int64_t shift;
+  std::int64_t scratch;
 };
 
 // Call with g in [0, segments). For the segment's positions p in [begin, begin + count),
@@ -132,18 +147,28 @@ struct drop_segment {
 //   position priority: positions [begin + keep, begin + count) are dropped;
 //   score priority: the keep pairs of largest weight (ties to the lower position) stay,
 //     moved to [begin, begin + keep) in position order;
-// every dropped pair gets pos = -1, every freed position src_row = -1. `pair_of` and `key`
-// ([pairs] each) are scratch for score priority (null for position priority).
+// every dropped pair gets pos = -1, every freed position src_row = -1. `by_score` picks
+// the priority; `pair_of` and `key` are the scratch of the segments with a `scratch`
+// offset (score priority, see scratch_size), null when none has one.
 struct drop_pairs {
+  static constexpr int few = 64;  // up to this many dropped pairs a segment selects them in one pass
+
   const std::int32_t* ids;      // [pairs]
   const float* weights;         // [pairs] (score priority)
   std::int64_t* pos;            // [pairs]
   std::int64_t* src_row;        // [pairs] row of each send position
   const drop_segment* segments; // [segments]
-  std::int64_t* pair_of;        // [pairs] scratch (score priority) or null
-  std::uint32_t* key;           // [pairs] scratch (score priority) or null
+  std::int64_t* pair_of;        // [scratch_size] or null
+  std::uint32_t* key;           // [scratch_size] or null
   int top_k;
   int sources;                  // segments per expert
+  bool by_score;
+  bool prefilled;               // score priority: fill_scratch has filled pair_of and key
+
+  // Scratch entries a segment of `count` pairs keeping `keep` needs (score priority).
+  static std::int64_t scratch_size(std::int64_t count, std::int64_t keep) noexcept {
+    return keep < count ? count : 0;
+  }
 
   // A float's bits as an unsigned key that orders like the float (-0 as +0).
   EPX_HOST_DEVICE static std::uint32_t order_key(float w) noexcept {
@@ -165,7 +190,7 @@ struct drop_pairs {
     if (s.keep >= s.count) return;
     const int e = static_cast<int>(g / static_cast<std::size_t>(sources));
     const std::int64_t b = s.begin, end = s.begin + s.count;
-    if (pair_of == nullptr) {
+    if (!by_score) {
       for (std::int64_t p = b + s.keep; p < end; ++p) {
         const std::int64_t i = pair_at(p, e);
         if (i >= 0) pos[i] = -1;
@@ -173,10 +198,61 @@ struct drop_pairs {
       }
       return;
     }
-    for (std::int64_t p = b; p < end; ++p) {
+    // The d = count - keep pairs that go are the d smallest keys, ties to the higher
+    // position. Few of them (the common case): one pass keeps them in a small sorted list,
+    // a second one moves the others. Else a radix selection over the segment's scratch.
+    const std::int64_t d = s.count - s.keep;
+    const std::int64_t o = s.scratch - b;  // scratch entry of position p: p + o
+    if (d <= few) {
+      std::uint32_t wk[few];
+      std::int64_t wp[few];
+      int n = 0;
+      for (std::int64_t p = b; p < end; ++p) {
+        if (!prefilled) {
+          const std::int64_t i = pair_at(p, e);
+          pair_of[p + o] = i;
+          key[p + o] = order_key(weights[i]);
+        }
+        const std::uint32_t kp = key[p + o];
+        // Worse than the list's best entry: smaller key, or the same key at a higher position.
+        if (n == d && !(kp < wk[n - 1] || (kp == wk[n - 1] && p > wp[n - 1]))) continue;
+        int at = n < d ? n : n - 1;
+        while (at > 0 && (kp < wk[at - 1] || (kp == wk[at - 1] && p > wp[at - 1]))) {
+          wk[at] = wk[at - 1];
+          wp[at] = wp[at - 1];
+          --at;
+        }
+        wk[at] = kp;
+        wp[at] = p;
+        if (n < d) ++n;
+      }
+      for (int r = 1; r < n; ++r)  // the dropped positions, ascending
+        for (int q = r; q > 0 && wp[q - 1] > wp[q]; --q) {
+          const std::int64_t t = wp[q];
+          wp[q] = wp[q - 1];
+          wp[q - 1] = t;
+        }
+      // Positions before the first dropped one keep their pairs.
+      std::int64_t at = wp[0];
+      int next = 0;
+      for (std::int64_t p = wp[0]; p < end; ++p) {
+        const std::int64_t i = pair_of[p + o];
+        if (next < n && wp[next] == p) {
+          ++next;
+          pos[i] = -1;
+        } else {
+          pos[i] = at;
+          src_row[at] = src_row[p];  // at <= p: this position was already read
+          ++at;
+        }
+      }
+      for (std::int64_t p = at; p < end; ++p) src_row[p] = -1;
+      return;
+    }
+    for (std::int64_t p = b; p < end && !prefilled; ++p) {
       const std::int64_t i = pair_at(p, e);
-      pair_of[p] = i;
-      key[p] = order_key(weights[i]);
+      pair_of[p + o] = i;
+      key[p + o] = order_key(weights[i]);
     }
     // The keep-th largest key, 8 bits at a time; `need` ends as the number of pairs with
     // exactly that key that stay (the first ones in position order).
@@ -187,7 +263,7 @@ struct drop_pairs {
         std::int64_t hist[256];
         for (int h = 0; h < 256; ++h) hist[h] = 0;
         for (std::int64_t p = b; p < end; ++p)
-          if ((key[p] & mask) == prefix) ++hist[(key[p] >> shift) & 0xffu];
+          if ((key[p + o] & mask) == prefix) ++hist[(key[p + o] >> shift) & 0xffu];
         int h = 255;
         for (; h > 0 && need > hist[h]; --h) need -= hist[h];
         prefix |= static_cast<std::uint32_t>(h) << shift;
@@ -196,8 +272,8 @@ struct drop_pairs {
     }
     std::int64_t at = b;
     for (std::int64_t p = b; p < end; ++p) {
-      const std::int64_t i = pair_of[p];
-      const std::uint32_t kp = key[p];
+      const std::int64_t i = pair_of[p + o];
+      const std::uint32_t kp = key[p + o];
       bool stay = s.keep > 0 && kp > prefix;
       if (s.keep > 0 && kp == prefix && need > 0) {
         stay = true;
@@ -212,6 +288,31 @@ struct drop_pairs {
       }
     }
     for (std::int64_t p = at; p < end; ++p) src_row[p] = -1;
+  }
+};
+
+// Call with i in [0, pairs) before drop_pairs (score priority, when many positions are in
+// segments that drop): pair_of and key of every such position, from one sequential sweep
+// over the pairs instead of a lookup per position.
+struct fill_scratch {
+  const std::int32_t* ids;       // [pairs]
+  const float* weights;          // [pairs]
+  const std::int64_t* pos;       // [pairs]
+  const drop_segment* segments;  // [E * sources]
+  std::int64_t* pair_of;         // [scratch]
+  std::uint32_t* key;            // [scratch]
+  int sources;
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    const std::int64_t p = pos[i];
+    if (p < 0) return;
+    const drop_segment* seg = segments + static_cast<std::size_t>(ids[i]) * static_cast<std::size_t>(sources);
+    int s = 0;
+    while (s + 1 < sources && p >= seg[s + 1].begin) ++s;
+    if (seg[s].scratch < 0) return;
+    const std::int64_t at = seg[s].scratch + (p - seg[s].begin);
+    pair_of[at] = static_cast<std::int64_t>(i);
+    key[at] = drop_pairs::order_key(weights[i]);
   }
 };
 

@@ -57,19 +57,23 @@ inline node_limit node_limit_of(const mesh& m, int ranks_per_node, int max_nodes
 
 namespace detail {
 
-// The nodes a token may use, as a mask (bit g: node g), from the node-scoring key
-// score(e) of every expert; all ones without an active limit (score is then not called).
-template <class Score>
-EPX_HOST_DEVICE inline std::uint64_t select_nodes(const node_limit& nl, int E, int k, const Score& score) {
+// The nodes a token may use, as a mask (bit g: node g); all ones without an active limit
+// (nothing is called then). A node's score is the sum, in descending order, of score(e)
+// over its ceil(k / M) best experts; the best experts are found by rank(e), which must
+// order the experts as score does (any order among equal scores): the logit for p, whose
+// exp is then taken for those few experts only.
+template <class Rank, class Score>
+EPX_HOST_DEVICE inline std::uint64_t select_nodes(const node_limit& nl, int E, int k, const Rank& rank,
+                                                  const Score& score) {
   if (!nl.active()) return ~std::uint64_t{0};
   const int per = E / nl.nodes;
   const int best = (k + nl.max_nodes - 1) / nl.max_nodes;  // ceil(k / M) <= per (validated)
   float nscore[max_node_count];
   for (int g = 0; g < nl.nodes; ++g) {
     topk_list<max_top_k> top(best);
-    for (int i = 0; i < per; ++i) top.offer(score(g * per + i), g * per + i);
-    float sum = 0.0f;  // descending order of the scores
-    for (int i = 0; i < top.size; ++i) sum += top.key[i];
+    for (int i = 0; i < per; ++i) top.offer(rank(g * per + i), g * per + i);
+    float sum = 0.0f;
+    for (int i = 0; i < top.size; ++i) sum += score(top.id[i]);
     nscore[g] = sum;
   }
   std::uint64_t kept = 0;
@@ -84,9 +88,18 @@ EPX_HOST_DEVICE inline std::uint64_t select_nodes(const node_limit& nl, int E, i
   return kept;
 }
 
-// Whether expert e lies on a node of `mask` (always, without an active limit).
-EPX_HOST_DEVICE inline bool node_allows(const node_limit& nl, std::uint64_t mask, int E, int e) noexcept {
-  return !nl.active() || ((mask >> (e / (E / nl.nodes))) & 1u) != 0;
+// f(e) for every expert e on a node of `mask` (every expert without an active limit), in
+// ascending e.
+template <class F>
+EPX_HOST_DEVICE inline void for_each_allowed(const node_limit& nl, std::uint64_t mask, int E, const F& f) {
+  if (!nl.active()) {
+    for (int e = 0; e < E; ++e) f(e);
+    return;
+  }
+  const int per = E / nl.nodes;
+  for (int g = 0; g < nl.nodes; ++g)
+    if ((mask >> g) & 1u)
+      for (int e = g * per; e < (g + 1) * per; ++e) f(e);
 }
 
 // The checks route() makes for a limit (errc::configuration naming the values): nodes
@@ -114,20 +127,31 @@ struct token_nodes {
   int top_k;
   int num_experts;
   int experts_per_node;
+  double inv_per_node;  // 1 / experts_per_node: e / experts_per_node without a division
+
+  EPX_HOST_DEVICE int node_of(std::int32_t e) const noexcept {
+    // (e + 0.5) / per is at least 0.5 / per away from an integer: the product rounds right.
+    return static_cast<int>((static_cast<double>(e) + 0.5) * inv_per_node);
+  }
 
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
-    // Pairwise over the k ids (k is small): a slot counts when no earlier slot is on its node.
     const std::int32_t* id = ids + t * static_cast<std::size_t>(top_k);
-    std::int32_t distinct = 0;
+    std::uint64_t mask = 0;  // nodes below 64
+    std::int32_t beyond = 0;  // distinct nodes from 64 on, pairwise (rare)
     for (int j = 0; j < top_k; ++j) {
       if (id[j] < 0 || id[j] >= num_experts) continue;
-      const std::int32_t g = id[j] / experts_per_node;
+      const int g = node_of(id[j]);
+      if (g < 64) {
+        mask |= std::uint64_t{1} << g;
+        continue;
+      }
       bool seen = false;
-      for (int i = 0; i < j && !seen; ++i)
-        seen = id[i] >= 0 && id[i] < num_experts && id[i] / experts_per_node == g;
-      if (!seen) ++distinct;
+      for (int i = 0; i < j && !seen; ++i) seen = id[i] >= 0 && id[i] < num_experts && node_of(id[i]) == g;
+      if (!seen) ++beyond;
     }
-    nodes[t] = distinct;
+    std::int32_t count = 0;
+    for (; mask != 0; mask &= mask - 1) ++count;  // one step per set bit
+    nodes[t] = count + beyond;
   }
 };
 

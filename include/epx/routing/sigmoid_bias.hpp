@@ -55,9 +55,8 @@ EPX_HOST_DEVICE inline bool sigmoid_bias_select(const T* l, int E, const float* 
     return bias != nullptr ? s + bias[e] : s;
   };
   if (n_group <= 1) {
-    const std::uint64_t nodes = select_nodes(limit, E, top.k, key);
-    for (int e = 0; e < E; ++e)
-      if (node_allows(limit, nodes, E, e)) top.offer(key(e), e);
+    const std::uint64_t nodes = select_nodes(limit, E, top.k, key, key);
+    for_each_allowed(limit, nodes, E, [&](int e) { top.offer(key(e), e); });
     return true;
   }
   const int gs = E / n_group;

@@ -47,9 +47,9 @@ struct softmax_topk_forward {
     // the weights, so selection and weights see the same float32 values.
     topk_list<max_top_k> top(k);
     const auto p = [&](int e) { return sm.p(convert<float>(l[e])); };
-    const std::uint64_t nodes = select_nodes(limit, io.E, k, p);
-    for (int e = 0; e < io.E; ++e)
-      if (node_allows(limit, nodes, io.E, e)) top.offer(p(e), e);
+    // Nodes ranked by the logits (p grows with them), scored by p.
+    const std::uint64_t nodes = select_nodes(limit, io.E, k, [&](int e) { return convert<float>(l[e]); }, p);
+    for_each_allowed(limit, nodes, io.E, [&](int e) { top.offer(p(e), e); });
     float* w = io.weights + t * k;
     std::int32_t* id = io.ids + t * k;
     float sel = 0.0f;

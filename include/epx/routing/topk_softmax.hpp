@@ -34,10 +34,10 @@ struct topk_softmax_forward {
     std::uint64_t nodes = ~std::uint64_t{0};
     if (limit.active()) {
       const softmax_f32 all = softmax_of(io.E, [&](int e) { return convert<float>(l[e]); });
-      nodes = select_nodes(limit, io.E, k, [&](int e) { return all.p(convert<float>(l[e])); });
+      nodes = select_nodes(limit, io.E, k, [&](int e) { return convert<float>(l[e]); },
+                           [&](int e) { return all.p(convert<float>(l[e])); });
     }
-    for (int e = 0; e < io.E; ++e)
-      if (node_allows(limit, nodes, io.E, e)) top.offer(convert<float>(l[e]), e);
+    for_each_allowed(limit, nodes, io.E, [&](int e) { top.offer(convert<float>(l[e]), e); });
     // The keys are descending: the softmax's maximum is top.key[0].
     const softmax_f32 sm = softmax_of(k, [&](int j) { return top.key[j]; });
     float* w = io.weights + t * k;
