@@ -1,9 +1,10 @@
-// Capacity, token dropping and node statistics on the MPI backend: the bodies of
+// Capacity, token dropping, node statistics and the bias update on the MPI backend: the bodies of
 // core/layer_cases.hpp for the meshes that fit the job's size (np 1, 2, 4, 8), in both
 // capacity modes and priorities, on the all-to-all path (staged route) and, where ep == tp,
 // the masked path.
 #include <doctest/doctest.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -82,4 +83,33 @@ TEST_CASE("capacity (MPI): a negative factor raises errc::configuration on every
     msg = e.message();
   }
   CHECK_MESSAGE(msg.find("capacity.factor (-1) must be a finite number >= 0") != std::string::npos, msg);
+}
+
+TEST_CASE("balance (MPI): loads summed over every batch keep the bias bitwise equal on every rank") {
+  comm_t world = comm_t::world();
+  const int n = world.size();
+  epx::mesh_config mc;
+  mc.tp = n % 2 == 0 ? 2 : 1;
+  mc.fsdp = n / mc.tp;
+  mc.ep = mc.tp;
+  mc.experts = 8;
+  const epx::mesh m(mc);
+  const int E = 8, k = 2;
+  const std::size_t N = 20;
+  auto batches = epx::routing::batch_communicator(world, m);
+  CHECK(batches.size() == m.batches());
+  std::vector<float> bias(E, 0.0f);
+  for (int step = 0; step < 4; ++step) {
+    const auto ids = epx::ref::uneven_routing(N, E, k, 500 + static_cast<std::uint64_t>(m.batch(world.rank()) * 10 + step));
+    auto load = epx::routing::expert_load(epx::exec::serial{}, ids.data(), N, k, E);
+    epx::routing::sum_over_batches(batches, epx::span<std::int64_t>(load));
+    std::vector<std::int64_t> want(E, 0);
+    for (int b = 0; b < m.batches(); ++b)
+      for (auto id : epx::ref::uneven_routing(N, E, k, 500 + static_cast<std::uint64_t>(b * 10 + step))) ++want[id];
+    CHECK(load == want);
+    epx::routing::update_bias(epx::exec::serial{}, bias.data(), epx::span<const std::int64_t>(load), 0.01f);
+  }
+  std::vector<float> all(static_cast<std::size_t>(n) * E);
+  epx::all_gather(world, epx::span<const float>(bias), epx::span<float>(all));
+  for (int r = 1; r < n; ++r) CHECK(std::memcmp(all.data(), all.data() + static_cast<std::size_t>(r) * E, E * sizeof(float)) == 0);
 }

@@ -125,7 +125,7 @@ call_limits count_nodes(const mesh& m, const layer_options& o, const Exec& ex, c
 }
 
 // Launches layout::drop_pairs over the segments `seg` (host), with the scratch that score
-// priority needs for segments that drop many pairs. Returns the segment table in the
+// priority needs for the segments that drop. Returns the segment table in the
 // policy's memory. `seg` may go after the call: the copy has read it (device policies
 // stage pageable memory before returning); the buffers are freed in stream order.
 template <class Exec>

@@ -16,9 +16,13 @@
 //   drop_pairs (one call per segment) keeps `keep` of its `count` pairs: the kept ones stay
 //     at the front of the segment in (row, slot) order (with their pos and src_row), the
 //     dropped ones get pos = -1 and leave src_row = -1 holes at the segment's end. Segments
-//     that keep everything are not touched;
+//     that keep everything are not touched; by position only the dropped pairs are
+//     visited, by score every pair of a segment that drops (fill_scratch reads them in one
+//     sweep over the pairs when there are many);
 //   compact_pairs (one call per pair) closes the holes: the masked path's local buffer is
-//     laid out from the kept pairs only.
+//     laid out from the kept pairs only;
+//   segment_starts (one call per segment) finds where each source's rows start inside an
+//     expert's block when one plan holds several sources (the masked path).
 // A dropped pair has no send position, like a masked slot: it moves no row, adds nothing to
 // out[t] and gets grad_w = 0 (epx/kernels treat pos < 0 so).
 #pragma once
@@ -143,7 +147,7 @@ struct drop_segment {
 
 // Call with g in [0, segments). For the segment's positions p in [begin, begin + count),
 // src_row[p] is the row of the pair there and pos[row*k + j] == p for its slot j, with
-// ids[row*k + j] == e (the segment's expert, `expert_of` = g / sources). With keep < count:
+// ids[row*k + j] == e (the segment's expert, e = g / sources). With keep < count:
 //   position priority: positions [begin + keep, begin + count) are dropped;
 //   score priority: the keep pairs of largest weight (ties to the lower position) stay,
 //     moved to [begin, begin + keep) in position order;
