@@ -3,21 +3,33 @@
 //   epx-moe-example                        # threads backend: 8 ranks as 8 threads
 //   mpirun -np 8 epx-moe-example           # MPI backend: one rank per process
 //   epx-moe-example --backend threads --tp 2 --fsdp 4 --ep 4 --experts 16 --top-k 2 --steps 5
+//   epx-moe-example --router-skew 1.5 --balance bias --steps 20      # bias balancing at work
+//   epx-moe-example --capacity-factor 1.0 --max-nodes 1 --ranks-per-node 2
 //
 // The block, on the batch x [N, H] a rank holds:
-//   logits = x Wr^T                         router, a dense weight Wr [E, H]
-//   ids, w = softmax_topk(logits)           epx::routing::route
-//   out    = sum_j w[:, j] * expert_{ids[:, j]}(x)      epx::moe_layer (all-to-all dispatch)
+//   logits = x Wr^T + br                    router, dense weights Wr [E, H] and br [E]
+//                                           (br starts skewed with --router-skew)
+//   ids, w = softmax_topk(logits)           epx::routing::route (sigmoid_bias with
+//                                           --balance bias; node-limited with --max-nodes)
+//   out    = sum_j w[:, j] * expert_{ids[:, j]}(x)      epx::moe_layer (all-to-all dispatch;
+//                                           pairs beyond the capacity dropped)
 //   expert_e(x) = W2_e (silu(W1_e x) * (W3_e x))        SwiGLU, W1, W3 [F, H], W2 [H, F]
-//   loss   = 0.5 * mean((out - target)^2)   per batch
+//   loss   = 0.5 * mean((out - target)^2)   per batch (+ the auxiliary loss with --balance aux)
 // Backward: the layer gives grad_x, the routing-weight gradient grad_w [N, k] and (through
 // the experts' backward) the expert parameter gradients; route_backward turns grad_w into
-// the logits' gradient and so the router's. The router gradient is reduced with the dense
-// hook and the expert gradients with the expert hook (both: mean over the batches), then
-// every rank takes the same SGD step.
+// the logits' gradient (plus aux_loss_backward's with --balance aux) and so the router's.
+// The router gradient is reduced with the dense hook and the expert gradients with the
+// expert hook (both: mean over the batches), then every rank takes the same SGD step. With
+// --balance bias every rank adds gamma * sign(mean load - load) to the selection bias, the
+// load summed over every batch of the job (routing::sum_over_batches).
+//
+// Per step the example prints the loss, the imbalance (max/mean of the pairs routed to
+// each expert over all batches), the pairs the capacity dropped, the nodes per token (mean
+// and max, from the layer's statistics) and the load of every expert.
 //
 // After the first step every number is compared with a float64 single-process computation
-// of the whole block over all batches (reference_step below), and the last line reads
+// of the whole block over all batches (reference_step below: routing, node limit, capacity,
+// auxiliary loss included), and the last line reads
 //   check: output=<max abs err> grad_x=<..> grad_w=<..> grad_experts=<..> vs float64 reference
 // The exit status is non-zero when an error exceeds its tolerance (printed above that line)
 // or when the ranks' parameters disagree after training.
@@ -28,8 +40,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <iostream>
+#include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "epx/epx.hpp"
@@ -49,6 +64,21 @@ struct options {
   double lr = 500.0;  // large because the loss is a mean over all N * H values
   double rtol = 1e-4;  // largest error allowed, relative to the largest |reference| value
   std::uint64_t seed = 7;
+  // Capacity (spec section 8): factor 0 is off.
+  double capacity_factor = 0.0;
+  epx::capacity_mode capacity_mode = epx::capacity_mode::local;
+  epx::drop_priority drop = epx::drop_priority::position;
+  // Balancing (spec section 9): none, aux (Switch loss, global-batch f), bias (DeepSeek-V3).
+  std::string balance = "none";
+  double aux_alpha = 0.01;
+  double bias_rate = 0.02;  // gamma
+  double router_skew = 0.0;  // br[e] starts at skew * (E - 1 - 2e) / (E - 1)
+  // Node-limited routing (spec section 10): 0 is off.
+  int max_nodes = 0, ranks_per_node = 0;
+
+  std::string routing = "softmax_topk";  // or sigmoid_bias (always with --balance bias)
+
+  bool sigmoid() const { return routing == "sigmoid_bias" || balance == "bias"; }
 
   epx::mesh_config mesh() const {
     epx::mesh_config c;
@@ -76,12 +106,14 @@ double uniform(std::uint64_t seed, std::uint64_t stream, std::uint64_t i) {
 
 enum stream : std::uint64_t { router_stream = 1, batch_stream = 1000, expert_stream = 100000 };
 
-// Router weight Wr [E, H].
+// Router weights [Wr [E, H] | br [E]]: br is 0, or skewed towards the low experts.
 std::vector<float> init_router(const options& o) {
   const std::size_t n = static_cast<std::size_t>(o.experts) * o.hidden;
-  std::vector<float> wr(n);
+  std::vector<float> wr(n + o.experts);
   const double scale = 4.0 / std::sqrt(static_cast<double>(o.hidden));
   for (std::size_t i = 0; i < n; ++i) wr[i] = static_cast<float>(scale * uniform(o.seed, router_stream, i));
+  for (int e = 0; e < o.experts; ++e)
+    wr[n + e] = o.experts > 1 ? static_cast<float>(o.router_skew * (o.experts - 1 - 2 * e) / (o.experts - 1)) : 0.0f;
   return wr;
 }
 
@@ -204,16 +236,111 @@ struct swiglu_experts {
 struct reference_result {
   std::vector<std::vector<double>> out, grad_x, grad_w;  // per batch: [N, H], [N, H], [N, k]
   std::vector<double> grad_experts;                      // [E, P], mean over the batches
-  std::vector<double> grad_router;                       // [E, H], mean over the batches
+  std::vector<double> grad_router;                       // [E, H] then [E] (Wr, br), mean over the batches
 };
 
-// The first training step of the whole block in float64, from the initial parameters.
-reference_result reference_step(const options& o) {
+// Token routing in float64: ids [k] and weights [k] from logits [E]. softmax_topk (p =
+// softmax, weights p) or, with --balance bias, sigmoid_bias (key s + bias, weights s /
+// (sum + 1e-20)); with a node limit the experts come from the max_nodes nodes whose
+// ceil(k / M) best keys sum highest. Ties to the lower id.
+void reference_route(const options& o, const double* logits, const std::vector<float>& bias, std::vector<int>& ids,
+                     std::vector<double>& w, std::vector<double>& p) {
+  const int E = o.experts, k = o.top_k;
+  std::vector<double> key(E);
+  if (o.sigmoid()) {
+    for (int e = 0; e < E; ++e) key[e] = (p[e] = sigmoid(logits[e])) + bias[e];
+  } else {
+    double mx = -1e300, z = 0.0;
+    for (int e = 0; e < E; ++e) mx = std::max(mx, logits[e]);
+    for (int e = 0; e < E; ++e) z += std::exp(logits[e] - mx);
+    for (int e = 0; e < E; ++e) key[e] = p[e] = std::exp(logits[e] - mx) / z;
+  }
+  std::vector<char> allowed(E, 1);
+  const int nodes = o.ranks_per_node > 0 ? o.ep / o.ranks_per_node : 0;
+  if (o.max_nodes > 0 && o.max_nodes < nodes) {
+    const int per = E / nodes, best = (k + o.max_nodes - 1) / o.max_nodes;
+    std::vector<double> score(nodes);
+    for (int g = 0; g < nodes; ++g) {
+      std::vector<double> v(key.begin() + g * per, key.begin() + (g + 1) * per);
+      std::sort(v.begin(), v.end(), std::greater<double>());
+      score[g] = std::accumulate(v.begin(), v.begin() + best, 0.0);
+    }
+    std::vector<char> kept(nodes, 0);
+    for (int r = 0; r < o.max_nodes; ++r) {
+      int pick = -1;
+      for (int g = 0; g < nodes; ++g)
+        if (!kept[g] && (pick < 0 || score[g] > score[pick])) pick = g;
+      kept[pick] = 1;
+    }
+    for (int e = 0; e < E; ++e) allowed[e] = kept[e / per];
+  }
+  ids.clear();
+  for (int j = 0; j < k; ++j) {
+    int best = -1;
+    for (int e = 0; e < E; ++e)
+      if (allowed[e] && std::find(ids.begin(), ids.end(), e) == ids.end() && (best < 0 || key[e] > key[best])) best = e;
+    ids.push_back(best);
+  }
+  double sum = 0.0;
+  for (int j = 0; j < k; ++j) sum += p[ids[j]];
+  for (int j = 0; j < k; ++j) w[j] = o.sigmoid() ? p[ids[j]] / (sum + 1e-20) : p[ids[j]];
+}
+
+// keep[b][t * k + j]: the pairs the capacity keeps. Every EP group's members, in ep-rank
+// order, send the rows floor(N t / tp) .. floor(N (t + 1) / tp) of their batch (t: their
+// tp rank); local: each keeps ceil(factor * rows * k / E) per expert; global: an expert
+// takes ceil(factor * P / E) of the group's P pairs, lower ep ranks first. By position
+// (row, slot) or by weight (descending, ties by position).
+std::vector<std::vector<char>> reference_keep(const options& o, const epx::mesh& m,
+                                              const std::vector<std::vector<int>>& ids,
+                                              const std::vector<std::vector<double>>& w) {
+  const int E = o.experts, k = o.top_k, N = o.tokens;
+  std::vector<std::vector<char>> keep(ids.size());
+  for (std::size_t b = 0; b < ids.size(); ++b) keep[b].assign(ids[b].size(), 1);
+  if (o.capacity_factor <= 0.0) return keep;
+  for (int first = 0; first < m.world(); ++first) {
+    if (m.ep_rank(first) != 0) continue;
+    std::vector<std::pair<int, std::pair<int, int>>> src;  // batch, [row begin, row end)
+    double P = 0;
+    for (int i = 0; i < o.ep; ++i) {
+      const int r = first + i, t = r % o.tp;
+      const int b0 = static_cast<int>(1LL * N * t / o.tp), b1 = static_cast<int>(1LL * N * (t + 1) / o.tp);
+      src.push_back({m.batch(r), {b0, b1}});
+      P += static_cast<double>(b1 - b0) * k;
+    }
+    for (int e = 0; e < E; ++e) {
+      long long before = 0;
+      for (const auto& s : src) {
+        std::vector<int> mine;  // pair indices t * k + j, in (row, slot) order
+        for (int i = s.second.first * k; i < s.second.second * k; ++i)
+          if (ids[s.first][i] == e) mine.push_back(i);
+        const long long n = static_cast<long long>(mine.size());
+        long long C;
+        if (o.capacity_mode == epx::capacity_mode::local) {
+          C = std::min(n, static_cast<long long>(std::ceil(o.capacity_factor * ((s.second.second - s.second.first) * k) / E)));
+        } else {
+          C = std::max(0LL, std::min(n, static_cast<long long>(std::ceil(o.capacity_factor * P / E)) - before));
+          before += n;
+        }
+        if (o.drop == epx::drop_priority::score)
+          std::stable_sort(mine.begin(), mine.end(), [&](int a, int c) { return w[s.first][a] > w[s.first][c]; });
+        for (std::size_t r = static_cast<std::size_t>(C); r < mine.size(); ++r) keep[s.first][mine[r]] = 0;
+      }
+    }
+  }
+  return keep;
+}
+
+// The first training step of the whole block in float64, from the initial parameters;
+// `bias` is the selection bias of --balance bias.
+reference_result reference_step(const options& o, const std::vector<float>& bias) {
   const int E = o.experts, k = o.top_k, H = o.hidden, F = o.ffn, N = o.tokens;
   const int B = o.fsdp * o.dp_replicate;
   const std::size_t P = o.expert_params();
+  const epx::mesh m(o.mesh());
   const std::vector<float> wr32 = init_router(o);
   const std::vector<double> wr(wr32.begin(), wr32.end());
+  const double* br = wr.data() + static_cast<std::size_t>(E) * H;
   std::vector<double> params(E * P);
   {
     std::vector<float> p32(P);
@@ -224,92 +351,132 @@ reference_result reference_step(const options& o) {
   }
   reference_result r;
   r.grad_experts.assign(E * P, 0.0);
-  r.grad_router.assign(static_cast<std::size_t>(E) * H, 0.0);
-  std::vector<double> logits(E), p(E), a(F), g(F), act(F), da(F), dg(F), y(static_cast<std::size_t>(k) * H);
+  r.grad_router.assign(static_cast<std::size_t>(E) * (H + 1), 0.0);
+  // Routing of every batch first: the capacity and the global-batch load need all of it.
+  std::vector<batch> data;
+  std::vector<std::vector<double>> logits(B), probs(B), wts(B);
+  std::vector<std::vector<int>> ids(B);
+  std::vector<double> load(E, 0.0);
   for (int b = 0; b < B; ++b) {
-    const batch d = make_batch(o, b);
+    data.push_back(make_batch(o, b));
+    logits[b].assign(static_cast<std::size_t>(N) * E, 0.0);
+    probs[b].assign(logits[b].size(), 0.0);
+    wts[b].assign(static_cast<std::size_t>(N) * k, 0.0);
+    ids[b].assign(static_cast<std::size_t>(N) * k, 0);
+    std::vector<int> id;
+    std::vector<double> w(k), p(E);
+    for (int t = 0; t < N; ++t) {
+      const float* x = &data[b].x[static_cast<std::size_t>(t) * H];
+      double* l = &logits[b][static_cast<std::size_t>(t) * E];
+      for (int e = 0; e < E; ++e) {
+        l[e] = br[e];
+        for (int h = 0; h < H; ++h) l[e] += wr[e * H + h] * x[h];
+      }
+      reference_route(o, l, bias, id, w, p);
+      std::copy(p.begin(), p.end(), probs[b].begin() + static_cast<std::ptrdiff_t>(t) * E);
+      for (int j = 0; j < k; ++j) {
+        ids[b][t * k + j] = id[j];
+        wts[b][t * k + j] = w[j];
+        load[id[j]] += 1.0;
+      }
+    }
+  }
+  const auto keep = reference_keep(o, m, ids, wts);
+  std::vector<double> f(E);  // global-batch fractions of the auxiliary loss
+  for (int e = 0; e < E; ++e) f[e] = load[e] / (static_cast<double>(B) * N * k);
+  std::vector<double> a(F), g(F), act(F), da(F), dg(F), y(static_cast<std::size_t>(k) * H), dl(E);
+  for (int b = 0; b < B; ++b) {
+    const batch& d = data[b];
     std::vector<double> out(static_cast<std::size_t>(N) * H), gx(out.size()), gw(static_cast<std::size_t>(N) * k);
     for (int t = 0; t < N; ++t) {
       const float* x = &d.x[static_cast<std::size_t>(t) * H];
-      // Routing: softmax over all E, top-k of p (ties to the lower id), weights p.
-      double mx = -1e300, z = 0.0;
-      for (int e = 0; e < E; ++e) {
-        logits[e] = 0.0;
-        for (int h = 0; h < H; ++h) logits[e] += wr[e * H + h] * x[h];
-        mx = std::max(mx, logits[e]);
-      }
-      for (int e = 0; e < E; ++e) z += std::exp(logits[e] - mx);
-      for (int e = 0; e < E; ++e) p[e] = std::exp(logits[e] - mx) / z;
-      std::vector<int> ids;
+      const int* id = &ids[b][static_cast<std::size_t>(t) * k];
+      const double* w = &wts[b][static_cast<std::size_t>(t) * k];
+      const char* kp = &keep[b][static_cast<std::size_t>(t) * k];
+      // Experts and combine (a dropped pair adds nothing).
       for (int j = 0; j < k; ++j) {
-        int best = -1;
-        for (int e = 0; e < E; ++e)
-          if (std::find(ids.begin(), ids.end(), e) == ids.end() && (best < 0 || p[e] > p[best])) best = e;
-        ids.push_back(best);
-      }
-      // Experts and combine.
-      for (int j = 0; j < k; ++j) {
-        const double* w1 = &params[ids[j] * P];
+        if (!kp[j]) continue;
+        const double* w1 = &params[id[j] * P];
         const double* w3 = w1 + F * H;
         const double* w2 = w1 + 2 * F * H;
-        for (int f = 0; f < F; ++f) {
-          a[f] = g[f] = 0.0;
+        for (int q = 0; q < F; ++q) {
+          a[q] = g[q] = 0.0;
           for (int h = 0; h < H; ++h) {
-            a[f] += w1[f * H + h] * x[h];
-            g[f] += w3[f * H + h] * x[h];
+            a[q] += w1[q * H + h] * x[h];
+            g[q] += w3[q * H + h] * x[h];
           }
-          act[f] = a[f] * sigmoid(a[f]) * g[f];
+          act[q] = a[q] * sigmoid(a[q]) * g[q];
         }
         for (int h = 0; h < H; ++h) {
           y[j * H + h] = 0.0;
-          for (int f = 0; f < F; ++f) y[j * H + h] += w2[h * F + f] * act[f];
-          out[t * H + h] += p[ids[j]] * y[j * H + h];
+          for (int q = 0; q < F; ++q) y[j * H + h] += w2[h * F + q] * act[q];
+          out[t * H + h] += w[j] * y[j * H + h];
         }
       }
       // Loss 0.5 * mean((out - target)^2) over the N * H values of the batch.
       std::vector<double> dout(H);
       for (int h = 0; h < H; ++h) dout[h] = (out[t * H + h] - d.target[t * H + h]) / (static_cast<double>(N) * H);
-      // Backward: routing-weight gradient, experts, input gradient.
+      // Backward: routing-weight gradient (0 for a dropped pair), experts, input gradient.
       for (int j = 0; j < k; ++j) {
-        const double w = p[ids[j]];
+        if (!kp[j]) continue;
         double* gw_tj = &gw[t * k + j];
         for (int h = 0; h < H; ++h) *gw_tj += y[j * H + h] * dout[h];
-        const double* w1 = &params[ids[j] * P];
+        const double* w1 = &params[id[j] * P];
         const double* w3 = w1 + F * H;
         const double* w2 = w1 + 2 * F * H;
-        double* g1 = &r.grad_experts[ids[j] * P];
+        double* g1 = &r.grad_experts[id[j] * P];
         double* g3 = g1 + F * H;
         double* g2 = g1 + 2 * F * H;
-        for (int f = 0; f < F; ++f) {
-          a[f] = g[f] = 0.0;
+        for (int q = 0; q < F; ++q) {
+          a[q] = g[q] = 0.0;
           for (int h = 0; h < H; ++h) {
-            a[f] += w1[f * H + h] * x[h];
-            g[f] += w3[f * H + h] * x[h];
+            a[q] += w1[q * H + h] * x[h];
+            g[q] += w3[q * H + h] * x[h];
           }
-          const double s = sigmoid(a[f]);
+          const double s = sigmoid(a[q]);
           double dact = 0.0;
           for (int h = 0; h < H; ++h) {
-            dact += w2[h * F + f] * w * dout[h];
-            g2[h * F + f] += w * dout[h] * a[f] * s * g[f];
+            dact += w2[h * F + q] * w[j] * dout[h];
+            g2[h * F + q] += w[j] * dout[h] * a[q] * s * g[q];
           }
-          dg[f] = dact * a[f] * s;
-          da[f] = dact * g[f] * s * (1.0 + a[f] * (1.0 - s));
+          dg[q] = dact * a[q] * s;
+          da[q] = dact * g[q] * s * (1.0 + a[q] * (1.0 - s));
           for (int h = 0; h < H; ++h) {
-            g1[f * H + h] += da[f] * x[h];
-            g3[f * H + h] += dg[f] * x[h];
-            gx[t * H + h] += w1[f * H + h] * da[f] + w3[f * H + h] * dg[f];
+            g1[q * H + h] += da[q] * x[h];
+            g3[q * H + h] += dg[q] * x[h];
+            gx[t * H + h] += w1[q * H + h] * da[q] + w3[q * H + h] * dg[q];
           }
         }
       }
-      // Router: d loss / d logits through the full softmax, then the dense weight.
-      double pg = 0.0;  // sum_j p_{id_j} grad_w_j
-      for (int j = 0; j < k; ++j) pg += p[ids[j]] * gw[t * k + j];
+      // Router: d loss / d logits through the routing weights, then the dense weights.
+      const double* p = &probs[b][static_cast<std::size_t>(t) * E];
+      std::fill(dl.begin(), dl.end(), 0.0);
+      if (o.sigmoid()) {  // w_j = s_j / D, D = sum of the selected s + 1e-20
+        double D = 1e-20, gs = 0.0;
+        for (int j = 0; j < k; ++j) D += p[id[j]];
+        for (int j = 0; j < k; ++j) gs += gw[t * k + j] * p[id[j]];
+        for (int j = 0; j < k; ++j) {
+          const double s = p[id[j]];
+          dl[id[j]] += (gw[t * k + j] - gs / D) / D * s * (1.0 - s);
+        }
+      } else {  // w_j = p_{id_j}, through the full softmax
+        double pg = 0.0;
+        for (int j = 0; j < k; ++j) pg += p[id[j]] * gw[t * k + j];
+        for (int e = 0; e < E; ++e) {
+          double ge = 0.0;
+          for (int j = 0; j < k; ++j)
+            if (id[j] == e) ge = gw[t * k + j];
+          dl[e] = p[e] * (ge - pg);
+        }
+      }
+      if (o.balance == "aux") {  // alpha * E * sum_e f_e mean_t p[t, e], f over all batches
+        double fp = 0.0;
+        for (int e = 0; e < E; ++e) fp += f[e] * p[e];
+        for (int e = 0; e < E; ++e) dl[e] += o.aux_alpha * E / N * p[e] * (f[e] - fp);
+      }
       for (int e = 0; e < E; ++e) {
-        double ge = 0.0;
-        for (int j = 0; j < k; ++j)
-          if (ids[j] == e) ge = gw[t * k + j];
-        const double dlogit = p[e] * (ge - pg);
-        for (int h = 0; h < H; ++h) r.grad_router[e * H + h] += dlogit * x[h];
+        for (int h = 0; h < H; ++h) r.grad_router[e * H + h] += dl[e] * x[h];
+        r.grad_router[static_cast<std::size_t>(E) * H + e] += dl[e];
       }
     }
     r.out.push_back(std::move(out));
@@ -356,29 +523,50 @@ int train(Comm& world, const options& o, const char* backend) {
   const bool root = rank == 0;
 
   const batch data = make_batch(o, m.batch(rank));  // shared by the TP group
-  std::vector<float> wr = init_router(o);           // [E, H], replicated on every rank
+  std::vector<float> wr = init_router(o);           // [E, H] then [E], replicated on every rank
   swiglu_experts experts(o, m.expert_begin(rank), L);
 
   epx::layer_options lo;
   lo.hidden = H;
   lo.top_k = k;  // padding: the default, one zero row per local expert
+  if (o.capacity_factor > 0.0) {
+    lo.capacity.mode = o.capacity_mode;
+    lo.capacity.factor = o.capacity_factor;
+    lo.capacity.priority = o.drop;
+  }
+  lo.ranks_per_node = o.ranks_per_node;
+  lo.max_nodes = o.max_nodes;
   epx::moe_layer<Comm, float> layer(m, world, lo);  // impl::all_to_all, exec::serial
   epx::gradient_hooks<Comm> hooks(m, world);
-  const epx::routing::softmax_topk policy{};
+  Comm batches = epx::routing::batch_communicator(world, m);  // one rank per batch: the job's load
+  std::vector<float> bias(static_cast<std::size_t>(E), 0.0f);  // selection bias of --balance bias
+  epx::routing::softmax_topk softmax{false, layer.node_limit()};
+  epx::routing::sigmoid_bias sig;
+  sig.bias = bias.data();
+  sig.limit = layer.node_limit();
   const epx::exec::serial exec{};
 
   if (root) {
     std::printf("epx MoE example: backend %s, %d ranks, tp=%d fsdp=%d ep=%d dp_replicate=%d\n", backend, W, o.tp,
                 o.fsdp, o.ep, o.dp_replicate);
-    std::printf("%d experts (%d per rank), top-%d softmax_topk routing, SwiGLU H=%zu F=%d, %zu tokens per batch, "
-                "%d batches, SGD lr=%g\n\n",
-                E, L, k, H, o.ffn, N, m.batches(), o.lr);
-    std::printf("%s\n", epx::describe(m).c_str());
-    std::printf("step  loss        max/mean  (token, slot) pairs per expert over all batches\n");
+    std::printf("%d experts (%d per rank), top-%d %s routing, SwiGLU H=%zu F=%d, %zu tokens per batch, "
+                "%d batches, SGD lr=%g\n",
+                E, L, k, o.sigmoid() ? "sigmoid_bias" : "softmax_topk", H, o.ffn, N, m.batches(), o.lr);
+    std::printf("balance %s", o.balance.c_str());
+    if (o.balance == "aux") std::printf(" (alpha %g, global-batch f)", o.aux_alpha);
+    if (o.balance == "bias") std::printf(" (gamma %g)", o.bias_rate);
+    if (o.router_skew != 0.0) std::printf(", router skew %g", o.router_skew);
+    if (o.capacity_factor > 0.0)
+      std::printf(", capacity factor %g (%s, by %s)", o.capacity_factor, epx::to_string(o.capacity_mode),
+                  epx::to_string(o.drop));
+    if (o.ranks_per_node > 0) std::printf(", %d ranks per node", o.ranks_per_node);
+    if (o.max_nodes > 0) std::printf(", at most %d node(s) per token", o.max_nodes);
+    std::printf("\n\n%s\n", epx::describe(m).c_str());
+    std::printf("step  loss      max/mean  dropped  nodes/token  (token, slot) pairs per expert over all batches\n");
   }
 
   std::vector<float> logits(N * E), weights(N * k), out(N * H), grad_out(N * H), grad_x(N * H), grad_w(N * k),
-      grad_logits(N * E), grad_wr(wr.size());
+      grad_logits(N * E), aux_grad(N * E), grad_wr(wr.size());
   std::vector<std::int32_t> ids(N * k);
   error_norm errs[5];  // output, grad_x, grad_w, grad_experts, grad_router (first step)
 
@@ -386,15 +574,24 @@ int train(Comm& world, const options& o, const char* backend) {
     // Router and routing, on the whole batch (every rank of the TP group does the same).
     for (std::size_t t = 0; t < N; ++t)
       for (int e = 0; e < E; ++e) {
-        float v = 0.0f;
+        float v = wr[static_cast<std::size_t>(E) * H + e];
         for (std::size_t h = 0; h < H; ++h) v += wr[e * H + h] * data.x[t * H + h];
         logits[t * E + e] = v;
       }
-    epx::routing::route(policy, exec, logits.data(), N, E, k, ids.data(), weights.data());
+    if (o.sigmoid())
+      epx::routing::route(sig, exec, logits.data(), N, E, k, ids.data(), weights.data());
+    else
+      epx::routing::route(softmax, exec, logits.data(), N, E, k, ids.data(), weights.data());
+    // The pairs routed to each expert over every batch of the job: the same integers on
+    // every rank (the global-batch f of the auxiliary loss, the load of the bias update).
+    std::vector<std::int64_t> load = epx::routing::expert_load(exec, ids.data(), N, k, E);
+    epx::routing::sum_over_batches(batches, epx::span<std::int64_t>(load));
+    const std::vector<float> bias_used = bias;  // the selection bias of this step
 
     // The MoE layer: forward, loss, backward.
     auto saved = layer.forward(epx::span<const float>(data.x), epx::span<const std::int32_t>(ids),
                                epx::span<const float>(weights), epx::span<float>(out), experts, epx::mode::train);
+    const epx::layer_stats stats = layer.stats();
     double loss = 0.0;
     for (std::size_t i = 0; i < N * H; ++i) {
       const double diff = static_cast<double>(out[i]) - data.target[i];
@@ -405,22 +602,35 @@ int train(Comm& world, const options& o, const char* backend) {
     layer.backward(std::move(saved), epx::span<const float>(grad_out), epx::span<float>(grad_x),
                    epx::span<float>(grad_w), experts);
 
-    // Router gradient: grad_w -> grad_logits -> grad_wr [E, H] = grad_logits^T x.
-    epx::routing::route_backward(policy, exec, logits.data(), N, E, k, ids.data(), weights.data(), grad_w.data(),
-                                 grad_logits.data());
-    for (int e = 0; e < E; ++e)
+    // Router gradient: grad_w -> grad_logits (+ the auxiliary loss's) -> [grad_Wr | grad_br].
+    if (o.sigmoid())
+      epx::routing::route_backward(sig, exec, logits.data(), N, E, k, ids.data(), weights.data(), grad_w.data(),
+                                   grad_logits.data());
+    else
+      epx::routing::route_backward(softmax, exec, logits.data(), N, E, k, ids.data(), weights.data(), grad_w.data(),
+                                   grad_logits.data());
+    if (o.balance == "aux") {
+      epx::routing::aux_loss_backward(exec, logits.data(), N, E, epx::span<const std::int64_t>(load), o.aux_alpha,
+                                      1.0f, aux_grad.data());
+      for (std::size_t i = 0; i < grad_logits.size(); ++i) grad_logits[i] += aux_grad[i];
+    }
+    for (int e = 0; e < E; ++e) {
+      float gb = 0.0f;
+      for (std::size_t t = 0; t < N; ++t) gb += grad_logits[t * E + e];
+      grad_wr[static_cast<std::size_t>(E) * H + e] = gb;
       for (std::size_t h = 0; h < H; ++h) {
         float v = 0.0f;
         for (std::size_t t = 0; t < N; ++t) v += grad_logits[t * E + e] * data.x[t * H + h];
         grad_wr[e * H + h] = v;
       }
+    }
 
     // Gradient hooks: both become the mean over all batches.
     hooks.reduce_dense(epx::span<float>(grad_wr));
     hooks.reduce_expert(epx::span<float>(experts.grads));
 
     if (step == 0) {  // compare the first step with the float64 reference
-      const reference_result ref = reference_step(o);
+      const reference_result ref = reference_step(o, bias_used);
       const int b = m.batch(rank);
       accumulate(errs[0], out.data(), ref.out[b].data(), N * H);
       accumulate(errs[1], grad_x.data(), ref.grad_x[b].data(), N * H);
@@ -430,44 +640,53 @@ int train(Comm& world, const options& o, const char* backend) {
       accumulate(errs[4], grad_wr.data(), ref.grad_router.data(), grad_wr.size());
     }
 
-    // Loss (mean over the batches: one rank per TP group) and load over all batches (one
-    // rank per EP group; every rank of a group has the group's counts).
-    std::vector<double> losses(W);
-    epx::all_gather(world, epx::span<const double>(&loss, 1), epx::span<double>(losses));
-    const auto& counts = layer.stats().tokens_per_expert;  // [E], this EP group
-    std::vector<std::int64_t> all_counts(static_cast<std::size_t>(W) * E);
-    epx::all_gather(world, epx::span<const std::int64_t>(counts), epx::span<std::int64_t>(all_counts));
+    // Loss (mean over the batches: one rank per TP group); dropped pairs and nodes per
+    // token from the layer's statistics (one rank per EP group: every rank of a group has
+    // the group's figures).
+    const double mine[4] = {loss, static_cast<double>(stats.dropped_pairs), stats.mean_nodes_per_token,
+                            static_cast<double>(stats.max_nodes_per_token)};
+    std::vector<double> all(4 * static_cast<std::size_t>(W));
+    epx::all_gather(world, epx::span<const double>(mine, 4), epx::span<double>(all));
     if (root) {
-      double mean_loss = 0.0;
-      std::vector<std::int64_t> load(E, 0);
+      double mean_loss = 0.0, dropped = 0.0, nodes = 0.0, max_nodes = 0.0;
+      int groups = 0;
       for (int r = 0; r < W; ++r) {
-        if (m.coords(r).tp == 0) mean_loss += losses[r] / m.batches();
-        if (m.ep_rank(r) == 0)
-          for (int e = 0; e < E; ++e) load[e] += all_counts[r * E + e];
+        if (m.coords(r).tp == 0) mean_loss += all[4 * r] / m.batches();
+        if (m.ep_rank(r) == 0) {
+          dropped += all[4 * r + 1];
+          nodes += all[4 * r + 2];
+          max_nodes = std::max(max_nodes, all[4 * r + 3]);
+          ++groups;
+        }
       }
       const double mx = static_cast<double>(*std::max_element(load.begin(), load.end()));
       const double mean = static_cast<double>(m.batches()) * N * k / E;
-      std::printf("%4d  %.6f  %8.2f  ", step + 1, mean_loss, mx / mean);
+      char node_text[32] = "-";
+      if (o.ranks_per_node > 0) std::snprintf(node_text, sizeof node_text, "%.2f (max %.0f)", nodes / groups, max_nodes);
+      std::printf("%4d  %.6f  %8.2f  %7.0f  %-11s  ", step + 1, mean_loss, mx / mean, dropped, node_text);
       for (int e = 0; e < E; ++e) std::printf("%s%lld", e ? " " : "", static_cast<long long>(load[e]));
       std::printf("\n");
     }
 
-    // SGD: every rank holds the same reduced gradients, so replicas stay equal.
+    // SGD: every rank holds the same reduced gradients, so replicas stay equal. The bias
+    // update reads the same integers everywhere, so the bias stays bitwise equal too.
     for (std::size_t i = 0; i < wr.size(); ++i) wr[i] -= static_cast<float>(o.lr) * grad_wr[i];
     for (std::size_t i = 0; i < experts.params.size(); ++i)
       experts.params[i] -= static_cast<float>(o.lr) * experts.grads[i];
+    if (o.balance == "bias")
+      epx::routing::update_bias(exec, bias.data(), epx::span<const std::int64_t>(load), static_cast<float>(o.bias_rate));
   }
 
-  // Replicas must agree bitwise: the router on every rank, each expert group on its efsdp
-  // and dp_replicate replicas (the ranks with the same ep rank).
-  const std::int64_t mine[2] = {fingerprint(wr), fingerprint(experts.params)};
-  std::vector<std::int64_t> prints(2 * static_cast<std::size_t>(W));
-  epx::all_gather(world, epx::span<const std::int64_t>(mine, 2), epx::span<std::int64_t>(prints));
+  // Replicas must agree bitwise: the router and the selection bias on every rank, each
+  // expert group on its efsdp and dp_replicate replicas (the ranks with the same ep rank).
+  const std::int64_t mine[3] = {fingerprint(wr), fingerprint(experts.params), fingerprint(bias)};
+  std::vector<std::int64_t> prints(3 * static_cast<std::size_t>(W));
+  epx::all_gather(world, epx::span<const std::int64_t>(mine, 3), epx::span<std::int64_t>(prints));
   bool consistent = true;
   for (int r = 0; r < W; ++r) {
-    consistent = consistent && prints[2 * r] == prints[0];
+    consistent = consistent && prints[3 * r] == prints[0] && prints[3 * r + 2] == prints[2];
     for (int q = 0; q < r; ++q)
-      if (m.ep_rank(q) == m.ep_rank(r)) consistent = consistent && prints[2 * r + 1] == prints[2 * q + 1];
+      if (m.ep_rank(q) == m.ep_rank(r)) consistent = consistent && prints[3 * r + 1] == prints[3 * q + 1];
   }
 
   // Errors: the largest over all ranks.
@@ -493,7 +712,7 @@ int train(Comm& world, const options& o, const char* backend) {
   }
   if (root) {
     std::printf("\nparameters after %d steps: %s\n", o.steps,
-                consistent ? "router equal on every rank, each expert equal on all its replicas (bitwise)"
+                consistent ? "router and bias equal on every rank, each expert equal on all its replicas (bitwise)"
                            : "REPLICAS DISAGREE");
     std::printf("router gradient (dense hook): grad_router=%.3e (tolerance %.3e)\n", total[4].err, tol[4]);
     std::printf("tolerance (%.0e x largest |reference|): output=%.3e grad_x=%.3e grad_w=%.3e grad_experts=%.3e\n",
@@ -517,9 +736,18 @@ void usage(std::FILE* f) {
                "usage: epx-moe-example [--backend threads|mpi] [--tp N] [--fsdp N] [--ep N] [--dp-replicate N]\n"
                "                       [--experts E] [--top-k K] [--steps S] [--hidden H] [--ffn F]\n"
                "                       [--tokens N] [--lr X] [--rtol X] [--seed S]\n"
+               "                       [--capacity-factor X] [--capacity-mode local|global]\n"
+               "                       [--drop-priority position|score] [--routing softmax_topk|sigmoid_bias]\n"
+               "                       [--balance none|aux|bias]\n"
+               "                       [--aux-alpha X] [--bias-rate X] [--router-skew X]\n"
+               "                       [--max-nodes M --ranks-per-node R]\n"
                "Defaults: threads backend with tp*fsdp*dp_replicate ranks (mpi when launched by mpirun),\n"
                "tp=2 fsdp=4 ep=4 dp_replicate=1, 16 experts, top-2, 5 steps, H=32, F=64, 64 tokens,\n"
-               "lr=500, rtol=1e-4 (errors allowed relative to the largest |reference| value).\n");
+               "lr=500, rtol=1e-4 (errors allowed relative to the largest |reference| value).\n"
+               "Capacity off (a factor turns it on: local mode, by position), softmax_topk routing, balance\n"
+               "none (aux: Switch loss with alpha 0.01; bias: sigmoid_bias routing whose selection bias moves\n"
+               "by gamma 0.02 per step), router skew 0 (the router bias starts at skew..-skew over the\n"
+               "experts), no node limit (M nodes of R consecutive ep ranks each).\n");
 }
 
 long parse_number(const std::string& flag, const std::string& v) {
@@ -567,6 +795,30 @@ options parse(int argc, char** argv) {
     else if (a == "--seed") o.seed = static_cast<std::uint64_t>(parse_number(a, value()));
     else if (a == "--lr") o.lr = parse_real(a, value());
     else if (a == "--rtol") o.rtol = parse_real(a, value());
+    else if (a == "--capacity-factor") o.capacity_factor = parse_real(a, value());
+    else if (a == "--capacity-mode") {
+      const std::string v = value();
+      if (v != "local" && v != "global")
+        EPX_THROW(epx::errc::configuration, "--capacity-mode expects local or global, got '", v, "'");
+      o.capacity_mode = v == "local" ? epx::capacity_mode::local : epx::capacity_mode::global;
+    } else if (a == "--drop-priority") {
+      const std::string v = value();
+      if (v != "position" && v != "score")
+        EPX_THROW(epx::errc::configuration, "--drop-priority expects position or score, got '", v, "'");
+      o.drop = v == "position" ? epx::drop_priority::position : epx::drop_priority::score;
+    } else if (a == "--balance") {
+      o.balance = value();
+      if (o.balance != "none" && o.balance != "aux" && o.balance != "bias")
+        EPX_THROW(epx::errc::configuration, "--balance expects none, aux or bias, got '", o.balance, "'");
+    } else if (a == "--routing") {
+      o.routing = value();
+      if (o.routing != "softmax_topk" && o.routing != "sigmoid_bias")
+        EPX_THROW(epx::errc::configuration, "--routing expects softmax_topk or sigmoid_bias, got '", o.routing, "'");
+    } else if (a == "--aux-alpha") o.aux_alpha = parse_real(a, value());
+    else if (a == "--bias-rate") o.bias_rate = parse_real(a, value());
+    else if (a == "--router-skew") o.router_skew = parse_real(a, value());
+    else if (a == "--max-nodes") o.max_nodes = static_cast<int>(parse_number(a, value()));
+    else if (a == "--ranks-per-node") o.ranks_per_node = static_cast<int>(parse_number(a, value()));
     else {
       EPX_THROW(epx::errc::configuration, "unknown argument '", a, "' (see --help)");
     }

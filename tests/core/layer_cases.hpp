@@ -56,13 +56,20 @@ struct layer_case {
   std::uint64_t seed = 1;
   std::size_t chunks = 0;
   bool peer_access = true;  // layer_options::peer_access (false: the staged route everywhere)
+  capacity_policy capacity = {};  // layer_options::capacity (spec section 8)
+  int ranks_per_node = 0;         // layer_options::ranks_per_node (node statistics)
 
   std::size_t rows_of(int b) const { return rows ? rows(b) : 12; }
   std::string describe() const {
     return detail::concat("tp=", topology.tp, " fsdp=", topology.fsdp, " ep=", topology.ep, " dp_replicate=",
                           topology.dp_replicate, " E=", topology.experts, " k=", top_k, " H=", hidden,
                           " routing=", to_string(routing), " pad=", pad.rows_per_expert, "/", pad.align,
-                          peer_access ? "" : " staged");
+                          peer_access ? "" : " staged",
+                          capacity.enabled() ? detail::concat(" capacity=", to_string(capacity.mode), "/",
+                                                              capacity.rows > 0 ? capacity.rows : 0, "/",
+                                                              capacity.factor, "/", to_string(capacity.priority))
+                                             : std::string(),
+                          ranks_per_node ? detail::concat(" ranks_per_node=", ranks_per_node) : std::string());
   }
 };
 
@@ -109,7 +116,47 @@ inline layer_options options_for(const layer_case& c) {
   o.pad = c.pad;
   o.chunks = c.chunks;
   o.peer_access = c.peer_access;
+  o.capacity = c.capacity;
+  o.ranks_per_node = c.ranks_per_node;
   return o;
+}
+
+// The pairs a capacity keeps (spec section 8), per batch [B][N_b * k]: every EP group of the
+// first pipeline stage, its members in ep-rank order, each sending its TP slice of its batch.
+template <class T>
+std::vector<std::vector<char>> keep_masks(const layer_case& c) {
+  const mesh m(c.topology);
+  const int k = c.top_k, tp = m.tp();
+  std::vector<std::vector<char>> keep(static_cast<std::size_t>(m.batches()));
+  for (int b = 0; b < m.batches(); ++b) keep[static_cast<std::size_t>(b)].assign(c.rows_of(b) * k, 1);
+  ref::capacity_params p;
+  p.mode = static_cast<int>(c.capacity.mode);
+  p.factor = c.capacity.factor;
+  p.rows = c.capacity.rows;
+  p.by_score = c.capacity.priority == drop_priority::score;
+  const int stage = m.batches() * tp;  // ranks of pipeline stage 0
+  for (int first = 0; first < stage; ++first) {
+    if (m.ep_rank(first) != 0) continue;
+    const auto members = m.group_members(group_kind::ep, first);
+    std::vector<std::vector<std::int32_t>> ids;
+    std::vector<std::vector<double>> w;
+    std::vector<std::pair<int, row_slice>> where;
+    for (int r : members) {
+      const int b = m.batch(r);
+      const batch_data d = make_batch<T>(c, b);
+      const row_slice sl = slice_bounds(c.rows_of(b), tp, m.coords(r).tp);
+      ids.emplace_back(d.ids.begin() + static_cast<std::ptrdiff_t>(sl.begin * k),
+                       d.ids.begin() + static_cast<std::ptrdiff_t>(sl.end * k));
+      w.emplace_back(d.w.begin() + static_cast<std::ptrdiff_t>(sl.begin * k),
+                     d.w.begin() + static_cast<std::ptrdiff_t>(sl.end * k));
+      where.emplace_back(b, sl);
+    }
+    const auto kept = ref::capacity_keep(ids, w, c.topology.experts, k, p);
+    for (std::size_t s = 0; s < kept.size(); ++s)
+      std::copy(kept[s].begin(), kept[s].end(),
+                keep[static_cast<std::size_t>(where[s].first)].begin() + static_cast<std::ptrdiff_t>(where[s].second.begin * k));
+  }
+  return keep;
 }
 
 // What one rank of a case computes on: its batch, rounded through T, and the global experts.
@@ -194,6 +241,9 @@ inline void append(std::string& f, const ref::comparison& c) {
 struct rank_expectation {
   std::vector<double> out, grad_x, grad_w, expert_grads;
   std::vector<std::int64_t> tokens_per_local_expert;
+  std::vector<std::int64_t> dropped_per_expert;  // [E] over the EP group (capacity only)
+  std::int64_t max_nodes = 0;                    // nodes per token over the EP group (ranks_per_node only)
+  double mean_nodes = 0;
 };
 
 template <class T>
@@ -201,13 +251,15 @@ rank_expectation expect(const layer_case& c, const ref::linear_experts& global, 
   const mesh m(c.topology);
   rank_expectation e;
   const int b = m.batch(rank);
+  const auto keep = keep_masks<T>(c);
   std::vector<std::vector<double>> per_batch;
   for (int bb = 0; bb < m.batches(); ++bb) {
     const batch_data d = make_batch<T>(c, bb);
-    const auto g = ref::moe_backward(d.x, d.ids, d.w, d.grad_out, global);
+    const auto& kb = keep[static_cast<std::size_t>(bb)];
+    const auto g = ref::moe_backward(d.x, d.ids, d.w, d.grad_out, global, kb);
     per_batch.push_back(g.grad_params);
     if (bb == b) {
-      e.out = ref::moe_forward(d.x, d.ids, d.w, global);
+      e.out = ref::moe_forward(d.x, d.ids, d.w, global, kb);
       e.grad_x = g.grad_x;
       e.grad_w = g.grad_w;
     }
@@ -219,11 +271,28 @@ rank_expectation expect(const layer_case& c, const ref::linear_experts& global, 
   std::set<int> group_batches;
   for (int member : m.group_members(group_kind::ep, rank)) group_batches.insert(m.batch(member));
   e.tokens_per_local_expert.assign(static_cast<std::size_t>(L), 0);
+  e.dropped_per_expert.assign(static_cast<std::size_t>(c.topology.experts), 0);
+  std::int64_t tokens = 0, nodes_sum = 0;
   for (int bb : group_batches) {
     const batch_data d = make_batch<T>(c, bb);
-    for (auto id : d.ids)
-      if (id >= first && id < first + L) ++e.tokens_per_local_expert[static_cast<std::size_t>(id - first)];
+    const auto& kb = keep[static_cast<std::size_t>(bb)];
+    for (std::size_t i = 0; i < d.ids.size(); ++i) {
+      const auto id = d.ids[i];
+      if (!kb[i]) ++e.dropped_per_expert[static_cast<std::size_t>(id)];
+      else if (id >= first && id < first + L) ++e.tokens_per_local_expert[static_cast<std::size_t>(id - first)];
+    }
+    if (c.ranks_per_node > 0) {
+      const int per_node = L * c.ranks_per_node, k = c.top_k;
+      for (std::size_t t = 0; t < c.rows_of(bb); ++t) {
+        std::set<int> nodes;
+        for (int j = 0; j < k; ++j) nodes.insert(d.ids[t * k + j] / per_node);
+        ++tokens;
+        nodes_sum += static_cast<std::int64_t>(nodes.size());
+        e.max_nodes = std::max(e.max_nodes, static_cast<std::int64_t>(nodes.size()));
+      }
+    }
   }
+  e.mean_nodes = tokens ? static_cast<double>(nodes_sum) / static_cast<double>(tokens) : 0.0;
   return e;
 }
 
@@ -247,6 +316,17 @@ std::string check_layer_case(Comm& world, const layer_case& c) {
       std::vector<double> want(e.tokens_per_local_expert.begin(), e.tokens_per_local_expert.end());
       append(f, ref::compare(got, want, 0, 0, where + " stats.tokens_per_local_expert"));
     }
+    if (c.capacity.enabled()) {
+      std::vector<double> got(r.stats.dropped_per_expert.begin(), r.stats.dropped_per_expert.end());
+      std::vector<double> want(e.dropped_per_expert.begin(), e.dropped_per_expert.end());
+      append(f, ref::compare(got, want, 0, 0, where + " stats.dropped_per_expert"));
+    } else if (!r.stats.dropped_per_expert.empty() || r.stats.dropped_pairs != 0) {
+      f += where + ": dropped pairs reported without a capacity\n";
+    }
+    if (c.ranks_per_node > 0 &&
+        (r.stats.max_nodes_per_token != e.max_nodes || std::abs(r.stats.mean_nodes_per_token - e.mean_nodes) > 1e-12))
+      f += detail::concat(where, ": nodes per token max ", r.stats.max_nodes_per_token, " mean ",
+                          r.stats.mean_nodes_per_token, ", expected ", e.max_nodes, " and ", e.mean_nodes, "\n");
     const bool direct = std::string(r.stats.path) == "all_to_all" && c.peer_access && has_peer_access_v<Comm> &&
                         exec::is_host_policy_v<test_exec>;
     if (r.stats.peer_access != direct)
@@ -278,7 +358,9 @@ std::string check_inference(Comm& world, const layer_case& c, const std::string&
     if (!saved.empty()) f += where + ": saved state not empty\n";
     if (std::string(layer.stats().path) != want_path)
       f += where + ": path " + layer.stats().path + ", expected " + want_path + "\n";
-    append(f, ref::compare(out, ref::moe_forward(d.x, d.ids, d.w, global), atol_for<T>(), rtol_for<T>(), where + " out"));
+    const auto keep = keep_masks<T>(c)[static_cast<std::size_t>(in.b)];
+    append(f, ref::compare(out, ref::moe_forward(d.x, d.ids, d.w, global, keep), atol_for<T>(), rtol_for<T>(),
+                           where + " out"));
   } catch (const std::exception& ex) {
     f += detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
   }
@@ -518,7 +600,7 @@ std::string check_in_place_experts(Comm& world, const layer_case& c) {
     const auto& w = in.w;
     const int rank = in.rank;
     const std::size_t N = in.N, H = in.H;
-    const auto want = ref::moe_forward(d.x, d.ids, d.w, in.global);
+    const auto want = ref::moe_forward(d.x, d.ids, d.w, in.global, keep_masks<T>(c)[static_cast<std::size_t>(in.b)]);
     const std::string where = detail::concat(c.describe(), " rank ", rank, " in-place experts");
     for (auto md : {mode::inference, mode::train}) {
       std::vector<T> out(N * H, convert<T>(7.0f));

@@ -315,6 +315,52 @@ inline void check_route_args(std::size_t n_logits, std::size_t N, int E, int k) 
 
 }  // namespace detail
 
+// Node-limited routing (spec section 10): node g holds experts [g*E/nodes, (g+1)*E/nodes);
+// a token may use the max_nodes best nodes. No limit when max_nodes is 0 or >= nodes.
+struct node_limit_params {
+  int nodes = 0;
+  int max_nodes = 0;
+  bool active() const { return max_nodes > 0 && max_nodes < nodes; }
+};
+
+namespace detail {
+
+// The experts a token may choose from: with an active limit, those of the max_nodes nodes
+// whose ceil(k / max_nodes) best `score` values have the largest sum (ties to the lower
+// node); every expert otherwise. Lowers `margin` to the gap between the last kept and the
+// best dropped node score.
+inline std::vector<int> node_candidates(const double* score, int E, int k, const node_limit_params& nl,
+                                        double& margin) {
+  if (!nl.active()) return iota_experts(E);
+  require(E % nl.nodes == 0 && k <= nl.max_nodes * (E / nl.nodes), "node limit: bad nodes, max_nodes or k");
+  const int per = E / nl.nodes, best = (k + nl.max_nodes - 1) / nl.max_nodes;
+  std::vector<double> nscore(nl.nodes);
+  for (int g = 0; g < nl.nodes; ++g) {
+    std::vector<double> v(score + g * per, score + (g + 1) * per);
+    std::sort(v.begin(), v.end(), std::greater<double>());
+    nscore[g] = 0;
+    for (int i = 0; i < best; ++i) nscore[g] += v[i];
+  }
+  std::vector<std::int32_t> kept(nl.max_nodes);
+  margin = std::min(margin, topk_of(nscore.data(), iota_experts(nl.nodes), nl.max_nodes, kept.data()));
+  std::sort(kept.begin(), kept.end());
+  std::vector<int> cand;
+  for (int g : kept)
+    for (int i = 0; i < per; ++i) cand.push_back(g * per + i);
+  return cand;
+}
+
+// logit_gap restricted to the candidates `cand` (the selected ids are among them).
+inline double logit_gap_in(const double* l, const std::vector<int>& cand, int k, const std::int32_t* ids) {
+  double gap = std::numeric_limits<double>::infinity();
+  for (int j = 0; j < k; ++j)
+    for (int b : cand)
+      if (std::find(ids, ids + k, b) == ids + k) gap = std::min(gap, std::abs(l[ids[j]] - l[b]));
+  return gap;
+}
+
+}  // namespace detail
+
 // p = softmax(logits) per token; the top-k of p as a float32 value (the spec's p is
 // float32), ties to the lower id: experts whose p round to the same float32 tie even where
 // their logits differ (logits 0 and 1e-8; logits so low that p rounds to 0). The float32 p
@@ -324,21 +370,24 @@ inline void check_route_args(std::size_t n_logits, std::size_t N, int E, int k) 
 // float32 rounds p): 0 for equal logits, which tie in both, tiny for a tie made by
 // rounding, which tests do not compare. Weights are the float64 p at the selected ids,
 // divided by their sum when `renormalize`.
+// With a node limit, nodes are scored by the float64 p and the margin also holds the node
+// score gap (see node_candidates).
 inline routing_result softmax_topk(const std::vector<double>& logits, std::size_t N, int E, int k,
-                                   bool renormalize) {
+                                   bool renormalize, const node_limit_params& nl = {}) {
   detail::check_route_args(logits.size(), N, E, k);
   routing_result r{std::vector<std::int32_t>(N * k), std::vector<double>(N * k), std::vector<double>(N)};
-  const auto all = iota_experts(E);
-  std::vector<double> p32(E);
+  std::vector<double> p32(E), p(E);
   for (std::size_t t = 0; t < N; ++t) {
     const double* l = &logits[t * E];
     double mx = l[0];
     for (int e = 1; e < E; ++e) mx = std::max(mx, l[e]);
     double z = 0;
     for (int e = 0; e < E; ++e) z += std::exp(l[e] - mx);
-    for (int e = 0; e < E; ++e) p32[e] = static_cast<float>(std::exp(l[e] - mx) / z);
-    detail::topk_of(p32.data(), all, k, &r.ids[t * k]);
-    r.margin[t] = detail::logit_gap(l, E, k, &r.ids[t * k]);
+    for (int e = 0; e < E; ++e) p32[e] = static_cast<float>(p[e] = std::exp(l[e] - mx) / z);
+    double margin = std::numeric_limits<double>::infinity();
+    const auto cand = detail::node_candidates(p.data(), E, k, nl, margin);
+    detail::topk_of(p32.data(), cand, k, &r.ids[t * k]);
+    r.margin[t] = std::min(margin, detail::logit_gap_in(l, cand, k, &r.ids[t * k]));
     double s = 0;
     for (int j = 0; j < k; ++j) {
       r.weights[t * k + j] = std::exp(l[r.ids[t * k + j]] - mx) / z;
@@ -351,13 +400,21 @@ inline routing_result softmax_topk(const std::vector<double>& logits, std::size_
 }
 
 // Top-k of the logits, softmax over the k selected logits.
-inline routing_result topk_softmax(const std::vector<double>& logits, std::size_t N, int E, int k) {
+// With a node limit, nodes are scored by p = softmax over all E logits.
+inline routing_result topk_softmax(const std::vector<double>& logits, std::size_t N, int E, int k,
+                                   const node_limit_params& nl = {}) {
   detail::check_route_args(logits.size(), N, E, k);
   routing_result r{std::vector<std::int32_t>(N * k), std::vector<double>(N * k), std::vector<double>(N)};
-  const auto all = iota_experts(E);
+  std::vector<double> p(E);
   for (std::size_t t = 0; t < N; ++t) {
     const double* l = &logits[t * E];
-    r.margin[t] = detail::topk_of(l, all, k, &r.ids[t * k]);
+    double lmx = l[0], zall = 0;
+    for (int e = 1; e < E; ++e) lmx = std::max(lmx, l[e]);
+    for (int e = 0; e < E; ++e) zall += std::exp(l[e] - lmx);
+    for (int e = 0; e < E; ++e) p[e] = std::exp(l[e] - lmx) / zall;
+    double margin = std::numeric_limits<double>::infinity();
+    const auto cand = detail::node_candidates(p.data(), E, k, nl, margin);
+    r.margin[t] = std::min(margin, detail::topk_of(l, cand, k, &r.ids[t * k]));
     const double mx = l[r.ids[t * k]];
     double z = 0;
     for (int j = 0; j < k; ++j) z += std::exp(l[r.ids[t * k + j]] - mx);
@@ -372,6 +429,7 @@ struct sigmoid_bias_params {
   int topk_group = 1;
   double scaling = 1.0;
   bool normalize = true;
+  node_limit_params limit = {};  // nodes scored by s + bias (only with n_group == 1)
 };
 
 inline double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
@@ -399,7 +457,7 @@ inline routing_result sigmoid_bias(const std::vector<double>& logits, std::size_
     double margin = std::numeric_limits<double>::infinity();
     std::vector<int> cand;
     if (prm.n_group == 1) {
-      cand = iota_experts(E);
+      cand = detail::node_candidates(key.data(), E, k, prm.limit, margin);
     } else {
       const int top = std::min(2, gs);
       for (int g = 0; g < prm.n_group; ++g) {
@@ -502,6 +560,91 @@ inline std::vector<double> sigmoid_bias_backward(const std::vector<double>& logi
     for (int j = 0; j < k; ++j) gl[t * E + ids[t * k + j]] += gs[j] * s[j] * (1.0 - s[j]);
   }
   return gl;
+}
+
+// ---------------------------------------------------------------------------------------
+// Load balancing (spec section 9), float64
+// ---------------------------------------------------------------------------------------
+
+struct loss_result {
+  double loss = 0;
+  std::vector<double> grad;  // [N, E]: dL / dlogits
+};
+
+// Switch/GShard: L = alpha * E * sum_e f_e P_e, f_e = load_e / sum(load), P_e = mean_t p[t,e].
+inline loss_result aux_loss(const std::vector<double>& logits, std::size_t N, int E,
+                            const std::vector<std::int64_t>& load, double alpha) {
+  require(logits.size() == N * E && static_cast<int>(load.size()) == E, "aux_loss: shapes");
+  double total = 0;
+  for (auto v : load) total += static_cast<double>(v);
+  std::vector<double> f(E, 0.0), p(E);
+  for (int e = 0; e < E; ++e) f[e] = total > 0 ? static_cast<double>(load[e]) / total : 0.0;
+  loss_result r{0.0, std::vector<double>(N * E, 0.0)};
+  for (std::size_t t = 0; t < N; ++t) {
+    const double* l = &logits[t * E];
+    double mx = l[0], z = 0, q = 0;
+    for (int e = 1; e < E; ++e) mx = std::max(mx, l[e]);
+    for (int e = 0; e < E; ++e) z += std::exp(l[e] - mx);
+    for (int e = 0; e < E; ++e) q += f[e] * (p[e] = std::exp(l[e] - mx) / z);
+    r.loss += alpha * E * q / static_cast<double>(N);
+    for (int e = 0; e < E; ++e) r.grad[t * E + e] = alpha * E / static_cast<double>(N) * p[e] * (f[e] - q);
+  }
+  return r;
+}
+
+// DeepSeek-V3, sequences of T tokens: L = mean over sequences of alpha * sum_e f'_e P'_e,
+// f'_e = E / (k T) * #{t : e selected for t}, P'_e = mean_t s[t,e] / sum_e' s[t,e'].
+inline loss_result sequence_balance_loss(const std::vector<double>& logits, const std::vector<std::int32_t>& ids,
+                                         std::size_t N, int E, int k, std::size_t T, double alpha) {
+  require(logits.size() == N * E && ids.size() == N * k && T >= 1 && N % T == 0, "sequence_balance_loss: shapes");
+  const std::size_t nseq = N / T;
+  loss_result r{0.0, std::vector<double>(N * E, 0.0)};
+  std::vector<double> s(E);
+  for (std::size_t q = 0; q < nseq; ++q) {
+    std::vector<double> fp(E, 0.0);
+    for (std::size_t t = q * T; t < (q + 1) * T; ++t)
+      for (int e = 0; e < E; ++e)
+        if (std::find(&ids[t * k], &ids[t * k] + k, e) != &ids[t * k] + k) fp[e] += 1.0;
+    for (auto& v : fp) v *= static_cast<double>(E) / (static_cast<double>(k) * static_cast<double>(T));
+    for (std::size_t t = q * T; t < (q + 1) * T; ++t) {
+      double S = 0, dot = 0;
+      for (int e = 0; e < E; ++e) S += (s[e] = sigmoid(logits[t * E + e]));
+      for (int e = 0; e < E; ++e) dot += fp[e] * s[e] / S;
+      r.loss += alpha * dot / static_cast<double>(T) / static_cast<double>(nseq);
+      for (int e = 0; e < E; ++e)
+        r.grad[t * E + e] = alpha / static_cast<double>(N) * (fp[e] - dot) * s[e] * (1.0 - s[e]) / S;
+    }
+  }
+  return r;
+}
+
+// ST-MoE: L = beta * mean_t (logsumexp_e logits[t,e])^2.
+inline loss_result z_loss(const std::vector<double>& logits, std::size_t N, int E, double beta) {
+  require(logits.size() == N * E, "z_loss: shapes");
+  loss_result r{0.0, std::vector<double>(N * E, 0.0)};
+  for (std::size_t t = 0; t < N; ++t) {
+    const double* l = &logits[t * E];
+    double mx = l[0], z = 0;
+    for (int e = 1; e < E; ++e) mx = std::max(mx, l[e]);
+    for (int e = 0; e < E; ++e) z += std::exp(l[e] - mx);
+    const double lse = mx + std::log(z);
+    r.loss += beta * lse * lse / static_cast<double>(N);
+    for (int e = 0; e < E; ++e) r.grad[t * E + e] = beta * 2.0 / static_cast<double>(N) * lse * std::exp(l[e] - lse);
+  }
+  return r;
+}
+
+// DeepSeek-V3 bias update: sign(mean load - load_e), sign(0) = 0, in {-1, 0, 1}.
+inline std::vector<int> bias_update_signs(const std::vector<std::int64_t>& load) {
+  double mean = 0;
+  for (auto v : load) mean += static_cast<double>(v);
+  mean /= static_cast<double>(load.size());
+  std::vector<int> sgn(load.size());
+  for (std::size_t e = 0; e < load.size(); ++e) {
+    const double d = mean - static_cast<double>(load[e]);
+    sgn[e] = d > 0 ? 1 : d < 0 ? -1 : 0;
+  }
+  return sgn;
 }
 
 // Central finite difference of a scalar function at x, component-wise.
@@ -669,20 +812,24 @@ struct swiglu_experts {
 // ---------------------------------------------------------------------------------------
 
 // out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t]).  x [N, H], ids/w [N, k] -> out [N, H].
+// `keep` [N, k] (empty: every pair): a pair with keep 0 was dropped by a capacity and adds
+// nothing (spec section 8).
 template <class Experts>
 std::vector<double> moe_forward(const std::vector<double>& x, const std::vector<std::int32_t>& ids,
-                                const std::vector<double>& w, const Experts& ex) {
+                                const std::vector<double>& w, const Experts& ex, const std::vector<char>& keep = {}) {
   const std::size_t H = static_cast<std::size_t>(ex.H);
   require(H > 0 && x.size() % H == 0, "moe_forward: x must hold N*H values");
   const std::size_t N = x.size() / H;
   require(N == 0 ? ids.empty() : ids.size() % N == 0, "moe_forward: ids must hold N*k values");
   const std::size_t k = N == 0 ? 0 : ids.size() / N;
   require(w.size() == ids.size(), "moe_forward: weights and ids differ in size");
+  require(keep.empty() || keep.size() == ids.size(), "moe_forward: keep and ids differ in size");
   std::vector<double> out(N * H, 0.0), y(H);
   for (std::size_t t = 0; t < N; ++t)
     for (std::size_t j = 0; j < k; ++j) {
       const int e = ids[t * k + j];
       require(e >= 0 && e < ex.E, "moe_forward: expert id out of range");
+      if (!keep.empty() && !keep[t * k + j]) continue;
       ex.forward_row(e, &x[t * H], y.data());
       for (std::size_t h = 0; h < H; ++h) out[t * H + h] += w[t * k + j] * y[h];
     }
@@ -697,21 +844,25 @@ struct moe_grads {
 
 // Backward of moe_forward: grad_y[t,j] = w[t,j] grad_out[t]; grad_w[t,j] = <y[t,j], grad_out[t]>;
 // grad_x[t] = sum_j expert backward of grad_y[t,j]; parameter gradients summed over the batch.
+// A dropped pair (keep 0) gets grad_w = 0 and gives no gradient.
 template <class Experts>
 moe_grads moe_backward(const std::vector<double>& x, const std::vector<std::int32_t>& ids,
-                       const std::vector<double>& w, const std::vector<double>& grad_out, const Experts& ex) {
+                       const std::vector<double>& w, const std::vector<double>& grad_out, const Experts& ex,
+                       const std::vector<char>& keep = {}) {
   const std::size_t H = static_cast<std::size_t>(ex.H);
   require(H > 0 && x.size() % H == 0 && grad_out.size() == x.size(), "moe_backward: x/grad_out shapes");
   const std::size_t N = x.size() / H;
   require(N == 0 ? ids.empty() : ids.size() % N == 0, "moe_backward: ids must hold N*k values");
   const std::size_t k = N == 0 ? 0 : ids.size() / N;
   require(w.size() == ids.size(), "moe_backward: weights and ids differ in size");
+  require(keep.empty() || keep.size() == ids.size(), "moe_backward: keep and ids differ in size");
   moe_grads g{std::vector<double>(N * H, 0.0), std::vector<double>(N * k, 0.0), ex.zero_grads()};
   std::vector<double> y(H), gy(H), gx(H);
   for (std::size_t t = 0; t < N; ++t)
     for (std::size_t j = 0; j < k; ++j) {
       const int e = ids[t * k + j];
       require(e >= 0 && e < ex.E, "moe_backward: expert id out of range");
+      if (!keep.empty() && !keep[t * k + j]) continue;
       ex.forward_row(e, &x[t * H], y.data());
       double dot = 0;
       for (std::size_t h = 0; h < H; ++h) {
@@ -723,6 +874,60 @@ moe_grads moe_backward(const std::vector<double>& x, const std::vector<std::int3
       for (std::size_t h = 0; h < H; ++h) g.grad_x[t * H + h] += gx[h];
     }
   return g;
+}
+
+// ---------------------------------------------------------------------------------------
+// Capacity and token dropping (spec section 8), per EP group
+// ---------------------------------------------------------------------------------------
+
+struct capacity_params {
+  enum mode_t { off = 0, local = 1, global = 2 };
+  int mode = off;
+  double factor = 1.0;
+  std::int64_t rows = 0;  // > 0: the capacity itself
+  bool by_score = false;  // else by position
+};
+
+// keep[s] [n_s * k] for the senders of one EP group in ep-rank order; ids[s] and w[s] are
+// sender s's pairs [n_s, k] (its TP slice). local: C = ceil(factor * n_s * k / E) per
+// sender; global: C = ceil(factor * P / E), P all pairs of the group, filled in ep-rank
+// order. The pairs kept are the first by position (row, then slot) or by score (weight
+// descending, ties by position).
+inline std::vector<std::vector<char>> capacity_keep(const std::vector<std::vector<std::int32_t>>& ids,
+                                                    const std::vector<std::vector<double>>& w, int E, int k,
+                                                    const capacity_params& c) {
+  const std::size_t S = ids.size();
+  std::vector<std::vector<char>> keep(S);
+  for (std::size_t s = 0; s < S; ++s) keep[s].assign(ids[s].size(), 1);
+  if (c.mode == capacity_params::off) return keep;
+  const auto cap = [&](double pairs) {
+    return c.rows > 0 ? c.rows : static_cast<std::int64_t>(std::ceil(c.factor * pairs / static_cast<double>(E)));
+  };
+  std::vector<std::vector<std::int64_t>> count(S, std::vector<std::int64_t>(E, 0));
+  double P = 0;
+  for (std::size_t s = 0; s < S; ++s) {
+    for (auto e : ids[s]) ++count[s][e];
+    P += static_cast<double>(ids[s].size());
+  }
+  for (int e = 0; e < E; ++e) {
+    std::int64_t before = 0;
+    for (std::size_t s = 0; s < S; ++s) {
+      std::int64_t C;
+      if (c.mode == capacity_params::local) {
+        C = std::min(count[s][e], cap(static_cast<double>(ids[s].size())));
+      } else {
+        C = std::max<std::int64_t>(0, std::min(count[s][e], cap(P) - before));
+        before += count[s][e];
+      }
+      std::vector<std::size_t> mine;  // pair indices (row, slot order)
+      for (std::size_t i = 0; i < ids[s].size(); ++i)
+        if (ids[s][i] == e) mine.push_back(i);
+      if (c.by_score)
+        std::stable_sort(mine.begin(), mine.end(), [&](std::size_t a, std::size_t b) { return w[s][a] > w[s][b]; });
+      for (std::size_t r = static_cast<std::size_t>(C); r < mine.size(); ++r) keep[s][mine[r]] = 0;
+    }
+  }
+  return keep;
 }
 
 // Expert-weight gradients after the hook (spec section 6): the mean of the per-batch

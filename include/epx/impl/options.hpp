@@ -4,6 +4,7 @@
 #include <cstddef>
 
 #include "epx/core/error.hpp"
+#include "epx/layout/capacity.hpp"
 #include "epx/layout/padding.hpp"
 
 namespace epx {
@@ -31,6 +32,14 @@ struct layer_options {
   // is fused into the dispatch and the combine into the return, with no send buffer.
   // false: always move rows through the communicator's all-to-all (same results, bitwise).
   bool peer_access = true;
+  // Capacity and token dropping (spec section 8; epx/layout/capacity.hpp): off by default.
+  capacity_policy capacity = {};
+  // Nodes (spec section 10): `ranks_per_node` consecutive ep ranks form a node (must divide
+  // ep; 0: not given, no node statistics); `max_nodes` M > 0 limits each token's experts to
+  // M nodes (k must fit in M nodes). The layer checks them at construction and hands the
+  // routing policies their limit (moe_layer::node_limit()); it reports nodes per token.
+  int ranks_per_node = 0;
+  int max_nodes = 0;
 };
 
 }  // namespace epx

@@ -9,6 +9,8 @@
 //   3. the receive layout (epx/layout/receive.hpp) from the gathered counts (all-to-all) or
 //      from this rank's own counts (masked path);
 //   4. the statistics of the call (detail::record_stats);
+// with, around the exchange, capacity and node statistics (epx/impl/limits.hpp): the
+// dropped pairs lose their send positions before the receive layout is made;
 // and runs the experts (run_experts), in place where they allow it.
 #pragma once
 
@@ -20,6 +22,7 @@
 #include "epx/exec/workspace.hpp"
 #include "epx/impl/experts.hpp"
 #include "epx/impl/implementation.hpp"
+#include "epx/impl/limits.hpp"
 #include "epx/impl/stats.hpp"
 #include "epx/layout/exchange.hpp"
 #include "epx/layout/plan.hpp"
@@ -60,16 +63,30 @@ routed<Exec> route_forward(const layer_context<Comm>& ctx, const Exec& ex, const
     msg = layout::describe(r.plan.check, a.top_k, E, q.row0);
   }
   const std::size_t ncounts = q.gather_counts ? static_cast<std::size_t>(E) : 0;
+  // Limits (epx/impl/limits.hpp): node figures travel after the counts; capacity drops pairs.
+  const std::int32_t* ids = ok ? a.ids + q.row0 * k : nullptr;
+  call_limits lim = count_nodes(*ctx.topology, ctx.options, ex, ids, ok ? q.n : 0, a.top_k, r.plan.host_counts,
+                                q.gather_counts);
   r.records = exchange_records(*ctx.ep, ex, status, a.rows, a.hidden, a.top_k, ctx.rank,
-                               ncounts ? r.plan.host_counts.data() : nullptr, ncounts, msg, "moe_layer forward",
+                               lim.counts(r.plan.host_counts, ncounts), lim.size(ncounts), msg, "moe_layer forward",
                                q.agree_rows);
   const int ep = ctx.ep_size();
-  if (q.gather_counts)
-    r.layout = make_receive_layout(ep, ep, L, ctx.options.pad, [&](int s) { return r.records.counts(s); });
-  else
+  if (q.gather_counts) {
+    apply_capacity(ctx.options.capacity, ex, r.records, ctx.ep_rank(), ctx.tp_size(), E, a.top_k, ids,
+                   ok ? a.weights + q.row0 * k : nullptr, r.plan, lim);
+    const auto kept = [&](int s) {
+      return lim.kept.empty() ? r.records.counts(s) : lim.kept.data() + static_cast<std::size_t>(s) * E;
+    };
+    r.layout = make_receive_layout(ep, ep, L, ctx.options.pad, kept, [&](int s) { return r.records.counts(s); });
+  } else {
+    apply_capacity_masked(ctx.options.capacity, ex, ep, E, a.top_k, q.n, ids, ok ? a.weights + q.row0 * k : nullptr,
+                          r.plan, lim);
     r.layout = make_receive_layout(1, ep, L, ctx.options.pad, [&](int) { return r.plan.host_counts.data(); });
-  if (ctx.stats != nullptr)
+  }
+  if (ctx.stats != nullptr) {
     record_stats(*ctx.stats, q.path, r.layout, ctx.ep_rank(), q.moves_rows);
+    record_limits(*ctx.stats, lim, &r.records, ncounts);
+  }
   return r;
 }
 

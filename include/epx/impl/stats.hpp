@@ -17,14 +17,24 @@ struct layer_stats {
   // This rank, [ep]: rows sent to and received from every ep peer (zero on the masked path).
   std::vector<std::int64_t> rows_sent;
   std::vector<std::int64_t> rows_received;
-  // The whole EP group, [E]: (token, slot) pairs routed to each global expert.
+  // The whole EP group, [E]: (token, slot) pairs routed to each global expert (with a
+  // capacity: routed, dropped ones included; tokens_per_local_expert holds what arrived).
   std::vector<std::int64_t> tokens_per_expert;
   // Over the E experts of the EP group.
   double max_expert_load = 0.0;
   double mean_expert_load = 0.0;
-  // Over the ep ranks: rows each rank's experts received.
+  // Over the ep ranks: pairs routed to each rank's experts (rows received, without a capacity).
   double max_rank_load = 0.0;
   double mean_rank_load = 0.0;
+  // Capacity (layer_options::capacity), the whole EP group, [E]: pairs dropped for each
+  // global expert (tokens_per_expert counts them too: it is the routing's load); empty
+  // without a capacity. dropped_pairs: their sum.
+  std::vector<std::int64_t> dropped_per_expert;
+  std::int64_t dropped_pairs = 0;
+  // With layer_options::ranks_per_node: distinct nodes among each token's k experts, over
+  // the tokens the EP group dispatched (0 without ranks_per_node).
+  std::int64_t max_nodes_per_token = 0;
+  double mean_nodes_per_token = 0.0;
   // Which path ran last: "all_to_all", "all_reduce" or a user implementation's name.
   const char* path = "";
   // The all-to-all path read rows straight out of the peers' buffers (layer_options::peer_access)
@@ -41,6 +51,8 @@ struct layer_stats {
 };
 
 namespace detail {
+
+inline void summarize_loads(layer_stats& st, int owners, int L);
 
 // The one statistics routine of the built-in implementations: this rank is owner and
 // source `me` of the receive layout. `moves_rows`: rows travel between ranks (all-to-all);
@@ -73,6 +85,17 @@ inline void record_stats(layer_stats& st, const char* path, const receive_layout
   st.tokens_per_expert.assign(E, 0);
   for (int s = 0; s < lay.sources; ++s)
     for (std::size_t e = 0; e < E; ++e) st.tokens_per_expert[e] += lay.count(s, e);
+  st.dropped_per_expert.clear();
+  st.dropped_pairs = 0;
+  st.max_nodes_per_token = 0;
+  st.mean_nodes_per_token = 0.0;
+  summarize_loads(st, owners, L);
+}
+
+// The max/mean loads of tokens_per_expert ([owners * L]), over experts and over ep ranks.
+inline void summarize_loads(layer_stats& st, int owners, int L) {
+  const auto Ls = static_cast<std::size_t>(L);
+  const std::size_t E = st.tokens_per_expert.size();
   std::int64_t total = 0, mx = 0;
   for (auto c : st.tokens_per_expert) {
     total += c;

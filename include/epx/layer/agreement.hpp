@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,12 @@ struct layer_record_field {
   std::int64_t value;
 };
 
+inline std::int64_t double_bits(double v) {
+  std::int64_t b = 0;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
+}
+
 // The fields that must agree, in a fixed order (world_rank, first, is for messages only).
 inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_options& o, int world_rank) {
   return {{"world_rank", world_rank},
@@ -41,7 +48,13 @@ inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_o
           {"pad.align", o.pad.align},
           {"counts", static_cast<std::int64_t>(o.counts)},
           {"chunks", static_cast<std::int64_t>(o.chunks)},
-          {"peer_access", o.peer_access ? 1 : 0}};
+          {"peer_access", o.peer_access ? 1 : 0},
+          {"capacity.mode", static_cast<std::int64_t>(o.capacity.mode)},
+          {"capacity.factor (bits of the double)", double_bits(o.capacity.factor)},
+          {"capacity.rows", o.capacity.rows},
+          {"capacity.priority", static_cast<std::int64_t>(o.capacity.priority)},
+          {"ranks_per_node", o.ranks_per_node},
+          {"max_nodes", o.max_nodes}};
 }
 
 // Collective over `comm`: raises errc::configuration on every rank of comm when a rank

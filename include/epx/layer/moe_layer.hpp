@@ -42,6 +42,7 @@
 #include "epx/impl/automatic.hpp"
 #include "epx/impl/all_to_all.hpp"
 #include "epx/impl/implementation.hpp"
+#include "epx/impl/limits.hpp"
 #include "epx/exec/host.hpp"
 #include "epx/exec/policy.hpp"
 #include "epx/layer/agreement.hpp"
@@ -163,6 +164,9 @@ class moe_layer {
   }
 
   const layer_stats& stats() const noexcept { return *stats_; }
+  // The node limit of layer_options::ranks_per_node and max_nodes, for the routing policies
+  // (`policy.limit = layer.node_limit();`); no limit when max_nodes is 0.
+  routing::node_limit node_limit() const { return detail::node_limit_for(*mesh_, options_); }
   const mesh& topology() const noexcept { return *mesh_; }
   const layer_options& options() const noexcept { return options_; }
   const Exec& policy() const noexcept { return exec_; }
@@ -208,6 +212,7 @@ class moe_layer {
       o.pad.validate();
       EPX_REQUIRE(o.counts == count_exchange::host, errc::configuration,
                   "layer_options.counts: the device-side count exchange is not available yet; use count_exchange::host");
+      detail::validate_limits(m, o);  // capacity, ranks_per_node, max_nodes (epx/impl/limits.hpp)
       return can_implement<impl_type>(m, o);
     } catch (const error& e) {
       return e.message();

@@ -14,7 +14,8 @@
 
 namespace epx::layout {
 
-// local_pos[i] = row of pair i in the local buffer, or -1 when its expert is not local:
+// local_pos[i] = row of pair i in the local buffer, or -1 when its expert is not local or
+// it has no send position (dropped by a capacity, epx/layout/capacity.hpp):
 //   local_offset[l] + (pos[i] - expert_offset[e])   for e = ids[i], l = e - first local.
 // Call with i in [0, n*k).
 struct masked_positions {
@@ -28,7 +29,7 @@ struct masked_positions {
 
   EPX_HOST_DEVICE void operator()(std::size_t i) const {
     const int l = ids[i] - first_expert;
-    if (l < 0 || l >= num_local) {
+    if (l < 0 || l >= num_local || pos[i] < 0) {
       local_pos[i] = -1;
       return;
     }

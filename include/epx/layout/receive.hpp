@@ -15,6 +15,10 @@
 // The row records walk these maps row by row:
 //   dispatch: owner d's expert-major row i <- send position q of source s;
 //   return:   send position p of member s <- row r of owner d's expert-major buffer.
+// With a capacity (epx/layout/capacity.hpp) member s's send order keeps its plan's
+// positions, sent(s)[e] of them per expert, of which the first counts(s)[e] travel: the
+// dropped pairs leave holes at the end of each expert's block (make_receive_layout with
+// sent_of).
 #pragma once
 
 #include <cstddef>
@@ -34,6 +38,7 @@ struct receive_layout {
   std::vector<std::size_t> recv_displ;     // [owners][sources][L]: first row of s's rows of local expert l at d
   std::vector<std::size_t> expert_offset;  // [owners][L+1]: first row of local expert l at d, padding included
   std::vector<std::size_t> received_rows;  // [owners][L]: rows local expert l of d receives (no padding)
+  std::vector<std::size_t> send_size;      // [sources]: positions of s's send order (holes included)
 
   std::size_t E() const noexcept { return static_cast<std::size_t>(owners) * static_cast<std::size_t>(L); }
   std::int64_t count(int s, std::size_t e) const noexcept { return counts[static_cast<std::size_t>(s) * E() + e]; }
@@ -52,16 +57,15 @@ struct receive_layout {
     return received_rows.data() + static_cast<std::size_t>(d) * static_cast<std::size_t>(L);
   }
   std::size_t rows(int d) const noexcept { return offsets(d)[L]; }
-  // Pairs member s sends (the rows of its send order).
-  std::size_t sent(int s) const noexcept {
-    const std::size_t e = E();
-    return e == 0 ? 0 : send_at(s, e - 1) + static_cast<std::size_t>(count(s, e - 1));
-  }
+  // Positions of member s's send order (the pairs it sends, and the holes of dropped pairs).
+  std::size_t sent(int s) const noexcept { return send_size[static_cast<std::size_t>(s)]; }
 };
 
-// counts_of(s) points at member s's E counts (s in [0, sources)).
-template <class CountsOf>
-receive_layout make_receive_layout(int sources, int owners, int L, const padding& pad, CountsOf&& counts_of) {
+// counts_of(s) points at member s's E counts (s in [0, sources)); sent_of(s) at the E
+// counts of its send order's blocks (>= counts_of(s), the difference being holes).
+template <class CountsOf, class SentOf>
+receive_layout make_receive_layout(int sources, int owners, int L, const padding& pad, CountsOf&& counts_of,
+                                   SentOf&& sent_of) {
   receive_layout r;
   r.sources = sources;
   r.owners = owners;
@@ -73,14 +77,17 @@ receive_layout make_receive_layout(int sources, int owners, int L, const padding
   r.recv_displ.resize(D * S * Ls);
   r.expert_offset.resize(D * (Ls + 1));
   r.received_rows.resize(D * Ls);
+  r.send_size.resize(S);
   for (std::size_t s = 0; s < S; ++s) {
     const std::int64_t* c = counts_of(static_cast<int>(s));
+    const std::int64_t* b = sent_of(static_cast<int>(s));
     std::size_t at = 0;
     for (std::size_t e = 0; e < E; ++e) {
       r.counts[s * E + e] = c[e];
       r.send_offset[s * E + e] = at;
-      at += static_cast<std::size_t>(c[e]);
+      at += static_cast<std::size_t>(b[e]);
     }
+    r.send_size[s] = at;
   }
   for (std::size_t d = 0; d < D; ++d) {
     std::size_t off = 0;
@@ -98,6 +105,12 @@ receive_layout make_receive_layout(int sources, int owners, int L, const padding
     r.expert_offset[d * (Ls + 1) + Ls] = off;
   }
   return r;
+}
+
+// Every pair of the send order travels: sent_of = counts_of.
+template <class CountsOf>
+receive_layout make_receive_layout(int sources, int owners, int L, const padding& pad, CountsOf&& counts_of) {
+  return make_receive_layout(sources, owners, L, pad, counts_of, counts_of);
 }
 
 // What member `me` passes to a segmented all-to-all, in rows; arrays are [peers][L]

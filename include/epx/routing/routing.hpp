@@ -32,6 +32,8 @@
 //   routing/softmax_topk.hpp  routing/topk_softmax.hpp  routing/sigmoid_bias.hpp
 //   routing/given.hpp         one policy each, its forward and backward functors
 //   routing/detail/topk.hpp   the per-token top-k list and float32 math (sigmoid, softmax)
+//   routing/node_limit.hpp    node-limited selection (every policy's `limit` member)
+// and, beside it, routing/balance.hpp: balancing losses, expert loads and the bias update.
 #pragma once
 
 #include <cstddef>
@@ -45,6 +47,7 @@
 #include "epx/exec/host.hpp"
 #include "epx/routing/common.hpp"
 #include "epx/routing/given.hpp"
+#include "epx/routing/node_limit.hpp"
 #include "epx/routing/sigmoid_bias.hpp"
 #include "epx/routing/softmax_topk.hpp"
 #include "epx/routing/topk_softmax.hpp"

@@ -11,6 +11,7 @@
 #include "epx/exec/host.hpp"
 #include "epx/routing/common.hpp"
 #include "epx/routing/detail/topk.hpp"
+#include "epx/routing/node_limit.hpp"
 
 namespace epx::routing {
 
@@ -21,12 +22,15 @@ namespace epx::routing {
 // E / n_group; a group's score is the sum of its two largest s + bias (its one value for
 // groups of a single expert), as in DeepSeek-V3; the topk_group best groups are kept (ties
 // to the lower group id) and the top-k is taken among the experts of the kept groups.
+// `limit`: node-limited selection (epx/routing/node_limit.hpp), nodes scored by s + bias;
+// it replaces group-limited selection (n_group must then be 1).
 struct sigmoid_bias {
   const float* bias = nullptr;  // [E] in the policy's memory space; null: no bias
   int n_group = 1;
   int topk_group = 1;
   float scaling = 1.0f;
   bool normalize = true;
+  node_limit limit = {};
 };
 
 namespace detail {
@@ -35,7 +39,8 @@ namespace detail {
 // Returns false with `st` filled when a bias value is not finite.
 template <class T>
 EPX_HOST_DEVICE inline bool sigmoid_bias_select(const T* l, int E, const float* bias, int n_group, int topk_group,
-                                                topk_list<max_top_k>& top, token_status& st) noexcept {
+                                                const node_limit& limit, topk_list<max_top_k>& top,
+                                                token_status& st) noexcept {
   if (bias != nullptr) {
     for (int e = 0; e < E; ++e)
       if (!is_finite_f32(bias[e])) {
@@ -50,7 +55,8 @@ EPX_HOST_DEVICE inline bool sigmoid_bias_select(const T* l, int E, const float* 
     return bias != nullptr ? s + bias[e] : s;
   };
   if (n_group <= 1) {
-    for (int e = 0; e < E; ++e) top.offer(key(e), e);
+    const std::uint64_t nodes = select_nodes(limit, E, top.k, key, key);
+    for_each_allowed(limit, nodes, E, [&](int e) { top.offer(key(e), e); });
     return true;
   }
   const int gs = E / n_group;
@@ -84,6 +90,7 @@ struct sigmoid_bias_forward {
   int topk_group;
   float scaling;
   bool normalize;
+  node_limit limit;
 
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
     const T* l;
@@ -91,7 +98,7 @@ struct sigmoid_bias_forward {
     const int k = io.k;
     topk_list<max_top_k> top(k);
     token_status st = token_ok();
-    if (!sigmoid_bias_select(l, io.E, bias, n_group, topk_group, top, st)) return io.fail(t, st);
+    if (!sigmoid_bias_select(l, io.E, bias, n_group, topk_group, limit, top, st)) return io.fail(t, st);
     float* w = io.weights + t * k;
     std::int32_t* id = io.ids + t * k;
     float sum = 0.0f;
@@ -154,13 +161,17 @@ inline void validate(const sigmoid_bias& policy, const char* call, int E, int k)
               tg * (E / ng));
   EPX_REQUIRE(is_finite_f32(policy.scaling), errc::configuration, call, "(sigmoid_bias): scaling (", policy.scaling,
               ") is not finite");
+  validate_node_limit(call, policy_name(policy), policy.limit, E, k);
+  EPX_REQUIRE(ng == 1 || policy.limit.max_nodes == 0, errc::configuration, call,
+              "(sigmoid_bias): a node limit (max_nodes ", policy.limit.max_nodes, ") and group-limited selection (n_group ",
+              ng, ") do not combine: use one or the other");
 }
 
 template <class Exec, class T>
 void launch_forward(const sigmoid_bias& policy, const Exec& exec, std::size_t N, const forward_io<T>& io) {
   exec::for_each_n(exec, N,
                    sigmoid_bias_forward<T>{io, policy.bias, policy.n_group, policy.topk_group, policy.scaling,
-                                           policy.normalize});
+                                           policy.normalize, policy.limit});
 }
 
 template <class Exec, class T>

@@ -9,6 +9,7 @@
 #include "epx/exec/host.hpp"
 #include "epx/routing/common.hpp"
 #include "epx/routing/detail/topk.hpp"
+#include "epx/routing/node_limit.hpp"
 
 namespace epx::routing {
 
@@ -17,8 +18,10 @@ namespace epx::routing {
 // themselves (the very values the weights are made of), not the logits: distinct logits
 // can round to one p (logits 0 and 1e-8 both give p = 0.5; logits far below the maximum
 // give p = 0), and such experts tie, the tie going to the lower expert id.
+// `limit`: node-limited selection (epx/routing/node_limit.hpp), nodes scored by p.
 struct softmax_topk {
   bool renormalize = false;
+  node_limit limit = {};
 };
 
 namespace detail {
@@ -33,6 +36,7 @@ template <class T>
 struct softmax_topk_forward {
   forward_io<T> io;
   bool renormalize;
+  node_limit limit;
 
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
     const T* l;
@@ -42,7 +46,10 @@ struct softmax_topk_forward {
     // The top-k of p, offered in ascending id: equal p keep the lower id first. The keys are
     // the weights, so selection and weights see the same float32 values.
     topk_list<max_top_k> top(k);
-    for (int e = 0; e < io.E; ++e) top.offer(sm.p(convert<float>(l[e])), e);
+    const auto p = [&](int e) { return sm.p(convert<float>(l[e])); };
+    // Nodes ranked by the logits (p grows with them), scored by p.
+    const std::uint64_t nodes = select_nodes(limit, io.E, k, [&](int e) { return convert<float>(l[e]); }, p);
+    for_each_allowed(limit, nodes, io.E, [&](int e) { top.offer(p(e), e); });
     float* w = io.weights + t * k;
     std::int32_t* id = io.ids + t * k;
     float sel = 0.0f;
@@ -97,11 +104,12 @@ inline const char* policy_name(const softmax_topk&) { return "softmax_topk"; }
 
 inline void validate(const softmax_topk& policy, const char* call, int E, int k) {
   validate_top_k(call, policy_name(policy), E, k);
+  validate_node_limit(call, policy_name(policy), policy.limit, E, k);
 }
 
 template <class Exec, class T>
 void launch_forward(const softmax_topk& policy, const Exec& exec, std::size_t N, const forward_io<T>& io) {
-  exec::for_each_n(exec, N, softmax_topk_forward<T>{io, policy.renormalize});
+  exec::for_each_n(exec, N, softmax_topk_forward<T>{io, policy.renormalize, policy.limit});
 }
 
 template <class Exec, class T>

@@ -9,24 +9,35 @@
 #include "epx/exec/host.hpp"
 #include "epx/routing/common.hpp"
 #include "epx/routing/detail/topk.hpp"
+#include "epx/routing/node_limit.hpp"
 
 namespace epx::routing {
 
-// Top-k of the logits, softmax over the k selected logits.
-struct topk_softmax {};
+// Top-k of the logits, softmax over the k selected logits. `limit`: node-limited selection
+// (epx/routing/node_limit.hpp), nodes scored by p = softmax(logits) over all E.
+struct topk_softmax {
+  node_limit limit = {};
+};
 
 namespace detail {
 
 template <class T>
 struct topk_softmax_forward {
   forward_io<T> io;
+  node_limit limit;
 
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
     const T* l;
     if (!io.begin(t, l)) return;
     const int k = io.k;
     topk_list<max_top_k> top(k);
-    for (int e = 0; e < io.E; ++e) top.offer(convert<float>(l[e]), e);
+    std::uint64_t nodes = ~std::uint64_t{0};
+    if (limit.active()) {
+      const softmax_f32 all = softmax_of(io.E, [&](int e) { return convert<float>(l[e]); });
+      nodes = select_nodes(limit, io.E, k, [&](int e) { return convert<float>(l[e]); },
+                           [&](int e) { return all.p(convert<float>(l[e])); });
+    }
+    for_each_allowed(limit, nodes, io.E, [&](int e) { top.offer(convert<float>(l[e]), e); });
     // The keys are descending: the softmax's maximum is top.key[0].
     const softmax_f32 sm = softmax_of(k, [&](int j) { return top.key[j]; });
     float* w = io.weights + t * k;
@@ -62,11 +73,12 @@ inline const char* policy_name(const topk_softmax&) { return "topk_softmax"; }
 
 inline void validate(const topk_softmax& policy, const char* call, int E, int k) {
   validate_top_k(call, policy_name(policy), E, k);
+  validate_node_limit(call, policy_name(policy), policy.limit, E, k);
 }
 
 template <class Exec, class T>
-void launch_forward(const topk_softmax&, const Exec& exec, std::size_t N, const forward_io<T>& io) {
-  exec::for_each_n(exec, N, topk_softmax_forward<T>{io});
+void launch_forward(const topk_softmax& policy, const Exec& exec, std::size_t N, const forward_io<T>& io) {
+  exec::for_each_n(exec, N, topk_softmax_forward<T>{io, policy.limit});
 }
 
 template <class Exec, class T>

@@ -1,0 +1,244 @@
+// The cost of capacity enforcement and node-limited routing next to the plain layout
+// (spec sections 8 and 10), on one rank (one thread, exec::serial).
+//
+//   ./bench_limits --benchmark_out=limits.json --benchmark_out_format=json
+//   ./bench_limits --benchmark_filter=capacity --benchmark_min_time=0.2
+//
+// capacity/...: every iteration builds the counting-sort send plan of n tokens x top-k
+// (layout::build_plan, the layout stage) and then applies the capacity to it the way the
+// all-to-all path does on one rank of an EP group (detail::apply_capacity, from the counts
+// of the count exchange: no communication here). Counters, medians over the iterations:
+//   layout_us      the plan alone
+//   capacity_us    the capacity step alone
+//   added_vs_layout  capacity_us / layout_us (target: <= 0.10 at 4096 tokens, top-8, 256 experts)
+//   dropped        pairs dropped on this rank
+// A global capacity reads the counts of all `ep` ranks (the gathered matrix; the other
+// ranks' counts are this rank's, shifted).
+//
+// routing/...: routing::route with softmax_topk over n tokens x E experts, without and with
+// a node limit (nodes, M): routing_us, limited_us, added_vs_routing = limited / plain - 1,
+// and added_vs_layout = (limited - plain) / the plain layout of the same pairs.
+//
+// nodes/...: the layer's nodes-per-token statistic (routing::token_nodes and its tally,
+// detail::count_nodes) over n tokens: nodes_us and added_vs_layout.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "epx/epx.hpp"
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+double seconds_since(clock_type::time_point a, clock_type::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
+enum routing_kind : int { balanced = 0, zipf = 1 };
+
+// [n, k] distinct experts per token: uniform, or P(e) ~ 1 / (e + 1) (zipf).
+std::vector<std::int32_t> make_ids(std::size_t n, int k, int E, routing_kind r, std::uint64_t seed) {
+  std::vector<std::int32_t> ids(n * static_cast<std::size_t>(k));
+  std::vector<double> cdf(static_cast<std::size_t>(E));
+  double s = 0;
+  for (int e = 0; e < E; ++e) cdf[static_cast<std::size_t>(e)] = (s += r == balanced ? 1.0 : 1.0 / (e + 1.0));
+  std::mt19937_64 gen(seed);
+  std::uniform_real_distribution<double> u(0.0, s);
+  std::vector<char> used(static_cast<std::size_t>(E));
+  for (std::size_t t = 0; t < n; ++t) {
+    std::fill(used.begin(), used.end(), 0);
+    for (int j = 0; j < k; ++j) {
+      int e;
+      do {
+        e = std::min(E - 1, static_cast<int>(std::lower_bound(cdf.begin(), cdf.end(), u(gen)) - cdf.begin()));
+      } while (used[static_cast<std::size_t>(e)]);
+      used[static_cast<std::size_t>(e)] = 1;
+      ids[t * static_cast<std::size_t>(k) + static_cast<std::size_t>(j)] = e;
+    }
+  }
+  return ids;
+}
+
+std::vector<float> make_weights(std::size_t n, int k, std::uint64_t seed) {
+  std::vector<float> w(n * static_cast<std::size_t>(k));
+  std::mt19937 gen(static_cast<unsigned>(seed));
+  std::uniform_real_distribution<float> u(0.01f, 1.0f);
+  for (auto& v : w) v = u(gen);
+  return w;
+}
+
+struct capacity_shape {
+  std::size_t tokens;
+  int k, E, ep;
+  routing_kind routing;
+  epx::capacity_mode mode;
+  double factor;
+  epx::drop_priority priority;
+};
+
+void bench_capacity(benchmark::State& state, capacity_shape s) {
+  const epx::exec::serial ex;
+  const auto ids = make_ids(s.tokens, s.k, s.E, s.routing, 17);
+  const auto w = make_weights(s.tokens, s.k, 18);
+  epx::capacity_policy cap;
+  cap.mode = s.mode;
+  cap.factor = s.factor;
+  cap.priority = s.priority;
+  // The gathered records of `ep` ranks: this rank (0) and the others with its counts
+  // rotated, so that every expert sees several senders.
+  const auto probe = epx::layout::build_plan(ex, ids.data(), w.data(), s.tokens, s.k, s.E, 1);
+  epx::detail::group_records g;
+  g.size = s.ep;
+  g.stride = epx::detail::record_header + static_cast<std::size_t>(s.E);
+  g.data.assign(g.stride * static_cast<std::size_t>(s.ep), 0);
+  for (int r = 0; r < s.ep; ++r) {
+    std::int64_t* rec = g.data.data() + static_cast<std::size_t>(r) * g.stride;
+    rec[1] = static_cast<std::int64_t>(s.tokens);
+    for (int e = 0; e < s.E; ++e) rec[epx::detail::record_header + e] = probe.host_counts[static_cast<std::size_t>((e + r) % s.E)];
+  }
+  std::vector<double> t_layout, t_cap;
+  std::int64_t dropped = 0;
+  for (auto _ : state) {
+    const auto t0 = clock_type::now();
+    auto plan = epx::layout::build_plan(ex, ids.data(), w.data(), s.tokens, s.k, s.E, 1);
+    benchmark::DoNotOptimize(plan.pos.data());
+    const auto t1 = clock_type::now();
+    epx::detail::call_limits lim;
+    epx::detail::apply_capacity(cap, ex, g, 0, 1, s.E, s.k, ids.data(), w.data(), plan, lim);
+    benchmark::DoNotOptimize(plan.pos.data());
+    const auto t2 = clock_type::now();
+    t_layout.push_back(seconds_since(t0, t1));
+    t_cap.push_back(seconds_since(t1, t2));
+    state.SetIterationTime(seconds_since(t0, t2));
+    dropped = 0;
+    for (std::size_t i = 0; i < ids.size(); ++i) dropped += plan.pos.data()[i] < 0 ? 1 : 0;
+  }
+  const double tl = median(t_layout), tc = median(t_cap);
+  state.counters["layout_us"] = tl * 1e6;
+  state.counters["capacity_us"] = tc * 1e6;
+  state.counters["added_vs_layout"] = tl > 0 ? tc / tl : 0.0;
+  state.counters["dropped"] = static_cast<double>(dropped);
+}
+
+struct routing_shape {
+  std::size_t tokens;
+  int k, E, nodes, M;
+};
+
+void bench_routing(benchmark::State& state, routing_shape s) {
+  const epx::exec::serial ex;
+  std::vector<float> logits(s.tokens * static_cast<std::size_t>(s.E));
+  std::mt19937 gen(5);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  for (auto& v : logits) v = nd(gen);
+  std::vector<std::int32_t> ids(s.tokens * static_cast<std::size_t>(s.k));
+  std::vector<float> w(ids.size());
+  const epx::routing::softmax_topk plain{true};
+  const epx::routing::softmax_topk limited{true, epx::routing::node_limit{s.nodes, s.M}};
+  std::vector<double> t_plain, t_limited, t_layout;
+  for (auto _ : state) {
+    const auto t0 = clock_type::now();
+    epx::routing::route(plain, ex, logits.data(), s.tokens, s.E, s.k, ids.data(), w.data());
+    benchmark::DoNotOptimize(ids.data());
+    const auto t1 = clock_type::now();
+    auto plan = epx::layout::build_plan(ex, ids.data(), w.data(), s.tokens, s.k, s.E, 1);
+    benchmark::DoNotOptimize(plan.pos.data());
+    const auto t2 = clock_type::now();
+    epx::routing::route(limited, ex, logits.data(), s.tokens, s.E, s.k, ids.data(), w.data());
+    benchmark::DoNotOptimize(ids.data());
+    const auto t3 = clock_type::now();
+    t_plain.push_back(seconds_since(t0, t1));
+    t_layout.push_back(seconds_since(t1, t2));
+    t_limited.push_back(seconds_since(t2, t3));
+    state.SetIterationTime(seconds_since(t0, t3));
+  }
+  const double tp = median(t_plain), tl = median(t_limited), tlay = median(t_layout);
+  state.counters["routing_us"] = tp * 1e6;
+  state.counters["limited_us"] = tl * 1e6;
+  state.counters["layout_us"] = tlay * 1e6;
+  state.counters["added_vs_routing"] = tp > 0 ? tl / tp - 1.0 : 0.0;
+  state.counters["added_vs_layout"] = tlay > 0 ? (tl - tp) / tlay : 0.0;
+}
+
+void bench_nodes(benchmark::State& state, capacity_shape s) {
+  const epx::exec::serial ex;
+  const auto ids = make_ids(s.tokens, s.k, s.E, s.routing, 21);
+  const auto w = make_weights(s.tokens, s.k, 22);
+  epx::mesh_config mc;
+  mc.fsdp = s.ep;
+  mc.ep = s.ep;
+  mc.experts = s.E;
+  const epx::mesh m(mc);
+  epx::layer_options o;
+  o.top_k = s.k;
+  o.ranks_per_node = 1;
+  std::vector<double> t_layout, t_nodes;
+  for (auto _ : state) {
+    const auto t0 = clock_type::now();
+    auto plan = epx::layout::build_plan(ex, ids.data(), w.data(), s.tokens, s.k, s.E, 1);
+    benchmark::DoNotOptimize(plan.pos.data());
+    const auto t1 = clock_type::now();
+    const auto lim = epx::detail::count_nodes(m, o, ex, ids.data(), s.tokens, s.k, plan.host_counts, true);
+    benchmark::DoNotOptimize(lim.tally);
+    const auto t2 = clock_type::now();
+    t_layout.push_back(seconds_since(t0, t1));
+    t_nodes.push_back(seconds_since(t1, t2));
+    state.SetIterationTime(seconds_since(t0, t2));
+  }
+  const double tl = median(t_layout), tn = median(t_nodes);
+  state.counters["layout_us"] = tl * 1e6;
+  state.counters["nodes_us"] = tn * 1e6;
+  state.counters["added_vs_layout"] = tl > 0 ? tn / tl : 0.0;
+}
+
+std::string capacity_name(const capacity_shape& s) {
+  return epx::detail::concat("capacity/tokens:", s.tokens, "/k:", s.k, "/experts:", s.E, "/",
+                             s.routing == balanced ? "balanced" : "zipf", "/", epx::to_string(s.mode), "/factor:",
+                             s.factor, "/", epx::to_string(s.priority));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::size_t n = 4096;
+  const int k = 8, E = 256, ep = 8;
+  for (auto r : {balanced, zipf})
+    for (auto mode : {epx::capacity_mode::local, epx::capacity_mode::global})
+      for (double f : {1.0, 1.25})
+        for (auto prio : {epx::drop_priority::position, epx::drop_priority::score}) {
+          const capacity_shape s{n, k, E, ep, r, mode, f, prio};
+          benchmark::RegisterBenchmark(capacity_name(s).c_str(), bench_capacity, s)->UseManualTime()->Unit(benchmark::kMicrosecond);
+        }
+  for (int M : {1, 2, 4}) {
+    const routing_shape s{n, k, E, 8, M};
+    benchmark::RegisterBenchmark(epx::detail::concat("routing/tokens:", n, "/k:", k, "/experts:", E, "/nodes:8/max_nodes:", M).c_str(),
+                                 bench_routing, s)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+  }
+  {
+    const capacity_shape s{n, k, E, ep, balanced, epx::capacity_mode::off, 0.0, epx::drop_priority::position};
+    benchmark::RegisterBenchmark(epx::detail::concat("nodes/tokens:", n, "/k:", k, "/experts:", E, "/nodes:", ep).c_str(),
+                                 bench_nodes, s)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,371 @@
+// epx/layout/capacity.hpp: expert capacity and token dropping (spec section 8).
+//
+// Off by default. With a capacity, each sending rank keeps at most C_s(e) of its pairs for
+// expert e and drops the rest:
+//   local  (Switch Transformer): C = ceil(factor * n * k / E) per sending rank, n its rows;
+//   global (over the EP group):  C = ceil(factor * P / E) per expert, P all pairs the group
+//          dispatches; ranks fill it in ep-rank order: rank q keeps
+//          min(count[q][e], max(0, C - sum_{q' < q} count[q'][e])).
+// `rows` > 0 gives C directly (an absolute capacity, pairs per expert) instead of a factor.
+// Which of a rank's pairs for e stay: by position (ascending row, then slot) or by score
+// (descending routing weight, ties to ascending row, then slot).
+//
+// Both modes need nothing but the counts of the count exchange (keep_counts, on the host).
+// The device side works on the send plan (epx/layout/plan.hpp), whose send order holds the
+// pairs of expert e of each source as one segment in (row, slot) order:
+//   drop_pairs (one call per segment) keeps `keep` of its `count` pairs: the kept ones stay
+//     at the front of the segment in (row, slot) order (with their pos and src_row), the
+//     dropped ones get pos = -1 and leave src_row = -1 holes at the segment's end. Segments
+//     that keep everything are not touched; by position only the dropped pairs are
+//     visited, by score every pair of a segment that drops (fill_scratch reads them in one
+//     sweep over the pairs when there are many);
+//   compact_pairs (one call per pair) closes the holes: the masked path's local buffer is
+//     laid out from the kept pairs only;
+//   segment_starts (one call per segment) finds where each source's rows start inside an
+//     expert's block when one plan holds several sources (the masked path).
+// A dropped pair has no send position, like a masked slot: it moves no row, adds nothing to
+// out[t] and gets grad_w = 0 (epx/kernels treat pos < 0 so).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "epx/core/config.hpp"
+#include "epx/core/error.hpp"
+#include "epx/core/numeric.hpp"
+
+namespace epx {
+
+enum class capacity_mode : int { off = 0, local = 1, global = 2 };
+
+// Which of a rank's pairs for an expert stay when it has more than its capacity.
+enum class drop_priority : int {
+  position = 0,  // ascending row, then slot
+  score = 1,     // descending routing weight; ties to ascending row, then slot
+};
+
+inline const char* to_string(capacity_mode m) noexcept {
+  switch (m) {
+    case capacity_mode::off: return "off";
+    case capacity_mode::local: return "local";
+    case capacity_mode::global: return "global";
+  }
+  return "?";
+}
+
+inline const char* to_string(drop_priority p) noexcept {
+  return p == drop_priority::position ? "position" : p == drop_priority::score ? "score" : "?";
+}
+
+struct capacity_policy {
+  capacity_mode mode = capacity_mode::off;
+  double factor = 1.0;     // C = ceil(factor * pairs / E), evaluated in double as written
+  std::int64_t rows = 0;   // > 0: C = rows (pairs per expert), the factor is not used
+  drop_priority priority = drop_priority::position;
+
+  bool enabled() const noexcept { return mode != capacity_mode::off; }
+
+  // The capacity of one expert when `pairs` pairs are spread over E experts.
+  std::int64_t limit(std::int64_t pairs, int E) const noexcept {
+    if (rows > 0) return rows;
+    const double c = std::ceil(factor * static_cast<double>(pairs) / static_cast<double>(E));
+    return c >= 9.0e18 ? INT64_MAX : static_cast<std::int64_t>(c);
+  }
+
+  // errc::configuration naming the values: an unknown mode or priority, a negative or
+  // non-finite factor, a negative `rows`, and (when on) a zero factor without `rows`.
+  void validate() const {
+    const int m = static_cast<int>(mode), p = static_cast<int>(priority);
+    EPX_REQUIRE(m >= 0 && m <= 2, errc::configuration, "capacity.mode (", m, ") must be off, local or global");
+    EPX_REQUIRE(p >= 0 && p <= 1, errc::configuration, "capacity.priority (", p, ") must be position or score");
+    EPX_REQUIRE(std::isfinite(factor) && factor >= 0.0, errc::configuration, "capacity.factor (", factor,
+                ") must be a finite number >= 0");
+    EPX_REQUIRE(rows >= 0, errc::configuration, "capacity.rows (", rows, ") must be >= 0 (0: use the factor)");
+    EPX_REQUIRE(!enabled() || rows > 0 || factor > 0.0, errc::configuration, "capacity.factor (", factor,
+                ") must be > 0 for capacity mode ", to_string(mode), " when capacity.rows is 0");
+  }
+};
+
+namespace layout {
+
+// kept[s][e] for `sources` senders in ep-rank order: counts_of(s) points at sender s's E
+// counts (a row of the count exchange's matrix), pairs[s] = the pairs sender s dispatches
+// (its rows times k). `dropped` (when not null, [E]) receives the pairs each expert loses.
+template <class CountsOf, std::enable_if_t<std::is_invocable_v<CountsOf&, int>, int> = 0>
+std::vector<std::int64_t> keep_counts(const capacity_policy& c, int sources, int E, CountsOf&& counts_of,
+                                      const std::int64_t* pairs, std::int64_t* dropped = nullptr) {
+  const auto S = static_cast<std::size_t>(sources), Es = static_cast<std::size_t>(E);
+  std::vector<std::int64_t> kept(S * Es);
+  if (dropped != nullptr)
+    for (std::size_t e = 0; e < Es; ++e) dropped[e] = 0;
+  const bool global = c.mode == capacity_mode::global;
+  std::int64_t C = INT64_MAX;
+  std::vector<std::int64_t> left;  // global: what the lower ep ranks left of each expert's capacity
+  if (global) {
+    std::int64_t P = 0;
+    for (std::size_t s = 0; s < S; ++s) P += pairs[s];
+    C = c.limit(P, E);
+    left.assign(Es, C);
+  }
+  for (std::size_t s = 0; s < S; ++s) {
+    const std::int64_t* n = counts_of(static_cast<int>(s));
+    std::int64_t* k = kept.data() + s * Es;
+    if (c.mode == capacity_mode::local) C = c.limit(pairs[s], E);
+    for (std::size_t e = 0; e < Es; ++e) {
+      const std::int64_t room = global ? left[e] : C;
+      k[e] = n[e] < room ? n[e] : room;
+      if (global) left[e] = room - k[e];
+      if (dropped != nullptr) dropped[e] += n[e] - k[e];
+    }
+  }
+  return kept;
+}
+
+// The same over a contiguous count matrix [sources][E].
+inline std::vector<std::int64_t> keep_counts(const capacity_policy& c, int sources, int E, const std::int64_t* counts,
+                                             const std::int64_t* pairs, std::int64_t* dropped = nullptr) {
+  return keep_counts(
+      c, sources, E, [&](int s) { return counts + static_cast<std::size_t>(s) * static_cast<std::size_t>(E); }, pairs,
+      dropped);
+}
+
+// One segment of the send order: `count` pairs of one source for one expert from position
+// `begin`, of which `keep` stay; `shift` = pairs dropped in all earlier segments (for
+// compact_pairs); `scratch` = where the segment's `count` entries start in drop_pairs'
+// scratch arrays (score priority, segments that drop), else -1.
+struct drop_segment {
+  std::int64_t begin;
+  std::int64_t count;
+  std::int64_t keep;
+  std::int64_t shift;
+  std::int64_t scratch;
+};
+
+// Call with g in [0, segments). For the segment's positions p in [begin, begin + count),
+// src_row[p] is the row of the pair there and pos[row*k + j] == p for its slot j, with
+// ids[row*k + j] == e (the segment's expert, e = g / sources). With keep < count:
+//   position priority: positions [begin + keep, begin + count) are dropped;
+//   score priority: the keep pairs of largest weight (ties to the lower position) stay,
+//     moved to [begin, begin + keep) in position order;
+// every dropped pair gets pos = -1, every freed position src_row = -1. `by_score` picks
+// the priority; `pair_of` and `key` are the scratch of the segments with a `scratch`
+// offset (score priority, see scratch_size), null when none has one.
+struct drop_pairs {
+  static constexpr int few = 64;  // up to this many dropped pairs a segment selects them in one pass
+
+  const std::int32_t* ids;      // [pairs]
+  const float* weights;         // [pairs] (score priority)
+  std::int64_t* pos;            // [pairs]
+  std::int64_t* src_row;        // [pairs] row of each send position
+  const drop_segment* segments; // [segments]
+  std::int64_t* pair_of;        // [scratch_size] or null
+  std::uint32_t* key;           // [scratch_size] or null
+  int top_k;
+  int sources;                  // segments per expert
+  bool by_score;
+  bool prefilled;               // score priority: fill_scratch has filled pair_of and key
+
+  // Scratch entries a segment of `count` pairs keeping `keep` needs (score priority).
+  static std::int64_t scratch_size(std::int64_t count, std::int64_t keep) noexcept {
+    return keep < count ? count : 0;
+  }
+
+  // A float's bits as an unsigned key that orders like the float (-0 as +0).
+  EPX_HOST_DEVICE static std::uint32_t order_key(float w) noexcept {
+    std::uint32_t u = epx::detail::float_bits(w);
+    if ((u & 0x7fffffffu) == 0) u = 0;
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  }
+
+  // The pair at position p of expert e.
+  EPX_HOST_DEVICE std::int64_t pair_at(std::int64_t p, int e) const noexcept {
+    const std::int64_t base = src_row[p] * top_k;
+    for (int j = 0; j < top_k; ++j)
+      if (ids[base + j] == e && pos[base + j] == p) return base + j;
+    return -1;  // not reached for a consistent plan
+  }
+
+  EPX_HOST_DEVICE void operator()(std::size_t g) const {
+    const drop_segment s = segments[g];
+    if (s.keep >= s.count) return;
+    const int e = static_cast<int>(g / static_cast<std::size_t>(sources));
+    const std::int64_t b = s.begin, end = s.begin + s.count;
+    if (!by_score) {
+      for (std::int64_t p = b + s.keep; p < end; ++p) {
+        const std::int64_t i = pair_at(p, e);
+        if (i >= 0) pos[i] = -1;
+        src_row[p] = -1;
+      }
+      return;
+    }
+    // The d = count - keep pairs that go are the d smallest keys, ties to the higher
+    // position. Few of them (the common case): one pass keeps them in a small sorted list,
+    // a second one moves the others. Else a radix selection over the segment's scratch.
+    const std::int64_t d = s.count - s.keep;
+    const std::int64_t o = s.scratch - b;  // scratch entry of position p: p + o
+    if (d <= few) {
+      std::uint32_t wk[few];
+      std::int64_t wp[few];
+      int n = 0;
+      for (std::int64_t p = b; p < end; ++p) {
+        if (!prefilled) {
+          const std::int64_t i = pair_at(p, e);
+          pair_of[p + o] = i;
+          key[p + o] = order_key(weights[i]);
+        }
+        const std::uint32_t kp = key[p + o];
+        // Worse than the list's best entry: smaller key, or the same key at a higher position.
+        if (n == d && !(kp < wk[n - 1] || (kp == wk[n - 1] && p > wp[n - 1]))) continue;
+        int at = n < d ? n : n - 1;
+        while (at > 0 && (kp < wk[at - 1] || (kp == wk[at - 1] && p > wp[at - 1]))) {
+          wk[at] = wk[at - 1];
+          wp[at] = wp[at - 1];
+          --at;
+        }
+        wk[at] = kp;
+        wp[at] = p;
+        if (n < d) ++n;
+      }
+      for (int r = 1; r < n; ++r)  // the dropped positions, ascending
+        for (int q = r; q > 0 && wp[q - 1] > wp[q]; --q) {
+          const std::int64_t t = wp[q];
+          wp[q] = wp[q - 1];
+          wp[q - 1] = t;
+        }
+      // Positions before the first dropped one keep their pairs.
+      std::int64_t at = wp[0];
+      int next = 0;
+      for (std::int64_t p = wp[0]; p < end; ++p) {
+        const std::int64_t i = pair_of[p + o];
+        if (next < n && wp[next] == p) {
+          ++next;
+          pos[i] = -1;
+        } else {
+          pos[i] = at;
+          src_row[at] = src_row[p];  // at <= p: this position was already read
+          ++at;
+        }
+      }
+      for (std::int64_t p = at; p < end; ++p) src_row[p] = -1;
+      return;
+    }
+    for (std::int64_t p = b; p < end && !prefilled; ++p) {
+      const std::int64_t i = pair_at(p, e);
+      pair_of[p + o] = i;
+      key[p + o] = order_key(weights[i]);
+    }
+    // The keep-th largest key, 8 bits at a time; `need` ends as the number of pairs with
+    // exactly that key that stay (the first ones in position order).
+    std::uint32_t prefix = 0, mask = 0;
+    std::int64_t need = s.keep;
+    if (need > 0) {
+      for (int shift = 24; shift >= 0; shift -= 8) {
+        std::int64_t hist[256];
+        for (int h = 0; h < 256; ++h) hist[h] = 0;
+        for (std::int64_t p = b; p < end; ++p)
+          if ((key[p + o] & mask) == prefix) ++hist[(key[p + o] >> shift) & 0xffu];
+        int h = 255;
+        for (; h > 0 && need > hist[h]; --h) need -= hist[h];
+        prefix |= static_cast<std::uint32_t>(h) << shift;
+        mask |= 0xffu << shift;
+      }
+    }
+    std::int64_t at = b;
+    for (std::int64_t p = b; p < end; ++p) {
+      const std::int64_t i = pair_of[p + o];
+      const std::uint32_t kp = key[p + o];
+      bool stay = s.keep > 0 && kp > prefix;
+      if (s.keep > 0 && kp == prefix && need > 0) {
+        stay = true;
+        --need;
+      }
+      if (stay) {
+        pos[i] = at;
+        src_row[at] = src_row[p];  // at <= p: this position was already read
+        ++at;
+      } else {
+        pos[i] = -1;
+      }
+    }
+    for (std::int64_t p = at; p < end; ++p) src_row[p] = -1;
+  }
+};
+
+// Call with i in [0, pairs) before drop_pairs (score priority, when many positions are in
+// segments that drop): pair_of and key of every such position, from one sequential sweep
+// over the pairs instead of a lookup per position.
+struct fill_scratch {
+  const std::int32_t* ids;       // [pairs]
+  const float* weights;          // [pairs]
+  const std::int64_t* pos;       // [pairs]
+  const drop_segment* segments;  // [E * sources]
+  std::int64_t* pair_of;         // [scratch]
+  std::uint32_t* key;            // [scratch]
+  int sources;
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    const std::int64_t p = pos[i];
+    if (p < 0) return;
+    const drop_segment* seg = segments + static_cast<std::size_t>(ids[i]) * static_cast<std::size_t>(sources);
+    int s = 0;
+    while (s + 1 < sources && p >= seg[s + 1].begin) ++s;
+    if (seg[s].scratch < 0) return;
+    const std::int64_t at = seg[s].scratch + (p - seg[s].begin);
+    pair_of[at] = static_cast<std::int64_t>(i);
+    key[at] = drop_pairs::order_key(weights[i]);
+  }
+};
+
+// Call with i in [0, pairs) after drop_pairs: closes the holes. pos[i] -= the segment's
+// shift, and new_src_row[new position] = src_row[old position]. The segment of a kept pair
+// is the one of its expert whose kept range holds its position.
+struct compact_pairs {
+  const std::int32_t* ids;       // [pairs]
+  std::int64_t* pos;             // [pairs]
+  const std::int64_t* src_row;   // [pairs] with holes
+  std::int64_t* new_src_row;     // [kept pairs]
+  const drop_segment* segments;  // [E * sources]
+  int sources;
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    const std::int64_t p = pos[i];
+    if (p < 0) return;
+    const drop_segment* seg = segments + static_cast<std::size_t>(ids[i]) * static_cast<std::size_t>(sources);
+    int s = 0;
+    while (s + 1 < sources && p >= seg[s + 1].begin) ++s;
+    const std::int64_t q = p - seg[s].shift;
+    pos[i] = q;
+    new_src_row[q] = src_row[p];
+  }
+};
+
+// Call with g = e * sources + s in [0, E * sources): starts[g] = the first position of
+// expert e's block whose row is >= row_begin[s] (src_row is ascending inside a block).
+struct segment_starts {
+  const std::int64_t* src_row;        // [pairs]
+  const std::int64_t* expert_offset;  // [E+1]
+  const std::int64_t* row_begin;      // [sources]
+  std::int64_t* starts;               // [E * sources]
+  int sources;
+
+  EPX_HOST_DEVICE void operator()(std::size_t g) const {
+    const std::size_t e = g / static_cast<std::size_t>(sources), s = g % static_cast<std::size_t>(sources);
+    std::int64_t lo = expert_offset[e], hi = expert_offset[e + 1];
+    const std::int64_t r = row_begin[s];
+    while (lo < hi) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      if (src_row[mid] < r)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    starts[g] = lo;
+  }
+};
+
+}  // namespace layout
+}  // namespace epx

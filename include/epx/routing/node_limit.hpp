@@ -1,0 +1,158 @@
+// epx/routing/node_limit.hpp: node-limited routing (spec section 10), for every policy.
+//
+// The EP group is split into nodes of ranks_per_node consecutive ep ranks; since ep rank q
+// owns experts [q*L, (q+1)*L), node g owns the contiguous experts [g*E/nodes,
+// (g+1)*E/nodes). With a limit of M nodes, each token first scores every node by the sum
+// of its ceil(k / M) best selection scores on that node (p = softmax(logits) for the
+// softmax policies, s + bias for sigmoid_bias), keeps the M best nodes (ties to the lower
+// node id), then takes its top-k among their experts only. Weights are computed as the
+// policy says from the selected ids, so backward is unchanged. Without a limit (max_nodes
+// 0, or not below the number of nodes) routing is unchanged.
+//
+//   policy.limit = epx::routing::node_limit_of(mesh, /*ranks_per_node=*/8, /*max_nodes=*/4);
+//   // or layer.node_limit(), from layer_options::ranks_per_node and max_nodes
+//
+// Also here: token_nodes, the per-token count of distinct nodes among a token's k experts
+// (the layer's nodes-per-token statistics).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "epx/core/config.hpp"
+#include "epx/core/error.hpp"
+#include "epx/mesh/mesh.hpp"
+#include "epx/routing/common.hpp"
+#include "epx/routing/detail/topk.hpp"
+
+namespace epx::routing {
+
+// Largest number of nodes of a limit (the per-token functors keep the kept nodes in one
+// 64-bit mask).
+inline constexpr int max_node_count = 64;
+
+struct node_limit {
+  int nodes = 0;      // nodes of the EP group (ep / ranks_per_node); node g owns experts [g*E/nodes, ...)
+  int max_nodes = 0;  // M: a token's experts lie on at most M nodes; 0: no limit
+
+  // Whether the limit removes any choice (M below the number of nodes).
+  EPX_HOST_DEVICE constexpr bool active() const noexcept { return max_nodes > 0 && max_nodes < nodes; }
+};
+
+// The limit for mesh m when every node holds `ranks_per_node` consecutive ep ranks and a
+// token may use `max_nodes` of them. Raises errc::configuration naming the values when
+// ranks_per_node does not divide ep, max_nodes is negative or larger than the number of
+// nodes, or the nodes exceed max_node_count.
+inline node_limit node_limit_of(const mesh& m, int ranks_per_node, int max_nodes) {
+  EPX_REQUIRE(ranks_per_node >= 1 && m.ep() % ranks_per_node == 0, errc::configuration, "ranks_per_node (",
+              ranks_per_node, ") must be >= 1 and divide ep (", m.ep(), ")");
+  const int nodes = m.ep() / ranks_per_node;
+  EPX_REQUIRE(max_nodes >= 0 && max_nodes <= nodes, errc::configuration, "max_nodes (", max_nodes,
+              ") must be in [0, nodes] with nodes = ep / ranks_per_node = ", m.ep(), " / ", ranks_per_node, " = ",
+              nodes);
+  EPX_REQUIRE(max_nodes == 0 || nodes <= max_node_count, errc::configuration, "a node limit supports at most ",
+              max_node_count, " nodes, not ", nodes);
+  return node_limit{nodes, max_nodes};
+}
+
+namespace detail {
+
+// The nodes a token may use, as a mask (bit g: node g); all ones without an active limit
+// (nothing is called then). A node's score is the sum, in descending order, of score(e)
+// over its ceil(k / M) best experts; the best experts are found by rank(e), which must
+// order the experts as score does (any order among equal scores): the logit for p, whose
+// exp is then taken for those few experts only.
+template <class Rank, class Score>
+EPX_HOST_DEVICE inline std::uint64_t select_nodes(const node_limit& nl, int E, int k, const Rank& rank,
+                                                  const Score& score) {
+  if (!nl.active()) return ~std::uint64_t{0};
+  const int per = E / nl.nodes;
+  const int best = (k + nl.max_nodes - 1) / nl.max_nodes;  // ceil(k / M) <= per (validated)
+  float nscore[max_node_count];
+  for (int g = 0; g < nl.nodes; ++g) {
+    topk_list<max_top_k> top(best);
+    for (int i = 0; i < per; ++i) top.offer(rank(g * per + i), g * per + i);
+    float sum = 0.0f;
+    for (int i = 0; i < top.size; ++i) sum += score(top.id[i]);
+    nscore[g] = sum;
+  }
+  std::uint64_t kept = 0;
+  for (int r = 0; r < nl.max_nodes; ++r) {
+    int pick = -1;
+    for (int g = 0; g < nl.nodes; ++g) {
+      if ((kept >> g) & 1u) continue;
+      if (pick < 0 || nscore[g] > nscore[pick]) pick = g;  // strict: ties keep the lower node
+    }
+    kept |= std::uint64_t{1} << pick;
+  }
+  return kept;
+}
+
+// f(e) for every expert e on a node of `mask` (every expert without an active limit), in
+// ascending e.
+template <class F>
+EPX_HOST_DEVICE inline void for_each_allowed(const node_limit& nl, std::uint64_t mask, int E, const F& f) {
+  if (!nl.active()) {
+    for (int e = 0; e < E; ++e) f(e);
+    return;
+  }
+  const int per = E / nl.nodes;
+  for (int g = 0; g < nl.nodes; ++g)
+    if ((mask >> g) & 1u)
+      for (int e = g * per; e < (g + 1) * per; ++e) f(e);
+}
+
+// The checks route() makes for a limit (errc::configuration naming the values): nodes
+// dividing E, M not above the nodes, k within what M nodes hold, at most max_node_count
+// nodes. `name` is the policy's name.
+inline void validate_node_limit(const char* call, const char* name, const node_limit& nl, int E, int k) {
+  if (nl.max_nodes == 0) return;
+  EPX_REQUIRE(nl.nodes >= 1 && nl.nodes <= max_node_count && E % nl.nodes == 0, errc::configuration, call, "(",
+              name, "): node_limit.nodes (", nl.nodes, ") must divide E (", E, ") and be in [1, ", max_node_count,
+              "]");
+  EPX_REQUIRE(nl.max_nodes >= 0 && nl.max_nodes <= nl.nodes, errc::configuration, call, "(", name,
+              "): node_limit.max_nodes (", nl.max_nodes, ") must be in [0, nodes = ", nl.nodes, "]");
+  EPX_REQUIRE(k <= nl.max_nodes * (E / nl.nodes), errc::configuration, call, "(", name, "): top_k (", k,
+              ") exceeds the experts of max_nodes (", nl.max_nodes, ") nodes of E / nodes (", E / nl.nodes,
+              ") experts each = ", nl.max_nodes * (E / nl.nodes));
+}
+
+}  // namespace detail
+
+// Call with t in [0, n): nodes[t] = the distinct nodes among token t's k expert ids
+// (node of e: e / experts_per_node; ids outside [0, E) are not counted).
+struct token_nodes {
+  const std::int32_t* ids;  // [n, k]
+  std::int32_t* nodes;      // [n]
+  int top_k;
+  int num_experts;
+  int experts_per_node;
+  double inv_per_node;  // 1 / experts_per_node: e / experts_per_node without a division
+
+  EPX_HOST_DEVICE int node_of(std::int32_t e) const noexcept {
+    // (e + 0.5) / per is at least 0.5 / per away from an integer: the product rounds right.
+    return static_cast<int>((static_cast<double>(e) + 0.5) * inv_per_node);
+  }
+
+  EPX_HOST_DEVICE void operator()(std::size_t t) const {
+    const std::int32_t* id = ids + t * static_cast<std::size_t>(top_k);
+    std::uint64_t mask = 0;  // nodes below 64
+    std::int32_t beyond = 0;  // distinct nodes from 64 on, pairwise (rare)
+    for (int j = 0; j < top_k; ++j) {
+      if (id[j] < 0 || id[j] >= num_experts) continue;
+      const int g = node_of(id[j]);
+      if (g < 64) {
+        mask |= std::uint64_t{1} << g;
+        continue;
+      }
+      bool seen = false;
+      for (int i = 0; i < j && !seen; ++i) seen = id[i] >= 0 && id[i] < num_experts && node_of(id[i]) == g;
+      if (!seen) ++beyond;
+    }
+    std::int32_t count = 0;
+    for (; mask != 0; mask &= mask - 1) ++count;  // one step per set bit
+    nodes[t] = count + beyond;
+  }
+};
+
+}  // namespace epx::routing

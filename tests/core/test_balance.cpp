@@ -1,0 +1,189 @@
+// Load-balancing losses and the bias update (spec section 9) against the float64
+// reference: the Switch/GShard auxiliary loss (local and global-batch f), DeepSeek-V3's
+// sequence-wise loss, the router z-loss, each with its logit gradient, for every logit type
+// and execution policy; the reference gradients against finite differences; expert loads;
+// the bias update, bitwise equal on every rank after summing the loads over every batch.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "epx/comm/threads.hpp"
+#include "epx/epx.hpp"
+#include "support/reference.hpp"
+
+namespace ref = epx::ref;
+namespace routing = epx::routing;
+
+namespace {
+
+std::vector<std::int64_t> load_of(const std::vector<std::int32_t>& ids, int E) {
+  std::vector<std::int64_t> l(static_cast<std::size_t>(E), 0);
+  for (auto id : ids) ++l[static_cast<std::size_t>(id)];
+  return l;
+}
+
+template <class T, class Exec>
+void check_losses(const Exec& ex, std::size_t N, int E, int k, std::size_t T_len, std::uint64_t seed) {
+  CAPTURE(N);
+  CAPTURE(E);
+  CAPTURE(k);
+  const auto ld = ref::round_through<T>(ref::random_logits(N, E, seed));
+  const auto lt = ref::from_double<T>(ld);
+  const auto ids = ref::uneven_routing(N, E, k, seed);
+  const float g = 0.75f;
+  const double alpha = 0.01, beta = 0.001;
+  std::vector<float> grad(N * E, -7.0f);
+  const auto rel = [](double got, double want) { return std::abs(got - want) <= 1e-5 * std::abs(want) + 1e-9; };
+  const auto scaled = [&](const std::vector<double>& v) {
+    std::vector<double> r(v);
+    for (auto& x : r) x *= g;
+    return r;
+  };
+
+  // Switch/GShard with the local load, and with a "global" load (any other counts).
+  auto load = routing::expert_load(ex, ids.data(), N, k, E);
+  CHECK(load == load_of(ids, E));
+  std::vector<std::int64_t> global = load;
+  for (std::size_t e = 0; e < global.size(); ++e) global[e] += static_cast<std::int64_t>(3 * e % 7);
+  for (const auto& ld_e : {load, global}) {
+    const auto want = ref::aux_loss(ld, N, E, ld_e, alpha);
+    const double got = routing::aux_loss(ex, lt.data(), N, E, epx::make_span(ld_e), alpha);
+    CHECK_MESSAGE(rel(got, want.loss), "aux_loss " << got << " want " << want.loss);
+    routing::aux_loss_backward(ex, lt.data(), N, E, epx::make_span(ld_e), alpha, g, grad.data());
+    ref::check_close(grad, scaled(want.grad), 1e-9, 1e-4, "aux_loss gradient");
+  }
+
+  // DeepSeek-V3 sequence-wise.
+  {
+    const auto want = ref::sequence_balance_loss(ld, ids, N, E, k, T_len, alpha);
+    const double got = routing::sequence_balance_loss(ex, lt.data(), ids.data(), N, E, k, T_len, alpha);
+    CHECK_MESSAGE(rel(got, want.loss), "sequence_balance_loss " << got << " want " << want.loss);
+    routing::sequence_balance_loss_backward(ex, lt.data(), ids.data(), N, E, k, T_len, alpha, g, grad.data());
+    ref::check_close(grad, scaled(want.grad), 1e-9, 1e-4, "sequence_balance_loss gradient");
+  }
+
+  // z-loss.
+  {
+    const auto want = ref::z_loss(ld, N, E, beta);
+    const double got = routing::z_loss(ex, lt.data(), N, E, beta);
+    CHECK_MESSAGE(rel(got, want.loss), "z_loss " << got << " want " << want.loss);
+    routing::z_loss_backward(ex, lt.data(), N, E, beta, g, grad.data());
+    ref::check_close(grad, scaled(want.grad), 1e-9, 1e-4, "z_loss gradient");
+  }
+}
+
+}  // namespace
+
+TEST_CASE("balance: the reference gradients are the derivatives of the reference losses") {
+  const std::size_t N = 6;
+  const int E = 5, k = 2;
+  const auto l = ref::random_logits(N, E, 3);
+  const auto ids = ref::random_routing(N, E, k, 3);
+  const auto load = load_of(ids, E);
+  const auto fd_check = [&](const std::function<ref::loss_result(const std::vector<double>&)>& f, const char* what) {
+    const auto g = ref::finite_difference([&](const std::vector<double>& x) { return f(x).loss; }, l);
+    ref::check_close(f(l).grad, g, 1e-8, 1e-5, what);
+  };
+  // f (the loads, the selections) is a constant of the loss: no gradient flows through it.
+  fd_check([&](const std::vector<double>& x) { return ref::aux_loss(x, N, E, load, 0.3); }, "aux");
+  fd_check([&](const std::vector<double>& x) { return ref::sequence_balance_loss(x, ids, N, E, k, 3, 0.3); }, "seq");
+  fd_check([&](const std::vector<double>& x) { return ref::z_loss(x, N, E, 0.2); }, "z");
+}
+
+TEST_CASE_TEMPLATE("balance: losses and gradients against float64 on serial, openmp and emulated_device", T, float,
+                   double, epx::bf16, epx::fp16) {
+  for (const auto& s : std::vector<std::array<std::size_t, 4>>{{64, 8, 2, 16}, {96, 64, 8, 32}, {7, 3, 1, 7}, {0, 4, 2, 1}}) {
+    const auto N = s[0], T_len = s[3];
+    const int E = static_cast<int>(s[1]), k = static_cast<int>(s[2]);
+    check_losses<T>(epx::exec::serial{}, N, E, k, T_len, 11 + N);
+    check_losses<T>(epx::exec::openmp{2}, N, E, k, T_len, 12 + N);
+    check_losses<T>(epx::exec::emulated_device{}, N, E, k, T_len, 13 + N);
+  }
+}
+
+TEST_CASE("balance: the bias update follows sign(mean load - load), sign(0) = 0") {
+  const std::vector<std::int64_t> load = {10, 2, 6, 6, 0, 12};  // mean 6
+  const auto want = ref::bias_update_signs(load);
+  CHECK(routing::bias_signs(epx::make_span(load)) == want);
+  CHECK(want == std::vector<int>{-1, 1, 0, 0, 1, -1});
+  // A mean that is not an integer: 7 / 3.
+  const std::vector<std::int64_t> odd = {3, 2, 2};
+  CHECK(routing::bias_signs(epx::make_span(odd)) == ref::bias_update_signs(odd));
+  std::vector<float> bias = {0.1f, -0.2f, 0.3f, 0.0f, 1e-3f, -1.0f};
+  const std::vector<float> before = bias;
+  routing::update_bias(epx::exec::emulated_device{}, bias.data(), epx::make_span(load), 1e-3f);
+  for (std::size_t e = 0; e < bias.size(); ++e)
+    CHECK(bias[e] == before[e] + 1e-3f * static_cast<float>(want[e]));
+}
+
+TEST_CASE("balance: loads summed over every batch give a bias that is bitwise equal on every rank") {
+  // 16 ranks: tp=2, fsdp=2, dp_replicate=2, pp=2 (4 batches per stage; TP ranks share one).
+  epx::mesh_config mc;
+  mc.tp = 2;
+  mc.fsdp = 2;
+  mc.dp_replicate = 2;
+  mc.pp = 2;
+  mc.ep = 2;
+  mc.experts = 8;
+  const epx::mesh m(mc);
+  const int E = 8, k = 2, steps = 5;
+  const std::size_t N = 24;
+  const auto ids_of = [&](int b, int step) {
+    return ref::uneven_routing(N, E, k, 1000 + static_cast<std::uint64_t>(b) * 10 + static_cast<std::uint64_t>(step));
+  };
+  using comm_t = epx::threads::communicator;
+  std::vector<std::vector<float>> biases(16);
+  std::vector<std::string> failures(16);
+  epx::threads::run(16, [&](comm_t& world) {
+    auto batches = routing::batch_communicator(world, m);
+    std::string& f = failures[static_cast<std::size_t>(world.rank())];
+    if (batches.size() != m.batches()) f += "the batch communicator does not hold one rank per batch\n";
+    std::vector<float> bias(static_cast<std::size_t>(E), 0.0f);
+    for (int step = 0; step < steps; ++step) {
+      const auto ids = ids_of(m.batch(world.rank()), step);
+      auto load = routing::expert_load(epx::exec::serial{}, ids.data(), N, k, E);
+      routing::sum_over_batches(batches, epx::make_span(load));
+      std::vector<std::int64_t> want(static_cast<std::size_t>(E), 0);
+      for (int b = 0; b < m.batches(); ++b)
+        for (auto id : ids_of(b, step)) ++want[static_cast<std::size_t>(id)];
+      if (load != want) f += "sum_over_batches differs from the sum over the batches\n";
+      routing::update_bias(epx::exec::serial{}, bias.data(), epx::make_span(load), 0.01f);
+    }
+    biases[static_cast<std::size_t>(world.rank())] = bias;
+  });
+  for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+  for (int r = 1; r < 16; ++r)
+    CHECK(std::memcmp(biases[0].data(), biases[static_cast<std::size_t>(r)].data(), E * sizeof(float)) == 0);
+}
+
+TEST_CASE("balance: bad inputs and parameters") {
+  const epx::exec::serial ex;
+  std::vector<float> l(12, 0.5f), g(12);
+  std::vector<std::int32_t> ids = {0, 1, 2, 3, 0, 1};
+  const std::vector<std::int64_t> load = {1, 1, 1, 1};
+  CHECK_THROWS_WITH_AS(routing::aux_loss(ex, l.data(), 3, 4, epx::span<const std::int64_t>(load.data(), 3), 0.1),
+                       doctest::Contains("aux_loss: load holds 3 values, not E = 4"), epx::error);
+  CHECK_THROWS_WITH_AS(routing::aux_loss(ex, l.data(), 3, 4, epx::make_span(load), NAN),
+                       doctest::Contains("aux_loss: alpha (nan) is not finite"), epx::error);
+  CHECK_THROWS_WITH_AS(routing::sequence_balance_loss(ex, l.data(), ids.data(), 3, 4, 2, 2, 0.1),
+                       doctest::Contains("N (3) must be a multiple of the sequence length T (2)"), epx::error);
+  ids[3] = 9;
+  CHECK_THROWS_WITH_AS(routing::sequence_balance_loss(ex, l.data(), ids.data(), 3, 4, 2, 1, 0.1),
+                       doctest::Contains("expert id of token 1, slot 1 (9) is out of range"), epx::error);
+  CHECK_THROWS_WITH_AS(routing::expert_load(ex, ids.data(), 3, 2, 4),
+                       doctest::Contains("expert_load: expert id (9) of token 1 slot 1 out of range [0, 4)"), epx::error);
+  l[5] = INFINITY;
+  CHECK_THROWS_WITH_AS(routing::z_loss(ex, l.data(), 3, 4, 0.1), doctest::Contains("logit of token 1, expert 1 is not finite"),
+                       epx::error);
+  std::vector<float> bias(4);
+  CHECK_THROWS_WITH_AS(routing::update_bias(ex, bias.data(), epx::make_span(load), INFINITY),
+                       doctest::Contains("update_bias: gamma (inf) is not finite"), epx::error);
+  const std::vector<std::int64_t> negative = {1, -1};
+  CHECK_THROWS_WITH_AS(routing::update_bias(ex, bias.data(), epx::make_span(negative), 0.1f),
+                       doctest::Contains("load of expert 1 is negative (-1)"), epx::error);
+}

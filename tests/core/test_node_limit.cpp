@@ -1,0 +1,260 @@
+// Node-limited routing (spec section 10) against the float64 reference for every routing
+// policy, logit type and execution policy: ids where the selection is not a near tie,
+// weights, at most M nodes per token, no change without a limit; the checks with their
+// messages; the limit the layer derives from its options and the nodes-per-token
+// statistics after routing with it.
+#include <doctest/doctest.h>
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "epx/comm/threads.hpp"
+#include "epx/epx.hpp"
+#include "support/reference.hpp"
+
+namespace ref = epx::ref;
+namespace routing = epx::routing;
+
+namespace {
+
+constexpr double near_tie = 1e-4;
+
+struct lib_routing {
+  std::vector<std::int32_t> ids;
+  std::vector<float> weights;
+};
+
+template <class T, class Policy, class Exec>
+lib_routing run_route(const Policy& p, const Exec& ex, const std::vector<T>& logits, std::size_t N, int E, int k) {
+  lib_routing r{std::vector<std::int32_t>(N * k, -7), std::vector<float>(N * k, -7.0f)};
+  routing::route(p, ex, epx::span<const T>(logits.data(), logits.size()), E, k, epx::make_span(r.ids),
+                 epx::make_span(r.weights));
+  return r;
+}
+
+ref::node_limit_params ref_limit(const routing::node_limit& nl) { return {nl.nodes, nl.max_nodes}; }
+
+ref::routing_result ref_route(const routing::softmax_topk& p, const std::vector<double>& l, std::size_t N, int E,
+                              int k) {
+  return ref::softmax_topk(l, N, E, k, p.renormalize, ref_limit(p.limit));
+}
+ref::routing_result ref_route(const routing::topk_softmax& p, const std::vector<double>& l, std::size_t N, int E,
+                              int k) {
+  return ref::topk_softmax(l, N, E, k, ref_limit(p.limit));
+}
+ref::routing_result ref_route(const routing::sigmoid_bias& p, const std::vector<double>& l, std::size_t N, int E,
+                              int k) {
+  ref::sigmoid_bias_params r;
+  if (p.bias != nullptr) r.bias.assign(p.bias, p.bias + E);
+  r.scaling = p.scaling;
+  r.normalize = p.normalize;
+  r.limit = ref_limit(p.limit);
+  return ref::sigmoid_bias(l, N, E, k, r);
+}
+
+// One routing call with a node limit against the reference; every token on <= M nodes.
+// Returns the number of near-tie tokens whose ids were not compared.
+template <class T, class Policy, class Exec>
+std::size_t check_limited(const Policy& p, const Exec& ex, std::size_t N, int E, int k, std::uint64_t seed) {
+  const auto ld = ref::round_through<T>(ref::random_logits(N, E, seed));
+  const auto lt = ref::from_double<T>(ld);
+  const auto got = run_route(p, ex, lt, N, E, k);
+  const auto want = ref_route(p, ld, N, E, k);
+  std::size_t skipped = 0;
+  std::vector<double> want_w(N * k);
+  const int per = E / p.limit.nodes;
+  for (std::size_t t = 0; t < N; ++t) {
+    std::set<int> nodes;
+    for (int j = 0; j < k; ++j) nodes.insert(got.ids[t * k + j] / per);
+    if (static_cast<int>(nodes.size()) > p.limit.max_nodes) {
+      FAIL_CHECK("token " << t << " uses " << nodes.size() << " nodes, limit " << p.limit.max_nodes);
+      return skipped;
+    }
+    const bool comparable = want.margin[t] == 0.0 || want.margin[t] > near_tie;
+    for (int j = 0; j < k; ++j) {
+      const auto i = t * k + j;
+      if (comparable) {
+        if (got.ids[i] != want.ids[i]) {
+          FAIL_CHECK("token " << t << " slot " << j << ": id " << got.ids[i] << " != reference " << want.ids[i]
+                              << " (margin " << want.margin[t] << ")");
+          return skipped;
+        }
+        want_w[i] = want.weights[i];
+      } else {
+        want_w[i] = got.weights[i];
+      }
+    }
+    skipped += comparable ? 0 : 1;
+  }
+  ref::check_close(got.weights, want_w, 2e-6, 2e-5, "weights");
+  return skipped;
+}
+
+struct limited_shape {
+  std::size_t N;
+  int E, k, nodes, M;
+};
+
+const std::vector<limited_shape> shapes = {{64, 16, 4, 4, 2},  {50, 64, 8, 8, 4},  {33, 32, 2, 8, 1},
+                                           {20, 64, 32, 4, 2}, {40, 256, 8, 8, 4}, {17, 12, 3, 3, 2},
+                                           {0, 8, 2, 2, 1}};
+
+template <class T, class Exec>
+void check_all_policies(const Exec& ex) {
+  std::uint64_t seed = 100;
+  std::size_t skipped = 0, tokens = 0;
+  for (const auto& s : shapes) {
+    CAPTURE(s.N);
+    CAPTURE(s.E);
+    CAPTURE(s.k);
+    CAPTURE(s.M);
+    const routing::node_limit nl{s.nodes, s.M};
+    for (bool renorm : {false, true}) skipped += check_limited<T>(routing::softmax_topk{renorm, nl}, ex, s.N, s.E, s.k, ++seed);
+    skipped += check_limited<T>(routing::topk_softmax{nl}, ex, s.N, s.E, s.k, ++seed);
+    std::vector<float> bias(static_cast<std::size_t>(s.E));
+    ref::rng g(seed);
+    for (auto& b : bias) b = static_cast<float>(g.uniform(-0.3, 0.3));
+    routing::sigmoid_bias sb;
+    sb.bias = bias.data();
+    sb.scaling = 2.5f;
+    sb.limit = nl;
+    skipped += check_limited<T>(sb, ex, s.N, s.E, s.k, ++seed);
+    tokens += 4 * s.N;
+  }
+  CHECK(skipped * 20 < tokens + 20);  // near ties are rare
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("node limit: every policy against float64 on serial, openmp and emulated_device", T, float, double,
+                   epx::bf16) {
+  check_all_policies<T>(epx::exec::serial{});
+  check_all_policies<T>(epx::exec::openmp{2});
+  check_all_policies<T>(epx::exec::emulated_device{});
+}
+
+TEST_CASE("node limit: without a limit, or with M = nodes, routing is unchanged bitwise") {
+  const std::size_t N = 50;
+  const int E = 32, k = 4;
+  const auto l = ref::from_double<float>(ref::random_logits(N, E, 9));
+  const epx::exec::serial ex;
+  for (const routing::node_limit nl : {routing::node_limit{4, 4}, routing::node_limit{4, 0}, routing::node_limit{}}) {
+    const auto a = run_route(routing::softmax_topk{true}, ex, l, N, E, k);
+    const auto b = run_route(routing::softmax_topk{true, nl}, ex, l, N, E, k);
+    CHECK(a.ids == b.ids);
+    CHECK(a.weights == b.weights);
+    const auto c = run_route(routing::topk_softmax{}, ex, l, N, E, k);
+    const auto d = run_route(routing::topk_softmax{nl}, ex, l, N, E, k);
+    CHECK(c.ids == d.ids);
+    CHECK(c.weights == d.weights);
+    routing::sigmoid_bias s1, s2;
+    s2.limit = nl;
+    const auto e1 = run_route(s1, ex, l, N, E, k);
+    const auto e2 = run_route(s2, ex, l, N, E, k);
+    CHECK(e1.ids == e2.ids);
+    CHECK(e1.weights == e2.weights);
+  }
+}
+
+TEST_CASE("node limit: M = 1 keeps every token on its best node; backward follows the selected ids") {
+  const std::size_t N = 30;
+  const int E = 16, k = 2;
+  const auto ld = ref::random_logits(N, E, 4);
+  const auto l = ref::from_double<float>(ld);
+  const epx::exec::serial ex;
+  const routing::softmax_topk p{false, routing::node_limit{4, 1}};
+  const auto r = run_route(p, ex, l, N, E, k);
+  for (std::size_t t = 0; t < N; ++t) CHECK(r.ids[t * k] / 4 == r.ids[t * k + 1] / 4);
+  std::vector<float> gw(N * k), gl(N * E);
+  ref::rng g(5);
+  for (auto& v : gw) v = static_cast<float>(g.normal());
+  routing::route_backward(p, ex, l.data(), N, E, k, r.ids.data(), r.weights.data(), gw.data(), gl.data());
+  const auto want = ref::softmax_topk_backward(ld, N, E, k, false, r.ids, std::vector<double>(gw.begin(), gw.end()));
+  ref::check_close(gl, want, 1e-6, 1e-4, "grad_logits");
+}
+
+namespace {
+std::string route_error(const routing::node_limit& nl, int E, int k, int n_group = 1) {
+  std::vector<float> l(static_cast<std::size_t>(E), 0.5f), w(static_cast<std::size_t>(k));
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(k));
+  routing::sigmoid_bias p;
+  p.n_group = n_group;
+  p.topk_group = n_group;
+  p.limit = nl;
+  try {
+    if (n_group > 1)
+      routing::route(p, epx::exec::serial{}, l.data(), 1, E, k, ids.data(), w.data());
+    else
+      routing::route(routing::softmax_topk{false, nl}, epx::exec::serial{}, l.data(), 1, E, k, ids.data(), w.data());
+  } catch (const epx::error& e) {
+    CHECK(e.category() == epx::errc::configuration);
+    return e.message();
+  }
+  return "no error";
+}
+}  // namespace
+
+TEST_CASE("node limit: bad limits raise errc::configuration naming the values") {
+  CHECK(route_error({3, 1}, 16, 2).find("node_limit.nodes (3) must divide E (16)") != std::string::npos);
+  CHECK(route_error({4, 5}, 16, 2).find("node_limit.max_nodes (5) must be in [0, nodes = 4]") != std::string::npos);
+  CHECK(route_error({4, 1}, 16, 5).find("top_k (5) exceeds the experts of max_nodes (1) nodes of E / nodes (4) "
+                                        "experts each = 4") != std::string::npos);
+  CHECK(route_error({4, 2}, 16, 2, 4).find("a node limit (max_nodes 2) and group-limited selection (n_group 4)") !=
+        std::string::npos);
+  epx::mesh_config mc;
+  mc.fsdp = 8;
+  mc.ep = 8;
+  mc.experts = 16;
+  const epx::mesh m(mc);
+  const auto nl = routing::node_limit_of(m, 2, 3);
+  CHECK(nl.nodes == 4);
+  CHECK(nl.max_nodes == 3);
+  CHECK_THROWS_WITH_AS(routing::node_limit_of(m, 3, 1), doctest::Contains("ranks_per_node (3) must be >= 1 and divide ep (8)"),
+                       epx::error);
+  CHECK_THROWS_WITH_AS(routing::node_limit_of(m, 4, 3), doctest::Contains("max_nodes (3) must be in [0, nodes]"),
+                       epx::error);
+}
+
+TEST_CASE("node limit: the layer's limit routes every token onto at most M nodes (statistics)") {
+  // 8 ranks, ep = 8, 2 ranks per node (4 nodes), 32 experts, top-4 on at most 2 nodes.
+  epx::mesh_config mc;
+  mc.fsdp = 8;
+  mc.ep = 8;
+  mc.experts = 32;
+  const epx::mesh m(mc);
+  using comm_t = epx::threads::communicator;
+  std::vector<std::string> failures(8);
+  epx::threads::run(8, [&](comm_t& world) {
+    std::string& f = failures[static_cast<std::size_t>(world.rank())];
+    const std::size_t N = 40, H = 4;
+    const int E = 32, k = 4;
+    epx::layer_options o;
+    o.hidden = H;
+    o.top_k = k;
+    o.ranks_per_node = 2;
+    for (int M : {0, 2, 1}) {
+      o.max_nodes = M;
+      epx::moe_layer<comm_t, float> layer(m, world, o);
+      const routing::node_limit nl = layer.node_limit();
+      if (M > 0 && (nl.nodes != 4 || nl.max_nodes != M)) f += "layer.node_limit() is wrong\n";
+      const auto l = ref::from_double<float>(ref::random_logits(N, E, 77 + static_cast<std::uint64_t>(world.rank())));
+      std::vector<std::int32_t> ids(N * k);
+      std::vector<float> w(N * k);
+      routing::route(routing::softmax_topk{true, nl}, epx::exec::serial{}, l.data(), N, E, k, ids.data(), w.data());
+      const auto global = ref::linear_experts::random(E, static_cast<int>(H), 3);
+      ref::test_linear_experts<float> experts(global, m.ep_rank(world.rank()), m.local_experts());
+      const auto x = ref::from_double<float>(ref::random_x(N, static_cast<int>(H), 5));
+      std::vector<float> out(N * H);
+      layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                    epx::span<float>(out), experts, epx::mode::inference);
+      const auto& st = layer.stats();
+      if (M > 0 && st.max_nodes_per_token > M)
+        f += epx::detail::concat("max nodes per token ", st.max_nodes_per_token, " > M = ", M, "\n");
+      if (M == 1 && st.mean_nodes_per_token != 1.0) f += "M = 1 but the mean is not 1\n";
+      if (M == 0 && st.max_nodes_per_token < 2) f += "without a limit some token should span two nodes\n";
+      if (st.mean_nodes_per_token <= 0.0) f += "no node statistics\n";
+    }
+  });
+  for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+}
