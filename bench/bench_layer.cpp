@@ -1,36 +1,47 @@
-// The MoE layer's stages and round trips over the threads communicator, against the plain
-// memcpy of the same bytes and against the hand-written baseline (bench/baseline.hpp).
+// The MoE layer's routes, stages and round trips over the threads communicator, against
+// the plain memcpy of the bytes each route reads and writes and against the hand-written
+// baseline (bench/baseline.hpp), in the same iteration loop.
 //
 //   ./bench_layer --benchmark_out=layer.json --benchmark_out_format=json   # the registered set
 //   ./bench_layer --quick                                                  # seconds (bench-smoke)
-//   ./bench_layer --benchmark_filter='round_trip'                          # any filter
+//   ./bench_layer --benchmark_filter='route<bf16>/staged/fwd'              # any filter
 //
-// Every rank is a thread of epx::threads::run with its own exec::serial policy, as in
-// bench_comm.cpp: rank 0 drives Google Benchmark's loop, the other ranks follow. One
-// iteration: barrier, the measured call on every rank, barrier (timed on rank 0: the time
-// until the last rank is done), then the floor: every rank memcpys the same number of
-// bytes as the measured call moves, all ranks at once, barrier to barrier (timed). So the
-// floor runs on the same machine, with as many threads copying at once, in the same
-// process run, and floor_ratio = median(measured) / median(memcpy).
+// Every rank is a thread of epx::threads::run with its own exec::serial policy; rank 0
+// drives Google Benchmark's loop, the other ranks follow. One iteration runs every call of
+// the benchmark (epx's layer, the baseline, epx's staged route decomposed into its stages),
+// each between two barriers and timed on rank 0 (until the slowest rank is done), in an
+// order that rotates from one iteration to the next; then the floor: every rank memcpys
+// half the bytes its epx call reads plus writes (a memcpy of B bytes reads B and writes B),
+// all ranks at once, barrier to barrier. So the memcpy rate is measured in the same run,
+// with as many threads copying at the same time.
 //
-// Bytes moved by a stage: every routed row once (read once and written once), summed over
-// the ranks; a round trip moves the sum of its stages' bytes. Forward: gather S rows,
-// dispatch R rows, return S rows, combine S rows per rank (S = n*k routed rows this rank
-// sends, R = rows its experts receive, padding included); the identity experts run in
-// place and move nothing, in epx and in the baseline alike. Backward adds the experts' R
-// rows (their grad_in copy). A route that fuses stages (epx's direct route on threads:
-// gather+dispatch, return+combine) moves fewer bytes than this sum, so its floor_ratio can
-// drop below 1: the floor is what the stages would cost as plain copies.
+// Bytes a route reads plus writes, per rank, in rows of H elements (S = n*k rows this rank
+// sends, its own included; R = rows its experts get, padding P included; Rr = R - P;
+// identity experts that run in place move nothing in forward and copy R rows in backward):
+//   staged forward   gather 2S, padding P, dispatch 2Rr, return 2S, combine S + n
+//   direct forward   pull 2Rr + P (rows straight from the senders' x), combine S + n
+//   staged backward  grad rows 2S, weight-gradient dots 2S, padding P, dispatch 2Rr,
+//                    experts 2R, return 2S, reduce S + n
+//   direct backward  pull Rr + R, dots 2S, experts 2R, reduce S + n
+//   baseline fwd     gather 2S, dispatch 2Rr, return 2S, un-permute 2S, sum S + n
+//   baseline bwd     grad rows 2S, dots 2S, dispatch 2Rr, experts 2Rr, return 2S,
+//                    un-permute 2S, sum S + n
+//   masked forward   gather 2Rr + P, combine Rr + N, all-reduce of [N, H] 3N + N/ep
+// (the threads all-to-all pulls: each rank copies what it receives). A TP group of size tp
+// > 1 adds the all-reduce of the output, 3N + N/tp.
+//
+// Every benchmark checks its outputs once against a direct computation (identity experts:
+// out[t] = sum_j w[t,j] x[t]; grad_x[t] = sum_j round(w[t,j] grad_out[t]); grad_w[t,j] =
+// <x[t], grad_out[t]>) within the rounding bound of the arithmetic, and fails otherwise.
 //
 // Counters (medians over the iterations; see bench/README.md):
-//   GB/s, memcpy_GB/s, floor_ratio       bytes moved / time; the same for the memcpys; ratio
-//   pairs/s, speedup_vs_baseline         layout: (token, slot) pairs per second on one rank
-//   extra_MiB, allowance_MiB, extra_vs_allowance
-//                                        round trips: the layer's peak heap use per rank
-//                                        beyond inputs and outputs (counted by the
-//                                        instrumented operator new below), against the
-//                                        expert-major buffer (routed rows once + padding)
-// A summary table (epx against baseline, side by side) is printed at the end of the run.
+//   epx_ms, floor_ms, floor_ratio, floor_bytes, memcpy_GB/s, GB/s
+//   baseline_ms, baseline_floor_ratio, speedup_vs_baseline (median / median of the same
+//   iterations), speedup_paired (median of the per-iteration ratios)
+//   stage:<name>_ms (epx's staged route decomposed), baseline:<name>_ms, stages_ms
+//   rows_sent, rows_sent_remote, rows_per_rank_mode, repeat_fraction (per rank, mean)
+//   extra_MiB, allowance_MiB, extra_vs_allowance (peak heap beyond inputs and outputs)
+//   checked (1: the outputs matched the direct computation)
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -44,6 +55,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <random>
@@ -51,6 +63,7 @@
 #include <vector>
 
 #include "baseline.hpp"
+#include "layer_common.hpp"
 #include "epx/comm/threads.hpp"
 #include "epx/epx.hpp"
 
@@ -172,6 +185,7 @@ void operator delete[](void* p, const std::nothrow_t&) noexcept { heap::release(
 
 namespace {
 
+using namespace epx::bench;
 using clock_type = std::chrono::steady_clock;
 using epx::bf16;
 
@@ -190,127 +204,134 @@ const char* type_name() {
   return std::is_same_v<T, bf16> ? "bf16" : "f32";
 }
 
-// --- inputs ----------------------------------------------------------------------------------
-enum routing_kind : int { balanced = 0, zipf = 1 };
-constexpr double zipf_exponent = 1.0;
-
-// [n, k] expert ids, k distinct experts per token. balanced: uniform over the E experts
-// (every expert gets n*k/E pairs in expectation). zipf: P(e) proportional to 1/(e+1)^s,
-// s = 1 (expert 0 the most loaded, so ep rank 0 receives the most rows).
-std::vector<std::int32_t> make_ids(std::size_t n, int k, int E, routing_kind r, int rank) {
-  std::vector<std::int32_t> ids(n * static_cast<std::size_t>(k));
-  std::vector<double> cdf(static_cast<std::size_t>(E));
-  double s = 0;
-  for (int e = 0; e < E; ++e)
-    cdf[static_cast<std::size_t>(e)] = (s += r == balanced ? 1.0 : std::pow(e + 1.0, -zipf_exponent));
-  std::mt19937_64 gen(0x9e3779b97f4a7c15ull + static_cast<std::uint64_t>(rank));
-  std::uniform_real_distribution<double> u(0.0, s);
-  std::vector<char> used(static_cast<std::size_t>(E));
-  for (std::size_t t = 0; t < n; ++t) {
-    std::fill(used.begin(), used.end(), 0);
-    for (int j = 0; j < k; ++j) {
-      int e;
-      do {
-        e = static_cast<int>(std::lower_bound(cdf.begin(), cdf.end(), u(gen)) - cdf.begin());
-        e = std::min(e, E - 1);
-      } while (used[static_cast<std::size_t>(e)]);
-      used[static_cast<std::size_t>(e)] = 1;
-      ids[t * static_cast<std::size_t>(k) + static_cast<std::size_t>(j)] = e;
-    }
-  }
-  return ids;
-}
-
-std::vector<float> make_weights(std::size_t n, int k, int rank) {
-  std::vector<float> w(n * static_cast<std::size_t>(k));
-  std::mt19937 gen(1234u + static_cast<unsigned>(rank));
-  std::uniform_real_distribution<float> u(0.1f, 1.0f);
-  for (auto& v : w) v = u(gen);
-  return w;
-}
-
-template <class T>
-std::vector<T> make_rows(std::size_t n, std::size_t H, int rank) {
-  std::vector<T> x(n * H);
-  std::uint32_t s = 0x12345u + static_cast<std::uint32_t>(rank) * 7919u;
-  for (auto& v : x) {
-    s = s * 1664525u + 1013904223u;
-    v = epx::convert<T>(static_cast<float>(s >> 8) * (1.0f / 16777216.0f) - 0.5f);
-  }
-  return x;
-}
-
-// Identity experts: out = in (nothing to do in place, a copy otherwise), grad_in = grad_out.
-template <class T>
-struct identity_experts {
-  static constexpr bool forward_in_place = true;
-  template <class Exec>
-  void forward(const Exec&, const epx::expert_rows<const T>& in, T* out) {
-    if (in.num_rows && static_cast<const T*>(out) != in.rows)
-      std::memcpy(out, in.rows, in.num_rows * in.hidden * sizeof(T));
-  }
-  template <class Exec>
-  void backward(const Exec&, const epx::expert_rows<const T>& in, const T* grad_out, T* grad_in) {
-    if (in.num_rows) std::memcpy(grad_in, grad_out, in.num_rows * in.hidden * sizeof(T));
-  }
+// --- the driver -------------------------------------------------------------------------------
+// One measured call of a benchmark: `prepare` runs untimed before it (e.g. the training
+// forward before a backward); `stages` returns this rank's stage times of the last run
+// (seconds, `stage_names.size()` of them) when the call records them.
+struct call {
+  std::string name;
+  std::function<void()> prepare;
+  std::function<void()> run;
+  std::vector<std::string> stage_names;
+  std::function<const double*()> stages;
 };
 
-// --- the driver -------------------------------------------------------------------------------
-// What one rank does per iteration. `prepare` runs untimed before the measured call (e.g.
-// the training forward before a backward); `floor` is the memcpy of the same bytes.
 struct rank_work {
-  std::function<void()> prepare;
-  std::function<void()> measured;
-  std::function<void()> floor;
-  double bytes = 0;  // bytes this rank's measured call moves
+  std::vector<call> calls;                 // calls[0] is epx's (floor, heap peak)
+  std::vector<std::size_t> floor_parts;    // bytes of each memcpy of the floor
+  double traffic = 0;                      // bytes calls[0] reads plus writes on this rank
+  std::string check;                       // a failed output check, or empty
+  std::vector<double> counters;            // per-rank values summed over ranks (see drive's caller)
+};
+
+struct call_result {
+  std::string name;
+  std::vector<double> times;                 // [iterations] slowest rank
+  std::vector<std::string> stage_names;
+  std::vector<std::vector<double>> stages;   // [stage][iteration] slowest rank
 };
 
 struct run_result {
-  std::vector<double> times, floor_times;
-  double bytes = 0;  // all ranks
-  std::vector<std::int64_t> extra;      // [ranks] peak heap bytes during one measured call
-  std::vector<std::int64_t> allowance;  // [ranks] expert-major buffer bytes
+  std::vector<call_result> calls;
+  std::vector<double> floor_times;
+  double traffic = 0;                     // all ranks
+  std::vector<std::int64_t> extra;       // [ranks] peak heap bytes during one epx call
+  std::vector<std::int64_t> allowance;   // [ranks] expert-major buffer bytes
+  std::vector<double> counters;          // summed over ranks
+  std::string check;                     // the first failed check
 };
 
-// `make(comm, rank_result&)` builds a rank's work (collective calls allowed); it may set
-// allowance for its rank. The measured call's heap peak is taken during the warm-up.
+// Two buffers the floor copies between, in pieces of at most `cap` bytes (a copy that large
+// runs from memory as a larger one would), alternating direction.
+struct floor_buffers {
+  static constexpr std::size_t cap = std::size_t{64} << 20;
+  std::vector<char> a, b;
+  explicit floor_buffers(std::size_t max_part)
+      : a(std::max<std::size_t>(std::min(max_part, cap), 1), 1), b(a.size(), 2) {}
+  void copy(const std::vector<std::size_t>& parts) {
+    bool dir = false;
+    for (std::size_t n : parts) {
+      while (n > 0) {
+        const std::size_t m = std::min(n, a.size());
+        std::memcpy(dir ? a.data() : b.data(), dir ? b.data() : a.data(), m);
+        dir = !dir;
+        n -= m;
+      }
+    }
+    benchmark::DoNotOptimize(a.data());
+    benchmark::DoNotOptimize(b.data());
+  }
+};
+
+// `make(comm, allowance&)` builds a rank's work (collective calls allowed). Each call runs
+// once untimed first (the epx call's heap peak is counted there).
 template <class Make>
 run_result drive(benchmark::State& state, int ranks, Make&& make) {
   run_result r;
   r.extra.assign(static_cast<std::size_t>(ranks), 0);
   r.allowance.assign(static_cast<std::size_t>(ranks), 0);
-  std::vector<double> bytes(static_cast<std::size_t>(ranks), 0.0);
+  std::vector<rank_work*> works(static_cast<std::size_t>(ranks), nullptr);
+  std::vector<double> traffic(static_cast<std::size_t>(ranks), 0.0);
   std::atomic<bool> go{false};
   heap::trim();  // the previous benchmark's blocks
   epx::threads::run(ranks, [&](epx::threads::communicator& comm) {
     const auto me = static_cast<std::size_t>(comm.rank());
     rank_work w = make(comm, r.allowance[me]);
-    bytes[me] = w.bytes;
-    auto iteration = [&](bool timed) {
-      if (w.prepare) w.prepare();
-      comm.barrier();
-      const auto t0 = clock_type::now();
-      w.measured();
-      comm.barrier();
-      const auto t1 = clock_type::now();
-      w.floor();
-      comm.barrier();
-      const auto t2 = clock_type::now();
-      if (timed) {
-        r.times.push_back(seconds_since(t0, t1));
-        r.floor_times.push_back(seconds_since(t1, t2));
-        state.SetIterationTime(seconds_since(t0, t1));
+    works[me] = &w;
+    traffic[me] = w.traffic;
+    std::size_t max_part = 1;
+    for (auto p : w.floor_parts) max_part = std::max(max_part, p);
+    floor_buffers fl(max_part);
+    const std::size_t nc = w.calls.size();
+    if (me == 0) {
+      r.calls.resize(nc);
+      for (std::size_t c = 0; c < nc; ++c) {
+        r.calls[c].name = w.calls[c].name;
+        r.calls[c].stage_names = w.calls[c].stage_names;
+        r.calls[c].stages.resize(w.calls[c].stage_names.size());
       }
+    }
+    // Warm-up; the first epx call also counts the heap peak.
+    for (std::size_t c = 0; c < nc; ++c) {
+      if (w.calls[c].prepare) w.calls[c].prepare();
+      comm.barrier();
+      if (c == 0) heap::begin();
+      w.calls[c].run();
+      if (c == 0) r.extra[me] = heap::end();
+      comm.barrier();
+    }
+    fl.copy(w.floor_parts);
+    comm.barrier();
+    std::size_t it = 0;
+    auto iteration = [&](bool timed) {
+      for (std::size_t i = 0; i < nc; ++i) {
+        const std::size_t c = (i + it) % nc;  // the order rotates
+        if (w.calls[c].prepare) w.calls[c].prepare();
+        comm.barrier();
+        const auto t0 = clock_type::now();
+        w.calls[c].run();
+        comm.barrier();
+        const auto t1 = clock_type::now();
+        if (timed) {
+          r.calls[c].times.push_back(seconds_since(t0, t1));
+          if (c == 0) state.SetIterationTime(seconds_since(t0, t1));
+        }
+      }
+      if (timed) {  // every rank waits at the next barrier: their stage times are stable
+        for (std::size_t c = 0; c < nc; ++c)
+          for (std::size_t s = 0; s < r.calls[c].stages.size(); ++s) {
+            double mx = 0;
+            for (auto* o : works) mx = std::max(mx, o->calls[c].stages()[s]);
+            r.calls[c].stages[s].push_back(mx);
+          }
+      }
+      comm.barrier();
+      const auto f0 = clock_type::now();
+      fl.copy(w.floor_parts);
+      comm.barrier();
+      if (timed) r.floor_times.push_back(seconds_since(f0, clock_type::now()));
+      ++it;
     };
-    // Warm-up; the first call also counts the heap peak.
-    if (w.prepare) w.prepare();
-    comm.barrier();
-    heap::begin();
-    w.measured();
-    r.extra[me] = heap::end();
-    comm.barrier();
-    w.floor();
-    comm.barrier();
     if (me == 0) {
       for (auto _ : state) {
         go.store(true);
@@ -326,38 +347,30 @@ run_result drive(benchmark::State& state, int ranks, Make&& make) {
         iteration(false);
       }
     }
+    comm.barrier();  // nobody reads `w` after this
+    {
+      static std::mutex m;
+      std::lock_guard<std::mutex> lock(m);
+      if (r.check.empty() && !w.check.empty()) r.check = epx::detail::concat("rank ", me, ": ", w.check);
+      if (r.counters.size() < w.counters.size()) r.counters.resize(w.counters.size(), 0.0);
+      for (std::size_t i = 0; i < w.counters.size(); ++i) r.counters[i] += w.counters[i];
+    }
+    comm.barrier();
   });
-  for (double b : bytes) r.bytes += b;
+  for (double b : traffic) r.traffic += b;
   return r;
 }
-
-// A per-rank memcpy floor over buffers of `rows` rows (ping-pong between two buffers so
-// that a chain of copies never reads what it just wrote in cache).
-struct floor_buffers {
-  std::vector<char> a, b;
-  explicit floor_buffers(std::size_t bytes) : a(std::max<std::size_t>(bytes, 1), 1), b(a.size(), 2) {}
-  // Copies `parts` byte counts in sequence, alternating direction.
-  void copy(const std::vector<std::size_t>& parts) {
-    bool dir = false;
-    for (std::size_t n : parts) {
-      if (n) std::memcpy(dir ? a.data() : b.data(), dir ? b.data() : a.data(), n);
-      dir = !dir;
-    }
-    benchmark::DoNotOptimize(a.data());
-    benchmark::DoNotOptimize(b.data());
-  }
-};
 
 // --- results for the summary table ----------------------------------------------------------
 struct summary_row {
   std::string name;
-  double us = 0, floor_ratio = 0, gbs = 0, baseline_us = 0, speedup = 0;
-  double extra_mib = 0, allowance_mib = 0;
+  double ms = 0, floor_ratio = 0, floor_mib = 0, baseline_ms = 0, speedup = 0;
+  double extra_mib = 0, allowance_mib = 0, rows_sent = 0, repeat = 0;
+  std::string stages;
 };
 std::mutex g_mutex;
-std::map<std::string, double> g_baseline_s;  // shape key -> baseline median seconds
 std::vector<summary_row> g_rows;
-std::string g_current_name;  // the running benchmark's name (rank 0's thread writes rows)
+std::string g_current_name;  // the running benchmark's name
 
 void add_row(const summary_row& row) {
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -369,15 +382,17 @@ void add_row(const summary_row& row) {
   g_rows.push_back(row);
 }
 
-void set_data_counters(benchmark::State& state, const run_result& r, summary_row& row) {
-  const double t = median(r.times), f = median(r.floor_times);
-  state.counters["bytes_moved"] = r.bytes;
-  state.counters["GB/s"] = t > 0 ? r.bytes / t * 1e-9 : 0.0;
-  state.counters["memcpy_GB/s"] = f > 0 ? r.bytes / f * 1e-9 : 0.0;
+void set_floor_counters(benchmark::State& state, const run_result& r, summary_row& row) {
+  const double t = median(r.calls.at(0).times), f = median(r.floor_times);
+  state.counters["epx_ms"] = t * 1e3;
+  state.counters["floor_ms"] = f * 1e3;
+  state.counters["floor_bytes"] = r.traffic;
+  state.counters["GB/s"] = t > 0 ? r.traffic / t * 1e-9 : 0.0;
+  state.counters["memcpy_GB/s"] = f > 0 ? r.traffic / f * 1e-9 : 0.0;
   state.counters["floor_ratio"] = f > 0 ? t / f : 0.0;
-  row.us = t * 1e6;
+  row.ms = t * 1e3;
   row.floor_ratio = f > 0 ? t / f : 0.0;
-  row.gbs = t > 0 ? r.bytes / t * 1e-9 : 0.0;
+  row.floor_mib = r.traffic / (1 << 20);
 }
 
 void set_memory_counters(benchmark::State& state, const run_result& r, summary_row& row) {
@@ -411,20 +426,11 @@ struct shape {
   std::size_t pairs() const { return tokens * static_cast<std::size_t>(k); }
 };
 
-epx::mesh ep_mesh(const shape& s) {
-  epx::mesh_config c;
-  c.tp = 1;
-  c.fsdp = s.ep;
-  c.ep = s.ep;
-  c.experts = s.experts;
-  return epx::mesh(c);
-}
-
-// Iterations: about `budget` seconds of measured time, at least 3, from a rough estimate
+// Iterations: about `budget` seconds of measured time, at least `lo`, from a rough estimate
 // of 2 GB/s per core on this kind of machine.
-int iterations_for(double total_bytes, double budget = 1.0) {
+int iterations_for(double total_bytes, double budget = 1.0, double lo = 3.0) {
   const double est = std::max(1e-5, total_bytes / 2e9);
-  return static_cast<int>(std::clamp(budget / est, 3.0, 2000.0));
+  return static_cast<int>(std::clamp(budget / est, lo, 2000.0));
 }
 
 // --- layout: counting sort against argsort, one rank (one thread) ------------------------
@@ -452,13 +458,104 @@ void bench_layout(benchmark::State& state, shape s) {
   state.counters["speedup_vs_baseline"] = tb / te;
   summary_row row;
   row.name = g_current_name;
-  row.us = te * 1e6;
-  row.baseline_us = tb * 1e6;
+  row.ms = te * 1e3;
+  row.baseline_ms = tb * 1e3;
   row.speedup = tb / te;
   add_row(row);
 }
 
-// --- stages: scatter (gather_rows), exchange (segmented all-to-all), combine ---------------
+// --- the staged route decomposed into its stages ------------------------------------------
+// The calls impl::all_to_all's staged route makes, in its order, with a clock between the
+// stages: forward plan + count exchange + receive layout, gather (and zero padding),
+// dispatch, (identity experts in place), return, combine; backward grad rows (w * grad_out
+// in send order), weight-gradient dots, dispatch, experts (a copy), return, reduce. Its
+// total is what the layer's staged route costs without the layer's own checks and stats.
+template <class T>
+struct staged_pipeline {
+  static constexpr const char* forward_stages[] = {"plan_counts", "gather", "dispatch", "return", "combine"};
+  static constexpr const char* backward_stages[] = {"grad_rows", "weight_grads", "dispatch", "experts", "return",
+                                                    "reduce"};
+  epx::exec::serial ex;
+  epx::layout::send_plan<epx::exec::serial> plan;
+  epx::detail::receive_layout lay;
+  epx::detail::segments seg;
+  epx::exec::host_buffer<T> send, recv, grad_recv, grad_in;
+  std::vector<float> w_send;
+  epx::bench::stage_clock clock;
+  std::size_t n = 0, H = 0;
+  int k = 0, L = 0;
+
+  template <class Comm>
+  void forward(Comm& comm, const T* x, const std::int32_t* ids, const float* w, std::size_t n_, std::size_t H_, int k_,
+               int E, T* out) {
+    clock.start();
+    n = n_;
+    H = H_;
+    k = k_;
+    const int ep = comm.size(), me = comm.rank();
+    L = E / ep;
+    const std::size_t S = n * static_cast<std::size_t>(k);
+    plan = epx::layout::build_plan(ex, ids, w, n, k, E, 1);
+    const auto g = epx::detail::exchange_records(comm, ex, 0, n, H, k, me, plan.host_counts.data(),
+                                                 static_cast<std::size_t>(E), "", "bench", 1);
+    lay = epx::detail::make_receive_layout(ep, ep, L, epx::padding{}, [&](int r) { return g.counts(r); });
+    seg = epx::detail::segments_of(lay, me);
+    const std::size_t R = lay.rows(me);
+    send.reserve_discard(S * H);
+    recv.reserve_discard(R * H);
+    w_send.resize(S);
+    epx::kernels::scatter(ex, S, static_cast<const std::int64_t*>(plan.pos.data()), w, w_send.data());
+    clock.lap();
+    epx::kernels::gather(ex, S, H, x, static_cast<const std::int64_t*>(plan.src_row.data()), send.data());
+    epx::detail::zero_padding(ex, recv.data(), lay, me, H);
+    clock.lap();
+    epx::all_to_allv_segments(comm, static_cast<const T*>(send.data()), epx::make_span(seg.send_counts),
+                              epx::make_span(seg.send_displs), recv.data(), epx::make_span(seg.recv_counts),
+                              epx::make_span(seg.recv_displs), static_cast<std::size_t>(L), H);
+    clock.lap();
+    epx::all_to_allv_segments(comm, static_cast<const T*>(recv.data()), epx::make_span(seg.recv_counts),
+                              epx::make_span(seg.recv_displs), send.data(), epx::make_span(seg.send_counts),
+                              epx::make_span(seg.send_displs), static_cast<std::size_t>(L), H);
+    clock.lap();
+    epx::kernels::combine(ex, n, H, k, static_cast<const T*>(send.data()), w,
+                          static_cast<const std::int64_t*>(plan.pos.data()), out);
+    clock.lap();
+  }
+
+  // After forward (the outputs stay in send order in `send`).
+  template <class Comm>
+  void backward(Comm& comm, const T* grad_out, T* grad_x, float* grad_w) {
+    clock.start();
+    const int me = comm.rank();
+    const std::size_t S = n * static_cast<std::size_t>(k), R = lay.rows(me);
+    epx::exec::host_buffer<T> grad_send;
+    grad_send.reserve_discard(S * H);
+    grad_recv.reserve_discard(R * H);
+    grad_in.reserve_discard(R * H);
+    epx::kernels::gather(ex, S, H, grad_out, static_cast<const std::int64_t*>(plan.src_row.data()),
+                         static_cast<const float*>(w_send.data()), grad_send.data());
+    clock.lap();
+    epx::kernels::weight_gradients(ex, n, H, k, static_cast<const T*>(send.data()), grad_out,
+                                   static_cast<const std::int64_t*>(plan.pos.data()), grad_w);
+    clock.lap();
+    epx::detail::zero_padding(ex, grad_recv.data(), lay, me, H);
+    epx::all_to_allv_segments(comm, static_cast<const T*>(grad_send.data()), epx::make_span(seg.send_counts),
+                              epx::make_span(seg.send_displs), grad_recv.data(), epx::make_span(seg.recv_counts),
+                              epx::make_span(seg.recv_displs), static_cast<std::size_t>(L), H);
+    clock.lap();
+    if (R) std::memcpy(grad_in.data(), grad_recv.data(), R * H * sizeof(T));
+    clock.lap();
+    epx::all_to_allv_segments(comm, static_cast<const T*>(grad_in.data()), epx::make_span(seg.recv_counts),
+                              epx::make_span(seg.recv_displs), grad_send.data(), epx::make_span(seg.send_counts),
+                              epx::make_span(seg.send_displs), static_cast<std::size_t>(L), H);
+    clock.lap();
+    epx::kernels::reduce(ex, n, H, k, static_cast<const T*>(grad_send.data()),
+                         static_cast<const std::int64_t*>(plan.pos.data()), grad_x);
+    clock.lap();
+  }
+};
+
+// --- stages alone: scatter (gather_rows), exchange (segmented all-to-all), combine ---------
 enum class stage { scatter, exchange, combine };
 
 template <class T>
@@ -475,7 +572,6 @@ void bench_stage(benchmark::State& state, shape s, stage which) {
       epx::layout::send_plan<epx::exec::serial> plan;
       epx::detail::segments lay;
       std::vector<T> send, recv;
-      std::vector<char> src;
     };
     auto d = std::make_shared<data_t>();
     d->x = make_rows<T>(n, H, me);
@@ -488,31 +584,28 @@ void bench_stage(benchmark::State& state, shape s, stage which) {
     const auto layout = epx::detail::make_receive_layout(s.ep, s.ep, L, epx::padding{},
                                                          [&](int r) { return g.counts(r); });
     d->lay = epx::detail::segments_of(layout, me);
-    const std::size_t R = layout.rows(me);
+    std::size_t Rr = 0;
+    for (auto c : d->lay.recv_counts) Rr += c;
     d->send = make_rows<T>(S, H, me + 100);  // touched; the combine stage reads it as y
-    d->recv.assign(R * H, epx::convert<T>(0.0f));
-    const std::size_t row_bytes = H * sizeof(T);
-    const std::size_t rows = which == stage::exchange ? R : S;
-    d->src.assign(std::max(S, R) * row_bytes, 0x3f);
+    d->recv.assign(layout.rows(me) * H, epx::convert<T>(0.0f));
+    const double row_bytes = static_cast<double>(H * sizeof(T));
     rank_work w;
-    w.bytes = static_cast<double>(rows * row_bytes);
-    // The floor writes into the stage's output buffer (combine: into its input y, whose
-    // values stay normal floats so no denormal arithmetic follows).
-    T* floor_dst = which == stage::exchange ? d->recv.data() : d->send.data();
-    w.floor = [d, floor_dst, rows, row_bytes] {
-      std::memcpy(floor_dst, d->src.data(), rows * row_bytes);
-      benchmark::DoNotOptimize(floor_dst);
-    };
+    // Bytes read plus written: gather 2S, exchange 2Rr (the receiver pulls), combine S + n.
+    const double rows = which == stage::scatter ? 2.0 * S : which == stage::exchange ? 2.0 * Rr : double(S + n);
+    w.traffic = rows * row_bytes;
+    w.floor_parts = {static_cast<std::size_t>(w.traffic / 2)};
+    call c;
+    c.name = "epx";
     switch (which) {
       case stage::scatter:
-        w.measured = [d, S, H] {
+        c.run = [d, S, H] {
           epx::kernels::gather(epx::exec::serial{}, S, H, static_cast<const T*>(d->x.data()),
                                static_cast<const std::int64_t*>(d->plan.src_row.data()), d->send.data());
           benchmark::DoNotOptimize(d->send.data());
         };
         break;
       case stage::exchange:
-        w.measured = [d, &comm, L, H] {
+        c.run = [d, &comm, L, H] {
           epx::all_to_allv_segments(comm, static_cast<const T*>(d->send.data()), epx::make_span(d->lay.send_counts),
                                     epx::make_span(d->lay.send_displs), d->recv.data(),
                                     epx::make_span(d->lay.recv_counts), epx::make_span(d->lay.recv_displs),
@@ -520,174 +613,263 @@ void bench_stage(benchmark::State& state, shape s, stage which) {
         };
         break;
       case stage::combine:
-        w.measured = [d, n, H, s] {
+        c.run = [d, n, H, s] {
           epx::kernels::combine(epx::exec::serial{}, n, H, s.k, static_cast<const T*>(d->send.data()), d->w.data(),
                                 static_cast<const std::int64_t*>(d->plan.pos.data()), d->out.data());
           benchmark::DoNotOptimize(d->out.data());
         };
         break;
     }
+    w.calls.push_back(std::move(c));
     return w;
   });
   summary_row row;
   row.name = g_current_name;
-  set_data_counters(state, r, row);
+  set_floor_counters(state, r, row);
   add_row(row);
 }
 
-// --- round trips ----------------------------------------------------------------------------
-std::string shape_key(const shape& s, const char* type) { return s.str() + "/" + type; }
+// --- routes -------------------------------------------------------------------------------------
+// Options of one route benchmark.
+struct route_setup {
+  route r = route::staged;
+  bool backward = false;
+  bool baseline = false;  // the hand-written layer in the same loop
+  bool stages = false;    // the staged route decomposed into its stages, in the same loop
+};
 
-// Per-rank floor parts of a round trip. Forward: gather S, dispatch R, return S, combine S
-// (the identity experts work in place). Backward: scatter S, dispatch R, experts R,
-// return S, reduce S.
-std::vector<std::size_t> round_trip_parts(std::size_t S, std::size_t R, std::size_t row_bytes, bool backward) {
-  if (backward) return {S * row_bytes, R * row_bytes, R * row_bytes, S * row_bytes, S * row_bytes};
-  return {S * row_bytes, R * row_bytes, S * row_bytes, S * row_bytes};
-}
+// Per-rank counters summed over the ranks (drive's run_result::counters).
+enum counter_index : std::size_t { c_rows_sent, c_rows_remote, c_rows_per_rank, c_baseline_traffic, c_count };
 
 template <class T>
-void bench_baseline(benchmark::State& state, shape s) {
-  const std::size_t H = s.hidden, n = s.tokens;
-  std::vector<std::int64_t> workspace(static_cast<std::size_t>(s.ep), 0);
-  const run_result r = drive(state, s.ep, [&](epx::threads::communicator& comm, std::int64_t&) {
+void bench_route(benchmark::State& state, shape s, route_setup o) {
+  const std::size_t H = s.hidden, N = s.tokens;
+  const bool masked = o.r == route::masked;
+  using comm_t = epx::threads::communicator;
+  const run_result res = drive(state, s.ep, [&](comm_t& comm, std::int64_t& allowance) {
     const int me = comm.rank();
     struct data_t {
-      std::vector<T> x, out;
+      std::vector<T> x, out, grad_out, grad_x, out_b, grad_x_b, out_p, grad_x_p;
       std::vector<std::int32_t> ids;
-      std::vector<float> w;
-      epx::bench::baseline_layer<T> layer;
-    };
-    auto d = std::make_shared<data_t>();
-    d->x = make_rows<T>(n, H, me);
-    d->out.assign(n * H, epx::convert<T>(0.0f));
-    d->ids = make_ids(n, s.k, s.experts, s.routing, me);
-    d->w = make_weights(n, s.k, me);
-    // One call sizes the workspace (kept between calls, as a caching allocator would).
-    d->layer.forward(comm, d->x.data(), d->ids.data(), d->w.data(), n, H, s.k, s.experts, d->out.data());
-    workspace[static_cast<std::size_t>(me)] = static_cast<std::int64_t>(d->layer.workspace_bytes());
-    rank_work w;
-    w.measured = [d, &comm, n, H, s] {
-      d->layer.forward(comm, d->x.data(), d->ids.data(), d->w.data(), n, H, s.k, s.experts, d->out.data());
-      benchmark::DoNotOptimize(d->out.data());
-    };
-    w.floor = [] {};
-    return w;
-  });
-  const double t = median(r.times);
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    g_baseline_s[shape_key(s, type_name<T>())] = t;
-  }
-  state.counters["workspace_MiB"] =
-      static_cast<double>(*std::max_element(workspace.begin(), workspace.end())) / (1 << 20);
-  summary_row row;
-  row.name = g_current_name;
-  row.us = t * 1e6;
-  row.extra_mib = state.counters["workspace_MiB"];
-  add_row(row);
-}
-
-// Forward (inference) or backward of the layer with identity experts. `tp_equals_ep`
-// builds the mesh tp = ep (one batch per EP group) for the masked-path comparison.
-// `store_key`: remember this median under that key; `compare_key`: report
-// speedup_vs_baseline against the median stored under that key earlier in the run.
-template <class T, class Impl = epx::impl::all_to_all>
-void bench_round_trip(benchmark::State& state, shape s, bool backward, bool tp_equals_ep, std::string store_key,
-                      std::string compare_key, bool staged = false) {
-  const std::size_t H = s.hidden, n = s.tokens;
-  const run_result r = drive(state, s.ep, [&](epx::threads::communicator& comm, std::int64_t& allowance) {
-    const int me = comm.rank();
-    struct data_t {
-      std::vector<T> x, out, grad_out, grad_x;
-      std::vector<std::int32_t> ids;
-      std::vector<float> w, grad_w;
-      std::unique_ptr<epx::moe_layer<epx::threads::communicator, T, Impl>> layer;
+      std::vector<float> w, grad_w, grad_w_b, grad_w_p;
+      std::unique_ptr<epx::moe_layer<comm_t, T, epx::impl::all_to_all>> layer;
+      std::unique_ptr<epx::moe_layer<comm_t, T, epx::impl::all_reduce>> masked_layer;
       identity_experts<T> experts;
       epx::saved_state<T> saved;
-      std::unique_ptr<floor_buffers> fl;
-      std::vector<std::size_t> parts;
+      epx::bench::baseline_layer<T> base;
+      staged_pipeline<T> pipe;
+      epx::layer_stats stats;
     };
     auto d = std::make_shared<data_t>();
-    // With tp = ep every rank of the group holds the same batch (seeded by batch 0).
-    const int seed = tp_equals_ep ? 0 : me;
-    d->x = make_rows<T>(n, H, seed);
-    d->out.assign(n * H, epx::convert<T>(0.0f));
-    d->ids = make_ids(n, s.k, s.experts, s.routing, seed);
-    d->w = make_weights(n, s.k, seed);
-    epx::layer_options o;
-    o.hidden = H;
-    o.top_k = s.k;
-    o.chunks = 1;
-    o.peer_access = !staged;
-    epx::mesh_config c;
-    c.tp = tp_equals_ep ? s.ep : 1;
-    c.fsdp = tp_equals_ep ? 1 : s.ep;
-    c.ep = s.ep;
-    c.experts = s.experts;
-    d->layer = std::make_unique<epx::moe_layer<epx::threads::communicator, T, Impl>>(epx::mesh(c), comm, o);
-    auto forward = [d](epx::mode m) {
-      return d->layer->forward(epx::span<const T>(d->x.data(), d->x.size()),
-                               epx::span<const std::int32_t>(d->ids.data(), d->ids.size()),
-                               epx::span<const float>(d->w.data(), d->w.size()),
-                               epx::span<T>(d->out.data(), d->out.size()), d->experts, m);
+    const int seed = masked ? 0 : me;  // tp = ep: every rank of the group holds batch 0
+    d->x = make_rows<T>(N, H, seed);
+    d->out.assign(N * H, epx::convert<T>(0.0f));
+    d->ids = make_ids(N, s.k, s.experts, s.routing, seed);
+    d->w = make_weights(N, s.k, seed);
+    d->grad_out = make_rows<T>(N, H, seed + 50);
+    d->grad_x.assign(N * H, epx::convert<T>(0.0f));
+    d->grad_w.assign(N * static_cast<std::size_t>(s.k), 0.0f);
+    epx::layer_options lo;
+    lo.hidden = H;
+    lo.top_k = s.k;
+    lo.chunks = 1;
+    lo.peer_access = o.r == route::direct;
+    epx::mesh_config mc;
+    mc.tp = masked ? s.ep : 1;
+    mc.fsdp = masked ? 1 : s.ep;
+    mc.ep = s.ep;
+    mc.experts = s.experts;
+    const epx::mesh m(mc);
+    auto make_layer = [&] {
+      if (masked)
+        d->masked_layer = std::make_unique<epx::moe_layer<comm_t, T, epx::impl::all_reduce>>(m, comm, lo);
+      else
+        d->layer = std::make_unique<epx::moe_layer<comm_t, T, epx::impl::all_to_all>>(m, comm, lo);
     };
-    // One call to learn S (rows sent) and R (rows received, padding included) from the stats.
-    forward(epx::mode::inference);
-    const auto& st = d->layer->stats();
-    std::size_t R = 0, S = 0;
-    for (auto c2 : st.tokens_per_local_expert) R += static_cast<std::size_t>(c2);
-    for (auto c2 : st.padding_per_local_expert) R += static_cast<std::size_t>(c2);
-    for (auto c2 : st.rows_sent) S += static_cast<std::size_t>(c2);
-    const std::size_t row_bytes = H * sizeof(T);
-    allowance = static_cast<std::int64_t>(R * row_bytes);
+    auto forward = [d, masked](epx::mode md) {
+      const epx::span<const T> x(d->x.data(), d->x.size());
+      const epx::span<const std::int32_t> ids(d->ids.data(), d->ids.size());
+      const epx::span<const float> w(d->w.data(), d->w.size());
+      const epx::span<T> out(d->out.data(), d->out.size());
+      if (masked) return d->masked_layer->forward(x, ids, w, out, d->experts, md);
+      return d->layer->forward(x, ids, w, out, d->experts, md);
+    };
+    auto backward = [d, masked] {
+      const epx::span<const T> g(d->grad_out.data(), d->grad_out.size());
+      const epx::span<T> gx(d->grad_x.data(), d->grad_x.size());
+      const epx::span<float> gw(d->grad_w.data(), d->grad_w.size());
+      if (masked) d->masked_layer->backward(std::move(d->saved), g, gx, gw, d->experts);
+      else d->layer->backward(std::move(d->saved), g, gx, gw, d->experts);
+    };
+    auto stats = [d, masked]() -> const epx::layer_stats& {
+      return masked ? d->masked_layer->stats() : d->layer->stats();
+    };
+    rank_work w;
+    // One call (training forward and backward) to learn the rows moved and check the results.
+    make_layer();
+    d->saved = forward(epx::mode::train);
+    d->stats = stats();
+    w.check = check_forward(d->x.data(), d->w.data(), d->out.data(), N, H, s.k, masked ? s.ep : 1);
+    backward();
+    if (w.check.empty())
+      w.check = check_backward(d->x.data(), d->w.data(), d->grad_out.data(), d->grad_x.data(), d->grad_w.data(), N, H,
+                               s.k);
+    const auto& st = d->stats;
+    std::size_t R = 0, P = 0, S = 0, remote = 0;
+    for (auto c : st.tokens_per_local_expert) R += static_cast<std::size_t>(c);
+    for (auto c : st.padding_per_local_expert) P += static_cast<std::size_t>(c);
+    R += P;
+    for (std::size_t p = 0; p < st.rows_sent.size(); ++p) {
+      S += static_cast<std::size_t>(st.rows_sent[p]);
+      if (static_cast<int>(p) != me) remote += static_cast<std::size_t>(st.rows_sent[p]);
+    }
+    // What a per-rank mode (one row per token and owner rank) would send.
+    std::size_t per_rank = 0;
+    {
+      const int L = s.experts / s.ep;
+      std::vector<int> seen(static_cast<std::size_t>(s.ep), -1);
+      for (std::size_t t = 0; t < N; ++t)
+        for (int j = 0; j < s.k; ++j) {
+          const int owner = d->ids[t * static_cast<std::size_t>(s.k) + static_cast<std::size_t>(j)] / L;
+          if (seen[static_cast<std::size_t>(owner)] != static_cast<int>(t)) {
+            seen[static_cast<std::size_t>(owner)] = static_cast<int>(t);
+            ++per_rank;
+          }
+        }
+    }
+    const double row_bytes = static_cast<double>(H * sizeof(T));
+    allowance = static_cast<std::int64_t>(static_cast<double>(R) * row_bytes);
+    const double n = masked ? static_cast<double>(N) : static_cast<double>(N);
+    const auto parts = route_traffic(o.r, o.backward, static_cast<double>(masked ? 0 : S), static_cast<double>(R),
+                                     static_cast<double>(P), n, static_cast<double>(N), masked ? s.ep : 1);
+    for (double p : parts) {
+      w.traffic += p * row_bytes;
+      w.floor_parts.push_back(static_cast<std::size_t>(p * row_bytes / 2));
+    }
+    double base_traffic = 0;
+    for (double p : baseline_traffic(o.backward, static_cast<double>(S), static_cast<double>(R - P),
+                                     static_cast<double>(N)))
+      base_traffic += p * row_bytes;
+    w.counters.assign(c_count, 0.0);
+    w.counters[c_rows_sent] = static_cast<double>(S);
+    w.counters[c_rows_remote] = static_cast<double>(remote);
+    w.counters[c_rows_per_rank] = static_cast<double>(per_rank);
+    w.counters[c_baseline_traffic] = base_traffic;
     // A fresh layer: its row-buffer pool (kept between calls) is filled by the warm-up call,
     // so the heap peak counted there includes the pool's blocks.
-    d->layer = std::make_unique<epx::moe_layer<epx::threads::communicator, T, Impl>>(epx::mesh(c), comm, o);
-    if (std::is_same_v<Impl, epx::impl::all_reduce>)
-      d->parts = {R * row_bytes, R * row_bytes, R * row_bytes, n * row_bytes};  // gather, experts, combine, all-reduce
-    else
-      d->parts = round_trip_parts(S, R, row_bytes, backward);
-    d->fl = std::make_unique<floor_buffers>(std::max({S, R, n}) * row_bytes);
-    rank_work w;
-    for (auto b : d->parts) w.bytes += static_cast<double>(b);
-    w.floor = [d] { d->fl->copy(d->parts); };
-    if (!backward) {
-      w.measured = [d, forward] { forward(epx::mode::inference); };
+    make_layer();
+    call epx_call;
+    epx_call.name = "epx";
+    if (!o.backward) {
+      epx_call.run = [forward] { forward(epx::mode::inference); };
     } else {
-      d->grad_out = make_rows<T>(n, H, seed + 50);
-      d->grad_x.assign(n * H, epx::convert<T>(0.0f));
-      d->grad_w.assign(n * static_cast<std::size_t>(s.k), 0.0f);
-      w.prepare = [d, forward] { d->saved = forward(epx::mode::train); };
-      w.measured = [d] {
-        d->layer->backward(std::move(d->saved), epx::span<const T>(d->grad_out.data(), d->grad_out.size()),
-                           epx::span<T>(d->grad_x.data(), d->grad_x.size()),
-                           epx::span<float>(d->grad_w.data(), d->grad_w.size()), d->experts);
+      epx_call.prepare = [d, forward] { d->saved = forward(epx::mode::train); };
+      epx_call.run = backward;
+    }
+    w.calls.push_back(std::move(epx_call));
+    if (o.baseline) {
+      d->out_b.assign(N * H, epx::convert<T>(0.0f));
+      d->grad_x_b.assign(N * H, epx::convert<T>(0.0f));
+      d->grad_w_b.assign(d->grad_w.size(), 0.0f);
+      auto bf = [d, &comm, N, H, s](bool training) {
+        d->base.forward(comm, d->x.data(), d->ids.data(), d->w.data(), N, H, s.k, s.experts, d->out_b.data(),
+                        training);
       };
+      bf(true);
+      std::string c = check_forward(d->x.data(), d->w.data(), d->out_b.data(), N, H, s.k);
+      d->base.backward(comm, d->grad_out.data(), d->grad_x_b.data(), d->grad_w_b.data());
+      if (c.empty())
+        c = check_backward(d->x.data(), d->w.data(), d->grad_out.data(), d->grad_x_b.data(), d->grad_w_b.data(), N,
+                           H, s.k);
+      if (!c.empty() && w.check.empty()) w.check = "baseline: " + c;
+      call b;
+      b.name = "baseline";
+      if (!o.backward) {
+        b.run = [bf] { bf(false); };
+        for (const char* nm : epx::bench::baseline_layer<T>::forward_stages) b.stage_names.push_back(nm);
+      } else {
+        b.prepare = [bf] { bf(true); };
+        b.run = [d, &comm] { d->base.backward(comm, d->grad_out.data(), d->grad_x_b.data(), d->grad_w_b.data()); };
+        for (const char* nm : epx::bench::baseline_layer<T>::backward_stages) b.stage_names.push_back(nm);
+      }
+      b.stages = [d] { return d->base.stages().seconds(); };
+      w.calls.push_back(std::move(b));
+    }
+    if (o.stages && !masked) {
+      d->out_p.assign(N * H, epx::convert<T>(0.0f));
+      d->grad_x_p.assign(N * H, epx::convert<T>(0.0f));
+      d->grad_w_p.assign(d->grad_w.size(), 0.0f);
+      auto pf = [d, &comm, N, H, s] {
+        d->pipe.forward(comm, d->x.data(), d->ids.data(), d->w.data(), N, H, s.k, s.experts, d->out_p.data());
+      };
+      pf();
+      std::string c = check_forward(d->x.data(), d->w.data(), d->out_p.data(), N, H, s.k);
+      d->pipe.backward(comm, d->grad_out.data(), d->grad_x_p.data(), d->grad_w_p.data());
+      if (c.empty())
+        c = check_backward(d->x.data(), d->w.data(), d->grad_out.data(), d->grad_x_p.data(), d->grad_w_p.data(), N,
+                           H, s.k);
+      if (!c.empty() && w.check.empty()) w.check = "stages: " + c;
+      call p;
+      p.name = "stages";
+      if (!o.backward) {
+        p.run = pf;
+        for (const char* nm : staged_pipeline<T>::forward_stages) p.stage_names.push_back(nm);
+      } else {
+        p.prepare = pf;
+        p.run = [d, &comm] { d->pipe.backward(comm, d->grad_out.data(), d->grad_x_p.data(), d->grad_w_p.data()); };
+        for (const char* nm : staged_pipeline<T>::backward_stages) p.stage_names.push_back(nm);
+      }
+      p.stages = [d] { return d->pipe.clock.seconds(); };
+      w.calls.push_back(std::move(p));
     }
     return w;
   });
+  if (!res.check.empty()) {
+    state.SkipWithError(("output check failed: " + res.check).c_str());
+    return;
+  }
   summary_row row;
   row.name = g_current_name;
-  set_data_counters(state, r, row);
-  set_memory_counters(state, r, row);
-  std::lock_guard<std::mutex> lock(g_mutex);
-  if (!store_key.empty()) g_baseline_s[store_key] = median(r.times);
-  if (!compare_key.empty()) {
-    auto it = g_baseline_s.find(compare_key);
-    if (it != g_baseline_s.end() && row.us > 0) {
-      row.baseline_us = it->second * 1e6;
-      row.speedup = row.baseline_us / row.us;
-      state.counters["baseline_us"] = row.baseline_us;
-      state.counters["speedup_vs_baseline"] = row.speedup;
+  set_floor_counters(state, res, row);
+  set_memory_counters(state, res, row);
+  state.counters["checked"] = 1;
+  const double ranks = s.ep;
+  state.counters["rows_sent"] = res.counters[c_rows_sent] / ranks;
+  state.counters["rows_sent_remote"] = res.counters[c_rows_remote] / ranks;
+  state.counters["rows_per_rank_mode"] = res.counters[c_rows_per_rank] / ranks;
+  const double repeat = res.counters[c_rows_sent] > 0
+                            ? 1.0 - res.counters[c_rows_per_rank] / res.counters[c_rows_sent]
+                            : 0.0;
+  state.counters["repeat_fraction"] = repeat;
+  row.rows_sent = res.counters[c_rows_sent] / ranks;
+  row.repeat = repeat;
+  const double te = median(res.calls[0].times), tf = median(res.floor_times);
+  for (std::size_t c = 1; c < res.calls.size(); ++c) {
+    const auto& cr = res.calls[c];
+    const double tc = median(cr.times);
+    std::string stages;
+    for (std::size_t i = 0; i < cr.stage_names.size(); ++i) {
+      const double ms = median(cr.stages[i]) * 1e3;
+      state.counters[(cr.name == "baseline" ? "baseline:" : "stage:") + cr.stage_names[i] + "_ms"] = ms;
+      stages += epx::detail::concat(i ? " " : "", cr.stage_names[i], " ", ms);
+    }
+    if (cr.name == "baseline") {
+      std::vector<double> ratio(cr.times.size());
+      for (std::size_t i = 0; i < ratio.size(); ++i) ratio[i] = cr.times[i] / res.calls[0].times[i];
+      state.counters["baseline_ms"] = tc * 1e3;
+      state.counters["baseline_floor_ratio"] =
+          tf > 0 ? tc / (tf * res.counters[c_baseline_traffic] / res.traffic) : 0.0;
+      state.counters["speedup_vs_baseline"] = te > 0 ? tc / te : 0.0;
+      state.counters["speedup_paired"] = median(ratio);
+      row.baseline_ms = tc * 1e3;
+      row.speedup = te > 0 ? tc / te : 0.0;
+      row.stages += "baseline: " + stages + "; ";
+    } else {
+      state.counters["stages_ms"] = tc * 1e3;
+      row.stages += epx::detail::concat("staged decomposed (", tc * 1e3, " ms): ", stages);
     }
   }
-  for (auto& x : g_rows)
-    if (x.name == row.name) {
-      x = row;
-      return;
-    }
-  g_rows.push_back(row);
+  add_row(row);
 }
 
 // --- registration ------------------------------------------------------------------------------
@@ -703,42 +885,19 @@ benchmark::internal::Benchmark* finish(benchmark::internal::Benchmark* b, int it
   return b->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(iters);
 }
 
-// Bytes one round trip copies on all ranks (for the iteration estimate).
+// Bytes one staged forward moves on all ranks (for the iteration estimate).
 double round_trip_bytes(const shape& s, std::size_t elem) {
-  return 4.0 * static_cast<double>(s.pairs()) * static_cast<double>(s.hidden * elem) * s.ep;
+  return 7.0 * static_cast<double>(s.pairs()) * static_cast<double>(s.hidden * elem) * s.ep;
 }
 
+// route<T>/<route>/<fwd|bwd>/<shape>. iters 0: from the size, at least `min_iters`.
 template <class T>
-void register_round_trip(const shape& s, bool with_baseline, bool with_backward, int iters_override) {
-  const std::string key = shape_key(s, type_name<T>());
-  const int it = iters_override > 0 ? iters_override : iterations_for(round_trip_bytes(s, sizeof(T)));
-  const std::string tn = type_name<T>();
-  if (with_baseline)
-    finish(reg("baseline_forward<" + tn + ">/" + s.str(),
-                                        [s](benchmark::State& st) { bench_baseline<T>(st, s); }),
-           it);
-  finish(reg("round_trip_forward<" + tn + ">/" + s.str(),
-             [s, key](benchmark::State& st) { bench_round_trip<T>(st, s, false, false, "", key); }),
-         it);
-  if (with_backward)
-    finish(reg("round_trip_backward<" + tn + ">/" + s.str(),
-               [s](benchmark::State& st) { bench_round_trip<T>(st, s, true, false, "", ""); }),
-           it);
-}
-
-// The staged route (layer_options::peer_access = false: rows through the communicator's
-// all-to-all, as on MPI and NCCL) on the same communicator, forward and backward.
-template <class T>
-void register_staged(const shape& s, int iters_override) {
-  const std::string key = shape_key(s, type_name<T>());
-  const int it = iters_override > 0 ? iters_override : iterations_for(round_trip_bytes(s, sizeof(T)));
-  const std::string tn = type_name<T>();
-  finish(reg("round_trip_forward_staged<" + tn + ">/" + s.str(),
-             [s, key](benchmark::State& st) { bench_round_trip<T>(st, s, false, false, "", key, true); }),
-         it);
-  finish(reg("round_trip_backward_staged<" + tn + ">/" + s.str(),
-             [s](benchmark::State& st) { bench_round_trip<T>(st, s, true, false, "", "", true); }),
-         it);
+void register_route(const shape& s, route_setup o, int iters, int min_iters = 10) {
+  const int it = iters > 0 ? iters : iterations_for(round_trip_bytes(s, sizeof(T)) * (o.backward ? 2 : 1), 2.0,
+                                                    min_iters);
+  const std::string name = epx::detail::concat("route<", type_name<T>(), ">/", to_string(o.r), "/",
+                                               o.backward ? "bwd" : "fwd", "/", s.str());
+  finish(reg(name, [s, o](benchmark::State& st) { bench_route<T>(st, s, o); }), it);
 }
 
 template <class T>
@@ -749,36 +908,15 @@ void register_stages(const shape& s, int iters_override) {
       {"scatter", stage::scatter}, {"exchange", stage::exchange}, {"combine", stage::combine}};
   for (const auto& [name, which] : stages) {
     const stage w = which;
-    finish(reg(std::string(name) + "<" + tn + ">/" + s.str(),
-                                        [s, w](benchmark::State& st) { bench_stage<T>(st, s, w); }),
+    finish(reg(std::string(name) + "<" + tn + ">/" + s.str(), [s, w](benchmark::State& st) { bench_stage<T>(st, s, w); }),
            it);
   }
-}
-
-template <class T>
-void register_masked(const shape& s, int iters_override) {
-  const std::string tn = type_name<T>();
-  const int it = iters_override > 0 ? iters_override : iterations_for(round_trip_bytes(s, sizeof(T)) / 2);
-  const std::string key = "tp=ep/" + shape_key(s, tn.c_str());
-  finish(reg("tp_eq_ep_all_to_all<" + tn + ">/" + s.str(),
-                                      [s, key](benchmark::State& st) {
-                                        bench_round_trip<T, epx::impl::all_to_all>(st, s, false, true, key, "");
-                                      }),
-         it);
-  // speedup_vs_baseline here: all_to_all time / all_reduce time at the same shape.
-  finish(reg("tp_eq_ep_all_reduce<" + tn + ">/" + s.str(),
-                                      [s, key](benchmark::State& st) {
-                                        bench_round_trip<T, epx::impl::all_reduce>(st, s, false, true, "", key);
-                                      }),
-         it);
 }
 
 void register_layout(const shape& s, int iters_override) {
   const int it = iters_override > 0 ? iters_override
                                     : static_cast<int>(std::clamp(4e6 / static_cast<double>(s.pairs()), 5.0, 2000.0));
-  finish(reg("layout/" + s.str(),
-                                      [s](benchmark::State& st) { bench_layout(st, s); }),
-         it)
+  finish(reg("layout/" + s.str(), [s](benchmark::State& st) { bench_layout(st, s); }), it)
       ->Unit(benchmark::kMicrosecond);
 }
 
@@ -793,17 +931,25 @@ shape make_shape(int ep, std::size_t tokens, std::size_t hidden, int k, int expe
   return s;
 }
 
+// Every route of one shape: staged and direct, forward and backward, with the baseline (and
+// the staged route's stages) in the same loop where `full`; the masked path where asked.
+template <class T>
+void register_shape(const shape& s, bool full, int iters, int min_iters = 10) {
+  for (bool bwd : {false, true}) {
+    register_route<T>(s, {route::staged, bwd, full, full}, iters, min_iters);
+    register_route<T>(s, {route::direct, bwd, full, false}, iters, min_iters);
+  }
+}
+
 // The registered set; see bench/README.md for why these shapes.
 void register_all(bool quick) {
   if (quick) {
     const int q = 3;
     register_layout(make_shape(8, 128, 0, 8, 64), q);
-    register_layout(make_shape(8, 128, 0, 8, 64, zipf), q);
     register_stages<bf16>(make_shape(2, 128, 1024, 8, 64), q);
-    register_round_trip<bf16>(make_shape(2, 128, 1024, 8, 64), true, true, q);
-    register_staged<bf16>(make_shape(2, 128, 1024, 8, 64), q);
-    register_round_trip<float>(make_shape(2, 128, 1024, 2, 8, zipf), true, false, q);
-    register_masked<bf16>(make_shape(2, 128, 1024, 8, 64), q);
+    register_shape<bf16>(make_shape(2, 128, 1024, 8, 64), true, q);
+    register_route<float>(make_shape(2, 128, 1024, 2, 8, zipf), {route::staged, false, true, true}, q);
+    register_route<bf16>(make_shape(2, 128, 1024, 8, 64), {route::masked, false, false, false}, q);
     return;
   }
   // Layout: every tokens x k x experts, both routings (one rank; cheap).
@@ -811,50 +957,45 @@ void register_all(bool quick) {
     for (std::size_t tokens : {128, 4096, 16384})
       for (int k : {2, 8})
         for (int E : {8, 64, 256}) register_layout(make_shape(8, tokens, 0, k, E, r), 0);
-  // Stages at ep = 8: hidden 1024 and 4096, the target shape skewed, float32, and hidden
-  // 7168 at ep = 2 (memory).
-  register_stages<bf16>(make_shape(8, 128, 1024, 8, 64), 0);
+  // Stages alone at ep = 8, and hidden 7168 at ep = 2 (memory).
   register_stages<bf16>(make_shape(8, 4096, 1024, 8, 64), 0);
   register_stages<bf16>(make_shape(8, 4096, 4096, 8, 64), 0);
-  register_stages<bf16>(make_shape(8, 4096, 4096, 8, 64, zipf), 0);
-  register_stages<float>(make_shape(8, 4096, 1024, 8, 64), 0);
   register_stages<bf16>(make_shape(2, 4096, 7168, 8, 64), 0);
-  // Round trips. The target shape (both routings, forward and backward, with baseline);
-  // growth in tokens x k x hidden at ep = 8 (16 MiB to 256 MiB of routed rows per rank);
-  // ep 2 and 4; experts 8 and 256 and float32 at hidden 1024; hidden 7168 at ep = 2; the
-  // latency end (128 tokens).
-  register_round_trip<bf16>(make_shape(8, 4096, 4096, 8, 64), true, true, 0);
-  register_staged<bf16>(make_shape(8, 4096, 4096, 8, 64), 0);
-  register_round_trip<bf16>(make_shape(8, 4096, 4096, 8, 64, zipf), true, true, 0);
-  register_round_trip<bf16>(make_shape(8, 4096, 1024, 2, 64), true, false, 0);
-  register_round_trip<bf16>(make_shape(8, 4096, 1024, 8, 64), true, true, 0);
-  register_round_trip<bf16>(make_shape(8, 16384, 1024, 8, 64), true, false, 0);
-  register_round_trip<bf16>(make_shape(2, 4096, 4096, 8, 64), true, false, 0);
-  register_round_trip<bf16>(make_shape(4, 4096, 4096, 8, 64), true, false, 0);
-  register_round_trip<bf16>(make_shape(8, 4096, 1024, 8, 8), true, false, 0);
-  register_round_trip<bf16>(make_shape(8, 4096, 1024, 8, 256), true, false, 0);
-  register_round_trip<float>(make_shape(8, 4096, 1024, 8, 64), true, true, 0);
-  register_round_trip<bf16>(make_shape(2, 4096, 7168, 8, 64), true, false, 0);
-  register_round_trip<bf16>(make_shape(8, 128, 1024, 8, 64), true, true, 0);
-  // Masked all-reduce against all-to-all with tp = ep (one batch per EP group).
-  for (int ep : {2, 4, 8}) register_masked<bf16>(make_shape(ep, 4096, 1024, 8, 64), 0);
-  register_masked<bf16>(make_shape(8, 128, 1024, 8, 64), 0);
+  // The target shape (4096 x 4096, bf16, top-8, 64 experts, ep 8): forward with the
+  // baseline and the decomposed staged route in the same loop; backward epx alone (the
+  // three together need more memory than 8 ranks of this machine have).
+  const shape target = make_shape(8, 4096, 4096, 8, 64);
+  register_route<bf16>(target, {route::staged, false, true, true}, 0);
+  register_route<bf16>(target, {route::direct, false, true, false}, 0);
+  register_route<bf16>(target, {route::staged, true, false, false}, 0);
+  register_route<bf16>(target, {route::direct, true, false, false}, 0);
+  // The transformers comparison shape (1024 tokens x 1024 per rank, top-8, 64 experts,
+  // ep 8), bf16 and float32: every route, both directions, baseline and stages.
+  register_shape<bf16>(make_shape(8, 1024, 1024, 8, 64), true, 0, 20);
+  register_shape<float>(make_shape(8, 1024, 1024, 8, 64), true, 0, 20);
+  // Skewed routing, other sizes.
+  register_route<bf16>(make_shape(8, 4096, 4096, 8, 64, zipf), {route::staged, false, true, false}, 0);
+  register_route<bf16>(make_shape(8, 4096, 1024, 8, 64), {route::staged, false, true, true}, 0);
+  register_route<bf16>(make_shape(2, 4096, 7168, 8, 64), {route::staged, false, true, false}, 0);
+  register_route<bf16>(make_shape(8, 128, 1024, 8, 64), {route::staged, false, true, true}, 0);
+  // Masked all-reduce path at tp = ep.
+  for (int ep : {2, 8}) register_route<bf16>(make_shape(ep, 4096, 1024, 8, 64), {route::masked, false, false, false}, 0);
 }
 
 void print_summary() {
   if (g_rows.empty()) return;
-  std::printf("\nSummary (median per call; speedup = baseline / epx; memory per rank; heap=%s)\n",
+  std::printf("\nSummary (median per call; speedup = baseline / epx, same iterations; floor_MiB = bytes read + "
+              "written, all ranks; memory per rank; heap=%s)\n",
               heap::caching ? "cache" : "system");
-  std::printf("%-88s %11s %11s %8s %8s %7s %9s %9s\n", "benchmark", "epx_ms", "baseline_ms", "speedup",
-              "floor", "GB/s", "extra_MiB", "allow_MiB");
+  std::printf("%-80s %9s %11s %7s %6s %9s %9s %9s %9s %6s\n", "benchmark", "epx_ms", "baseline_ms", "speedup",
+              "floor", "floor_MiB", "extra_MiB", "allow_MiB", "rows_sent", "repeat");
+  auto num = [](double v) { return v > 0 ? epx::detail::concat(v) : std::string("-"); };
   for (const auto& r : g_rows) {
-    std::printf("%-88s %11.3f %11s %8s %8s %7s %9s %9s\n", r.name.c_str(), r.us * 1e-3,
-                r.baseline_us > 0 ? epx::detail::concat(r.baseline_us * 1e-3).c_str() : "-",
-                r.speedup > 0 ? epx::detail::concat(r.speedup).c_str() : "-",
-                r.floor_ratio > 0 ? epx::detail::concat(r.floor_ratio).c_str() : "-",
-                r.gbs > 0 ? epx::detail::concat(r.gbs).c_str() : "-",
-                r.extra_mib > 0 ? epx::detail::concat(r.extra_mib).c_str() : "-",
-                r.allowance_mib > 0 ? epx::detail::concat(r.allowance_mib).c_str() : "-");
+    std::printf("%-80s %9.3f %11s %7s %6s %9s %9s %9s %9s %6s\n", r.name.c_str(), r.ms, num(r.baseline_ms).c_str(),
+                num(r.speedup).c_str(), num(r.floor_ratio).c_str(), num(r.floor_mib).c_str(),
+                num(r.extra_mib).c_str(), num(r.allowance_mib).c_str(), num(r.rows_sent).c_str(),
+                num(r.repeat).c_str());
+    if (!r.stages.empty()) std::printf("    stage ms: %s\n", r.stages.c_str());
   }
 }
 

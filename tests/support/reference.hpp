@@ -11,6 +11,9 @@
 //   - `expected_expert_grads_after_hook` (mean of the per-batch gradients over B batches);
 //   - `test_linear_experts<T>`: the same linear experts in the shape of the library's
 //     experts concept (local experts of one EP rank, host loops in accum_t<T>);
+//   - rounding to bf16/fp16 written without the library's converters (`format_round`,
+//     `format_encode`, `round_value<T>`), rounding units, and `diag_experts` /
+//     `test_diag_experts<T>`: elementwise experts with O(H) parameters for large H;
 //   - comparison helpers (`compare`, `max_abs_err`, doctest `check_close`).
 //
 // Conventions: matrices are row-major std::vector<double>; ids are [N, k] int32 and
@@ -1065,6 +1068,236 @@ class test_linear_experts {
   std::size_t forward_calls_ = 0;
   std::size_t backward_calls_ = 0;
   std::size_t rows_seen_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------
+// Rounding to a 16-bit float format, independent of the library's converters
+// ---------------------------------------------------------------------------------------
+//
+// A binary floating-point format with `man` stored significand bits and `exp_bits`
+// exponent bits (IEEE layout: sign, biased exponent, significand; subnormals, infinities,
+// NaN). bf16 = {7, 8}, fp16 = {10, 5}. Plain double arithmetic (ldexp, ilogb, floor): no
+// bit tricks shared with epx/core/numeric.hpp, so a test can hold the library's
+// conversions against it.
+struct float_format {
+  int man;
+  int exp_bits;
+  int bias() const { return (1 << (exp_bits - 1)) - 1; }
+  int emin() const { return 1 - bias(); }
+  int emax() const { return bias(); }
+  std::uint32_t exp_mask() const { return ((1u << exp_bits) - 1u) << man; }
+  std::uint32_t sign_bit() const { return 1u << (man + exp_bits); }
+};
+inline constexpr float_format bf16_format{7, 8};
+inline constexpr float_format fp16_format{10, 5};
+
+// The value of a bit pattern (NaN for NaN patterns).
+inline double format_decode(const float_format& f, std::uint32_t bits) {
+  const bool neg = (bits & f.sign_bit()) != 0;
+  const std::uint32_t e = (bits & f.exp_mask()) >> f.man;
+  const std::uint32_t m = bits & ((1u << f.man) - 1u);
+  double v;
+  if (e == 0) {
+    v = std::ldexp(static_cast<double>(m), f.emin() - f.man);
+  } else if (e == (1u << f.exp_bits) - 1u) {
+    v = m == 0 ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
+  } else {
+    v = std::ldexp(static_cast<double>((1u << f.man) + m), static_cast<int>(e) - f.bias() - f.man);
+  }
+  return neg ? -v : v;
+}
+
+// The nearest value of the format to v, ties to the even significand, overflow to
+// infinity (round to nearest even), as a double; NaN stays NaN.
+inline double format_round(const float_format& f, double v) {
+  if (std::isnan(v) || std::isinf(v) || v == 0) return v;
+  const double a = std::abs(v);
+  const int e = std::max(std::ilogb(a), f.emin());
+  const int q = e - f.man;                      // exponent of the last significand bit
+  const double n = std::ldexp(a, -q);           // exact: a power-of-two scaling
+  double r = std::floor(n);
+  const double frac = n - r;                    // exact
+  if (frac > 0.5 || (frac == 0.5 && std::fmod(r, 2.0) != 0.0)) r += 1.0;
+  double out = std::ldexp(r, q);
+  // Past the largest finite value (2 - 2^-man) 2^emax: infinity.
+  if (out >= std::ldexp(1.0, f.emax() + 1)) out = std::numeric_limits<double>::infinity();
+  return v < 0 ? -out : out;
+}
+
+// The bit pattern of a value of the format (v = format_round(f, v), or NaN: the canonical
+// quiet NaN with v's sign).
+inline std::uint32_t format_encode_exact(const float_format& f, double v) {
+  const std::uint32_t sign = std::signbit(v) ? f.sign_bit() : 0u;
+  if (std::isnan(v)) return sign | f.exp_mask() | (1u << (f.man - 1));
+  const double a = std::abs(v);
+  if (std::isinf(a)) return sign | f.exp_mask();
+  if (a == 0) return sign;
+  if (a < std::ldexp(1.0, f.emin())) {  // subnormal: a = m 2^(emin - man)
+    return sign | static_cast<std::uint32_t>(std::ldexp(a, f.man - f.emin()));
+  }
+  const int e = std::ilogb(a);
+  const auto m = static_cast<std::uint32_t>(std::ldexp(a, f.man - e)) - (1u << f.man);
+  return sign | (static_cast<std::uint32_t>(e + f.bias()) << f.man) | m;
+}
+
+// Round to nearest even, then the bits.
+inline std::uint32_t format_encode(const float_format& f, double v) { return format_encode_exact(f, format_round(f, v)); }
+
+// v rounded once to the activation type T, as a double (bf16/fp16 by format_round; float
+// by the cast, which rounds to nearest even; double unchanged).
+template <class T>
+double round_value(double v) {
+  if constexpr (std::is_same_v<T, bf16>) return format_round(bf16_format, v);
+  else if constexpr (std::is_same_v<T, fp16>) return format_round(fp16_format, v);
+  else if constexpr (std::is_same_v<T, float>) return static_cast<double>(static_cast<float>(v));
+  else return v;
+}
+
+// v rounded once to T, as a T (the value of round_value<T>(v)).
+template <class T>
+T to_type_exact(double v) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return bf16::from_bits(static_cast<std::uint16_t>(format_encode(bf16_format, v)));
+  else if constexpr (std::is_same_v<T, fp16>)
+    return fp16::from_bits(static_cast<std::uint16_t>(format_encode(fp16_format, v)));
+  else
+    return static_cast<T>(v);
+}
+
+// The rounding unit of T (half an ulp relative: 2^-p for a p-bit significand).
+template <class T>
+constexpr double unit_roundoff() {
+  if constexpr (std::is_same_v<T, double>) return 0x1p-53;
+  else if constexpr (std::is_same_v<T, float>) return 0x1p-24;
+  else if constexpr (std::is_same_v<T, fp16>) return 0x1p-11;
+  else return 0x1p-8;
+}
+// Half the smallest subnormal of T: the absolute error of rounding below the normal range.
+template <class T>
+constexpr double subnormal_half() {
+  if constexpr (std::is_same_v<T, double>) return 0.0;
+  else if constexpr (std::is_same_v<T, float>) return 0x1p-150;
+  else if constexpr (std::is_same_v<T, fp16>) return 0x1p-25;
+  else return 0x1p-134;
+}
+// gamma_n = n u / (1 - n u): the relative error bound of n rounded operations.
+inline double gamma_n(double n, double u) { return n * u / (1.0 - n * u); }
+
+// ---------------------------------------------------------------------------------------
+// Diagonal test experts: O(H) parameters, for large H
+// ---------------------------------------------------------------------------------------
+//
+// y = a_e * x + b_e elementwise, a_e, b_e [H]. Per expert: [a_e (H), b_e (H)]. The entries
+// have at most 4 significant bits (a in +-[0.25, 2), b in [-1/8, 1/8] in steps of 1/64), so
+// a x is exact in float for 16-bit and float inputs and in double for any input.
+// forward_row gives y in double (fma: one rounding); the test experts round it once to T.
+struct diag_experts {
+  int E = 0;
+  int H = 0;
+  std::vector<double> params;  // [E, 2H]
+
+  diag_experts() = default;
+  diag_experts(int num_experts, int hidden)
+      : E(num_experts), H(hidden), params(static_cast<std::size_t>(num_experts) * 2 * hidden) {}
+
+  static diag_experts random(int E, int H, std::uint64_t seed) {
+    diag_experts ex(E, H);
+    rng g(seed ^ 0xd1a6ull);
+    for (int e = 0; e < E; ++e) {
+      double* p = ex.expert(e);
+      for (int h = 0; h < H; ++h) {
+        const double mant = 1.0 + g.below(8) / 8.0;                  // 1, 1.125, ..., 1.875
+        p[h] = (g.below(2) ? -1.0 : 1.0) * std::ldexp(mant, g.below(3) - 2);  // +-[0.25, 2)
+        p[H + h] = (g.below(17) - 8) / 64.0;                         // [-1/8, 1/8]
+      }
+    }
+    return ex;
+  }
+
+  std::size_t params_per_expert() const { return static_cast<std::size_t>(2) * H; }
+  double* expert(int e) { return params.data() + e * params_per_expert(); }
+  const double* expert(int e) const { return params.data() + e * params_per_expert(); }
+  std::vector<double> zero_grads() const { return std::vector<double>(params.size(), 0.0); }
+
+  double a(int e, int h) const { return expert(e)[h]; }
+  double b(int e, int h) const { return expert(e)[H + h]; }
+
+  void forward_row(int e, const double* x, double* y) const {
+    for (int h = 0; h < H; ++h) y[h] = std::fma(a(e, h), x[h], b(e, h));
+  }
+  // gx = a_e gy (overwritten); grads[e] += (gy x, gy).
+  void backward_row(int e, const double* x, const double* gy, double* gx, std::vector<double>& grads) const {
+    double* ga = grads.data() + e * params_per_expert();
+    double* gb = ga + H;
+    for (int h = 0; h < H; ++h) {
+      gx[h] = a(e, h) * gy[h];
+      ga[h] += gy[h] * x[h];
+      gb[h] += gy[h];
+    }
+  }
+};
+
+// The diagonal experts in the shape of the library's experts concept: the local experts
+// [ep_rank*L, ep_rank*L + L). Outputs are computed in double and rounded once to T
+// (to_type_exact): forward y = round_T(fma(a, x, b)), backward grad_in = round_T(a gy)
+// (exact product). Parameter gradients accumulate in double, [L, 2H], in row order.
+template <class T>
+class test_diag_experts {
+ public:
+  test_diag_experts(const diag_experts& global, int ep_rank, int L) : g_(&global), L_(L), first_(ep_rank * L) {
+    require(L >= 1 && first_ + L <= global.E, "test_diag_experts: experts out of range");
+    grads_.assign(static_cast<std::size_t>(L) * global.params_per_expert(), 0.0);
+  }
+
+  const std::vector<double>& grads() const { return grads_; }
+  std::size_t forward_calls() const { return forward_calls_; }
+  std::size_t backward_calls() const { return backward_calls_; }
+  std::size_t rows_seen() const { return rows_seen_; }
+
+  template <class Exec, class Rows>
+  void forward(const Exec&, const Rows& in, T* out) {
+    check(in);
+    ++forward_calls_;
+    rows_seen_ += in.num_rows;
+    const int H = g_->H;
+    for (int l = 0; l < L_; ++l)
+      for (std::size_t r = in.offsets[l]; r < in.offsets[l + 1]; ++r)
+        for (int h = 0; h < H; ++h)
+          out[r * H + h] = to_type_exact<T>(std::fma(g_->a(first_ + l, h), to_d(in.rows[r * H + h]), g_->b(first_ + l, h)));
+  }
+
+  template <class Exec, class Rows>
+  void backward(const Exec&, const Rows& in, const T* grad_out, T* grad_in) {
+    check(in);
+    ++backward_calls_;
+    const int H = g_->H;
+    const std::size_t P = g_->params_per_expert();
+    for (int l = 0; l < L_; ++l) {
+      double* ga = grads_.data() + static_cast<std::size_t>(l) * P;
+      double* gb = ga + H;
+      for (std::size_t r = in.offsets[l]; r < in.offsets[l + 1]; ++r)
+        for (int h = 0; h < H; ++h) {
+          const double gy = to_d(grad_out[r * H + h]);
+          grad_in[r * H + h] = to_type_exact<T>(g_->a(first_ + l, h) * gy);
+          ga[h] += gy * to_d(in.rows[r * H + h]);
+          gb[h] += gy;
+        }
+    }
+  }
+
+ private:
+  template <class Rows>
+  void check(const Rows& in) const {
+    require(static_cast<int>(in.hidden) == g_->H && in.num_local == L_ && in.first_global_expert == first_ &&
+                in.offsets[0] == 0 && in.offsets[L_] == in.num_rows,
+            "test_diag_experts: the rows do not match these experts");
+  }
+
+  const diag_experts* g_;
+  int L_;
+  int first_;
+  std::vector<double> grads_;
+  std::size_t forward_calls_ = 0, backward_calls_ = 0, rows_seen_ = 0;
 };
 
 // ---------------------------------------------------------------------------------------

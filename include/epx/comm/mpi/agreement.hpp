@@ -37,7 +37,7 @@ namespace epx::detail {
 // `local_category`; the lowest such rank's message is broadcast, so every rank names the
 // same values) or, as errc::communicator, when `values` differ between ranks. Returns the
 // maximum of `any` over ranks.
-inline long long mpi_agree(const mpi_state& s, const mpi::options& opt, const char* op,
+inline long long mpi_agree(mpi_state& s, const mpi::options& opt, const char* op,
                            std::initializer_list<std::pair<const char*, long long>> values,
                            const std::string& local_error, errc local_category, long long any = 0) {
   const std::size_t k = values.size();
@@ -52,16 +52,31 @@ inline long long mpi_agree(const mpi_state& s, const mpi::options& opt, const ch
     buf[3 + k + i] = -v.second;
     ++i;
   }
-  EPX_MPI_BOUNDED_ON(s, opt, MPI_Iallreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(buf.size()), MPI_LONG_LONG,
-                                            MPI_MAX, s.comm, &epx_req_));
+  // Every buffer of these calls is a vector of our own: a watchdog timeout raises and keeps
+  // them alive (epx/comm/mpi/wait.hpp).
+  {
+    mpi_keep keep(buf);
+    EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::own, &keep,
+                         MPI_Iallreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(buf.size()), MPI_LONG_LONG,
+                                        MPI_MAX, s.comm, &epx_req_));
+  }
   if (buf[0] != 0) {
     const int culprit = static_cast<int>(-buf[1]);  // lowest failing rank
-    std::string msg = culprit == s.rank ? local_error : std::string();
-    int len = static_cast<int>(std::min<std::size_t>(msg.size(), 4096));
-    EPX_MPI_BOUNDED_ON(s, opt, MPI_Ibcast(&len, 1, MPI_INT, culprit, s.comm, &epx_req_));
-    msg.resize(static_cast<std::size_t>(len));
-    EPX_MPI_BOUNDED_ON(s, opt, MPI_Ibcast(msg.data(), len, MPI_CHAR, culprit, s.comm, &epx_req_));
-    throw error(local_category, msg, EPX_HERE);
+    std::vector<char> msg;
+    if (culprit == s.rank) msg.assign(local_error.begin(), local_error.end());
+    std::vector<int> len(1, static_cast<int>(std::min<std::size_t>(msg.size(), 4096)));
+    {
+      mpi_keep keep(len);
+      EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::own, &keep,
+                           MPI_Ibcast(len.data(), 1, MPI_INT, culprit, s.comm, &epx_req_));
+    }
+    msg.resize(static_cast<std::size_t>(len[0]) + 1);
+    {
+      mpi_keep keep(msg);
+      EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::own, &keep,
+                           MPI_Ibcast(msg.data(), len[0], MPI_CHAR, culprit, s.comm, &epx_req_));
+    }
+    throw error(local_category, std::string(msg.data(), static_cast<std::size_t>(len[0])), EPX_HERE);
   }
   i = 0;
   for (const auto& v : values) {
@@ -75,7 +90,7 @@ inline long long mpi_agree(const mpi_state& s, const mpi::options& opt, const ch
 
 // The common case: datatype, count and root must agree; `local_error` as for mpi_agree
 // (raised as errc::input).
-inline void mpi_agree_same(const mpi_state& s, const mpi::options& opt, const char* op, datatype t,
+inline void mpi_agree_same(mpi_state& s, const mpi::options& opt, const char* op, datatype t,
                            std::size_t count, int root = 0, const std::string& local_error = std::string()) {
   mpi_agree(s, opt, op,
             {{"the datatype", static_cast<long long>(t)},
@@ -87,13 +102,17 @@ inline void mpi_agree_same(const mpi_state& s, const mpi::options& opt, const ch
 // all_to_allv's count check: every rank learns what each peer sends it and compares it with
 // what it expects; then every rank agrees on the datatype and on the verdict. Returns
 // whether any rank needs the chunked path (`large` on some rank).
-inline bool mpi_check_counts_v(const mpi_state& s, const mpi::options& opt, const std::size_t* send_counts,
+inline bool mpi_check_counts_v(mpi_state& s, const mpi::options& opt, const std::size_t* send_counts,
                                const std::size_t* recv_counts, datatype t, bool large) {
   const auto n = static_cast<std::size_t>(s.size);
   std::vector<unsigned long long> mine(n), theirs(n);  // theirs[p]: what p sends to me
   for (std::size_t p = 0; p < n; ++p) mine[p] = send_counts[p];
-  EPX_MPI_BOUNDED_ON(s, opt, MPI_Ialltoall(mine.data(), 1, MPI_UNSIGNED_LONG_LONG, theirs.data(), 1,
-                                           MPI_UNSIGNED_LONG_LONG, s.comm, &epx_req_));
+  {
+    mpi_keep keep(mine, theirs);
+    EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::own, &keep,
+                         MPI_Ialltoall(mine.data(), 1, MPI_UNSIGNED_LONG_LONG, theirs.data(), 1,
+                                       MPI_UNSIGNED_LONG_LONG, s.comm, &epx_req_));
+  }
   std::string bad;
   for (std::size_t p = 0; p < n && bad.empty(); ++p) {
     if (theirs[p] != recv_counts[p])
@@ -107,15 +126,16 @@ inline bool mpi_check_counts_v(const mpi_state& s, const mpi::options& opt, cons
 // all_to_allv_segments' count check: as mpi_check_counts_v, per peer and segment (arrays
 // [peers][nseg]); the segment count must agree too. Returns whether any rank needs the
 // chunked path.
-inline bool mpi_check_segment_counts(const mpi_state& s, const mpi::options& opt, const std::size_t* send_counts,
+inline bool mpi_check_segment_counts(mpi_state& s, const mpi::options& opt, const std::size_t* send_counts,
                                      const std::size_t* recv_counts, std::size_t nseg, datatype t, bool large) {
   const std::size_t m = static_cast<std::size_t>(s.size) * nseg;
   std::vector<unsigned long long> mine(m), theirs(m);  // theirs[p*nseg+i]: what p sends me in segment i
   for (std::size_t j = 0; j < m; ++j) mine[j] = send_counts[j];
   if (m > 0 && nseg <= static_cast<std::size_t>(INT_MAX)) {
-    EPX_MPI_BOUNDED_ON(s, opt, MPI_Ialltoall(mine.data(), static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG,
-                                             theirs.data(), static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG, s.comm,
-                                             &epx_req_));
+    mpi_keep keep(mine, theirs);
+    EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::own, &keep,
+                         MPI_Ialltoall(mine.data(), static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG, theirs.data(),
+                                       static_cast<int>(nseg), MPI_UNSIGNED_LONG_LONG, s.comm, &epx_req_));
   }
   std::string bad;
   for (std::size_t j = 0; j < m && bad.empty() && nseg <= static_cast<std::size_t>(INT_MAX); ++j) {
@@ -131,10 +151,12 @@ inline bool mpi_check_segment_counts(const mpi_state& s, const mpi::options& opt
 
 // Without the count check: whether any rank passed `mine` = true (one MPI_Allreduce(MAX)),
 // so that every rank takes the same path.
-inline bool mpi_any(const mpi_state& s, const mpi::options& opt, bool mine) {
-  int l = mine ? 1 : 0;
-  EPX_MPI_BOUNDED_ON(s, opt, MPI_Iallreduce(MPI_IN_PLACE, &l, 1, MPI_INT, MPI_MAX, s.comm, &epx_req_));
-  return l != 0;
+inline bool mpi_any(mpi_state& s, const mpi::options& opt, bool mine) {
+  std::vector<int> l(1, mine ? 1 : 0);  // not on the stack: a timed-out request keeps writing it
+  mpi_keep keep(l);
+  EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::own, &keep,
+                       MPI_Iallreduce(MPI_IN_PLACE, l.data(), 1, MPI_INT, MPI_MAX, s.comm, &epx_req_));
+  return l[0] != 0;
 }
 
 }  // namespace epx::detail

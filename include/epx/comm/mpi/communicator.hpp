@@ -42,6 +42,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstddef>
+#include <cstring>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -87,6 +88,10 @@ class communicator {
   // Rounds of chunked point-to-point transfers run so far on this communicator (shared by
   // its copies). Diagnostics: shows when the path for counts over max_count was taken.
   std::size_t chunked_rounds() const noexcept { return s_->chunked_rounds; }
+  // After a watchdog timeout: why this communicator failed (empty while it works), and how
+  // many timed-out calls still wait for a late rank (their buffers are kept until then).
+  const std::string& failure() const noexcept { return s_->failed; }
+  std::size_t pending_after_timeout() { return s_->settle_orphans(); }
   // Options apply to this copy only; all ranks must use the same options.
   void set_options(const options& opt) {
     EPX_REQUIRE(opt.max_count >= 1 && opt.max_count <= static_cast<std::size_t>(INT_MAX), errc::input,
@@ -99,7 +104,7 @@ class communicator {
   // Collective: ranks with the same color form one communicator, ordered by (key, rank).
   // Colors must be non-negative; a negative color raises on every rank.
   communicator split(int color, int key) const {
-    s_->op = "split";
+    detail::mpi_enter(*s_, "split");
     agree("split", {}, color < 0 ? detail::concat("split: color (", color, ") on rank ", rank(),
                                                    " must be non-negative")
                                   : std::string(),
@@ -110,13 +115,13 @@ class communicator {
   }
 
   void barrier() {
-    s_->op = "barrier";
-    EPX_MPI_BOUNDED(MPI_Ibarrier(s_->comm, &epx_req_));
+    detail::mpi_enter(*s_, "barrier");
+    EPX_MPI_BOUNDED_KEEP(*s_, opt_, detail::mpi_buffers::own, nullptr, MPI_Ibarrier(s_->comm, &epx_req_));
   }
 
   // `send` is [size(), count_per_peer]: block p goes to rank p; `recv` likewise by source.
   void all_to_all(const void* send, void* recv, std::size_t count_per_peer, datatype t) {
-    s_->op = "all_to_all";
+    detail::mpi_enter(*s_, "all_to_all");
     if (opt_.check_counts) agree_same("all_to_all", t, count_per_peer);
     all_to_all_unchecked(send, recv, count_per_peer, t);
   }
@@ -125,7 +130,7 @@ class communicator {
   // exchanged first and every rank raises if any sender and receiver disagree.
   void all_to_allv(const void* send, const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
                    const std::size_t* recv_counts, const std::size_t* recv_displs, datatype t) {
-    s_->op = "all_to_allv";
+    detail::mpi_enter(*s_, "all_to_allv");
     const int n = size();
     bool large = false;
     for (int p = 0; p < n; ++p) {
@@ -150,7 +155,7 @@ class communicator {
   void all_to_allv_segments(const void* send, const std::size_t* send_counts, const std::size_t* send_displs,
                             void* recv, const std::size_t* recv_counts, const std::size_t* recv_displs,
                             std::size_t nseg, datatype t) {
-    s_->op = "all_to_allv_segments";
+    detail::mpi_enter(*s_, "all_to_allv_segments");
     const auto n = static_cast<std::size_t>(size());
     const std::size_t m = n * nseg;
     bool large = nseg > static_cast<std::size_t>(INT_MAX);
@@ -193,17 +198,22 @@ class communicator {
 
   // recv = scale * sum over ranks of send (send == recv allowed); bitwise equal on all ranks.
   void all_reduce(const void* send, void* recv, std::size_t count, datatype t, double scale) {
-    s_->op = "all_reduce";
+    detail::mpi_enter(*s_, "all_reduce");
     if (opt_.check_counts) agree_same("all_reduce", t, count, 0, reducible_error("all_reduce", t));
     else require_reducible("all_reduce", t);
     const auto n = static_cast<std::size_t>(size());
     const auto me = static_cast<std::size_t>(rank());
     const std::size_t es = size_of(t);
     if (count <= opt_.max_count && n * count * es <= opt_.all_reduce_gather_bytes) {
-      std::vector<unsigned char> all(n * count * es);  // [n, count] every rank's input
+      // [n, count] every rank's input, this rank's copied in first: the gather touches only
+      // this buffer, so a watchdog timeout can raise and keep it (epx/comm/mpi/wait.hpp).
+      std::vector<unsigned char> all(n * count * es);
+      if (count != 0) std::memcpy(all.data() + me * count * es, send, count * es);
       const MPI_Datatype mt = detail::mpi_type(t);
-      EPX_MPI_BOUNDED(MPI_Iallgather(send, static_cast<int>(count), mt, all.data(), static_cast<int>(count), mt,
-                                  s_->comm, &epx_req_));
+      detail::mpi_keep keep(all);
+      EPX_MPI_BOUNDED_KEEP(*s_, opt_, detail::mpi_buffers::own, &keep,
+                           MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, all.data(), static_cast<int>(count),
+                                          mt, s_->comm, &epx_req_));
       detail::mpi_reduce_blocks(all.data(), size(), count, recv, t, scale);
       return;
     }
@@ -237,7 +247,7 @@ class communicator {
 
   // `send` is [size(), recv_count]; block r, summed over ranks and scaled, lands on rank r.
   void reduce_scatter(const void* send, void* recv, std::size_t recv_count, datatype t, double scale) {
-    s_->op = "reduce_scatter";
+    detail::mpi_enter(*s_, "reduce_scatter");
     if (opt_.check_counts) agree_same("reduce_scatter", t, recv_count, 0, reducible_error("reduce_scatter", t));
     else require_reducible("reduce_scatter", t);
     const auto n = static_cast<std::size_t>(size());
@@ -248,7 +258,7 @@ class communicator {
 
   // `recv` is [size(), count]: block r holds rank r's `send`.
   void all_gather(const void* send, void* recv, std::size_t count, datatype t) {
-    s_->op = "all_gather";
+    detail::mpi_enter(*s_, "all_gather");
     if (opt_.check_counts) agree_same("all_gather", t, count);
     if (count <= opt_.max_count) {
       const MPI_Datatype mt = detail::mpi_type(t);
@@ -266,7 +276,7 @@ class communicator {
   }
 
   void broadcast(void* data, std::size_t count, datatype t, int root) {
-    s_->op = "broadcast";
+    detail::mpi_enter(*s_, "broadcast");
     std::string bad;
     if (root < 0 || root >= size())
       bad = detail::concat("broadcast: root (", root, ") on rank ", rank(), " out of range [0, ", size(), ")");

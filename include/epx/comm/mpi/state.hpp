@@ -2,15 +2,29 @@
 //
 // The wrapped MPI_Comm, the private duplicate for chunked point-to-point traffic
 // (epx/comm/mpi/transport.hpp), this rank and the size, and the name of the collective in
-// progress (for the watchdog's message, epx/comm/mpi/wait.hpp). An owned communicator and
-// the duplicate are freed with the state, unless MPI is finalized by then.
+// progress (for the watchdog's message, epx/comm/mpi/wait.hpp). After a watchdog timeout:
+// the message (`failed`: the communicator cannot be used any more) and the timed-out
+// requests with the library's buffers they still read and write (`orphans`), kept until
+// the requests complete. An owned communicator and the duplicate are freed with the state,
+// unless MPI is finalized by then; orphaned buffers whose requests never completed are
+// left allocated (freeing them could let a late rank write into reused memory).
 #pragma once
 
 #include <mpi.h>
 
 #include <cstddef>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace epx::detail {
+
+// Timed-out requests and the buffers they touch (see epx/comm/mpi/wait.hpp).
+struct mpi_orphan {
+  std::vector<MPI_Request> requests;
+  std::vector<std::shared_ptr<void>> buffers;
+};
 
 struct mpi_state {
   MPI_Comm comm = MPI_COMM_NULL;
@@ -19,13 +33,40 @@ struct mpi_state {
   int rank = 0;
   int size = 1;
   std::size_t chunked_rounds = 0;
-  const char* op = "";  // the collective in progress (watchdog messages)
+  const char* op = "";   // the collective in progress (watchdog messages)
+  std::string failed;    // set by a watchdog timeout: why the communicator cannot be used
+  std::vector<mpi_orphan> orphans;
   mpi_state() = default;
   mpi_state(const mpi_state&) = delete;
   mpi_state& operator=(const mpi_state&) = delete;
+
+  // Tests the orphaned requests; frees the buffers of those that completed. Returns how
+  // many orphans still wait (0 after MPI_Finalize: MPI is gone, nothing can write).
+  std::size_t settle_orphans() {
+    int finalized = 0;
+    if (MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) {
+      orphans.clear();
+      return 0;
+    }
+    std::vector<mpi_orphan> left;
+    for (auto& o : orphans) {
+      int done = 0;
+      if (MPI_Testall(static_cast<int>(o.requests.size()), o.requests.data(), &done, MPI_STATUSES_IGNORE) !=
+              MPI_SUCCESS ||
+          !done)
+        left.push_back(std::move(o));
+    }
+    orphans = std::move(left);
+    return orphans.size();
+  }
+
   ~mpi_state() {
     int finalized = 0;
     if (MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) return;  // MPI freed everything
+    if (!orphans.empty() && settle_orphans() != 0) {
+      // Still pending: a late rank may write into these buffers at any time. Leave them.
+      new std::vector<mpi_orphan>(std::move(orphans));
+    }
     if (chunk_comm != MPI_COMM_NULL) MPI_Comm_free(&chunk_comm);
     if (owned && comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
   }

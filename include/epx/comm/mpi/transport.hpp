@@ -30,7 +30,12 @@ inline void mpi_exchange_chunked(mpi_state& s, const mpi::options& opt, const vo
                                  const std::size_t* sd, void* recv, const std::size_t* rc, const std::size_t* rd,
                                  datatype t) {
   if (s.chunk_comm == MPI_COMM_NULL) {
-    EPX_MPI_CHECK(MPI_Comm_dup(s.comm, &s.chunk_comm));
+    // MPI_Comm_idup under the watchdog (a blocking dup would wait for a stalled rank
+    // forever), into a handle of our own that a timeout keeps alive.
+    std::vector<MPI_Comm> dup(1, MPI_COMM_NULL);
+    mpi_keep keep(dup);
+    EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::own, &keep, MPI_Comm_idup(s.comm, dup.data(), &epx_req_));
+    s.chunk_comm = dup[0];
     EPX_MPI_CHECK(MPI_Comm_set_errhandler(s.chunk_comm, MPI_ERRORS_RETURN));
   }
   const int n = s.size, me = s.rank;

@@ -2,16 +2,34 @@
 //
 // Every collective of epx::mpi::communicator but split runs as the nonblocking MPI call and
 // waits for it here: with `options::timeout` (default 10 minutes) the requests are polled,
-// and a collective still unfinished at the deadline raises epx::error(errc::communicator)
-// naming the collective, so a rank that stalls or leaves turns into an error on the ranks
-// that wait instead of a hang. The requests stay pending: the communicator cannot be used
-// after that. A zero timeout waits forever (MPI_Waitall).
+// and a collective still unfinished at the deadline is a watchdog timeout, so a rank that
+// stalls or leaves turns into an error on the ranks that wait instead of a hang. A zero
+// timeout waits forever (MPI_Waitall).
+//
+// A timed-out request stays pending (MPI cannot cancel a collective), and it still reads
+// and writes its buffers whenever the late rank arrives. So a timeout must not free them:
+//   - calls whose buffers are all the library's own (the agreement reductions, the count
+//     exchanges, barrier, the small all_reduce, which copies its input into its own
+//     buffer first) raise epx::error(errc::communicator). The requests and those buffers
+//     move into the communicator's state (mpi_state::orphans), which keeps them until the
+//     requests complete (mpi_state frees them then, or never), and the communicator is
+//     marked failed: every later collective on it, on any copy, raises at once;
+//   - calls that read or write the caller's buffers (the row exchanges, all_to_all,
+//     all_gather, broadcast, the large all_reduce, reduce_scatter) end the job instead:
+//     "epx: rank R failed: <the watchdog's message>" and MPI_Abort. Raising would unwind
+//     the caller, whose buffers a late rank could then write into after they were freed.
 #pragma once
 
 #include <mpi.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "epx/comm/mpi/options.hpp"
 #include "epx/comm/mpi/state.hpp"
@@ -20,9 +38,73 @@
 
 namespace epx::detail {
 
+// Whose memory a nonblocking call touches until it completes.
+enum class mpi_buffers {
+  own,     // only the library's (listed in an mpi_keep): a timeout raises
+  caller,  // the caller's too: a timeout ends the job
+};
+
+// The library's buffers of one nonblocking call (std::vectors, up to 4). On a timeout they
+// move into the communicator's state; a vector's move keeps its data where it is, so the
+// pending request keeps writing into live memory.
+class mpi_keep {
+ public:
+  mpi_keep() = default;
+  template <class... V>
+  explicit mpi_keep(std::vector<V>&... v) {
+    (add(v), ...);
+  }
+  template <class V>
+  void add(std::vector<V>& v) {
+    if (n_ == max) return;
+    e_[n_++] = {&v, [](void* p) -> std::shared_ptr<void> {
+                  return std::make_shared<std::vector<V>>(std::move(*static_cast<std::vector<V>*>(p)));
+                }};
+  }
+  std::vector<std::shared_ptr<void>> take() {
+    std::vector<std::shared_ptr<void>> r;
+    for (int i = 0; i < n_; ++i) r.push_back(e_[i].move(e_[i].v));
+    n_ = 0;
+    return r;
+  }
+
+ private:
+  static constexpr int max = 4;
+  struct entry {
+    void* v;
+    std::shared_ptr<void> (*move)(void*);
+  };
+  entry e_[max] = {};
+  int n_ = 0;
+};
+
+// Raises when an earlier watchdog timeout left this communicator failed; else names `op`
+// as the collective in progress.
+inline void mpi_enter(mpi_state& s, const char* op) {
+  if (!s.failed.empty())
+    throw error(errc::communicator,
+                concat("MPI ", op, " on rank ", s.rank, ": this communicator failed earlier and cannot be used (",
+                       s.failed, ")"),
+                EPX_HERE);
+  s.op = op;
+}
+
+// Prints "epx: rank R failed: <message>" and aborts every process (as epx::mpi::run does
+// for an escaping exception).
+[[noreturn]] inline void mpi_end_job(const std::string& message) noexcept {
+  int r = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  std::fprintf(stderr, "epx: rank %d failed: %s\n", r, message.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::abort();
+}
+
 // Waits for n requests of the collective `s.op` on the communicator of `s`, under the
-// watchdog of `opt` (see above).
-inline void mpi_wait_bounded(const mpi_state& s, const mpi::options& opt, MPI_Request* reqs, int n) {
+// watchdog of `opt` (see above). `kind` says whose buffers the requests touch; `keep`
+// lists the library's own (kind == own).
+inline void mpi_wait_bounded(mpi_state& s, const mpi::options& opt, MPI_Request* reqs, int n,
+                             mpi_buffers kind = mpi_buffers::caller, mpi_keep* keep = nullptr) {
   if (n == 0) return;
   if (opt.timeout.count() == 0) {
     EPX_MPI_CHECK(MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE));
@@ -34,13 +116,19 @@ inline void mpi_wait_bounded(const mpi_state& s, const mpi::options& opt, MPI_Re
     EPX_MPI_CHECK(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE));
     if (done) return;
     if (spin % 64 == 0) {
-      if (std::chrono::steady_clock::now() >= deadline)
-        throw error(errc::communicator,
-                    concat("watchdog: MPI ", s.op, " on rank ", s.rank, " of a communicator of ", s.size,
-                           " ranks still waits after ", opt.timeout.count(),
-                           " ms: a rank stalled, died, or returned without calling it (the "
-                           "communicator cannot be used any more)"),
-                    EPX_HERE);
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::string msg = concat("watchdog: MPI ", s.op, " on rank ", s.rank, " of a communicator of ", s.size,
+                                 " ranks still waits after ", opt.timeout.count(),
+                                 " ms: a rank stalled, died, or returned without calling it");
+        if (kind == mpi_buffers::caller)
+          mpi_end_job(msg + " (the job ends: the pending call still reads or writes the caller's buffers)");
+        mpi_orphan o;
+        o.requests.assign(reqs, reqs + n);
+        if (keep != nullptr) o.buffers = keep->take();
+        s.orphans.push_back(std::move(o));
+        s.failed = msg;
+        throw error(errc::communicator, msg + " (the communicator cannot be used any more)", EPX_HERE);
+      }
       std::this_thread::yield();
     }
   }
@@ -49,13 +137,16 @@ inline void mpi_wait_bounded(const mpi_state& s, const mpi::options& opt, MPI_Re
 }  // namespace epx::detail
 
 // Starts the nonblocking MPI call `call`, whose request argument is `&epx_req_`, and waits
-// for it under the watchdog of state `s` and options `opt` (mpi_wait_bounded).
-#define EPX_MPI_BOUNDED_ON(s, opt, call)                            \
-  do {                                                              \
-    MPI_Request epx_req_ = MPI_REQUEST_NULL;                        \
-    EPX_MPI_CHECK(call);                                            \
-    ::epx::detail::mpi_wait_bounded((s), (opt), &epx_req_, 1);      \
+// for it under the watchdog of state `s` and options `opt` (mpi_wait_bounded). `kind` and
+// `keep`: whose buffers the call touches (see above).
+#define EPX_MPI_BOUNDED_KEEP(s, opt, kind, keep, call)                      \
+  do {                                                                      \
+    MPI_Request epx_req_ = MPI_REQUEST_NULL;                                \
+    EPX_MPI_CHECK(call);                                                    \
+    ::epx::detail::mpi_wait_bounded((s), (opt), &epx_req_, 1, kind, keep);  \
   } while (0)
+#define EPX_MPI_BOUNDED_ON(s, opt, call) \
+  EPX_MPI_BOUNDED_KEEP(s, opt, ::epx::detail::mpi_buffers::caller, nullptr, call)
 
 // Inside epx::mpi::communicator: the same on the communicator's own state and options.
 #define EPX_MPI_BOUNDED(call) EPX_MPI_BOUNDED_ON(*s_, opt_, call)

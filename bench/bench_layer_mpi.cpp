@@ -1,0 +1,238 @@
+// The MoE layer over MPI (the staged route: MPI has no peer access), against the memcpy of
+// the bytes the route reads and writes, measured in the same run.
+//
+//   mpirun -np 8 ./bench_layer_mpi --benchmark_out=layer_mpi.json --benchmark_out_format=json
+//   mpirun -np 2 ./bench_layer_mpi --quick
+//   (add --oversubscribe when ranks exceed cores)
+//
+// Every rank is a process with its own exec::serial policy and runs every benchmark; rank 0
+// reports. One iteration: barrier, the layer call timed on every rank, the slowest rank's
+// time (MPI_Allreduce MAX) is the iteration's; then the floor: every rank memcpys half the
+// bytes its call reads plus writes (bench/layer_common.hpp's route_traffic), all ranks at
+// once, timed the same way. Every benchmark checks its outputs once against the direct
+// computation (identity experts). Counters as in bench_layer (epx_ms, floor_ms,
+// floor_ratio, floor_bytes, memcpy_GB/s, rows_sent, repeat_fraction, checked).
+#include <benchmark/benchmark.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "epx/comm/mpi.hpp"
+#include "epx/epx.hpp"
+#include "layer_common.hpp"
+
+namespace {
+
+using namespace epx::bench;
+using epx::bf16;
+using comm_t = epx::mpi::communicator;
+
+double max_over_ranks(double t) {
+  double m = t;
+  MPI_Allreduce(&t, &m, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return m;
+}
+double sum_over_ranks(double v) {
+  double s = v;
+  MPI_Allreduce(&v, &s, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  return s;
+}
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+template <class T>
+const char* type_name() {
+  return std::is_same_v<T, bf16> ? "bf16" : "f32";
+}
+
+struct shape {
+  std::size_t tokens, hidden;
+  int k, experts;
+};
+
+template <class T>
+void bench_mpi_route(benchmark::State& state, shape s, bool backward) {
+  comm_t world = comm_t::world();
+  const int ep = world.size(), me = world.rank();
+  const std::size_t N = s.tokens, H = s.hidden, K = static_cast<std::size_t>(s.k);
+  auto x = make_rows<T>(N, H, me), g = make_rows<T>(N, H, me + 50);
+  auto ids = make_ids(N, s.k, s.experts, balanced, me);
+  auto w = make_weights(N, s.k, me);
+  std::vector<T> out(N * H), gx(N * H);
+  std::vector<float> gw(N * K);
+  epx::layer_options lo;
+  lo.hidden = H;
+  lo.top_k = s.k;
+  epx::mesh_config mc;
+  mc.fsdp = ep;
+  mc.ep = ep;
+  mc.experts = s.experts;
+  const epx::mesh m(mc);
+  epx::moe_layer<comm_t, T> layer(m, world, lo);
+  identity_experts<T> experts;
+  epx::saved_state<T> saved;
+  auto fwd = [&](epx::mode md) {
+    return layer.forward(epx::span<const T>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                         epx::span<T>(out), experts, md);
+  };
+  auto bwd = [&] {
+    layer.backward(std::move(saved), epx::span<const T>(g), epx::span<T>(gx), epx::span<float>(gw), experts);
+  };
+  // One checked call.
+  saved = fwd(epx::mode::train);
+  std::string bad = check_forward(x.data(), w.data(), out.data(), N, H, s.k);
+  bwd();
+  if (bad.empty()) bad = check_backward(x.data(), w.data(), g.data(), gx.data(), gw.data(), N, H, s.k);
+  const double failed = max_over_ranks(bad.empty() ? 0.0 : 1.0);
+  if (failed > 0) {
+    if (!bad.empty()) std::fprintf(stderr, "rank %d: output check failed: %s\n", me, bad.c_str());
+    state.SkipWithError("output check failed");
+    return;
+  }
+  const auto& st = layer.stats();
+  std::size_t R = 0, P = 0, S = 0, remote = 0;
+  for (auto c : st.tokens_per_local_expert) R += static_cast<std::size_t>(c);
+  for (auto c : st.padding_per_local_expert) P += static_cast<std::size_t>(c);
+  R += P;
+  for (std::size_t p = 0; p < st.rows_sent.size(); ++p) {
+    S += static_cast<std::size_t>(st.rows_sent[p]);
+    if (static_cast<int>(p) != me) remote += static_cast<std::size_t>(st.rows_sent[p]);
+  }
+  std::size_t per_rank = 0;
+  {
+    const int L = s.experts / ep;
+    std::vector<std::size_t> seen(static_cast<std::size_t>(ep), N);
+    for (std::size_t t = 0; t < N; ++t)
+      for (std::size_t j = 0; j < K; ++j) {
+        const auto owner = static_cast<std::size_t>(ids[t * K + j] / L);
+        if (seen[owner] != t) {
+          seen[owner] = t;
+          ++per_rank;
+        }
+      }
+  }
+  const double row_bytes = static_cast<double>(H * sizeof(T));
+  double traffic = 0;
+  std::vector<std::size_t> parts;
+  for (double p : route_traffic(route::staged, backward, static_cast<double>(S), static_cast<double>(R),
+                                static_cast<double>(P), static_cast<double>(N), static_cast<double>(N), 1)) {
+    traffic += p * row_bytes;
+    parts.push_back(static_cast<std::size_t>(p * row_bytes / 2));
+  }
+  std::size_t max_part = 1;
+  for (auto p : parts) max_part = std::max(max_part, p);
+  const std::size_t cap = std::min<std::size_t>(max_part, std::size_t{64} << 20);
+  std::vector<char> fa(cap, 1), fb(cap, 2);
+  auto floor_copy = [&] {
+    bool dir = false;
+    for (std::size_t n : parts)
+      while (n > 0) {
+        const std::size_t c = std::min(n, cap);
+        std::memcpy(dir ? fa.data() : fb.data(), dir ? fb.data() : fa.data(), c);
+        dir = !dir;
+        n -= c;
+      }
+    benchmark::DoNotOptimize(fa.data());
+  };
+  auto timed = [&](auto&& f) {
+    world.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return max_over_ranks(t);
+  };
+  std::vector<double> times, floors;
+  for (auto _ : state) {
+    if (backward) saved = fwd(epx::mode::train);
+    const double t = backward ? timed(bwd) : timed([&] { fwd(epx::mode::inference); });
+    floors.push_back(timed(floor_copy));
+    times.push_back(t);
+    state.SetIterationTime(t);
+  }
+  const double te = median(times), tf = median(floors);
+  const double all_traffic = sum_over_ranks(traffic);
+  const double rows = sum_over_ranks(static_cast<double>(S)), rows_remote = sum_over_ranks(static_cast<double>(remote)),
+               rows_pr = sum_over_ranks(static_cast<double>(per_rank));
+  state.counters["epx_ms"] = te * 1e3;
+  state.counters["floor_ms"] = tf * 1e3;
+  state.counters["floor_ratio"] = tf > 0 ? te / tf : 0.0;
+  state.counters["floor_bytes"] = all_traffic;
+  state.counters["GB/s"] = te > 0 ? all_traffic / te * 1e-9 : 0.0;
+  state.counters["memcpy_GB/s"] = tf > 0 ? all_traffic / tf * 1e-9 : 0.0;
+  state.counters["rows_sent"] = rows / ep;
+  state.counters["rows_sent_remote"] = rows_remote / ep;
+  state.counters["rows_per_rank_mode"] = rows_pr / ep;
+  state.counters["repeat_fraction"] = rows > 0 ? 1.0 - rows_pr / rows : 0.0;
+  state.counters["checked"] = 1;
+}
+
+template <class T>
+void reg(const shape& s, bool backward, int iters) {
+  const std::string name = epx::detail::concat("mpi_route<", type_name<T>(), ">/staged/", backward ? "bwd" : "fwd",
+                                               "/tokens:", s.tokens, "/hidden:", s.hidden, "/k:", s.k,
+                                               "/experts:", s.experts);
+  benchmark::RegisterBenchmark(name.c_str(), [s, backward](benchmark::State& st) { bench_mpi_route<T>(st, s, backward); })
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond)
+      ->Iterations(iters);
+}
+
+// Rank 0 reports; the others run silently.
+class quiet_reporter : public benchmark::BenchmarkReporter {
+ public:
+  bool ReportContext(const Context&) override { return true; }
+  void ReportRuns(const std::vector<Run>&) override {}
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  bool quick = false;
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    else args.push_back(argv[i]);
+  }
+  int n = static_cast<int>(args.size());
+  benchmark::Initialize(&n, args.data());
+  if (quick) {
+    reg<bf16>({128, 1024, 8, 64}, false, 3);
+    reg<bf16>({128, 1024, 8, 64}, true, 3);
+  } else {
+    // The transformers comparison shape, then the target shape.
+    for (bool bwd : {false, true}) {
+      reg<bf16>({1024, 1024, 8, 64}, bwd, 20);
+      reg<float>({1024, 1024, 8, 64}, bwd, 20);
+    }
+    reg<bf16>({4096, 4096, 8, 64}, false, 10);
+    reg<bf16>({4096, 4096, 8, 64}, true, 10);
+  }
+  bool has_out = false;
+  for (int i = 1; i < n; ++i) has_out = has_out || std::string(args[static_cast<std::size_t>(i)]).rfind("--benchmark_out=", 0) == 0;
+  try {
+    if (rank == 0) {
+      benchmark::RunSpecifiedBenchmarks();
+    } else {
+      quiet_reporter display, file;
+      benchmark::RunSpecifiedBenchmarks(&display, has_out ? &file : nullptr);
+    }
+  } catch (const std::exception& e) {
+    epx::mpi::abort_job(MPI_COMM_WORLD, e.what());
+  }
+  benchmark::Shutdown();
+  MPI_Finalize();
+  return 0;
+}

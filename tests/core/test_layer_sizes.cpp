@@ -1,0 +1,470 @@
+// The MoE layer at the hidden sizes people run (H = 300, 4096, 7168) against the float64
+// reference, with error bounds derived from the arithmetic instead of fixed tolerances.
+//
+// Experts: ref::diag_experts (y = a * x + b elementwise, O(H) parameters, so H = 7168 costs
+// what H = 8 costs with H x H matrices), rounded once to T by the test experts. The
+// reference takes the experts' rounded outputs as given and computes everything else in
+// float64; each compared element gets the bound of what the layer does to it:
+//   out[t]      = round_T( sum_j w_j * y_j )           sum of k products in accum_t<T>
+//   grad_x[t]   = round_T( sum_j round_T(a_j * round_T(w_j * g)) )
+//   grad_w[t,j] = sum_h y_j[h] * g[h]                  H products in accum_t<T>
+//   expert grads: sum over the routed rows of round_T(w * g) * x (double), mean over batches
+// With u = unit roundoff of T, u_a that of accum_t<T>, gamma_n = n u_a / (1 - n u_a) and
+// S = sum of the terms' magnitudes (computed by the reference beside each value):
+//   |out - ref| <= u |ref| + (1 + u) gamma_k S                      (+ the masked path's
+//   partial sums, each rounded to T, and their sum over the EP group).
+// A bf16 accumulation instead (every partial sum rounded to bf16) makes errors of order u S,
+// so the bound tells the two apart: the "bf16 accumulation" case shows that it does.
+//
+// Also: the all-empty case (every rank passes N = 0) with exact zeros asserted, and the
+// linear (H x H) experts at H = 300 with the fixed tolerances of layer_cases.hpp.
+// tests/emulated/test_layer_sizes.cpp reruns this file on exec::emulated_device.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/layer_cases.hpp"
+#include "epx/comm/threads.hpp"
+
+namespace {
+
+using epx::test::layer_case;
+using epx::test::routing_kind;
+using comm_t = epx::threads::communicator;
+namespace ref = epx::ref;
+
+int world_of(const epx::mesh_config& m) { return m.tp * m.fsdp * m.dp_replicate * m.pp; }
+
+template <class Body>
+void on_ranks(int world, Body body) {
+  std::vector<std::string> failures(static_cast<std::size_t>(world));
+  epx::threads::run(world, [&](comm_t& comm) { failures[static_cast<std::size_t>(comm.rank())] = body(comm); });
+  for (int r = 0; r < world; ++r)
+    CHECK_MESSAGE(failures[static_cast<std::size_t>(r)].empty(), failures[static_cast<std::size_t>(r)]);
+}
+
+// Values and the magnitudes of their terms, float64.
+struct expectation {
+  std::vector<double> out, out_mag;        // [N, H]
+  std::vector<double> grad_x, grad_x_mag;  // [N, H]
+  std::vector<double> grad_w, grad_w_mag;  // [N, k]
+  std::vector<double> grads, grads_mag, grads_abs;  // [E, 2H]; grads_abs: sum |x| (a) or the count (b)
+};
+
+// One batch through the diagonal experts (outputs rounded once to T, as the test experts do).
+template <class T>
+expectation expect_batch(const epx::test::batch_data& d, const ref::diag_experts& ex, int k) {
+  const std::size_t H = static_cast<std::size_t>(ex.H), N = d.x.size() / H, K = static_cast<std::size_t>(k);
+  expectation e;
+  e.out.assign(N * H, 0.0);
+  e.out_mag = e.out;
+  e.grad_x = e.out;
+  e.grad_x_mag = e.out;
+  e.grad_w.assign(N * K, 0.0);
+  e.grad_w_mag = e.grad_w;
+  e.grads = ex.zero_grads();
+  e.grads_mag = e.grads;
+  e.grads_abs = e.grads;
+  for (std::size_t t = 0; t < N; ++t)
+    for (std::size_t j = 0; j < K; ++j) {
+      const int id = d.ids[t * K + j];
+      const double w = d.w[t * K + j];
+      double* ga = e.grads.data() + static_cast<std::size_t>(id) * 2 * H;
+      double* ma = e.grads_mag.data() + static_cast<std::size_t>(id) * 2 * H;
+      double* ca = e.grads_abs.data() + static_cast<std::size_t>(id) * 2 * H;
+      for (std::size_t h = 0; h < H; ++h) {
+        const double x = d.x[t * H + h], g = d.grad_out[t * H + h];
+        const double a = ex.a(id, static_cast<int>(h)), b = ex.b(id, static_cast<int>(h));
+        const double y = ref::round_value<T>(std::fma(a, x, b));
+        e.out[t * H + h] += w * y;
+        e.out_mag[t * H + h] += std::abs(w * y);
+        e.grad_w[t * K + j] += y * g;
+        e.grad_w_mag[t * K + j] += std::abs(y * g);
+        const double gy = w * g;
+        e.grad_x[t * H + h] += a * gy;
+        e.grad_x_mag[t * H + h] += std::abs(a * gy);
+        ga[h] += gy * x;
+        ma[h] += std::abs(gy * x);
+        ca[h] += std::abs(x);
+        ga[H + h] += gy;
+        ma[H + h] += std::abs(gy);
+        ca[H + h] += 1.0;
+      }
+    }
+  return e;
+}
+
+// Element-wise |got - want| <= bound[i]; the text names the worst element.
+template <class G>
+std::string within(const std::vector<G>& got, const std::vector<double>& want, const std::vector<double>& bound,
+                   const std::string& what) {
+  if (got.size() != want.size()) return epx::detail::concat(what, ": size ", got.size(), " != ", want.size(), "\n");
+  std::size_t bad = 0, worst = 0;
+  double worst_ratio = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double err = std::abs(ref::to_d(got[i]) - want[i]);
+    const double ratio = err / bound[i];
+    if (!(err <= bound[i])) ++bad;
+    if (!(ratio <= worst_ratio)) {
+      worst_ratio = ratio;
+      worst = i;
+    }
+  }
+  if (bad == 0) return {};
+  return epx::detail::concat(what, ": ", bad, " of ", got.size(), " elements outside the bound; worst at ", worst,
+                             ": got ", ref::to_d(got[worst]), " want ", want[worst], " bound ", bound[worst],
+                             " (error / bound = ", worst_ratio, ")\n");
+}
+
+// The error bounds of the layer's arithmetic (see the top of the file).
+template <class T>
+struct bounds {
+  using A = epx::accum_t<T>;
+  static constexpr double u = ref::unit_roundoff<T>(), ua = ref::unit_roundoff<A>(), eta = ref::subnormal_half<T>();
+  int k = 1;
+  int partials = 1;  // masked path: the EP group's partial sums (each rounded to T), else 1
+  std::size_t hidden = 1;
+
+  // Sum over the slots of terms with relative error c each, then rounded to T.
+  double slot_sum(double ref_value, double S, double c) const {
+    double E = c * S + ref::gamma_n(k, ua) * (1 + c) * S;
+    if (partials > 1)
+      E += (u + ref::gamma_n(partials, ua)) * (1 + u) * ((1 + c) * S + E) + partials * eta;
+    return u * std::abs(ref_value) + (1 + u) * E + eta;
+  }
+  // round_T(w g) against w g.
+  double c_in() const { return u + ua * (1 + u); }
+  std::vector<double> out(const expectation& e) const {
+    std::vector<double> b(e.out.size());
+    for (std::size_t i = 0; i < b.size(); ++i) b[i] = slot_sum(e.out[i], e.out_mag[i], 0.0);
+    return b;
+  }
+  std::vector<double> grad_x(const expectation& e) const {
+    const double cx = c_in() * (1 + u) + u;  // and the experts' rounding of a * gy
+    std::vector<double> b(e.grad_x.size());
+    for (std::size_t i = 0; i < b.size(); ++i) b[i] = slot_sum(e.grad_x[i], e.grad_x_mag[i], cx) + 4 * k * eta;
+    return b;
+  }
+  std::vector<double> grad_w(const expectation& e) const {
+    const double prod = sizeof(T) == 2 ? 0.0 : ua;  // 16-bit products are exact in float
+    const double to_float = std::is_same_v<T, double> ? 0x1p-24 : 0.0;
+    std::vector<double> b(e.grad_w.size());
+    for (std::size_t i = 0; i < b.size(); ++i)
+      b[i] = (prod + ref::gamma_n(static_cast<double>(hidden), ua) * (1 + prod)) * e.grad_w_mag[i] +
+             to_float * std::abs(e.grad_w[i]) + 0x1p-140;
+    return b;
+  }
+  std::vector<double> grads(const std::vector<double>& mag, const std::vector<double>& abs_terms) const {
+    std::vector<double> b(mag.size());
+    for (std::size_t i = 0; i < b.size(); ++i) b[i] = (c_in() + 1e-12) * mag[i] + 2 * eta * abs_terms[i] + 1e-300;
+    return b;
+  }
+};
+
+template <class T>
+struct diag_run {
+  std::vector<T> out, grad_x;
+  std::vector<float> grad_w;
+  std::vector<double> expert_grads;
+  epx::layer_stats stats;
+};
+
+// Forward (train), backward and the expert hook of this rank's batch with diagonal experts.
+template <class Comm, class T, class Impl, class Exec = epx::test::test_exec>
+diag_run<T> run_diag(Comm& world, const layer_case& c, const ref::diag_experts& global) {
+  const epx::mesh m(c.topology);
+  const int rank = world.rank(), b = m.batch(rank);
+  const auto d = epx::test::make_batch<T>(c, b);
+  const std::size_t N = c.rows_of(b), H = static_cast<std::size_t>(c.hidden), K = static_cast<std::size_t>(c.top_k);
+  epx::moe_layer<Comm, T, Impl, Exec> layer(m, world, epx::test::options_for(c));
+  ref::test_diag_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
+  const auto x = ref::from_double<T>(d.x);
+  const auto go = ref::from_double<T>(d.grad_out);
+  const std::vector<float> w(d.w.begin(), d.w.end());
+  diag_run<T> r;
+  r.out.assign(N * H, epx::convert<T>(7.0f));
+  r.grad_x.assign(N * H, epx::convert<T>(7.0f));
+  r.grad_w.assign(N * K, 7.0f);
+  auto saved = layer.forward(epx::span<const T>(x), epx::span<const std::int32_t>(d.ids), epx::span<const float>(w),
+                             epx::span<T>(r.out), experts, epx::mode::train);
+  r.stats = layer.stats();
+  layer.backward(std::move(saved), epx::span<const T>(go), epx::span<T>(r.grad_x), epx::span<float>(r.grad_w),
+                 experts);
+  epx::gradient_hooks<Comm> hooks(m, world);
+  r.expert_grads = experts.grads();
+  hooks.reduce_expert(epx::span<double>(r.expert_grads));
+  return r;
+}
+
+// This rank's expectation: its batch's outputs and gradients, and its local experts'
+// gradients after the hook (the mean over all batches).
+template <class T>
+expectation expect_rank(const layer_case& c, const ref::diag_experts& global, int rank) {
+  const epx::mesh m(c.topology);
+  expectation mine;
+  std::vector<std::vector<double>> g, gm, ga;
+  for (int bb = 0; bb < m.batches(); ++bb) {
+    auto e = expect_batch<T>(epx::test::make_batch<T>(c, bb), global, c.top_k);
+    g.push_back(e.grads);
+    gm.push_back(e.grads_mag);
+    ga.push_back(e.grads_abs);
+    if (bb == m.batch(rank)) mine = std::move(e);
+  }
+  const std::size_t P = global.params_per_expert();
+  const int L = m.local_experts(), first = m.expert_begin(rank);
+  mine.grads = ref::expert_slice(ref::expected_expert_grads_after_hook(g), P, first, L);
+  mine.grads_mag = ref::expert_slice(ref::expected_expert_grads_after_hook(gm), P, first, L);
+  mine.grads_abs = ref::expert_slice(ref::expected_expert_grads_after_hook(ga), P, first, L);
+  return mine;
+}
+
+template <class Comm, class T, class Impl = epx::impl::all_to_all>
+std::string check_diag_case(Comm& world, const layer_case& c) {
+  std::string f;
+  try {
+    const auto global = ref::diag_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+    const auto r = run_diag<Comm, T, Impl>(world, c, global);
+    const auto e = expect_rank<T>(c, global, world.rank());
+    bounds<T> bd;
+    bd.k = c.top_k;
+    bd.hidden = static_cast<std::size_t>(c.hidden);
+    const bool masked = std::string(r.stats.path) == "all_reduce";
+    bd.partials = masked ? c.topology.ep : 1;
+    const std::string where = epx::detail::concat(c.describe(), masked ? " masked" : "", " rank ", world.rank());
+    f += within(r.out, e.out, bd.out(e), where + " out");
+    f += within(r.grad_x, e.grad_x, bd.grad_x(e), where + " grad_x");
+    f += within(r.grad_w, e.grad_w, bd.grad_w(e), where + " grad_weights");
+    f += within(r.expert_grads, e.grads, bd.grads(e.grads_mag, e.grads_abs), where + " expert grads after hook");
+    const bool direct = !masked && c.peer_access && epx::has_peer_access_v<Comm> &&
+                        epx::exec::is_host_policy_v<epx::test::test_exec>;
+    if (r.stats.peer_access != direct)
+      f += epx::detail::concat(where, ": stats.peer_access is ", r.stats.peer_access, ", expected ", direct, "\n");
+  } catch (const std::exception& ex) {
+    f += epx::detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
+  }
+  return f;
+}
+
+layer_case make(int tp, int fsdp, int ep, int E, int k, int H, std::size_t rows, bool direct,
+                routing_kind r = routing_kind::uneven) {
+  layer_case c;
+  c.topology.tp = tp;
+  c.topology.fsdp = fsdp;
+  c.topology.ep = ep;
+  c.topology.experts = E;
+  c.top_k = k;
+  c.hidden = H;
+  c.routing = r;
+  c.rows = [rows](int b) { return rows + static_cast<std::size_t>(b % 2); };
+  c.peer_access = direct;
+  c.seed = static_cast<std::uint64_t>(H * 31 + tp * 1000 + fsdp * 100 + ep * 10 + E + k * 7);
+  return c;
+}
+
+template <class T, class Impl = epx::impl::all_to_all>
+void check_diag(const layer_case& c) {
+  CAPTURE(c.describe());
+  on_ranks(world_of(c.topology), [&](comm_t& comm) { return check_diag_case<comm_t, T, Impl>(comm, c); });
+}
+
+// The cases at one hidden size: the all-to-all path on both routes (tp = 1 and tp = 2) and
+// the masked all-reduce path (ep == tp).
+template <class T>
+void check_sizes(int H) {
+  for (bool direct : {true, false}) {
+    check_diag<T>(make(1, 4, 4, 8, 4, H, 4, direct));
+    check_diag<T>(make(2, 2, 2, 4, 2, H, 5, direct, routing_kind::random));
+  }
+  check_diag<T, epx::impl::all_reduce>(make(4, 1, 4, 8, 4, H, 4, true));
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("layer sizes: H = 300, 4096, 7168 against float64 with derived bounds", T, float, epx::bf16) {
+  for (int H : {300, 4096, 7168}) {
+    CAPTURE(H);
+    check_sizes<T>(H);
+  }
+}
+
+TEST_CASE("layer sizes: fp16 at H = 4096, and padding at H = 7168") {
+  check_sizes<epx::fp16>(4096);
+  auto c = make(1, 4, 4, 8, 4, 7168, 3, false, routing_kind::first_rank_only);
+  c.pad = epx::padding{2, 4};
+  check_diag<epx::bf16>(c);
+}
+
+TEST_CASE("layer sizes: linear (H x H) experts at H = 300 with the fixed tolerances") {
+  for (bool direct : {true, false}) {
+    auto c = make(1, 4, 4, 8, 2, 300, 4, direct);
+    on_ranks(4, [&](comm_t& comm) { return epx::test::check_layer_case<comm_t, float>(comm, c); });
+    on_ranks(4, [&](comm_t& comm) { return epx::test::check_layer_case<comm_t, epx::bf16>(comm, c); });
+  }
+  auto m = make(2, 1, 2, 4, 2, 300, 4, true);
+  on_ranks(2, [&](comm_t& comm) { return epx::test::check_layer_case<comm_t, epx::bf16, epx::impl::all_reduce>(comm, m); });
+}
+
+// The bound is tight enough to tell a float32 accumulation of the k bf16 products from a
+// bf16 accumulation: the bf16-accumulated sum of the same products falls outside it on
+// many elements, epx's output on none.
+TEST_CASE("layer sizes: the bf16 bound rejects a bf16 accumulation of the same products") {
+  using T = epx::bf16;
+  for (bool direct : {true, false}) {
+    const auto c = make(1, 4, 4, 8, 8, 4096, 4, direct, routing_kind::random);
+    CAPTURE(c.describe());
+    std::vector<std::size_t> epx_out(4), bf16_out(4), elements(4), loose(4);
+    on_ranks(4, [&](comm_t& comm) -> std::string {
+      const auto global = ref::diag_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+      const auto r = run_diag<comm_t, T, epx::impl::all_to_all>(comm, c, global);
+      const int rank = comm.rank();
+      const epx::mesh m(c.topology);
+      const auto d = epx::test::make_batch<T>(c, m.batch(rank));
+      const auto e = expect_rank<T>(c, global, rank);
+      bounds<T> bd;
+      bd.k = c.top_k;
+      bd.hidden = static_cast<std::size_t>(c.hidden);
+      const auto bound = bd.out(e);
+      const std::size_t H = static_cast<std::size_t>(c.hidden), K = static_cast<std::size_t>(c.top_k);
+      const std::size_t N = d.x.size() / H;
+      auto& mine = epx_out[static_cast<std::size_t>(rank)];
+      auto& theirs = bf16_out[static_cast<std::size_t>(rank)];
+      auto& old = loose[static_cast<std::size_t>(rank)];
+      elements[static_cast<std::size_t>(rank)] = N * H;
+      const double at = epx::test::atol_for<T>(), rt = epx::test::rtol_for<T>();
+      for (std::size_t t = 0; t < N; ++t)
+        for (std::size_t h = 0; h < H; ++h) {
+          // The same products (float), summed with every partial sum rounded to bf16.
+          float acc = 0.0f;
+          for (std::size_t j = 0; j < K; ++j) {
+            const int id = d.ids[t * K + j];
+            const double y = ref::round_value<T>(std::fma(global.a(id, static_cast<int>(h)), d.x[t * H + h],
+                                                          global.b(id, static_cast<int>(h))));
+            const float p = static_cast<float>(d.w[t * K + j]) * static_cast<float>(y);
+            acc = static_cast<float>(ref::round_value<T>(static_cast<double>(acc + p)));
+          }
+          const std::size_t i = t * H + h;
+          const double err_b = std::abs(static_cast<double>(acc) - e.out[i]);
+          if (err_b > bound[i]) ++theirs;
+          if (err_b <= at + rt * std::abs(e.out[i])) ++old;  // the fixed tolerance accepts it
+          if (std::abs(ref::to_d(r.out[i]) - e.out[i]) > bound[i]) ++mine;
+        }
+      return {};
+    });
+    std::size_t total = 0, outside_b = 0, outside_epx = 0, accepted_old = 0;
+    for (int r = 0; r < 4; ++r) {
+      total += elements[static_cast<std::size_t>(r)];
+      outside_b += bf16_out[static_cast<std::size_t>(r)];
+      outside_epx += epx_out[static_cast<std::size_t>(r)];
+      accepted_old += loose[static_cast<std::size_t>(r)];
+    }
+    MESSAGE("bf16 accumulation: ", outside_b, " of ", total, " elements outside the derived bound (epx: ", outside_epx,
+            "); the fixed tolerance (atol ", epx::test::atol_for<T>(), ", rtol ", epx::test::rtol_for<T>(),
+            ") accepts ", accepted_old, " of them");
+    CHECK(outside_epx == 0);
+    CHECK(outside_b * 20 > total);  // more than 5% of the elements
+  }
+}
+
+// Every rank passes N = 0. Nothing to compute, but everything to check: the (empty) output
+// spans sit inside sentinel-filled buffers that must stay untouched, the experts' parameter
+// gradients are exactly zero before and after the hook, the stats count nothing, and the
+// same layer then runs a non-empty call correctly.
+template <class T, class Impl>
+std::string check_all_empty(comm_t& comm, const layer_case& c) {
+  std::string f;
+  const epx::mesh m(c.topology);
+  const int rank = comm.rank();
+  const std::string where = epx::detail::concat(c.describe(), " rank ", rank, " all empty: ");
+  const auto global = ref::diag_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+  epx::moe_layer<comm_t, T, Impl, epx::test::test_exec> layer(m, comm, epx::test::options_for(c));
+  ref::test_diag_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
+  const std::size_t H = static_cast<std::size_t>(c.hidden), K = static_cast<std::size_t>(c.top_k);
+  const T sentinel = epx::convert<T>(7.0f);
+  std::vector<T> x(4 * H, epx::convert<T>(1.0f)), out(4 * H, sentinel), go(4 * H, epx::convert<T>(1.0f)),
+      gx(4 * H, sentinel);
+  std::vector<std::int32_t> ids(4 * K, 0);
+  std::vector<float> w(4 * K, 0.5f), gw(4 * K, 7.0f);
+  // Empty spans that point into the middle of the buffers.
+  auto saved = layer.forward(epx::span<const T>(x.data() + H, 0), epx::span<const std::int32_t>(ids.data() + K, 0),
+                             epx::span<const float>(w.data() + K, 0), epx::span<T>(out.data() + H, 0), experts,
+                             epx::mode::train);
+  const auto st = layer.stats();
+  if (saved.empty()) f += where + "a training forward returned an empty saved state\n";
+  layer.backward(std::move(saved), epx::span<const T>(go.data() + H, 0), epx::span<T>(gx.data() + H, 0),
+                 epx::span<float>(gw.data() + K, 0), experts);
+  for (std::size_t i = 0; i < out.size(); ++i)
+    if (std::memcmp(&out[i], &sentinel, sizeof(T)) != 0 || std::memcmp(&gx[i], &sentinel, sizeof(T)) != 0) {
+      f += where + "wrote outside its empty output spans\n";
+      break;
+    }
+  for (float v : gw)
+    if (v != 7.0f) {
+      f += where + "wrote outside its empty grad_weights span\n";
+      break;
+    }
+  auto grads = experts.grads();
+  for (double v : grads)
+    if (v != 0.0 || std::signbit(v)) {
+      f += where + "expert gradients are not exactly zero before the hook\n";
+      break;
+    }
+  epx::gradient_hooks<comm_t> hooks(m, comm);
+  hooks.reduce_expert(epx::span<double>(grads));
+  for (double v : grads)
+    if (v != 0.0) {
+      f += where + "expert gradients are not exactly zero after the hook\n";
+      break;
+    }
+  for (auto v : st.tokens_per_local_expert)
+    if (v != 0) f += where + "stats.tokens_per_local_expert not zero\n";
+  for (auto v : st.tokens_per_expert)
+    if (v != 0) f += where + "stats.tokens_per_expert not zero\n";
+  for (auto v : st.rows_sent)
+    if (v != 0) f += where + "stats.rows_sent not zero\n";
+  for (auto v : st.rows_received)
+    if (v != 0) f += where + "stats.rows_received not zero\n";
+  if (st.max_expert_load != 0.0 || st.mean_expert_load != 0.0 || st.imbalance() != 0.0)
+    f += where + "stats loads not zero\n";
+  // Padding rows (zero) are all the experts may have seen.
+  std::size_t padding = 0;
+  for (auto v : st.padding_per_local_expert) padding += static_cast<std::size_t>(v);
+  if (experts.rows_seen() != padding)
+    f += epx::detail::concat(where, "experts saw ", experts.rows_seen(), " rows, the padding is ", padding, "\n");
+  // The same layer, a non-empty call afterwards.
+  if (f.empty()) {
+    layer_case c2 = c;
+    c2.rows = [](int) { return std::size_t{3}; };
+    const auto d = epx::test::make_batch<T>(c2, m.batch(rank));
+    const auto x2 = ref::from_double<T>(d.x);
+    const std::vector<float> w2(d.w.begin(), d.w.end());
+    std::vector<T> out2(3 * H);
+    layer.forward(epx::span<const T>(x2), epx::span<const std::int32_t>(d.ids), epx::span<const float>(w2),
+                  epx::span<T>(out2), experts, epx::mode::inference);
+    auto e = expect_batch<T>(d, global, c.top_k);
+    bounds<T> bd;
+    bd.k = c.top_k;
+    bd.partials = std::is_same_v<Impl, epx::impl::all_reduce> ? c.topology.ep : 1;
+    f += within(out2, e.out, bd.out(e), where + "the next call's out");
+  }
+  return f;
+}
+
+TEST_CASE("layer sizes: all ranks empty: nothing written, gradients exactly zero, then a normal call") {
+  for (auto pad : {epx::padding{}, epx::padding{2, 4}}) {
+    for (bool direct : {true, false}) {
+      auto c = make(2, 2, 4, 8, 2, 4096, 0, direct);
+      c.rows = [](int) { return std::size_t{0}; };
+      c.pad = pad;
+      on_ranks(4, [&](comm_t& comm) { return check_all_empty<epx::bf16, epx::impl::all_to_all>(comm, c); });
+    }
+    auto c = make(4, 1, 4, 8, 2, 300, 0, true);
+    c.rows = [](int) { return std::size_t{0}; };
+    c.pad = pad;
+    on_ranks(4, [&](comm_t& comm) { return check_all_empty<float, epx::impl::all_reduce>(comm, c); });
+  }
+}
