@@ -1,0 +1,315 @@
+// bindings/torch/csrc/torch_communicator.hpp: epx's communicator concept over a torch
+// process group (c10d::ProcessGroup: gloo on CPU; the calls are the group's own).
+//
+//   all_gather          ProcessGroup::allgather (one output view per rank)
+//   all_to_all(v)       ProcessGroup::all_to_all_single with split sizes
+//   all_to_allv_segments one all_to_all_single into a source-major buffer, then a local copy
+//                       of every segment to the place the receiver named for it
+//   all_reduce          all_gather, then the sum of epx's host backends: rank order, in the
+//                       accumulation type, scale applied before the one rounding
+//                       (epx/comm/detail/reduce.hpp), so every rank gets the same bits
+//   reduce_scatter      all_to_all of the blocks, then the same rank-order sum
+//   broadcast, barrier  the group's own
+//   split               all_gather of (color, key) and one torch.distributed.new_group per
+//                       color, made in Python (every rank of the job makes every group, in
+//                       color order); only a communicator over the whole job can split
+//
+// Every failure of a collective (a peer that left, a timeout of the group) is raised as
+// epx::error(errc::communicator) with the group's message.
+#pragma once
+
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "epx/comm/communicator.hpp"
+#include "epx/comm/datatype.hpp"
+#include "epx/comm/detail/reduce.hpp"
+#include "epx/core/error.hpp"
+
+namespace epx_torch {
+
+// Makes the group of `members` (world ranks) for every group of a split, on every rank of
+// the job, and returns the name of the one at index `mine` (set from Python at import).
+using split_callback = std::function<std::string(const std::vector<std::vector<int>>&, int)>;
+inline split_callback& split_hook() {
+  static split_callback f;
+  return f;
+}
+
+inline at::ScalarType scalar_type_of(epx::datatype t) {
+  switch (t) {
+    case epx::datatype::int32: return at::kInt;
+    case epx::datatype::int64: return at::kLong;
+    case epx::datatype::float32: return at::kFloat;
+    case epx::datatype::float64: return at::kDouble;
+    case epx::datatype::bfloat16: return at::kBFloat16;
+    case epx::datatype::float16: return at::kHalf;
+    case epx::datatype::byte: return at::kByte;
+  }
+  return at::kByte;
+}
+
+class torch_communicator {
+ public:
+  // `group_name`: a registered c10d group (ProcessGroup.group_name); `world_rank` and
+  // `world_size`: this process in the default group (for split and messages).
+  torch_communicator(const std::string& group_name, int world_rank, int world_size)
+      : name_(group_name), world_rank_(world_rank), world_size_(world_size) {
+    try {
+      pg_ = c10d::resolve_process_group(group_name);
+    } catch (const std::exception& e) {
+      throw epx::error(epx::errc::configuration,
+                       epx::detail::concat("no torch process group named '", group_name, "': ", e.what()), EPX_HERE);
+    }
+  }
+
+  int rank() const { return pg_->getRank(); }
+  int size() const { return pg_->getSize(); }
+  const std::string& name() const noexcept { return name_; }
+  std::string backend() const { return pg_->getBackendName(); }
+  int world_rank() const noexcept { return world_rank_; }
+
+  torch_communicator split(int color, int key) const {
+    const int P = size();
+    std::vector<std::int64_t> mine = {color, key, world_rank_}, all(3 * static_cast<std::size_t>(P));
+    const_cast<torch_communicator*>(this)->all_gather(mine.data(), all.data(), 3, epx::datatype::int64);
+    EPX_REQUIRE(P == world_size_, epx::errc::configuration, "split: the torch backend splits only a communicator over "
+                "the whole job (", world_size_, " ranks); this one (", name_, ") has ", P);
+    // Members of each color, ordered by (key, rank), as world ranks; colors ascending.
+    std::map<std::int64_t, std::vector<std::pair<std::pair<std::int64_t, int>, int>>> by_color;
+    for (int r = 0; r < P; ++r) {
+      const auto* rec = all.data() + 3 * static_cast<std::size_t>(r);
+      by_color[rec[0]].push_back({{rec[1], r}, static_cast<int>(rec[2])});
+    }
+    std::vector<std::vector<int>> groups;
+    int index = -1;
+    for (auto& [c, v] : by_color) {
+      std::sort(v.begin(), v.end());
+      std::vector<int> g;
+      for (const auto& m : v) g.push_back(m.second);
+      if (c == color) index = static_cast<int>(groups.size());
+      groups.push_back(std::move(g));
+    }
+    EPX_REQUIRE(static_cast<bool>(split_hook()), epx::errc::internal, "split: no group maker registered");
+    std::string made;
+    {
+      pybind11::gil_scoped_acquire gil;
+      made = split_hook()(groups, index);
+    }
+    return torch_communicator(made, world_rank_, world_size_);
+  }
+
+  void all_gather(const void* send, void* recv, std::size_t count, epx::datatype t) {
+    const int P = size();
+    std::vector<at::Tensor> in = {view(send, count, t)};
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int r = 0; r < P; ++r) out[0].push_back(view(static_cast<std::byte*>(recv) + bytes(r * count, t), count, t));
+    run("all_gather", [&] { return pg_->allgather(out, in); });
+  }
+
+  void all_to_all(const void* send, void* recv, std::size_t count, epx::datatype t) {
+    const auto P = static_cast<std::size_t>(size());
+    std::vector<std::size_t> c(P, count), d(P);
+    for (std::size_t p = 0; p < P; ++p) d[p] = p * count;
+    all_to_allv(send, c.data(), d.data(), recv, c.data(), d.data(), t);
+  }
+
+  void all_to_allv(const void* send, const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
+                   const std::size_t* recv_counts, const std::size_t* recv_displs, epx::datatype t) {
+    const auto P = static_cast<std::size_t>(size());
+    // all_to_all_single takes packed blocks in peer order: use the buffers in place when the
+    // displacements are the packed ones, else pack/unpack through a temporary.
+    const bool send_packed = packed(send_counts, send_displs, P), recv_packed = packed(recv_counts, recv_displs, P);
+    std::size_t ns = 0, nr = 0;
+    for (std::size_t p = 0; p < P; ++p) {
+      ns += send_counts[p];
+      nr += recv_counts[p];
+    }
+    const std::size_t es = epx::size_of(t);
+    std::vector<std::byte> sbuf, rbuf;
+    const void* s = send;
+    void* r = recv;
+    if (!send_packed) {
+      sbuf.resize(ns * es);
+      std::size_t at = 0;
+      for (std::size_t p = 0; p < P; ++p) {
+        copy(sbuf.data() + at * es, static_cast<const std::byte*>(send) + send_displs[p] * es, send_counts[p] * es);
+        at += send_counts[p];
+      }
+      s = sbuf.data();
+    }
+    if (!recv_packed) {
+      rbuf.resize(nr * es);
+      r = rbuf.data();
+    }
+    exchange(s, send_counts, r, recv_counts, t);
+    if (!recv_packed) {
+      std::size_t at = 0;
+      for (std::size_t p = 0; p < P; ++p) {
+        copy(static_cast<std::byte*>(recv) + recv_displs[p] * es, rbuf.data() + at * es, recv_counts[p] * es);
+        at += recv_counts[p];
+      }
+    }
+  }
+
+  // Every segment of every peer in one all_to_all_single (epx::all_to_allv_segments).
+  void all_to_allv_segments(const void* send, const std::size_t* send_counts, const std::size_t* send_displs,
+                            void* recv, const std::size_t* recv_counts, const std::size_t* recv_displs,
+                            std::size_t nseg, epx::datatype t) {
+    const auto P = static_cast<std::size_t>(size());
+    std::vector<std::size_t> sc(P, 0), rc(P, 0), sd(P, 0), rd(P, 0);
+    for (std::size_t p = 0; p < P; ++p)
+      for (std::size_t i = 0; i < nseg; ++i) {
+        sc[p] += send_counts[p * nseg + i];
+        rc[p] += recv_counts[p * nseg + i];
+      }
+    // The segments this rank sends to one peer are usually one contiguous block (epx's send
+    // order is expert-major); use it in place then, else pack them.
+    bool contiguous = true;
+    for (std::size_t p = 0; p < P && contiguous; ++p) {
+      std::size_t at = send_displs[p * nseg];
+      for (std::size_t i = 0; i < nseg; ++i) {
+        if (send_counts[p * nseg + i] != 0 && send_displs[p * nseg + i] != at) contiguous = false;
+        at += send_counts[p * nseg + i];
+      }
+      sd[p] = send_displs[p * nseg];
+    }
+    const std::size_t es = epx::size_of(t);
+    std::vector<std::byte> packed_send;
+    const void* s = send;
+    if (!contiguous) {
+      std::size_t total = 0;
+      for (std::size_t p = 0; p < P; ++p) total += sc[p];
+      packed_send.resize(total * es);
+      std::size_t at = 0;
+      for (std::size_t p = 0; p < P; ++p) {
+        sd[p] = at;
+        for (std::size_t i = 0; i < nseg; ++i) {
+          const std::size_t c = send_counts[p * nseg + i];
+          copy(packed_send.data() + at * es, static_cast<const std::byte*>(send) + send_displs[p * nseg + i] * es, c * es);
+          at += c;
+        }
+      }
+      s = packed_send.data();
+    }
+    std::size_t nr = 0;
+    for (std::size_t p = 0; p < P; ++p) {
+      rd[p] = nr;
+      nr += rc[p];
+    }
+    std::vector<std::byte> rbuf(nr * es);
+    // Send blocks in place: all_to_allv packs them only when their displacements are not.
+    all_to_allv(s, sc.data(), sd.data(), rbuf.data(), rc.data(), rd.data(), t);
+    for (std::size_t p = 0; p < P; ++p) {
+      std::size_t at = rd[p];
+      for (std::size_t i = 0; i < nseg; ++i) {
+        const std::size_t c = recv_counts[p * nseg + i];
+        copy(static_cast<std::byte*>(recv) + recv_displs[p * nseg + i] * es, rbuf.data() + at * es, c * es);
+        at += c;
+      }
+    }
+  }
+
+  void all_reduce(const void* send, void* recv, std::size_t count, epx::datatype t, double scale) {
+    EPX_REQUIRE(epx::is_reducible(t), epx::errc::input, "all_reduce: datatype ", epx::to_string(t),
+                " cannot be summed");
+    const auto P = static_cast<std::size_t>(size());
+    std::vector<std::byte> all(P * count * epx::size_of(t));
+    all_gather(send, all.data(), count, t);
+    sum_blocks(all.data(), P, recv, count, t, scale);
+  }
+
+  void reduce_scatter(const void* send, void* recv, std::size_t recv_count, epx::datatype t, double scale) {
+    EPX_REQUIRE(epx::is_reducible(t), epx::errc::input, "reduce_scatter: datatype ", epx::to_string(t),
+                " cannot be summed");
+    const auto P = static_cast<std::size_t>(size());
+    std::vector<std::byte> all(P * recv_count * epx::size_of(t));
+    all_to_all(send, all.data(), recv_count, t);
+    sum_blocks(all.data(), P, recv, recv_count, t, scale);
+  }
+
+  void broadcast(void* data, std::size_t count, epx::datatype t, int root) {
+    std::vector<at::Tensor> v = {view(data, count, t)};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    run("broadcast", [&] { return pg_->broadcast(v, o); });
+  }
+
+  void barrier() {
+    run("barrier", [&] { return pg_->barrier(); });
+  }
+
+ private:
+  static std::size_t bytes(std::size_t n, epx::datatype t) { return n * epx::size_of(t); }
+  static void copy(std::byte* d, const std::byte* s, std::size_t n) {
+    if (n) std::memcpy(d, s, n);
+  }
+  static bool packed(const std::size_t* c, const std::size_t* d, std::size_t P) {
+    std::size_t at = 0;
+    for (std::size_t p = 0; p < P; ++p) {
+      if (c[p] != 0 && d[p] != at) return false;
+      at += c[p];
+    }
+    return true;
+  }
+  // A CPU tensor over `count` elements at `p` (not owned; may be empty).
+  static at::Tensor view(const void* p, std::size_t count, epx::datatype t) {
+    static std::byte dummy[16];
+    void* q = p != nullptr ? const_cast<void*>(p) : static_cast<void*>(dummy);
+    return at::from_blob(q, {static_cast<std::int64_t>(count)}, at::TensorOptions().dtype(scalar_type_of(t)));
+  }
+  void exchange(const void* send, const std::size_t* send_counts, void* recv, const std::size_t* recv_counts,
+                epx::datatype t) {
+    const auto P = static_cast<std::size_t>(size());
+    std::vector<std::int64_t> sc(P), rc(P);
+    std::size_t ns = 0, nr = 0;
+    for (std::size_t p = 0; p < P; ++p) {
+      sc[p] = static_cast<std::int64_t>(send_counts[p]);
+      rc[p] = static_cast<std::int64_t>(recv_counts[p]);
+      ns += send_counts[p];
+      nr += recv_counts[p];
+    }
+    at::Tensor in = view(send, ns, t), out = view(recv, nr, t);
+    run("all_to_all", [&] { return pg_->all_to_all_single(out, in, rc, sc); });
+  }
+  static void sum_blocks(const std::byte* all, std::size_t P, void* recv, std::size_t count, epx::datatype t,
+                         double scale) {
+    std::vector<const void*> srcs(P);
+    for (std::size_t r = 0; r < P; ++r) srcs[r] = all + r * count * epx::size_of(t);
+    epx::detail::reduce_sum(t, srcs.data(), static_cast<int>(P), recv, count, scale);
+  }
+  template <class F>
+  void run(const char* what, F&& start) {
+    try {
+      auto work = start();
+      work->wait();
+    } catch (const epx::error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw epx::error(epx::errc::communicator,
+                       epx::detail::concat(what, " over torch process group '", name_, "' (", backend(), ", rank ",
+                                           rank(), " of ", size(), ") failed: ", e.what()),
+                       EPX_HERE);
+    }
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  std::string name_;
+  int world_rank_ = 0;
+  int world_size_ = 0;
+};
+
+static_assert(epx::check_communicator<torch_communicator>());
+
+}  // namespace epx_torch
