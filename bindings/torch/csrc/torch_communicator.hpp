@@ -12,7 +12,9 @@
 //   broadcast, barrier  the group's own
 //   split               all_gather of (color, key) and one torch.distributed.new_group per
 //                       color, made in Python (every rank of the job makes every group, in
-//                       color order); only a communicator over the whole job can split
+//                       color order); only a communicator over the whole job can split, and
+//                       the keys must keep the members in job-rank order (as a torch group
+//                       numbers them; every group of epx's mesh does)
 //
 // Every failure of a collective (a peer that left, a timeout of the group) is raised as
 // epx::error(errc::communicator) with the group's message.
@@ -98,6 +100,10 @@ class torch_communicator {
       std::sort(v.begin(), v.end());
       std::vector<int> g;
       for (const auto& m : v) g.push_back(m.second);
+      // torch.distributed.new_group numbers a group's members by their rank in the job.
+      EPX_REQUIRE(std::is_sorted(g.begin(), g.end()), epx::errc::configuration,
+                  "split: the keys of color ", c, " order its members differently from their ranks in the job, "
+                  "which a torch process group cannot (its ranks follow the job's)");
       if (c == color) index = static_cast<int>(groups.size());
       groups.push_back(std::move(g));
     }
