@@ -131,7 +131,6 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> torch_layer:
   s->rows = N;
   s->hidden = H;
   s->top_k = k;
-  const auto opts = at::TensorOptions().dtype(scalar_type_of(dtype_));
   const std::int32_t* id = ok ? ptr<const std::int32_t>(ids) : nullptr;
   const float* w = ok ? ptr<const float>(weights) : nullptr;
   const T* xp = ok ? ptr<const T>(x) : nullptr;
@@ -157,15 +156,16 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> torch_layer:
     s->expert_rows = R;
     s->seg = epx::detail::segments_of(s->layout, me);
     // 4. Rows into send order, then the segmented all-to-all lands them expert-major.
-    at::Tensor send = at::empty({static_cast<std::int64_t>(S), static_cast<std::int64_t>(H)}, opts);
-    at::Tensor recv = at::empty({static_cast<std::int64_t>(R), static_cast<std::int64_t>(H)}, opts);
+    const at::ScalarType st = scalar_type_of(dtype_);
+    at::Tensor send = pool_.get(tensor_pool::send, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
+    at::Tensor recv = pool_.get(tensor_pool::rows, static_cast<std::int64_t>(R), static_cast<std::int64_t>(H), st);
     epx::kernels::gather(ex, S, H, xp + sl.begin * H, static_cast<const std::int64_t*>(plan.src_row.data()),
                          ptr<T>(send));
     epx::detail::zero_padding(ex, ptr<T>(recv), s->layout, me, H);
     epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(send)), epx::make_span(s->seg.send_counts),
                               epx::make_span(s->seg.send_displs), ptr<T>(recv), epx::make_span(s->seg.recv_counts),
                               epx::make_span(s->seg.recv_displs), static_cast<std::size_t>(L), H);
-    s->weights_at = at::empty({static_cast<std::int64_t>(S)}, at::kFloat);  // the weight of each send position
+    s->weights_at = pool_.get(tensor_pool::weights, 1, static_cast<std::int64_t>(S), at::kFloat)[0];  // per send position
     epx::kernels::scatter(ex, S, static_cast<const std::int64_t*>(plan.pos.data()), w + sl.begin * ks,
                           ptr<float>(s->weights_at));
     s->pos = std::move(plan.pos);
@@ -205,9 +205,10 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> torch_layer:
   epx::exec::for_each_n(ex, Nr * ks,
                         epx::layout::masked_positions{id, plan.pos.data(), plan.expert_offset.data(),
                                                       local_offset.data(), s->pos.data(), first, L});
-  at::Tensor local = at::empty({static_cast<std::int64_t>(R), static_cast<std::int64_t>(H)}, opts);
+  at::Tensor local = pool_.get(tensor_pool::rows, static_cast<std::int64_t>(R), static_cast<std::int64_t>(H),
+                               scalar_type_of(dtype_));
   epx::kernels::gather(ex, R, H, xp, static_cast<const std::int64_t*>(s->row_source.data()), ptr<T>(local));
-  s->weights_at = at::empty({static_cast<std::int64_t>(R)}, at::kFloat);  // the weight of each local row
+  s->weights_at = pool_.get(tensor_pool::weights, 1, static_cast<std::int64_t>(R), at::kFloat)[0];  // per local row
   if (R) std::memset(s->weights_at.data_ptr(), 0, R * sizeof(float));
   epx::kernels::scatter(ex, Nr * ks, static_cast<const std::int64_t*>(s->pos.data()), w, ptr<float>(s->weights_at));
   s->slice = epx::row_slice{0, Nr};
@@ -240,12 +241,12 @@ at::Tensor torch_layer::combine_t(dispatch_state& s, const at::Tensor& y_in, con
                                 "epx_torch combine", s.masked ? m.ep() : tp);
   s.combined = true;
   const at::Tensor y = y_in.contiguous(), w = weights.contiguous();
-  const auto opts = at::TensorOptions().dtype(scalar_type_of(dtype_));
-  at::Tensor out = at::empty({static_cast<std::int64_t>(N), static_cast<std::int64_t>(H)}, opts);
+  const at::ScalarType st = scalar_type_of(dtype_);
+  at::Tensor out = pool_.get(tensor_pool::out, static_cast<std::int64_t>(N), static_cast<std::int64_t>(H), st);
   if (!s.masked) {
     const epx::row_slice sl = s.slice;
     const std::size_t n = sl.size(), S = n * ks;
-    at::Tensor back = at::empty({static_cast<std::int64_t>(S), static_cast<std::int64_t>(H)}, opts);
+    at::Tensor back = pool_.get(tensor_pool::back, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
     // 6. Outputs back into send order; 7. the weighted sum in slot order.
     epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(y)), epx::make_span(s.seg.recv_counts),
                               epx::make_span(s.seg.recv_displs), ptr<T>(back), epx::make_span(s.seg.send_counts),
@@ -284,16 +285,19 @@ std::tuple<at::Tensor, at::Tensor> torch_layer::combine_backward_t(dispatch_stat
   const int L = m.local_experts(), tp = m.tp(), me = m.ep_rank(world_rank_);
   const std::size_t H = s.hidden, N = s.rows, R = s.expert_rows;
   const auto ks = static_cast<std::size_t>(s.top_k);
-  const auto opts = at::TensorOptions().dtype(scalar_type_of(dtype_));
-  at::Tensor grad_w = at::zeros({static_cast<std::int64_t>(N), static_cast<std::int64_t>(ks)}, at::kFloat);
-  at::Tensor grad_rows = at::empty({static_cast<std::int64_t>(R), static_cast<std::int64_t>(H)}, opts);
+  const at::ScalarType st = scalar_type_of(dtype_);
+  at::Tensor grad_w = pool_.get(tensor_pool::grad_w, static_cast<std::int64_t>(N), static_cast<std::int64_t>(ks), at::kFloat);
+  at::Tensor grad_rows = pool_.get(tensor_pool::grad_rows, static_cast<std::int64_t>(R), static_cast<std::int64_t>(H), st);
   const T* g = ptr<const T>(grad_out);
   if (!s.masked) {
     const epx::row_slice sl = s.slice;
     const std::size_t n = sl.size(), S = n * ks;
     // grad_y rows in send order: w * grad_out of the position's row; grad_w from the
     // outputs kept in send order.
-    at::Tensor send = at::empty({static_cast<std::int64_t>(S), static_cast<std::int64_t>(H)}, opts);
+    at::Tensor send = pool_.get(tensor_pool::grad_send, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
+    float* gw = ptr<float>(grad_w);
+    epx::exec::fill_zero(ex, gw, sl.begin * ks);
+    epx::exec::fill_zero(ex, gw + sl.end * ks, (N - sl.end) * ks);
     epx::kernels::gather(ex, S, H, g + sl.begin * H, static_cast<const std::int64_t*>(s.src_row.data()),
                          ptr<const float>(s.weights_at), ptr<T>(send));
     epx::kernels::weight_gradients(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(s.y)), g + sl.begin * H,
@@ -330,13 +334,13 @@ at::Tensor torch_layer::dispatch_backward_t(dispatch_state& s, const at::Tensor&
   const int L = m.local_experts(), tp = m.tp();
   const std::size_t H = s.hidden, N = s.rows;
   const auto ks = static_cast<std::size_t>(s.top_k);
-  const auto opts = at::TensorOptions().dtype(scalar_type_of(dtype_));
-  at::Tensor grad_x = at::empty({static_cast<std::int64_t>(N), static_cast<std::int64_t>(H)}, opts);
+  const at::ScalarType st = scalar_type_of(dtype_);
+  at::Tensor grad_x = pool_.get(tensor_pool::grad_x, static_cast<std::int64_t>(N), static_cast<std::int64_t>(H), st);
   T* gx = ptr<T>(grad_x);
   if (!s.masked) {
     const epx::row_slice sl = s.slice;
     const std::size_t n = sl.size(), S = n * ks;
-    at::Tensor back = at::empty({static_cast<std::int64_t>(S), static_cast<std::int64_t>(H)}, opts);
+    at::Tensor back = pool_.get(tensor_pool::grad_back, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
     epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(grad_rows)), epx::make_span(s.seg.recv_counts),
                               epx::make_span(s.seg.recv_displs), ptr<T>(back), epx::make_span(s.seg.send_counts),
                               epx::make_span(s.seg.send_displs), static_cast<std::size_t>(L), H);

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -58,6 +59,26 @@ template <class T>
 T* ptr(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
+
+// Tensors a layer hands out, kept between calls: a slot's buffer is handed out again once
+// nobody holds the tensor made from it (the caller, autograd or a handle), so steady-state
+// calls neither page-fault fresh memory nor have the kernel zero it. Contents are not
+// initialised.
+class tensor_pool {
+ public:
+  enum : int { send = 0, back, grad_send, grad_back, rows, out, grad_rows, grad_w, grad_x, weights, count };
+
+  at::Tensor get(int slot, std::int64_t rows, std::int64_t cols, at::ScalarType t) {
+    at::Tensor& c = slots_[static_cast<std::size_t>(slot)];
+    const auto bytes = static_cast<std::int64_t>(rows * cols * static_cast<std::int64_t>(c10::elementSize(t)));
+    if (!c.defined() || c.use_count() != 1 || c.numel() < bytes) c = at::empty({std::max<std::int64_t>(bytes, 1)}, at::kByte);
+    at::Tensor keep = c;  // in use while the tensor below (or a view of it) lives
+    return at::from_blob(c.data_ptr(), {rows, cols}, [keep](void*) {}, at::TensorOptions().dtype(t));
+  }
+
+ private:
+  at::Tensor slots_[count];
+};
 
 // What one dispatch keeps for combine and the two backward halves.
 struct dispatch_state {
@@ -126,6 +147,7 @@ class torch_layer {
   path_kind path_ = path_kind::all_to_all;
   int world_rank_ = 0;
   std::unique_ptr<torch_communicator> world_, ep_, tp_, efsdp_, fsdp_, dp_replicate_;
+  tensor_pool pool_;
 };
 
 }  // namespace epx_torch

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -62,6 +63,29 @@ inline at::ScalarType scalar_type_of(epx::datatype t) {
   return at::kByte;
 }
 
+// Grow-only host buffers for the communicator's temporaries (pack, unpack, gather), kept
+// between calls: no zero-filling and no fresh pages per call. Shared by the copies of a
+// communicator (which epx uses one at a time).
+class scratch_pool {
+ public:
+  std::byte* get(int slot, std::size_t bytes) {
+    auto& b = slots_[static_cast<std::size_t>(slot)];
+    if (bytes > b.size) {
+      b.data.reset(new std::byte[bytes]);  // not value-initialised
+      b.size = bytes;
+    }
+    return b.data.get();
+  }
+  enum : int { segment_send = 0, segment_recv, v_send, v_recv, reduce, count };
+
+ private:
+  struct block {
+    std::unique_ptr<std::byte[]> data;
+    std::size_t size = 0;
+  };
+  block slots_[count];
+};
+
 class torch_communicator {
  public:
   // `group_name`: a registered c10d group (ProcessGroup.group_name); `world_rank` and
@@ -74,6 +98,7 @@ class torch_communicator {
       throw epx::error(epx::errc::configuration,
                        epx::detail::concat("no torch process group named '", group_name, "': ", e.what()), EPX_HERE);
     }
+    scratch_ = std::make_shared<scratch_pool>();
   }
 
   int rank() const { return pg_->getRank(); }
@@ -143,27 +168,27 @@ class torch_communicator {
       nr += recv_counts[p];
     }
     const std::size_t es = epx::size_of(t);
-    std::vector<std::byte> sbuf, rbuf;
     const void* s = send;
     void* r = recv;
+    std::byte* rbuf = nullptr;
     if (!send_packed) {
-      sbuf.resize(ns * es);
+      std::byte* sbuf = scratch_->get(scratch_pool::v_send, ns * es);
       std::size_t at = 0;
       for (std::size_t p = 0; p < P; ++p) {
-        copy(sbuf.data() + at * es, static_cast<const std::byte*>(send) + send_displs[p] * es, send_counts[p] * es);
+        copy(sbuf + at * es, static_cast<const std::byte*>(send) + send_displs[p] * es, send_counts[p] * es);
         at += send_counts[p];
       }
-      s = sbuf.data();
+      s = sbuf;
     }
     if (!recv_packed) {
-      rbuf.resize(nr * es);
-      r = rbuf.data();
+      rbuf = scratch_->get(scratch_pool::v_recv, nr * es);
+      r = rbuf;
     }
     exchange(s, send_counts, r, recv_counts, t);
     if (!recv_packed) {
       std::size_t at = 0;
       for (std::size_t p = 0; p < P; ++p) {
-        copy(static_cast<std::byte*>(recv) + recv_displs[p] * es, rbuf.data() + at * es, recv_counts[p] * es);
+        copy(static_cast<std::byte*>(recv) + recv_displs[p] * es, rbuf + at * es, recv_counts[p] * es);
         at += recv_counts[p];
       }
     }
@@ -192,36 +217,35 @@ class torch_communicator {
       sd[p] = send_displs[p * nseg];
     }
     const std::size_t es = epx::size_of(t);
-    std::vector<std::byte> packed_send;
     const void* s = send;
     if (!contiguous) {
       std::size_t total = 0;
       for (std::size_t p = 0; p < P; ++p) total += sc[p];
-      packed_send.resize(total * es);
+      std::byte* packed_send = scratch_->get(scratch_pool::segment_send, total * es);
       std::size_t at = 0;
       for (std::size_t p = 0; p < P; ++p) {
         sd[p] = at;
         for (std::size_t i = 0; i < nseg; ++i) {
           const std::size_t c = send_counts[p * nseg + i];
-          copy(packed_send.data() + at * es, static_cast<const std::byte*>(send) + send_displs[p * nseg + i] * es, c * es);
+          copy(packed_send + at * es, static_cast<const std::byte*>(send) + send_displs[p * nseg + i] * es, c * es);
           at += c;
         }
       }
-      s = packed_send.data();
+      s = packed_send;
     }
     std::size_t nr = 0;
     for (std::size_t p = 0; p < P; ++p) {
       rd[p] = nr;
       nr += rc[p];
     }
-    std::vector<std::byte> rbuf(nr * es);
+    std::byte* rbuf = scratch_->get(scratch_pool::segment_recv, nr * es);
     // Send blocks in place: all_to_allv packs them only when their displacements are not.
-    all_to_allv(s, sc.data(), sd.data(), rbuf.data(), rc.data(), rd.data(), t);
+    all_to_allv(s, sc.data(), sd.data(), rbuf, rc.data(), rd.data(), t);
     for (std::size_t p = 0; p < P; ++p) {
       std::size_t at = rd[p];
       for (std::size_t i = 0; i < nseg; ++i) {
         const std::size_t c = recv_counts[p * nseg + i];
-        copy(static_cast<std::byte*>(recv) + recv_displs[p * nseg + i] * es, rbuf.data() + at * es, c * es);
+        copy(static_cast<std::byte*>(recv) + recv_displs[p * nseg + i] * es, rbuf + at * es, c * es);
         at += c;
       }
     }
@@ -231,18 +255,18 @@ class torch_communicator {
     EPX_REQUIRE(epx::is_reducible(t), epx::errc::input, "all_reduce: datatype ", epx::to_string(t),
                 " cannot be summed");
     const auto P = static_cast<std::size_t>(size());
-    std::vector<std::byte> all(P * count * epx::size_of(t));
-    all_gather(send, all.data(), count, t);
-    sum_blocks(all.data(), P, recv, count, t, scale);
+    std::byte* all = scratch_->get(scratch_pool::reduce, P * count * epx::size_of(t));
+    all_gather(send, all, count, t);
+    sum_blocks(all, P, recv, count, t, scale);
   }
 
   void reduce_scatter(const void* send, void* recv, std::size_t recv_count, epx::datatype t, double scale) {
     EPX_REQUIRE(epx::is_reducible(t), epx::errc::input, "reduce_scatter: datatype ", epx::to_string(t),
                 " cannot be summed");
     const auto P = static_cast<std::size_t>(size());
-    std::vector<std::byte> all(P * recv_count * epx::size_of(t));
-    all_to_all(send, all.data(), recv_count, t);
-    sum_blocks(all.data(), P, recv, recv_count, t, scale);
+    std::byte* all = scratch_->get(scratch_pool::reduce, P * recv_count * epx::size_of(t));
+    all_to_all(send, all, recv_count, t);
+    sum_blocks(all, P, recv, recv_count, t, scale);
   }
 
   void broadcast(void* data, std::size_t count, epx::datatype t, int root) {
@@ -311,6 +335,7 @@ class torch_communicator {
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  std::shared_ptr<scratch_pool> scratch_;
   std::string name_;
   int world_rank_ = 0;
   int world_size_ = 0;

@@ -35,7 +35,7 @@ def load(verbose: bool | None = None):
     )
     build_dir.mkdir(parents=True, exist_ok=True)
     sources = [str(_BINDINGS / "csrc" / f) for f in ("module.cpp", "layer.cpp", "reference.cpp")]
-    flags = ["-O2", "-fopenmp", "-fno-fast-math", "-ffp-contract=off"]
+    flags = ["-O3", "-march=native", "-fopenmp", "-fno-fast-math", "-ffp-contract=off"]
     return cpp_extension.load(
         name="epx_torch_C",
         sources=sources,
