@@ -24,6 +24,11 @@ fail() {
   exit 1
 }
 
+# torch's CUDA libraries come from the toolkit (requirements.txt): make sure the loader sees it.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do
+  [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+done
+
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "==== torch: installing the pinned packages into $venv ===="
   rm -rf "$venv"

@@ -210,6 +210,12 @@ def error_cases(W: int):
         y = rows[1:] if rank == bad else rows
         expect_error(lambda: epx_torch.combine(y, h), "epx_torch combine", f"rank {bad}", "expert output has shape")
 
+    def combine_twice():
+        x, ids, w = data()
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        epx_torch.combine(rows, h)
+        expect_error(lambda: epx_torch.combine(rows, h), "already combined")
+
     def group_size_disagrees():
         # A mesh of 2*W ranks over a process group of W.
         m = epx_torch.Mesh(tp=1, fsdp=2 * W, ep=2, experts=4)
@@ -250,6 +256,7 @@ def error_cases(W: int):
             ("error: wrong device", wrong_device), ("error: wrong x shape", wrong_shape),
             ("error: wrong ids shape", ids_shape), ("error: expert id out of range", bad_expert_id),
             ("error: NaN routing weight", nan_weight), ("error: combine with a wrong expert output", combine_shape),
+            ("error: a handle combined twice", combine_twice),
             ("error: process group size disagrees with the mesh", group_size_disagrees),
             ("error: sub-group size disagrees with the mesh", subgroup_size_disagrees),
             ("error: ranks built different meshes", meshes_disagree),
