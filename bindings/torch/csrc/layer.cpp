@@ -43,7 +43,8 @@ std::string local_check(const epx::mesh& m, int world_size, const epx::layer_opt
 }  // namespace
 
 torch_layer::torch_layer(const epx::mesh_config& mc, const std::string& world_group, int world_rank, int world_size,
-                         std::size_t hidden, int top_k, int pad_rows, int pad_align, int dtype, int path)
+                         std::size_t hidden, int top_k, int pad_rows, int pad_align, int dtype, int path, int transport,
+                         double timeout_s)
     : dtype_(static_cast<dtype_code>(dtype)), path_(static_cast<path_kind>(path)), world_rank_(world_rank) {
   world_ = std::make_unique<torch_communicator>(world_group, world_rank, world_size);
   options_.hidden = hidden;
@@ -61,18 +62,20 @@ torch_layer::torch_layer(const epx::mesh_config& mc, const std::string& world_gr
   }
   if (why.empty()) why = local_check(*mesh_, world_->size(), options_, path_);
   epx::detail::agree_on_layer(*world_, *mesh_, options_, world_rank, "world", why);
-  // The fields moe_layer's record does not have: the element type and the path.
-  const std::int64_t mine[3] = {world_rank, dtype, path};
-  std::vector<std::int64_t> all(3 * static_cast<std::size_t>(world_->size()));
-  world_->all_gather(mine, all.data(), 3, epx::datatype::int64);
+  // The fields moe_layer's record does not have: the element type, the path, the transport.
+  const std::int64_t mine[4] = {world_rank, dtype, path, transport};
+  std::vector<std::int64_t> all(4 * static_cast<std::size_t>(world_->size()));
+  world_->all_gather(mine, all.data(), 4, epx::datatype::int64);
   std::string differ;
   for (int r = 1; r < world_->size(); ++r) {
-    const auto* rec = all.data() + 3 * static_cast<std::size_t>(r);
+    const auto* rec = all.data() + 4 * static_cast<std::size_t>(r);
     if (rec[1] != all[1])
       differ += concat("; rank ", rec[0], " has dtype=", dtype_name(static_cast<dtype_code>(rec[1])), " but rank ",
                        all[0], " has dtype=", dtype_name(static_cast<dtype_code>(all[1])));
     if (rec[2] != all[2])
       differ += concat("; rank ", rec[0], " has path=", rec[2], " but rank ", all[0], " has path=", all[2]);
+    if (rec[3] != all[3])
+      differ += concat("; rank ", rec[0], " has transport=", rec[3], " but rank ", all[0], " has transport=", all[3]);
   }
   EPX_REQUIRE(differ.empty(), epx::errc::configuration,
               "epx_torch layer: the ranks of the world process group built different layers", differ);
@@ -82,6 +85,8 @@ torch_layer::torch_layer(const epx::mesh_config& mc, const std::string& world_gr
   fsdp_ = std::make_unique<torch_communicator>(epx::sub_communicator(*world_, *mesh_, epx::group_kind::fsdp));
   dp_replicate_ =
       std::make_unique<torch_communicator>(epx::sub_communicator(*world_, *mesh_, epx::group_kind::dp_replicate));
+  // The rows of dispatch and combine move inside the EP group.
+  if (transport != 2) ep_->enable_shared_memory(timeout_s, transport == 1);
 }
 
 std::string torch_layer::check_tensor(const char* what, const at::Tensor& t, at::ScalarType want, std::int64_t rows,

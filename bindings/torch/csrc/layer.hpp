@@ -100,8 +100,12 @@ struct dispatch_state {
 
 class torch_layer {
  public:
+  // transport: 0 auto (shared memory when the EP group's ranks share a host), 1 shared
+  // memory (required), 2 the process group's own all-to-all. timeout_s bounds the
+  // shared-memory barrier (the process group's collectives have the group's own timeout).
   torch_layer(const epx::mesh_config& mc, const std::string& world_group, int world_rank, int world_size,
-              std::size_t hidden, int top_k, int pad_rows, int pad_align, int dtype, int path);
+              std::size_t hidden, int top_k, int pad_rows, int pad_align, int dtype, int path, int transport,
+              double timeout_s);
 
   std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> dispatch(const at::Tensor& x,
                                                                               const at::Tensor& ids,
@@ -122,6 +126,7 @@ class torch_layer {
   int world_rank() const noexcept { return world_rank_; }
   torch_communicator& ep() { return *ep_; }
   torch_communicator& tp() { return *tp_; }
+  bool shared_memory() const noexcept { return ep_->shared_memory(); }
   policy exec() const { return policy{at::get_num_threads()}; }
 
  private:

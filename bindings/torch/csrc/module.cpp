@@ -108,25 +108,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<torch_layer>(m, "_Layer")
       .def(py::init([](const epx::mesh& mesh, const std::string& world_group, int world_rank, int world_size,
-                       std::size_t hidden, int top_k, int pad_rows, int pad_align, int dtype, int path) {
+                       std::size_t hidden, int top_k, int pad_rows, int pad_align, int dtype, int path, int transport,
+                       double timeout_s) {
              return new torch_layer(mesh.config(), world_group, world_rank, world_size, hidden, top_k, pad_rows,
-                                    pad_align, dtype, path);
+                                    pad_align, dtype, path, transport, timeout_s);
            }),
            py::call_guard<py::gil_scoped_release>())
-      .def(py::init([](int tp, int fsdp, int ep, int pp, int dp_replicate, int experts, const std::string& world_group,
-                       int world_rank, int world_size, std::size_t hidden, int top_k, int pad_rows, int pad_align,
-                       int dtype, int path) {
-             epx::mesh_config c;
-             c.tp = tp;
-             c.fsdp = fsdp;
-             c.ep = ep;
-             c.pp = pp;
-             c.dp_replicate = dp_replicate;
-             c.experts = experts;
-             return new torch_layer(c, world_group, world_rank, world_size, hidden, top_k, pad_rows, pad_align, dtype,
-                                    path);
-           }),
-           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("shared_memory", &torch_layer::shared_memory)
       .def_property_readonly("mesh", [](const torch_layer& l) { return l.topology(); })
       .def("dispatch", &torch_layer::dispatch, py::call_guard<py::gil_scoped_release>())
       .def("combine", &torch_layer::combine, py::call_guard<py::gil_scoped_release>())

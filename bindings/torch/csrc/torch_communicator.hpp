@@ -10,6 +10,9 @@
 //                       (epx/comm/detail/reduce.hpp), so every rank gets the same bits
 //   reduce_scatter      all_to_all of the blocks, then the same rank-order sum
 //   broadcast, barrier  the group's own
+//   with enable_shared_memory() (collective; when every rank of the group is on one host),
+//   all_to_allv and all_to_allv_segments move rows through shared memory instead
+//   (shm_exchange.hpp): two memcpy and one barrier per exchange
 //   split               all_gather of (color, key) and one torch.distributed.new_group per
 //                       color, made in Python (every rank of the job makes every group, in
 //                       color order); only a communicator over the whole job can split, and
@@ -25,6 +28,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -39,6 +43,7 @@
 #include "epx/comm/datatype.hpp"
 #include "epx/comm/detail/reduce.hpp"
 #include "epx/core/error.hpp"
+#include "shm_exchange.hpp"
 
 namespace epx_torch {
 
@@ -156,9 +161,73 @@ class torch_communicator {
     all_to_allv(send, c.data(), d.data(), recv, c.data(), d.data(), t);
   }
 
+  // Collective: moves the all-to-alls to shared memory when every rank of the group runs on
+  // this host and can map the others' segments. Returns whether it did (the same on every
+  // rank). `required`: raise errc::configuration on every rank instead of falling back.
+  bool enable_shared_memory(double timeout_s, bool required) {
+    constexpr std::size_t rec = 16 + shm_exchange::name_len;
+    const auto P = static_cast<std::size_t>(size());
+    std::shared_ptr<shm_exchange> x;
+    std::string why;
+    try {
+      x = std::make_shared<shm_exchange>(rank(), size(), timeout_s);
+    } catch (const epx::error& e) {
+      why = e.message();
+    }
+    std::vector<char> mine(rec, 0), all(rec * P, 0);
+    const std::uint64_t host = host_id(), ok = x ? 1 : 0;
+    std::memcpy(mine.data(), &host, 8);
+    std::memcpy(mine.data() + 8, &ok, 8);
+    if (x) std::memcpy(mine.data() + 16, x->control_name().data(), std::min(x->control_name().size(), shm_exchange::name_len - 1));
+    all_gather(mine.data(), all.data(), rec, epx::datatype::byte);
+    bool usable = true;
+    std::vector<std::string> names(P);
+    for (std::size_t r = 0; r < P; ++r) {
+      std::uint64_t h = 0, o = 0;
+      std::memcpy(&h, all.data() + r * rec, 8);
+      std::memcpy(&o, all.data() + r * rec + 8, 8);
+      if (o == 0) {
+        usable = false;
+        if (why.empty()) why = epx::detail::concat("rank ", r, " could not create its shared-memory segment");
+      }
+      if (h != host) {
+        usable = false;
+        if (why.empty()) why = "the ranks of the group run on different hosts";
+      }
+      names[r] = std::string(all.data() + r * rec + 16);
+    }
+    std::int64_t attached = 0;
+    if (usable) {
+      try {
+        x->attach(names);
+        attached = 1;
+      } catch (const epx::error& e) {
+        why = e.message();
+      }
+    }
+    // Every rank must have mapped every peer (separate IPC namespaces share a host id).
+    std::vector<std::int64_t> flags(P);
+    all_gather(&attached, flags.data(), 1, epx::datatype::int64);
+    for (std::size_t r = 0; r < P; ++r)
+      if (flags[r] == 0) {
+        usable = false;
+        if (why.empty()) why = epx::detail::concat("rank ", r, " could not map its peers' shared memory");
+      }
+    if (usable) x->unlink_control();  // every rank has mapped every control segment
+    EPX_REQUIRE(usable || !required, epx::errc::configuration,
+                "transport='shm': the group's ranks cannot share memory: ", why);
+    shm_ = usable ? x : nullptr;
+    return usable;
+  }
+  bool shared_memory() const noexcept { return shm_ != nullptr; }
+
   void all_to_allv(const void* send, const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
                    const std::size_t* recv_counts, const std::size_t* recv_displs, epx::datatype t) {
     const auto P = static_cast<std::size_t>(size());
+    if (shm_) {
+      shm_all_to_allv(send, send_counts, send_displs, recv, recv_counts, recv_displs, 1, t);
+      return;
+    }
     // all_to_all_single takes packed blocks in peer order: use the buffers in place when the
     // displacements are the packed ones, else pack/unpack through a temporary.
     const bool send_packed = packed(send_counts, send_displs, P), recv_packed = packed(recv_counts, recv_displs, P);
@@ -199,6 +268,10 @@ class torch_communicator {
                             void* recv, const std::size_t* recv_counts, const std::size_t* recv_displs,
                             std::size_t nseg, epx::datatype t) {
     const auto P = static_cast<std::size_t>(size());
+    if (shm_) {
+      shm_all_to_allv(send, send_counts, send_displs, recv, recv_counts, recv_displs, nseg, t);
+      return;
+    }
     std::vector<std::size_t> sc(P, 0), rc(P, 0), sd(P, 0), rd(P, 0);
     for (std::size_t p = 0; p < P; ++p)
       for (std::size_t i = 0; i < nseg; ++i) {
@@ -282,6 +355,33 @@ class torch_communicator {
 
  private:
   static std::size_t bytes(std::size_t n, epx::datatype t) { return n * epx::size_of(t); }
+  void shm_all_to_allv(const void* send, const std::size_t* sc, const std::size_t* sd, void* recv,
+                       const std::size_t* rc, const std::size_t* rd, std::size_t nseg, epx::datatype t) {
+    const std::size_t m = static_cast<std::size_t>(size()) * nseg, es = epx::size_of(t);
+    std::vector<std::size_t> v(4 * m);
+    for (std::size_t j = 0; j < m; ++j) {
+      v[j] = sc[j] * es;
+      v[m + j] = sd[j] * es;
+      v[2 * m + j] = rc[j] * es;
+      v[3 * m + j] = rd[j] * es;
+    }
+    shm_->exchange(static_cast<const std::byte*>(send), v.data(), v.data() + m, static_cast<std::byte*>(recv),
+                   v.data() + 2 * m, v.data() + 3 * m, nseg);
+  }
+  // This host: its name and boot id.
+  static std::uint64_t host_id() {
+    char buf[256] = {0};
+    gethostname(buf, sizeof buf - 1);
+    std::string id(buf);
+    if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+      char b[64] = {0};
+      if (std::fgets(b, sizeof b, f) != nullptr) id += b;
+      std::fclose(f);
+    }
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a
+    for (unsigned char c : id) h = (h ^ c) * 1099511628211ull;
+    return h;
+  }
   static void copy(std::byte* d, const std::byte* s, std::size_t n) {
     if (n) std::memcpy(d, s, n);
   }
@@ -336,6 +436,7 @@ class torch_communicator {
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   std::shared_ptr<scratch_pool> scratch_;
+  std::shared_ptr<shm_exchange> shm_;
   std::string name_;
   int world_rank_ = 0;
   int world_size_ = 0;

@@ -18,6 +18,7 @@ has a complete layer.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Iterable, Sequence
 
 import torch
@@ -34,16 +35,27 @@ __all__ = ["EpxError", "Mesh", "Layer", "Handle", "dispatch", "combine", "local_
 
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 _PATHS = {"all_to_all": 0, "all_reduce": 1, "auto": 2}
+_TRANSPORTS = {"auto": 0, "shm": 1, "group": 2}
 
 # Groups made for splits, by their members (every rank of the job makes every group once).
 _GROUPS: dict[tuple, list] = {}
+
+
+def _timeout(group) -> timedelta:
+    """The timeout of a gloo process group (its collectives fail after it), else 30 min."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - other backends keep their options elsewhere
+        return timedelta(minutes=30)
 
 
 def _make_groups(groups: Sequence[Sequence[int]], mine: int) -> str:
     key = tuple(tuple(g) for g in groups)
     if key not in _GROUPS:
         world = list(range(dist.get_world_size()))
-        _GROUPS[key] = [dist.group.WORLD if list(g) == world else dist.new_group(ranks=list(g)) for g in groups]
+        timeout = _timeout(dist.group.WORLD)  # sub-groups fail as soon as the job's group would
+        _GROUPS[key] = [dist.group.WORLD if list(g) == world else dist.new_group(ranks=list(g), timeout=timeout)
+                        for g in groups]
     return _GROUPS[key][mine].group_name
 
 
@@ -67,15 +79,21 @@ class Layer:
               (0, 1) turns padding off
     path      "all_to_all" (token dispatch), "all_reduce" (the masked path, ep == tp), or
               "auto" (all_reduce for calls without gradients when ep == tp, else all_to_all)
+    transport how dispatch and combine move rows inside the EP group: "auto" (shared memory
+              when all its ranks run on one host, else the process group's all_to_all),
+              "shm" (shared memory, an error on every rank where impossible) or "group"
+              (always the process group's all_to_all)
     """
 
     def __init__(self, mesh: Mesh, hidden: int, top_k: int, *, dtype: torch.dtype = torch.float32,
                  group: dist.ProcessGroup | None = None, padding: tuple[int, int] = (1, 1),
-                 path: str = "all_to_all"):
+                 path: str = "all_to_all", transport: str = "auto"):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, not {dtype}")
         if path not in _PATHS:
             raise ValueError(f"path must be one of {list(_PATHS)}, not {path!r}")
+        if transport not in _TRANSPORTS:
+            raise ValueError(f"transport must be one of {list(_TRANSPORTS)}, not {transport!r}")
         group = group if group is not None else dist.group.WORLD
         self.group = group
         self.dtype = dtype
@@ -85,9 +103,15 @@ class Layer:
         self.padding = (int(padding[0]), int(padding[1]))
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self._impl = _C._Layer(mesh, group.group_name, rank, size, self.hidden, self.top_k, self.padding[0],
-                               self.padding[1], _DTYPES[dtype], _PATHS[path])
+                               self.padding[1], _DTYPES[dtype], _PATHS[path], _TRANSPORTS[transport],
+                               _timeout(group).total_seconds())
         self.mesh = mesh
         self.rank = rank
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether dispatch and combine move rows through shared memory (transport)."""
+        return self._impl.shared_memory
 
     # Where this rank sits in the mesh.
     @property

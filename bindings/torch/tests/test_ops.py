@@ -72,13 +72,16 @@ def grouped_experts(rows: torch.Tensor, offsets: torch.Tensor, A: torch.Tensor, 
 
 
 def layer_case(tp=1, fsdp=None, ep=None, dp_replicate=1, E=E_DEFAULT, k=3, N=12, dtype=torch.float64,
-               path="all_to_all", padding=(1, 1), routing="random", train=True, check_padding=False):
+               path="all_to_all", padding=(1, 1), routing="random", train=True, check_padding=False,
+               transport="auto"):
     W = dist.get_world_size()
     rank = dist.get_rank()
     fsdp = fsdp if fsdp is not None else W // (tp * dp_replicate)
     ep = ep if ep is not None else fsdp * tp
     mesh = epx_torch.Mesh(tp=tp, fsdp=fsdp, ep=ep, dp_replicate=dp_replicate, experts=E)
-    layer = epx_torch.Layer(mesh, hidden=H, top_k=k, dtype=dtype, padding=padding, path=path)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=k, dtype=dtype, padding=padding, path=path, transport=transport)
+    if transport == "auto" and not layer.shared_memory:
+        raise AssertionError("transport='auto' did not take shared memory with every rank on one host")
     A, B = expert_params(E, dtype)
     L, first = layer.local_experts, layer.first_expert
     A_loc = A[first:first + L].clone().requires_grad_()
@@ -124,14 +127,15 @@ def layer_case(tp=1, fsdp=None, ep=None, dp_replicate=1, E=E_DEFAULT, k=3, N=12,
     check_close("expert gradient B", B_loc.grad, gB[first:first + L], tol)
 
 
-def bitwise_case(tp=1, ep=None, dtype=torch.float32, path="all_to_all", N=10, k=3, E=E_DEFAULT, padding=(1, 1)):
+def bitwise_case(tp=1, ep=None, dtype=torch.float32, path="all_to_all", N=10, k=3, E=E_DEFAULT, padding=(1, 1),
+                 transport="auto"):
     """The split torch ops give the bits of epx::moe_layer (C++, same communicators) with
     experts y = c_l * x."""
     W = dist.get_world_size()
     fsdp = W // tp
     ep = ep if ep is not None else W
     mesh = epx_torch.Mesh(tp=tp, fsdp=fsdp, ep=ep, experts=E)
-    layer = epx_torch.Layer(mesh, hidden=H, top_k=k, dtype=dtype, padding=padding, path=path)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=k, dtype=dtype, padding=padding, path=path, transport=transport)
     L = layer.local_experts
     c = [0.5 + 0.25 * ((layer.first_expert + l) % 7) for l in range(L)]  # exact in bf16
     x, ids, w, G = batch_data(layer.batch, N, k, E, dtype)
@@ -342,6 +346,11 @@ def cases(W: int):
     add("all_to_all one expert takes every token", lambda: layer_case(routing="one_expert"))
     add("all_to_all experts of upper ranks get nothing", lambda: layer_case(routing="first_half"))
     add("dense gradient hook", dense_hook_case)
+    # The process group's own all-to-all (transport='group') instead of shared memory.
+    add("transport group: all_to_all float64", lambda: layer_case(transport="group"))
+    add("transport group: all_to_all float32, padding 2 rows align 4",
+        lambda: layer_case(dtype=f32, padding=(2, 4), transport="group"))
+    add("transport shm required", lambda: layer_case(dtype=f32, transport="shm"))
     if W >= 2:
         add("all_to_all tp2 (TP slicing)", lambda: layer_case(tp=2, dtype=f64))
         add("all_to_all tp2 float32", lambda: layer_case(tp=2, dtype=f32))
@@ -353,11 +362,14 @@ def cases(W: int):
         add("bitwise = epx::moe_layer (all_to_all, float32)", lambda: bitwise_case(dtype=f32))
         add("bitwise = epx::moe_layer (all_to_all, bfloat16)", lambda: bitwise_case(dtype=bf16))
         add("bitwise = epx::moe_layer (all_to_all, tp2, float64)", lambda: bitwise_case(tp=2, dtype=f64))
+        add("bitwise = epx::moe_layer (transport group, tp2, float32)",
+            lambda: bitwise_case(tp=2, dtype=f32, transport="group"))
         add("bitwise = epx::moe_layer (all_reduce, float32)",
             lambda: bitwise_case(tp=2, ep=2, dtype=f32, path="all_reduce"))
     if W >= 4:
         add("all_to_all tp2 fsdp2 ep4 (efsdp 1)", lambda: layer_case(tp=2, fsdp=W // 2, ep=4))
         add("all_to_all tp1 ep2 efsdp2", lambda: layer_case(tp=1, fsdp=W, ep=2))
+        add("transport group: tp2 fsdp2 ep4", lambda: layer_case(tp=2, fsdp=W // 2, ep=4, transport="group"))
         add("all_to_all dp_replicate 2", lambda: layer_case(tp=1, fsdp=W // 2, ep=2, dp_replicate=2))
         add("all_reduce (masked) with dp_replicate 2",
             lambda: layer_case(tp=2, fsdp=W // 4, ep=2, dp_replicate=2, path="all_reduce"))
