@@ -1,0 +1,393 @@
+// bindings/torch/csrc/layer.cpp: the torch layer's construction, dispatch and combine.
+#include "layer.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+namespace epx_torch {
+
+namespace {
+
+using epx::detail::concat;
+
+const char* dtype_name(dtype_code d) {
+  switch (d) {
+    case dtype_code::float32: return "torch.float32";
+    case dtype_code::float64: return "torch.float64";
+    case dtype_code::bfloat16: return "torch.bfloat16";
+    case dtype_code::float16: return "torch.float16";
+  }
+  return "?";
+}
+
+std::string shape_of(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += concat(d ? ", " : "", t.size(d));
+  return s + "]";
+}
+
+// The layer's own checks on this rank, as a sentence ("" when fine), as moe_layer makes them.
+std::string local_check(const epx::mesh& m, int world_size, const epx::layer_options& o, path_kind path) {
+  try {
+    m.validate_world(world_size);
+    m.validate_top_k(o.top_k);
+    EPX_REQUIRE(o.hidden >= 1, epx::errc::configuration, "hidden (", o.hidden, ") must be at least 1");
+    o.pad.validate();
+    if (path == path_kind::all_reduce) return epx::detail::all_reduce_impl<torch_communicator>::can_implement(m, o);
+    return {};
+  } catch (const epx::error& e) {
+    return e.message();
+  }
+}
+
+}  // namespace
+
+torch_layer::torch_layer(const epx::mesh_config& mc, const std::string& world_group, int world_rank, int world_size,
+                         std::size_t hidden, int top_k, int pad_rows, int pad_align, int dtype, int path, int transport,
+                         double timeout_s)
+    : dtype_(static_cast<dtype_code>(dtype)), path_(static_cast<path_kind>(path)), world_rank_(world_rank) {
+  world_ = std::make_unique<torch_communicator>(world_group, world_rank, world_size);
+  options_.hidden = hidden;
+  options_.top_k = top_k;
+  options_.pad.rows_per_expert = pad_rows;
+  options_.pad.align = pad_align;
+  // A mesh that fails its own rules on this rank still joins the agreement (with a
+  // one-rank mesh in its record), so that every rank raises instead of waiting.
+  std::string why;
+  try {
+    mesh_ = std::make_unique<epx::mesh>(mc);
+  } catch (const epx::error& e) {
+    why = e.message();
+    mesh_ = std::make_unique<epx::mesh>(epx::mesh_config{});
+  }
+  if (why.empty()) why = local_check(*mesh_, world_->size(), options_, path_);
+  epx::detail::agree_on_layer(*world_, *mesh_, options_, world_rank, "world", why);
+  // The fields moe_layer's record does not have: the element type, the path, the transport.
+  const std::int64_t mine[4] = {world_rank, dtype, path, transport};
+  std::vector<std::int64_t> all(4 * static_cast<std::size_t>(world_->size()));
+  world_->all_gather(mine, all.data(), 4, epx::datatype::int64);
+  std::string differ;
+  for (int r = 1; r < world_->size(); ++r) {
+    const auto* rec = all.data() + 4 * static_cast<std::size_t>(r);
+    if (rec[1] != all[1])
+      differ += concat("; rank ", rec[0], " has dtype=", dtype_name(static_cast<dtype_code>(rec[1])), " but rank ",
+                       all[0], " has dtype=", dtype_name(static_cast<dtype_code>(all[1])));
+    if (rec[2] != all[2])
+      differ += concat("; rank ", rec[0], " has path=", rec[2], " but rank ", all[0], " has path=", all[2]);
+    if (rec[3] != all[3])
+      differ += concat("; rank ", rec[0], " has transport=", rec[3], " but rank ", all[0], " has transport=", all[3]);
+  }
+  EPX_REQUIRE(differ.empty(), epx::errc::configuration,
+              "epx_torch layer: the ranks of the world process group built different layers", differ);
+  ep_ = std::make_unique<torch_communicator>(epx::sub_communicator(*world_, *mesh_, epx::group_kind::ep));
+  tp_ = std::make_unique<torch_communicator>(epx::sub_communicator(*world_, *mesh_, epx::group_kind::tp));
+  efsdp_ = std::make_unique<torch_communicator>(epx::sub_communicator(*world_, *mesh_, epx::group_kind::efsdp));
+  fsdp_ = std::make_unique<torch_communicator>(epx::sub_communicator(*world_, *mesh_, epx::group_kind::fsdp));
+  dp_replicate_ =
+      std::make_unique<torch_communicator>(epx::sub_communicator(*world_, *mesh_, epx::group_kind::dp_replicate));
+  // The rows of dispatch and combine move inside the EP group.
+  if (transport != 2) ep_->enable_shared_memory(timeout_s, transport == 1);
+}
+
+std::string torch_layer::check_tensor(const char* what, const at::Tensor& t, at::ScalarType want, std::int64_t rows,
+                                      std::int64_t cols) const {
+  if (!t.defined()) return concat(what, " is None");
+  if (t.device().type() != at::kCPU)
+    return concat(what, " is on device ", t.device().str(), ", but this build of epx_torch runs on the CPU (gloo)");
+  if (t.scalar_type() != want)
+    return concat(what, " has dtype ", c10::toString(t.scalar_type()), " but must be ", c10::toString(want));
+  if (t.dim() != 2 || (rows >= 0 && t.size(0) != rows) || t.size(1) != cols)
+    return concat(what, " has shape ", shape_of(t), " but must be [", rows >= 0 ? std::to_string(rows) : "N", ", ",
+                  cols, "]");
+  return {};
+}
+
+std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> torch_layer::dispatch(const at::Tensor& x,
+                                                                                         const at::Tensor& ids,
+                                                                                         const at::Tensor& weights,
+                                                                                         bool training, bool masked) {
+  const auto H = static_cast<std::int64_t>(options_.hidden);
+  const auto k = static_cast<std::int64_t>(options_.top_k);
+  std::string why = check_tensor("x", x, scalar_type_of(dtype_), -1, H);
+  const std::int64_t N = x.defined() && x.dim() == 2 ? x.size(0) : 0;
+  if (why.empty()) why = check_tensor("expert ids", ids, at::kInt, N, k);
+  if (why.empty()) why = check_tensor("routing weights", weights, at::kFloat, N, k);
+  return with_type(dtype_, [&](auto t) {
+    return dispatch_t<decltype(t)>(why.empty() ? x.contiguous() : x, why.empty() ? ids.contiguous() : ids,
+                                   why.empty() ? weights.contiguous() : weights, training, masked, why);
+  });
+}
+
+template <class T>
+std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> torch_layer::dispatch_t(
+    const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, bool training, bool masked,
+    const std::string& why) {
+  const auto ex = exec();
+  const epx::mesh& m = *mesh_;
+  const int E = m.experts(), L = m.local_experts(), tp = m.tp(), ep = m.ep(), me = m.ep_rank(world_rank_);
+  const std::size_t H = options_.hidden;
+  const int k = options_.top_k;
+  const auto ks = static_cast<std::size_t>(k);
+  const bool ok = why.empty();
+  const std::size_t N = x.defined() && x.dim() == 2 ? static_cast<std::size_t>(x.size(0)) : 0;
+  auto s = std::make_shared<dispatch_state>();
+  s->masked = masked;
+  s->training = training;
+  s->rows = N;
+  s->hidden = H;
+  s->top_k = k;
+  const std::int32_t* id = ok ? ptr<const std::int32_t>(ids) : nullptr;
+  const float* w = ok ? ptr<const float>(weights) : nullptr;
+  const T* xp = ok ? ptr<const T>(x) : nullptr;
+
+  if (!masked) {
+    // 1. This TP rank's slice and its send plan; 2. the count exchange, which raises on
+    // every rank when any rank's input is bad; 3. the receive layout.
+    const epx::row_slice sl = ok ? epx::slice_bounds(N, tp, m.coords(world_rank_).tp) : epx::row_slice{};
+    const std::size_t n = sl.size();
+    auto plan = epx::layout::build_plan(ex, ok ? id + sl.begin * ks : nullptr, ok ? w + sl.begin * ks : nullptr,
+                                        ok ? n : 0, k, E, options_.chunks);
+    std::int64_t status = ok ? 0 : 1;
+    std::string msg = why;
+    if (status == 0 && !plan.check) {
+      status = 2;
+      msg = epx::layout::describe(plan.check, k, E, sl.begin);
+    }
+    auto records = epx::detail::exchange_records(*ep_, ex, status, N, H, k, world_rank_, plan.host_counts.data(),
+                                                 static_cast<std::size_t>(E), msg, "epx_torch dispatch", tp);
+    s->layout = epx::detail::make_receive_layout(ep, ep, L, options_.pad, [&](int r) { return records.counts(r); });
+    s->slice = sl;
+    const std::size_t S = n * ks, R = s->layout.rows(me);
+    s->expert_rows = R;
+    s->seg = epx::detail::segments_of(s->layout, me);
+    // 4. Rows into send order, then the segmented all-to-all lands them expert-major.
+    const at::ScalarType st = scalar_type_of(dtype_);
+    at::Tensor send = pool_.get(tensor_pool::send, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
+    at::Tensor recv = pool_.get(tensor_pool::rows, static_cast<std::int64_t>(R), static_cast<std::int64_t>(H), st);
+    epx::kernels::gather(ex, S, H, xp + sl.begin * H, static_cast<const std::int64_t*>(plan.src_row.data()),
+                         ptr<T>(send));
+    epx::detail::zero_padding(ex, ptr<T>(recv), s->layout, me, H);
+    epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(send)), epx::make_span(s->seg.send_counts),
+                              epx::make_span(s->seg.send_displs), ptr<T>(recv), epx::make_span(s->seg.recv_counts),
+                              epx::make_span(s->seg.recv_displs), static_cast<std::size_t>(L), H);
+    s->weights_at = pool_.get(tensor_pool::weights, 1, static_cast<std::int64_t>(S), at::kFloat)[0];  // per send position
+    epx::kernels::scatter(ex, S, static_cast<const std::int64_t*>(plan.pos.data()), w + sl.begin * ks,
+                          ptr<float>(s->weights_at));
+    s->pos = std::move(plan.pos);
+    s->src_row = std::move(plan.src_row);
+    const std::size_t* off = s->layout.offsets(me);
+    s->offsets.assign(off, off + L + 1);
+    at::Tensor offsets = at::empty({L + 1}, at::kLong);
+    for (int l = 0; l <= L; ++l) ptr<std::int64_t>(offsets)[l] = static_cast<std::int64_t>(off[l]);
+    return {recv, offsets, s};
+  }
+
+  // The masked path: every rank of the EP group holds the same rows; this rank keeps the
+  // pairs of its own experts (epx/impl/all_reduce.hpp).
+  const std::size_t Nr = ok ? N : 0;
+  const int first = m.expert_begin(world_rank_);
+  auto plan = epx::layout::build_plan(ex, ok ? id : nullptr, ok ? w : nullptr, Nr, k, E, options_.chunks);
+  std::int64_t status = ok ? 0 : 1;
+  std::string msg = why;
+  if (status == 0 && !plan.check) {
+    status = 2;
+    msg = epx::layout::describe(plan.check, k, E, 0);
+  }
+  epx::detail::exchange_records(*ep_, ex, status, N, H, k, world_rank_, nullptr, 0, msg, "epx_torch dispatch", ep);
+  s->layout = epx::detail::make_receive_layout(1, ep, L, options_.pad, [&](int) { return plan.host_counts.data(); });
+  const std::size_t* off = s->layout.offsets(me);
+  s->offsets.assign(off, off + L + 1);
+  std::vector<std::int64_t> off64(s->offsets.begin(), s->offsets.end());
+  const std::size_t R = s->offsets.back();
+  s->expert_rows = R;
+  auto local_offset = epx::exec::make_buffer<std::int64_t>(ex, static_cast<std::size_t>(L) + 1);
+  s->row_source = epx::exec::make_buffer<std::int64_t>(ex, R);
+  s->pos = epx::exec::make_buffer<std::int64_t>(ex, Nr * ks);
+  epx::exec::copy_from_host(ex, off64.data(), off64.size(), local_offset.data());
+  epx::exec::for_each_n(ex, static_cast<std::size_t>(L),
+                        epx::layout::masked_source_rows{plan.src_row.data(), plan.expert_offset.data(),
+                                                        local_offset.data(), s->row_source.data(), first});
+  epx::exec::for_each_n(ex, Nr * ks,
+                        epx::layout::masked_positions{id, plan.pos.data(), plan.expert_offset.data(),
+                                                      local_offset.data(), s->pos.data(), first, L});
+  at::Tensor local = pool_.get(tensor_pool::rows, static_cast<std::int64_t>(R), static_cast<std::int64_t>(H),
+                               scalar_type_of(dtype_));
+  epx::kernels::gather(ex, R, H, xp, static_cast<const std::int64_t*>(s->row_source.data()), ptr<T>(local));
+  s->weights_at = pool_.get(tensor_pool::weights, 1, static_cast<std::int64_t>(R), at::kFloat)[0];  // per local row
+  if (R) std::memset(s->weights_at.data_ptr(), 0, R * sizeof(float));
+  epx::kernels::scatter(ex, Nr * ks, static_cast<const std::int64_t*>(s->pos.data()), w, ptr<float>(s->weights_at));
+  s->slice = epx::row_slice{0, Nr};
+  at::Tensor offsets = at::empty({L + 1}, at::kLong);
+  for (int l = 0; l <= L; ++l) ptr<std::int64_t>(offsets)[l] = off64[static_cast<std::size_t>(l)];
+  return {local, offsets, s};
+}
+
+at::Tensor torch_layer::combine(const std::shared_ptr<dispatch_state>& s, const at::Tensor& expert_out,
+                                const at::Tensor& weights) {
+  EPX_REQUIRE(s != nullptr, epx::errc::input, "combine needs the handle of a dispatch");
+  return with_type(dtype_, [&](auto t) { return combine_t<decltype(t)>(*s, expert_out, weights); });
+}
+
+template <class T>
+at::Tensor torch_layer::combine_t(dispatch_state& s, const at::Tensor& y_in, const at::Tensor& weights) {
+  const auto ex = exec();
+  const epx::mesh& m = *mesh_;
+  const int L = m.local_experts(), tp = m.tp();
+  const std::size_t H = s.hidden, N = s.rows, R = s.expert_rows;
+  const auto ks = static_cast<std::size_t>(s.top_k);
+  // The experts' output is the user's: check it on every rank before rows move back.
+  std::string why = check_tensor("expert output", y_in, scalar_type_of(dtype_), static_cast<std::int64_t>(R),
+                                 static_cast<std::int64_t>(H));
+  if (why.empty() && s.combined) why = "this dispatch handle was already combined (one combine per dispatch)";
+  if (why.empty())
+    why = check_tensor("routing weights", weights, at::kFloat, static_cast<std::int64_t>(N),
+                       static_cast<std::int64_t>(ks));
+  epx::detail::exchange_records(*ep_, ex, why.empty() ? 0 : 1, N, H, s.top_k, world_rank_, nullptr, 0, why,
+                                "epx_torch combine", s.masked ? m.ep() : tp);
+  s.combined = true;
+  const at::Tensor y = y_in.contiguous(), w = weights.contiguous();
+  const at::ScalarType st = scalar_type_of(dtype_);
+  at::Tensor out = pool_.get(tensor_pool::out, static_cast<std::int64_t>(N), static_cast<std::int64_t>(H), st);
+  if (!s.masked) {
+    const epx::row_slice sl = s.slice;
+    const std::size_t n = sl.size(), S = n * ks;
+    at::Tensor back = pool_.get(tensor_pool::back, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
+    // 6. Outputs back into send order; 7. the weighted sum in slot order.
+    epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(y)), epx::make_span(s.seg.recv_counts),
+                              epx::make_span(s.seg.recv_displs), ptr<T>(back), epx::make_span(s.seg.send_counts),
+                              epx::make_span(s.seg.send_displs), static_cast<std::size_t>(L), H);
+    T* o = ptr<T>(out);
+    epx::exec::fill_zero(ex, o, sl.begin * H);
+    epx::exec::fill_zero(ex, o + sl.end * H, (N - sl.end) * H);
+    epx::kernels::combine(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(back)), ptr<const float>(w) + sl.begin * ks,
+                          static_cast<const std::int64_t*>(s.pos.data()), o + sl.begin * H);
+    if (tp > 1) epx::all_reduce(*tp_, epx::span<T>(o, N * H));
+    if (s.training) s.y = back;
+  } else {
+    epx::kernels::combine(ex, N, H, s.top_k, static_cast<const T*>(ptr<T>(y)), ptr<const float>(w),
+                          static_cast<const std::int64_t*>(s.pos.data()), ptr<T>(out));
+    epx::all_reduce(*ep_, epx::span<T>(ptr<T>(out), N * H));
+    if (s.training) s.y = y;
+  }
+  (void)R;
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> torch_layer::combine_backward(const std::shared_ptr<dispatch_state>& s,
+                                                                 const at::Tensor& grad_out) {
+  EPX_REQUIRE(s != nullptr && s->training && s->y.defined(), epx::errc::input,
+              "combine backward needs the handle of a training dispatch and combine");
+  std::string why = check_tensor("grad_out", grad_out, scalar_type_of(dtype_), static_cast<std::int64_t>(s->rows),
+                                 static_cast<std::int64_t>(s->hidden));
+  EPX_REQUIRE(why.empty(), epx::errc::input, why);
+  return with_type(dtype_, [&](auto t) { return combine_backward_t<decltype(t)>(*s, grad_out.contiguous()); });
+}
+
+template <class T>
+std::tuple<at::Tensor, at::Tensor> torch_layer::combine_backward_t(dispatch_state& s, const at::Tensor& grad_out) {
+  const auto ex = exec();
+  const epx::mesh& m = *mesh_;
+  const int L = m.local_experts(), tp = m.tp(), me = m.ep_rank(world_rank_);
+  const std::size_t H = s.hidden, N = s.rows, R = s.expert_rows;
+  const auto ks = static_cast<std::size_t>(s.top_k);
+  const at::ScalarType st = scalar_type_of(dtype_);
+  at::Tensor grad_w = pool_.get(tensor_pool::grad_w, static_cast<std::int64_t>(N), static_cast<std::int64_t>(ks), at::kFloat);
+  at::Tensor grad_rows = pool_.get(tensor_pool::grad_rows, static_cast<std::int64_t>(R), static_cast<std::int64_t>(H), st);
+  const T* g = ptr<const T>(grad_out);
+  if (!s.masked) {
+    const epx::row_slice sl = s.slice;
+    const std::size_t n = sl.size(), S = n * ks;
+    // grad_y rows in send order: w * grad_out of the position's row; grad_w from the
+    // outputs kept in send order.
+    at::Tensor send = pool_.get(tensor_pool::grad_send, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
+    float* gw = ptr<float>(grad_w);
+    epx::exec::fill_zero(ex, gw, sl.begin * ks);
+    epx::exec::fill_zero(ex, gw + sl.end * ks, (N - sl.end) * ks);
+    epx::kernels::gather(ex, S, H, g + sl.begin * H, static_cast<const std::int64_t*>(s.src_row.data()),
+                         ptr<const float>(s.weights_at), ptr<T>(send));
+    epx::kernels::weight_gradients(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(s.y)), g + sl.begin * H,
+                                   static_cast<const std::int64_t*>(s.pos.data()), ptr<float>(grad_w) + sl.begin * ks);
+    epx::detail::zero_padding(ex, ptr<T>(grad_rows), s.layout, me, H);
+    epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(send)), epx::make_span(s.seg.send_counts),
+                              epx::make_span(s.seg.send_displs), ptr<T>(grad_rows),
+                              epx::make_span(s.seg.recv_counts), epx::make_span(s.seg.recv_displs),
+                              static_cast<std::size_t>(L), H);
+    if (tp > 1) epx::all_reduce(*tp_, epx::span<float>(ptr<float>(grad_w), N * ks));
+  } else {
+    epx::kernels::gather(ex, R, H, g, static_cast<const std::int64_t*>(s.row_source.data()),
+                         ptr<const float>(s.weights_at), ptr<T>(grad_rows));
+    epx::kernels::weight_gradients(ex, N, H, s.top_k, static_cast<const T*>(ptr<T>(s.y)), g,
+                                   static_cast<const std::int64_t*>(s.pos.data()), ptr<float>(grad_w));
+    epx::all_reduce(*ep_, epx::span<float>(ptr<float>(grad_w), N * ks));
+  }
+  s.y = at::Tensor();  // read once
+  return {grad_rows, grad_w};
+}
+
+at::Tensor torch_layer::dispatch_backward(const std::shared_ptr<dispatch_state>& s, const at::Tensor& grad_rows) {
+  EPX_REQUIRE(s != nullptr, epx::errc::input, "dispatch backward needs the handle of a dispatch");
+  std::string why = check_tensor("grad of the expert rows", grad_rows, scalar_type_of(dtype_),
+                                 static_cast<std::int64_t>(s->expert_rows), static_cast<std::int64_t>(s->hidden));
+  EPX_REQUIRE(why.empty(), epx::errc::input, why);
+  return with_type(dtype_, [&](auto t) { return dispatch_backward_t<decltype(t)>(*s, grad_rows.contiguous()); });
+}
+
+template <class T>
+at::Tensor torch_layer::dispatch_backward_t(dispatch_state& s, const at::Tensor& grad_rows) {
+  const auto ex = exec();
+  const epx::mesh& m = *mesh_;
+  const int L = m.local_experts(), tp = m.tp();
+  const std::size_t H = s.hidden, N = s.rows;
+  const auto ks = static_cast<std::size_t>(s.top_k);
+  const at::ScalarType st = scalar_type_of(dtype_);
+  at::Tensor grad_x = pool_.get(tensor_pool::grad_x, static_cast<std::int64_t>(N), static_cast<std::int64_t>(H), st);
+  T* gx = ptr<T>(grad_x);
+  if (!s.masked) {
+    const epx::row_slice sl = s.slice;
+    const std::size_t n = sl.size(), S = n * ks;
+    at::Tensor back = pool_.get(tensor_pool::grad_back, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
+    epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(grad_rows)), epx::make_span(s.seg.recv_counts),
+                              epx::make_span(s.seg.recv_displs), ptr<T>(back), epx::make_span(s.seg.send_counts),
+                              epx::make_span(s.seg.send_displs), static_cast<std::size_t>(L), H);
+    epx::exec::fill_zero(ex, gx, sl.begin * H);
+    epx::exec::fill_zero(ex, gx + sl.end * H, (N - sl.end) * H);
+    epx::kernels::reduce(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(back)),
+                         static_cast<const std::int64_t*>(s.pos.data()), gx + sl.begin * H);
+    if (tp > 1) epx::all_reduce(*tp_, epx::span<T>(gx, N * H));
+  } else {
+    epx::kernels::reduce(ex, N, H, s.top_k, static_cast<const T*>(ptr<T>(grad_rows)),
+                         static_cast<const std::int64_t*>(s.pos.data()), gx);
+    epx::all_reduce(*ep_, epx::span<T>(gx, N * H));
+  }
+  return grad_x;
+}
+
+namespace {
+template <class F>
+void with_grad_type(const at::Tensor& g, const char* what, F&& f) {
+  EPX_REQUIRE(g.defined() && g.device().type() == at::kCPU && g.is_contiguous(), epx::errc::input, what,
+              ": the gradient must be a contiguous CPU tensor");
+  switch (g.scalar_type()) {
+    case at::kFloat: f(epx::span<float>(ptr<float>(g), static_cast<std::size_t>(g.numel()))); break;
+    case at::kDouble: f(epx::span<double>(ptr<double>(g), static_cast<std::size_t>(g.numel()))); break;
+    case at::kBFloat16: f(epx::span<epx::bf16>(ptr<epx::bf16>(g), static_cast<std::size_t>(g.numel()))); break;
+    case at::kHalf: f(epx::span<epx::fp16>(ptr<epx::fp16>(g), static_cast<std::size_t>(g.numel()))); break;
+    default:
+      throw epx::error(epx::errc::input, concat(what, ": gradients of dtype ", c10::toString(g.scalar_type()),
+                                                " cannot be reduced (float32, float64, bfloat16, float16)"),
+                       EPX_HERE);
+  }
+}
+}  // namespace
+
+void torch_layer::reduce_expert_gradients(at::Tensor& grad) {
+  with_grad_type(grad, "reduce_expert_gradients",
+                 [&](auto g) { epx::reduce_expert_gradients(*efsdp_, *dp_replicate_, *mesh_, g); });
+}
+
+void torch_layer::reduce_dense_gradients(at::Tensor& grad) {
+  with_grad_type(grad, "reduce_dense_gradients",
+                 [&](auto g) { epx::reduce_dense_gradients(*fsdp_, *dp_replicate_, *mesh_, g); });
+}
+
+}  // namespace epx_torch

@@ -1,0 +1,285 @@
+// bindings/torch/csrc/shm_exchange.hpp: the all-to-alls of a group whose ranks share one
+// host, through POSIX shared memory instead of the process group's transport.
+//
+// Every rank owns a control segment (a barrier in rank 0's, and per rank the name and
+// generation of its two data buffers) and two grow-only data buffers, used in turn by
+// successive exchanges. An exchange:
+//   1. the sender writes a table (where each (peer, segment) block sits) and the blocks
+//      into its buffer of this exchange;
+//   2. a barrier over the group (an atomic counter in shared memory, bounded by a timeout);
+//   3. each receiver copies its blocks straight from every sender's buffer to where it
+//      wants them (expert-major for dispatch, send order for combine).
+// Two buffers make one barrier per exchange enough: a sender writes buffer b at exchange i
+// only after the barrier of exchange i-1, which every receiver passes after it has read
+// exchange i-2 (the last one that used b). Rows move by two memcpy, with no socket.
+//
+// Names are /epx.<pid>.<n>. The control segments' names are removed right after setup; a
+// data buffer's name by the last peer that maps it (every peer maps a new buffer in the
+// exchange that publishes it), so no name outlives its exchange, whenever a rank's
+// communicator is destroyed.
+#pragma once
+
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "epx/core/error.hpp"
+
+namespace epx_torch {
+
+class shm_exchange {
+ public:
+  static constexpr std::size_t name_len = 48;
+
+  struct slot_info {
+    std::atomic<std::uint64_t> generation;  // bumped when the buffer is replaced
+    std::atomic<std::uint32_t> mapped;      // peers that mapped this generation; the last one unlinks it
+    std::uint32_t pad_;
+    std::uint64_t bytes;
+    char name[name_len];
+  };
+  struct control {
+    std::atomic<std::uint32_t> count;  // rank 0's: the barrier
+    std::atomic<std::uint32_t> sense;
+    std::atomic<std::uint32_t> failed;  // a rank gave up waiting: the others stop too
+    std::uint32_t pad_;
+    slot_info slot[2];
+  };
+
+  // Creates this rank's control segment; `names()` is what the peers need to map it.
+  explicit shm_exchange(int rank, int size, double timeout_s)
+      : rank_(rank), size_(size), timeout_(timeout_s), peers_(static_cast<std::size_t>(size)) {
+    own_name_ = make_name();
+    own_ = static_cast<control*>(create(own_name_, sizeof(control), &own_fd_));
+    new (own_) control{};
+    for (auto& s : own_->slot) s.generation.store(0);
+  }
+
+  ~shm_exchange() {
+    for (auto& p : peers_) {
+      if (p.ctl != nullptr && p.ctl != own_) munmap(p.ctl, sizeof(control));
+      for (auto& b : p.buf)
+        if (b.ptr != nullptr) munmap(b.ptr, b.bytes);
+    }
+    for (auto& b : mine_)
+      if (b.ptr != nullptr) munmap(b.ptr, b.bytes);
+    if (own_ != nullptr) munmap(own_, sizeof(control));
+    if (!own_name_.empty() && !control_unlinked_) shm_unlink(own_name_.c_str());
+    for (int fd : fds_) close(fd);
+    if (own_fd_ >= 0) close(own_fd_);
+  }
+
+  const std::string& control_name() const noexcept { return own_name_; }
+
+  // After every rank has created its control segment: map the peers' (names in rank order).
+  void attach(const std::vector<std::string>& names) {
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) {
+        peers_[static_cast<std::size_t>(r)].ctl = own_;
+        continue;
+      }
+      int fd = -1;
+      peers_[static_cast<std::size_t>(r)].ctl = static_cast<control*>(open_map(names[static_cast<std::size_t>(r)],
+                                                                               sizeof(control), &fd));
+      fds_.push_back(fd);
+    }
+  }
+  // After a barrier that follows attach() on every rank: nobody needs the names any more.
+  void unlink_control() {
+    shm_unlink(own_name_.c_str());
+    control_unlinked_ = true;
+  }
+
+  // One exchange. Blocks (peer p, segment i) of send_counts[p*nseg+i] elements at
+  // send_displs[...] go to peer p, which stores them at its recv_displs[me*nseg+i]; counts
+  // and displacements in bytes here.
+  void exchange(const std::byte* send, const std::size_t* send_counts, const std::size_t* send_displs,
+                std::byte* recv, const std::size_t* recv_counts, const std::size_t* recv_displs, std::size_t nseg) {
+    const auto P = static_cast<std::size_t>(size_);
+    const int b = static_cast<int>(calls_ % 2);
+    ++calls_;
+    // 1. The table ([P][nseg] offsets into the buffer, then counts) and the blocks.
+    const std::size_t table = 2 * P * nseg * sizeof(std::uint64_t);
+    std::size_t total = table;
+    for (std::size_t j = 0; j < P * nseg; ++j) total += round_up(send_counts[j]);
+    std::byte* buf = own_buffer(b, total);
+    auto* off = reinterpret_cast<std::uint64_t*>(buf);
+    auto* cnt = off + P * nseg;
+    std::size_t at = table;
+    for (std::size_t j = 0; j < P * nseg; ++j) {
+      off[j] = at;
+      cnt[j] = send_counts[j];
+      if (send_counts[j]) std::memcpy(buf + at, send + send_displs[j], send_counts[j]);
+      at += round_up(send_counts[j]);
+    }
+    // 2. Everyone's blocks are written.
+    barrier();
+    // 3. Read every sender's blocks for this rank.
+    for (std::size_t q = 0; q < P; ++q) {
+      const std::byte* src = peer_buffer(static_cast<int>(q), b);
+      const auto* qoff = reinterpret_cast<const std::uint64_t*>(src);
+      const auto* qcnt = qoff + P * nseg;
+      for (std::size_t i = 0; i < nseg; ++i) {
+        const std::size_t j = static_cast<std::size_t>(rank_) * nseg + i;
+        const std::size_t want = recv_counts[q * nseg + i];
+        EPX_REQUIRE(qcnt[j] == want, epx::errc::communicator, "shared-memory all-to-all: rank ", q, " sends ",
+                    qcnt[j], " bytes of segment ", i, " to rank ", rank_, ", which expects ", want);
+        if (want) std::memcpy(recv + recv_displs[q * nseg + i], src + qoff[j], want);
+      }
+    }
+  }
+
+  void barrier() {
+    control* c0 = peers_[0].ctl;
+    sense_ = !sense_;
+    const std::uint32_t s = sense_ ? 1u : 0u;
+    if (c0->count.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<std::uint32_t>(size_)) {
+      c0->count.store(0, std::memory_order_relaxed);
+      c0->sense.store(s, std::memory_order_release);
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    for (unsigned spin = 0; c0->sense.load(std::memory_order_acquire) != s; ++spin) {
+      if (c0->failed.load(std::memory_order_relaxed) != 0)
+        throw epx::error(epx::errc::communicator,
+                         "shared-memory all-to-all: another rank of the group timed out waiting", EPX_HERE);
+      if (spin < 64) continue;
+      if (spin < 4096) {
+        sched_yield();
+        continue;
+      }
+      timespec ts{0, 50000};  // 50 us
+      nanosleep(&ts, nullptr);
+      if ((spin & 255) == 0 &&
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > timeout_) {
+        c0->failed.store(1, std::memory_order_relaxed);
+        throw epx::error(epx::errc::communicator,
+                         epx::detail::concat("shared-memory all-to-all: rank ", rank_, " waited more than ", timeout_,
+                                             " s for the other ranks of its group (one died or did not call)"),
+                         EPX_HERE);
+      }
+    }
+  }
+
+ private:
+  struct mapping {
+    std::byte* ptr = nullptr;
+    std::size_t bytes = 0;
+    std::uint64_t generation = 0;
+  };
+  struct peer {
+    control* ctl = nullptr;
+    mapping buf[2];
+  };
+
+  static std::size_t round_up(std::size_t n) { return (n + 63) / 64 * 64; }
+
+  static std::string make_name() {
+    static std::atomic<std::uint64_t> next{0};
+    return epx::detail::concat("/epx.", static_cast<long>(getpid()), ".", next.fetch_add(1));
+  }
+
+  void* create(const std::string& name, std::size_t bytes, int* fd_out) {
+    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EPX_REQUIRE(fd >= 0, epx::errc::communicator, "shm_open(", name, ") failed: ", std::strerror(errno));
+    // Reserve the pages now, so that a full /dev/shm is an error here and not a SIGBUS later.
+    const int rc = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    if (rc != 0) {
+      close(fd);
+      shm_unlink(name.c_str());
+      throw epx::error(epx::errc::communicator,
+                       epx::detail::concat("reserving ", bytes, " bytes of shared memory (", name,
+                                           ") failed: ", std::strerror(rc)),
+                       EPX_HERE);
+    }
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      close(fd);
+      shm_unlink(name.c_str());
+      throw epx::error(epx::errc::communicator, epx::detail::concat("mmap of ", name, " failed: ", std::strerror(errno)),
+                       EPX_HERE);
+    }
+    *fd_out = fd;
+    return p;
+  }
+
+  static void* open_map(const std::string& name, std::size_t bytes, int* fd_out) {
+    const int fd = shm_open(name.c_str(), O_RDWR, 0600);
+    EPX_REQUIRE(fd >= 0, epx::errc::communicator, "shm_open(", name, ") of a peer failed: ", std::strerror(errno));
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    EPX_REQUIRE(p != MAP_FAILED, epx::errc::communicator, "mmap of a peer's ", name, " failed: ", std::strerror(errno));
+    *fd_out = -1;
+    return p;
+  }
+
+  std::byte* own_buffer(int b, std::size_t bytes) {
+    mapping& m = mine_[b];
+    if (m.bytes >= bytes) return m.ptr;
+    const std::size_t want = std::max<std::size_t>(bytes + bytes / 4, 1 << 20);
+    const std::string name = make_name();
+    int fd = -1;
+    auto* p = static_cast<std::byte*>(create(name, want, &fd));
+    close(fd);
+    if (m.ptr != nullptr) munmap(m.ptr, m.bytes);
+    m.ptr = p;
+    m.bytes = want;
+    slot_info& s = own_->slot[b];
+    s.bytes = want;
+    std::memset(s.name, 0, name_len);
+    std::memcpy(s.name, name.data(), std::min(name.size(), name_len - 1));
+    s.mapped.store(0, std::memory_order_relaxed);
+    s.generation.fetch_add(1, std::memory_order_release);
+    if (size_ == 1) shm_unlink(name.c_str());  // nobody else maps it
+    return p;
+  }
+
+  const std::byte* peer_buffer(int q, int b) {
+    if (q == rank_) return mine_[b].ptr;
+    peer& p = peers_[static_cast<std::size_t>(q)];
+    slot_info& s = p.ctl->slot[b];
+    const std::uint64_t g = s.generation.load(std::memory_order_acquire);
+    mapping& m = p.buf[b];
+    if (m.generation != g || m.ptr == nullptr) {
+      if (m.ptr != nullptr) munmap(m.ptr, m.bytes);
+      int fd = -1;
+      m.bytes = s.bytes;
+      m.ptr = static_cast<std::byte*>(open_map(std::string(s.name), s.bytes, &fd));
+      m.generation = g;
+      // Every peer maps every new buffer in the exchange that publishes it (each reads
+      // every sender's buffer): the last one to map it removes its name.
+      auto& ctl = *p.ctl;
+      if (ctl.slot[b].mapped.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<std::uint32_t>(size_ - 1))
+        shm_unlink(s.name);
+    }
+    return m.ptr;
+  }
+
+  int rank_, size_;
+  double timeout_;
+  std::vector<peer> peers_;
+  mapping mine_[2];
+  control* own_ = nullptr;
+  int own_fd_ = -1;
+  std::string own_name_;
+  bool control_unlinked_ = false;
+  bool sense_ = false;
+  std::uint64_t calls_ = 0;
+  std::vector<int> fds_;
+};
+
+}  // namespace epx_torch

@@ -1,0 +1,257 @@
+"""epx for PyTorch: expert-parallel dispatch and combine as differentiable ops over a
+torch.distributed process group.
+
+    import epx_torch
+    layer = epx_torch.Layer(epx_torch.Mesh(tp=2, fsdp=4, ep=4, experts=8), hidden=H, top_k=k)
+    rows, offsets, handle = epx_torch.dispatch(x, ids, weights, layer)   # expert-major rows
+    y = my_experts(rows, offsets)                                        # any torch code
+    out = epx_torch.combine(y, handle)                                   # [N, H]
+    out.sum().backward()                     # through combine, the experts and dispatch
+    layer.register_expert_hooks(my_experts.parameters())                 # 1/B mean (contract 6)
+
+`rows` holds local expert l's rows at offsets[l]:offsets[l+1] (from every EP rank, in
+rank order, then the zero padding rows); global expert id = layer.first_expert + l.
+Gradients flow to x (input rows) and to the routing weights (through combine). Bad input on
+any rank raises EpxError with epx's message on every rank of the EP group. docs/pytorch.md
+has a complete layer.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _build
+
+_C = _build.load()
+
+EpxError = _C.EpxError
+Mesh = _C.Mesh
+
+__all__ = ["EpxError", "Mesh", "Layer", "Handle", "dispatch", "combine", "local_expert_ids"]
+
+_DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+_PATHS = {"all_to_all": 0, "all_reduce": 1, "auto": 2}
+_TRANSPORTS = {"auto": 0, "shm": 1, "group": 2}
+
+# Groups made for splits, by their members (every rank of the job makes every group once).
+_GROUPS: dict[tuple, list] = {}
+
+
+def _timeout(group) -> timedelta:
+    """The timeout of a gloo process group (its collectives fail after it), else 30 min."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - other backends keep their options elsewhere
+        return timedelta(minutes=30)
+
+
+def _make_groups(groups: Sequence[Sequence[int]], mine: int) -> str:
+    key = tuple(tuple(g) for g in groups)
+    if key not in _GROUPS:
+        world = list(range(dist.get_world_size()))
+        timeout = _timeout(dist.group.WORLD)  # sub-groups fail as soon as the job's group would
+        _GROUPS[key] = [dist.group.WORLD if list(g) == world else dist.new_group(ranks=list(g), timeout=timeout)
+                        for g in groups]
+    return _GROUPS[key][mine].group_name
+
+
+_C.set_split_callback(_make_groups)
+
+
+class Layer:
+    """The expert-parallel configuration of one MoE layer over a torch process group.
+
+    Collective over `group` (default: the whole job): checks that every rank built the same
+    mesh and options (EpxError on every rank otherwise, naming the ranks and values) and
+    makes the ep, tp, efsdp, fsdp and dp_replicate groups of the mesh (once per job; later
+    layers reuse them).
+
+    mesh      epx_torch.Mesh(tp=, fsdp=, ep=, pp=, dp_replicate=, experts=); its world must
+              be the group's size
+    hidden    H, the row length
+    top_k     k, slots per token
+    dtype     element type of x and of the expert rows (float32, float64, bfloat16, float16)
+    padding   (rows_per_expert, align): zero rows appended to each local expert's segment;
+              (0, 1) turns padding off
+    path      "all_to_all" (token dispatch), "all_reduce" (the masked path, ep == tp), or
+              "auto" (all_reduce for calls without gradients when ep == tp, else all_to_all)
+    transport how dispatch and combine move rows inside the EP group: "auto" (shared memory
+              when all its ranks run on one host, else the process group's all_to_all),
+              "shm" (shared memory, an error on every rank where impossible) or "group"
+              (always the process group's all_to_all)
+    """
+
+    def __init__(self, mesh: Mesh, hidden: int, top_k: int, *, dtype: torch.dtype = torch.float32,
+                 group: dist.ProcessGroup | None = None, padding: tuple[int, int] = (1, 1),
+                 path: str = "all_to_all", transport: str = "auto"):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {list(_DTYPES)}, not {dtype}")
+        if path not in _PATHS:
+            raise ValueError(f"path must be one of {list(_PATHS)}, not {path!r}")
+        if transport not in _TRANSPORTS:
+            raise ValueError(f"transport must be one of {list(_TRANSPORTS)}, not {transport!r}")
+        group = group if group is not None else dist.group.WORLD
+        self.group = group
+        self.dtype = dtype
+        self.path = path
+        self.hidden = int(hidden)
+        self.top_k = int(top_k)
+        self.padding = (int(padding[0]), int(padding[1]))
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self._impl = _C._Layer(mesh, group.group_name, rank, size, self.hidden, self.top_k, self.padding[0],
+                               self.padding[1], _DTYPES[dtype], _PATHS[path], _TRANSPORTS[transport],
+                               _timeout(group).total_seconds())
+        self.mesh = mesh
+        self.rank = rank
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether dispatch and combine move rows through shared memory (transport)."""
+        return self._impl.shared_memory
+
+    # Where this rank sits in the mesh.
+    @property
+    def local_experts(self) -> int:
+        return self.mesh.local_experts
+
+    @property
+    def first_expert(self) -> int:
+        """Global id of this rank's local expert 0."""
+        return self.mesh.expert_begin(self.rank)
+
+    @property
+    def ep_rank(self) -> int:
+        return self.mesh.ep_rank(self.rank)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh.tp_rank(self.rank)
+
+    @property
+    def batch(self) -> int:
+        """The batch this rank holds, in [0, mesh.batches)."""
+        return self.mesh.batch(self.rank)
+
+    def uses_masked_path(self) -> bool:
+        if self.path == "all_reduce":
+            return True
+        return self.path == "auto" and self.mesh.ep == self.mesh.tp and not torch.is_grad_enabled()
+
+    # The contract's gradient semantics (section 6).
+    def reduce_expert_gradients(self, grad: torch.Tensor) -> torch.Tensor:
+        """In place: the sum over efsdp and dp_replicate divided by B (the mean over all
+        batches) of an expert weight's gradient. Collective over the efsdp and dp_replicate
+        groups."""
+        self._impl.reduce_expert_gradients(grad)
+        return grad
+
+    def reduce_dense_gradients(self, grad: torch.Tensor) -> torch.Tensor:
+        """In place: the mean over the B batches of a dense (router, attention) gradient.
+        Collective over the fsdp and dp_replicate groups."""
+        self._impl.reduce_dense_gradients(grad)
+        return grad
+
+    def register_expert_hooks(self, params: Iterable[torch.nn.Parameter]) -> list:
+        """Reduces each parameter's gradient with reduce_expert_gradients as soon as backward
+        has accumulated it. One reduction per backward: with gradient accumulation over
+        several backward passes, call reduce_expert_gradients yourself instead."""
+        return [p.register_post_accumulate_grad_hook(lambda p: self._impl.reduce_expert_gradients(p.grad))
+                for p in params]
+
+    def register_dense_hooks(self, params: Iterable[torch.nn.Parameter]) -> list:
+        """As register_expert_hooks, with reduce_dense_gradients."""
+        return [p.register_post_accumulate_grad_hook(lambda p: self._impl.reduce_dense_gradients(p.grad))
+                for p in params]
+
+
+class Handle:
+    """What dispatch returns for combine: the layout of the call and the routing weights."""
+
+    def __init__(self, layer: Layer, state, weights: torch.Tensor, offsets: torch.Tensor):
+        self.layer = layer
+        self.state = state
+        self.weights = weights
+        self.offsets = offsets
+
+    @property
+    def masked(self) -> bool:
+        return self.state.masked
+
+    def local_expert_ids(self) -> torch.Tensor:
+        """The local expert id of every expert-major row ([R], int64; padding rows included)."""
+        return local_expert_ids(self.offsets)
+
+
+def local_expert_ids(offsets: torch.Tensor) -> torch.Tensor:
+    counts = offsets[1:] - offsets[:-1]
+    return torch.repeat_interleave(torch.arange(counts.numel(), dtype=torch.long), counts)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ids, weights, impl, masked, training, box):
+        rows, offsets, state = impl.dispatch(x.detach(), ids, weights, training, masked)
+        box.append(state)
+        ctx.impl, ctx.state = impl, state
+        ctx.mark_non_differentiable(offsets)
+        return rows, offsets
+
+    @staticmethod
+    def backward(ctx, grad_rows, _grad_offsets):
+        grad_x = ctx.impl.dispatch_backward(ctx.state, grad_rows.contiguous())
+        return grad_x, None, None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, weights, impl, state):
+        ctx.impl, ctx.state = impl, state
+        return impl.combine(state, expert_out.detach(), weights.detach())
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_rows, grad_w = ctx.impl.combine_backward(ctx.state, grad_out.contiguous())
+        return grad_rows, grad_w, None, None
+
+
+def _ids32(ids: torch.Tensor) -> torch.Tensor:
+    if isinstance(ids, torch.Tensor) and ids.dtype in (torch.int64, torch.int16, torch.int8, torch.uint8):
+        # Values outside int32 become its limits, still outside [0, E): epx names them.
+        return ids.clamp(-2**31, 2**31 - 1).to(torch.int32)
+    return ids
+
+
+def _weights32(weights: torch.Tensor) -> torch.Tensor:
+    if isinstance(weights, torch.Tensor) and weights.is_floating_point() and weights.dtype != torch.float32:
+        return weights.float()  # differentiable: the gradient returns in the caller's dtype
+    return weights
+
+
+def dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: Layer):
+    """Sends each (token, slot) pair's row to the owner of its expert.
+
+    x [N, H] (layer.dtype, CPU), ids [N, k] global expert ids (int32 or int64), weights
+    [N, k] routing weights (float32; other float dtypes are converted). Collective over the
+    layer's EP group (and its TP group). Returns (rows [R, H] expert-major, offsets [L+1]
+    int64, handle). Differentiable with respect to x; the weights' gradient comes from
+    combine.
+    """
+    masked = layer.uses_masked_path()
+    w = _weights32(weights)
+    box: list = []
+    rows, offsets = _Dispatch.apply(x, _ids32(ids), w.detach() if isinstance(w, torch.Tensor) else w,
+                                    layer._impl, masked, torch.is_grad_enabled(), box)
+    return rows, offsets, Handle(layer, box[0], w, offsets)
+
+
+def combine(expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
+    """Brings the experts' output rows ([R, H], the rows dispatch returned, padding rows
+    included; their values are discarded) back to their tokens and returns
+    out[t] = sum_j w[t, j] * y[t, j] ([N, H]; every rank of a TP group gets the full
+    output). Collective over the EP (and TP) group; once per dispatch. Differentiable with
+    respect to expert_out and the routing weights given to dispatch."""
+    return _Combine.apply(expert_out, handle.weights, handle.layer._impl, handle.state)

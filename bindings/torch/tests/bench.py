@@ -1,0 +1,123 @@
+"""Benchmark: epx_torch's dispatch + combine against transformers' AllToAllEP.
+
+8 ranks (gloo, CPU), 1024 tokens x 1024 hidden per rank, top-8 of 64 experts, ep 8 (tp 1,
+fsdp 8), identity experts, forward + backward, float32 and bfloat16, in the same process
+group. Each timed iteration is one forward and one backward of the whole MoE exchange; the
+time of an iteration is the slowest rank's. Prints the median of EPX_BENCH_ITERS iterations
+(default 5, after one warm-up) for both and their ratio (transformers / epx).
+
+Sizes can be changed with EPX_BENCH_TOKENS, EPX_BENCH_HIDDEN (for a quick run).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import epx_torch
+from harness import say
+
+TOKENS = int(os.environ.get("EPX_BENCH_TOKENS", "1024"))
+HIDDEN = int(os.environ.get("EPX_BENCH_HIDDEN", "1024"))
+TOP_K, EXPERTS = 8, 64
+ITERS = int(os.environ.get("EPX_BENCH_ITERS", "5"))
+
+
+class _IdentityExperts(torch.nn.Module):
+    """What AllToAllEP calls: forward(tokens, local ids, unit weights) -> tokens."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+
+    def forward(self, tokens, expert_ids, weights):
+        return tokens
+
+
+def _inputs(dtype):
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(77 + rank)
+    x = torch.randn(TOKENS, HIDDEN, generator=g).to(dtype)
+    ids = torch.argsort(torch.rand(TOKENS, EXPERTS, generator=g), dim=1)[:, :TOP_K].contiguous()
+    w = torch.softmax(torch.randn(TOKENS, TOP_K, generator=g), dim=1)
+    grad = torch.randn(TOKENS, HIDDEN, generator=g).to(dtype)
+    return x, ids, w, grad
+
+
+def _time(step) -> list[float]:
+    times = []
+    for i in range(ITERS + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if i > 0:
+            times.append(dt.item())
+    return times
+
+
+def bench(dtype) -> tuple[float, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.expert_parallel import AllToAllEP
+
+    W = dist.get_world_size()
+    x, ids, w, grad = _inputs(dtype)
+
+    mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=EXPERTS)
+    layer = epx_torch.Layer(mesh, hidden=HIDDEN, top_k=TOP_K, dtype=dtype)
+
+    def epx_step():
+        xi = x.detach().requires_grad_()
+        wi = w.detach().requires_grad_()
+        rows, offsets, handle = epx_torch.dispatch(xi, ids, wi, layer)
+        out = epx_torch.combine(rows, handle)  # identity experts
+        out.backward(grad)
+
+    dm = init_device_mesh("cpu", (W, 1), mesh_dim_names=("ep", "tp"))
+    ep_impl = AllToAllEP(_IdentityExperts(EXPERTS // W), dm["ep"], dm["tp"])
+    w_tf = w.to(dtype)  # transformers' routers hand the weights in the activations' dtype
+
+    def tf_step():
+        xi = x.detach().requires_grad_()
+        wi = w_tf.detach().requires_grad_()
+        out = ep_impl(xi, ids, wi)
+        out.backward(grad)
+
+    # Same results first (identity experts: out = sum_j w_j x).
+    xa = x.detach().requires_grad_()
+    rows, offsets, handle = epx_torch.dispatch(xa, ids, w, layer)
+    a = epx_torch.combine(rows, handle)
+    b = ep_impl(x, ids, w_tf)
+    err = ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    if not err <= tol:
+        raise AssertionError(f"epx and transformers differ: relative error {err:.2e}")
+
+    t_epx, t_tf = [], []
+    for _ in range(1):  # interleaved, so that both see the same machine load
+        t_tf += _time(tf_step)
+        t_epx += _time(epx_step)
+    return statistics.median(t_epx), statistics.median(t_tf)
+
+
+def cases(W: int):
+    if W != 8:
+        return []
+    results = {}
+
+    def run(dtype, target):
+        e, t = bench(dtype)
+        ratio = t / e
+        results[dtype] = ratio
+        say(f"  bench {str(dtype).replace('torch.', '')}: {W} ranks, {TOKENS} tokens x {HIDDEN} hidden per rank, "
+            f"top-{TOP_K} of {EXPERTS} experts, ep {W}, identity experts, forward+backward: "
+            f"epx {e * 1e3:.1f} ms, transformers AllToAllEP {t * 1e3:.1f} ms, ratio {ratio:.2f}x "
+            f"(target {target}x)")
+
+    return [("bench float32: epx vs transformers AllToAllEP (ratio printed)", lambda: run(torch.float32, 5)),
+            ("bench bfloat16: epx vs transformers AllToAllEP (ratio printed)", lambda: run(torch.bfloat16, 3))]

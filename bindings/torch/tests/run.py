@@ -1,0 +1,63 @@
+"""Entry point of the torch tests, under torchrun (gloo, CPU):
+
+    torchrun --nproc-per-node=N bindings/torch/tests/run.py [--transformers] [--bench] [--doc]
+
+runs the ops suite (test_ops.py) and, when asked, the comparison with transformers'
+expert parallelism (test_transformers.py, 8 processes), the benchmark (bench.py, 8
+processes) and the example of docs/pytorch.md. Rank 0 prints one line per case and
+`torch[np=N] RESULT passed=P failed=F`; the exit status is non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import harness  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--transformers", action="store_true")
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--doc", action="store_true")
+    ap.add_argument("--no-ops", action="store_true")
+    ap.add_argument("--only", default="", help="run only the cases whose name holds this text")
+    args = ap.parse_args()
+    rank, W = harness.init()
+    import epx_torch  # noqa: F401  (builds or loads the extension)
+
+    if not args.no_ops:
+        import test_ops
+
+        for name, fn in test_ops.cases(W):
+            if args.only in name:
+                harness.run(name, fn)
+    if args.doc:
+        import test_doc
+
+        for name, fn in test_doc.cases(W):
+            harness.run(name, fn)
+    if args.transformers:
+        import test_transformers
+
+        for name, fn in test_transformers.cases(W):
+            if args.only in name:
+                harness.run(name, fn)
+    if args.bench:
+        import bench
+
+        for name, fn in bench.cases(W):
+            harness.run(name, fn)
+    _, failed = harness.summary()
+    harness.finish(failed)
+
+
+if __name__ == "__main__":
+    main()

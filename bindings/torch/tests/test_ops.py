@@ -1,0 +1,381 @@
+"""epx_torch's ops against a float64 reference, bitwise against epx's fused C++ layer, and on
+bad input. Every case runs on every rank; cases() lists those that fit the job's size.
+
+The reference: each rank's batch (batch b = the mesh's batch of the rank) through the whole
+layer in float64 in one process: out[t] = sum_j w[t,j] * f_e(x[t]) with
+f_e(x) = tanh(x A_e) B_e, loss = sum(out * G). Outputs, input and routing-weight gradients
+are compared per rank; expert gradients, after the expert hook, with the mean over all B
+batches of the per-batch gradients (contract section 6).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+import epx_torch
+from harness import check_close, check_equal, expect_error
+
+H, F, E_DEFAULT = 16, 8, 8
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def batch_data(b: int, N: int, k: int, E: int, dtype, routing: str = "random"):
+    g = torch.Generator().manual_seed(1000 + b)
+    x = torch.randn(N, H, generator=g, dtype=torch.float64).to(dtype)
+    if routing == "random":  # k distinct experts per token
+        ids = torch.argsort(torch.rand(N, E, generator=g), dim=1)[:, :k]
+    elif routing == "one_expert":  # every token's first slot to expert 0, the rest to the last experts
+        ids = torch.stack([torch.tensor([0] + list(range(E - k + 1, E)))] * N) if N else torch.zeros(0, k)
+    elif routing == "first_half":  # the experts of the upper EP ranks receive nothing
+        ids = torch.argsort(torch.rand(N, E // 2, generator=g), dim=1)[:, :k]
+    else:
+        raise ValueError(routing)
+    ids = ids.to(torch.int64).reshape(N, k)
+    w = torch.rand(N, k, generator=g, dtype=torch.float64).float()
+    G = torch.randn(N, H, generator=g, dtype=torch.float64).to(dtype)
+    return x, ids, w, G
+
+
+def expert_params(E: int, dtype):
+    g = torch.Generator().manual_seed(7)
+    A = (torch.randn(E, H, F, generator=g, dtype=torch.float64) / math.sqrt(H)).to(dtype)
+    B = (torch.randn(E, F, H, generator=g, dtype=torch.float64) / math.sqrt(F)).to(dtype)
+    return A, B
+
+
+def reference(x, ids, w, G, A, B):
+    """float64: out, grad_x, grad_w, grad_A [E,...], grad_B of one batch."""
+    x = x.double().requires_grad_()
+    w = w.double().requires_grad_()
+    A = A.double().requires_grad_()
+    B = B.double().requires_grad_()
+    out = torch.zeros_like(x)
+    for j in range(ids.shape[1]):
+        e = ids[:, j]
+        h = torch.tanh(torch.einsum("nh,nhf->nf", x, A[e]))
+        out = out + w[:, j:j + 1] * torch.einsum("nf,nfh->nh", h, B[e])
+    loss = (out * G.double()).sum()
+    gx, gw, gA, gB = torch.autograd.grad(loss, (x, w, A, B), allow_unused=True)
+    return out.detach(), gx, gw, gA, gB
+
+
+def grouped_experts(rows: torch.Tensor, offsets: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """The experts as a grouped matmul over expert-major rows (padding rows included)."""
+    outs = []
+    for l in range(offsets.numel() - 1):
+        r = rows[int(offsets[l]):int(offsets[l + 1])]
+        outs.append(torch.tanh(r @ A[l]) @ B[l])
+    return torch.cat(outs) if outs else rows[:0]
+
+
+def layer_case(tp=1, fsdp=None, ep=None, dp_replicate=1, E=E_DEFAULT, k=3, N=12, dtype=torch.float64,
+               path="all_to_all", padding=(1, 1), routing="random", train=True, check_padding=False,
+               transport="auto"):
+    W = dist.get_world_size()
+    rank = dist.get_rank()
+    fsdp = fsdp if fsdp is not None else W // (tp * dp_replicate)
+    ep = ep if ep is not None else fsdp * tp
+    mesh = epx_torch.Mesh(tp=tp, fsdp=fsdp, ep=ep, dp_replicate=dp_replicate, experts=E)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=k, dtype=dtype, padding=padding, path=path, transport=transport)
+    if transport == "auto" and not layer.shared_memory:
+        raise AssertionError("transport='auto' did not take shared memory with every rank on one host")
+    A, B = expert_params(E, dtype)
+    L, first = layer.local_experts, layer.first_expert
+    A_loc = A[first:first + L].clone().requires_grad_()
+    B_loc = B[first:first + L].clone().requires_grad_()
+    if train:
+        layer.register_expert_hooks([A_loc, B_loc])
+    x, ids, w, G = batch_data(layer.batch, N, k, E, dtype, routing)
+    x.requires_grad_(train)
+    w.requires_grad_(train)
+    with torch.set_grad_enabled(train):
+        rows, offsets, handle = epx_torch.dispatch(x, ids, w, layer)
+        if check_padding:
+            rp, align = padding
+            seg = offsets[1:] - offsets[:-1]
+            if align > 1 and bool((seg % align != 0).any()):
+                raise AssertionError(f"segments {seg.tolist()} not multiples of {align}")
+            for l in range(L):  # the padding rows (the last ones of each segment) are zero
+                if rp > 0 and not bool((rows[int(offsets[l + 1]) - rp:int(offsets[l + 1])] == 0).all()):
+                    raise AssertionError(f"padding rows of local expert {l} are not zero")
+        y = grouped_experts(rows, offsets, A_loc, B_loc)
+        out = epx_torch.combine(y, handle)
+    ref_out, ref_gx, ref_gw, _, _ = reference(x.detach(), ids, w.detach(), G, A, B)
+    tol = TOL[dtype]
+    check_close("output", out, ref_out, tol)
+    if not train:
+        return
+    out.backward(G)
+    check_close("input gradient", x.grad, ref_gx, tol)
+    # Routing weights and their gradients are float32 whatever the layer's type (epx stores
+    # grad_w as float32, docs/semantics.md section 4): float32 rounding at most.
+    check_close("routing-weight gradient", w.grad, ref_gw, max(tol, 1.2e-7))
+    # Expert gradients after the hook: the mean over all B batches.
+    gA = torch.zeros(E, H, F, dtype=torch.float64)
+    gB = torch.zeros(E, F, H, dtype=torch.float64)
+    for b in range(mesh.batches):
+        bx, bids, bw, bG = batch_data(b, N, k, E, dtype, routing)
+        _, _, _, a, bb = reference(bx, bids, bw, bG, A, B)
+        gA += a
+        gB += bb
+    gA /= mesh.batches
+    gB /= mesh.batches
+    check_close("expert gradient A", A_loc.grad, gA[first:first + L], tol)
+    check_close("expert gradient B", B_loc.grad, gB[first:first + L], tol)
+
+
+def bitwise_case(tp=1, ep=None, dtype=torch.float32, path="all_to_all", N=10, k=3, E=E_DEFAULT, padding=(1, 1),
+                 transport="auto"):
+    """The split torch ops give the bits of epx::moe_layer (C++, same communicators) with
+    experts y = c_l * x."""
+    W = dist.get_world_size()
+    fsdp = W // tp
+    ep = ep if ep is not None else W
+    mesh = epx_torch.Mesh(tp=tp, fsdp=fsdp, ep=ep, experts=E)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=k, dtype=dtype, padding=padding, path=path, transport=transport)
+    L = layer.local_experts
+    c = [0.5 + 0.25 * ((layer.first_expert + l) % 7) for l in range(L)]  # exact in bf16
+    x, ids, w, G = batch_data(layer.batch, N, k, E, dtype)
+    x.requires_grad_()
+    w.requires_grad_()
+    rows, offsets, handle = epx_torch.dispatch(x, ids, w, layer)
+    scale = torch.tensor(c, dtype=dtype)[handle.local_expert_ids()].unsqueeze(1)
+    out = epx_torch.combine(rows * scale, handle)
+    out.backward(G)
+    ref_out, ref_gx, ref_gw = epx_torch._C._fused_reference(layer._impl, x.detach(), ids.to(torch.int32), w.detach(),
+                                                            G, c, path == "all_reduce")
+    check_equal("output", out.detach(), ref_out)
+    check_equal("input gradient", x.grad, ref_gx)
+    check_equal("routing-weight gradient", w.grad, ref_gw)
+
+
+# ---- bad input ------------------------------------------------------------------------
+
+def error_cases(W: int):
+    rank = dist.get_rank()
+    mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=E_DEFAULT)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=2, dtype=torch.float32)
+    bad = W - 1  # the rank with the bad input
+
+    def data(N=6):
+        x, ids, w, _ = batch_data(rank, N, 2, E_DEFAULT, torch.float32)
+        return x, ids, w
+
+    def wrong_dtype():
+        x, ids, w = data()
+        if rank == bad:
+            x = x.double()
+        expect_error(lambda: epx_torch.dispatch(x, ids, w, layer), f"rank {bad}", "x has dtype Double",
+                     "must be Float")
+
+    def wrong_ids_dtype():
+        x, ids, w = data()
+        if rank == bad:
+            ids = ids.float()
+        expect_error(lambda: epx_torch.dispatch(x, ids, w, layer), f"rank {bad}", "expert ids has dtype Float")
+
+    def wrong_device():
+        x, ids, w = data()
+        if rank == bad:
+            x = torch.empty(x.shape, dtype=x.dtype, device="meta")
+        expect_error(lambda: epx_torch.dispatch(x, ids, w, layer), f"rank {bad}", "on device meta")
+
+    def wrong_shape():
+        x, ids, w = data()
+        if rank == bad:
+            x = torch.randn(6, H + 1)
+        expect_error(lambda: epx_torch.dispatch(x, ids, w, layer), f"rank {bad}", f"x has shape [6, {H + 1}]")
+
+    def ids_shape():
+        x, ids, w = data()
+        if rank == bad:
+            ids = ids[:, :1]
+        expect_error(lambda: epx_torch.dispatch(x, ids, w, layer), f"rank {bad}", "expert ids has shape [6, 1]")
+
+    def bad_expert_id():
+        x, ids, w = data()
+        if rank == bad:
+            ids[4, 1] = E_DEFAULT + 3
+        expect_error(lambda: epx_torch.dispatch(x, ids, w, layer), f"rank {bad}",
+                     f"expert id ({E_DEFAULT + 3}) of token 4 slot 1 out of range [0, {E_DEFAULT})")
+
+    def nan_weight():
+        x, ids, w = data()
+        if rank == bad:
+            w[2, 0] = float("nan")
+        expect_error(lambda: epx_torch.dispatch(x, ids, w, layer), f"rank {bad}", "token 2 slot 0 is not finite")
+
+    def combine_shape():
+        x, ids, w = data()
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        y = rows[1:] if rank == bad else rows
+        expect_error(lambda: epx_torch.combine(y, h), "epx_torch combine", f"rank {bad}", "expert output has shape")
+
+    def combine_twice():
+        x, ids, w = data()
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        epx_torch.combine(rows, h)
+        expect_error(lambda: epx_torch.combine(rows, h), "already combined")
+
+    def group_size_disagrees():
+        # A mesh of 2*W ranks over a process group of W.
+        m = epx_torch.Mesh(tp=1, fsdp=2 * W, ep=2, experts=4)
+        expect_error(lambda: epx_torch.Layer(m, hidden=H, top_k=2), "configuration",
+                     f"communicator size ({W}) must equal")
+
+    def subgroup_size_disagrees():
+        # A process group of half the job under a mesh of the whole job.
+        halves = [dist.new_group(list(range(0, W // 2))), dist.new_group(list(range(W // 2, W)))]
+        mine = halves[rank // (W // 2)]
+        m = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=E_DEFAULT)
+        expect_error(lambda: epx_torch.Layer(m, hidden=H, top_k=2, group=mine), "configuration",
+                     f"communicator size ({W // 2}) must equal")
+
+    def meshes_disagree():
+        m = epx_torch.Mesh(tp=1, fsdp=W, ep=W if rank != bad else 1, experts=E_DEFAULT)
+        expect_error(lambda: epx_torch.Layer(m, hidden=H, top_k=2), "built different meshes",
+                     f"rank {bad} has ep=1 but rank 0 has ep={W}")
+
+    def dtypes_disagree():
+        expect_error(lambda: epx_torch.Layer(mesh, hidden=H, top_k=2,
+                                             dtype=torch.float64 if rank == bad else torch.float32),
+                     f"rank {bad} has dtype=torch.float64 but rank 0 has dtype=torch.float32")
+
+    def masked_needs_ep_eq_tp():
+        m = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=E_DEFAULT)
+        expect_error(lambda: epx_torch.Layer(m, hidden=H, top_k=2, path="all_reduce"),
+                     "requires ep_size (", "== tp_size (1)")
+
+    def bad_mesh():
+        expect_error(lambda: epx_torch.Layer(epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=W + 1), hidden=H, top_k=2),
+                     f"num_experts ({W + 1}) must be divisible by ep_size ({W})")
+
+    def still_works_after_errors():
+        layer_case(tp=1, dtype=torch.float64)
+
+    return [("error: wrong x dtype", wrong_dtype), ("error: wrong ids dtype", wrong_ids_dtype),
+            ("error: wrong device", wrong_device), ("error: wrong x shape", wrong_shape),
+            ("error: wrong ids shape", ids_shape), ("error: expert id out of range", bad_expert_id),
+            ("error: NaN routing weight", nan_weight), ("error: combine with a wrong expert output", combine_shape),
+            ("error: a handle combined twice", combine_twice),
+            ("error: process group size disagrees with the mesh", group_size_disagrees),
+            ("error: sub-group size disagrees with the mesh", subgroup_size_disagrees),
+            ("error: ranks built different meshes", meshes_disagree),
+            ("error: ranks built different dtypes", dtypes_disagree),
+            ("error: masked path needs ep == tp", masked_needs_ep_eq_tp),
+            ("error: mesh rule (experts % ep)", bad_mesh),
+            ("after errors the group still works", still_works_after_errors)]
+
+
+# ---- the communicator -------------------------------------------------------------------
+
+def communicator_case():
+    W, rank = dist.get_world_size(), dist.get_rank()
+    c = epx_torch._C._Communicator(dist.group.WORLD.group_name, rank, W)
+    assert c.rank() == rank and c.size() == W
+    # all_reduce: the sum in rank order with the scale before the one rounding, the same bits
+    # on every rank.
+    v = torch.tensor([0.1 * (rank + 1), 1e8 if rank == 0 else 1.0, -1e8 if rank == 1 else 0.5], dtype=torch.float32)
+    want = v.clone()
+    allv = [torch.empty_like(v) for _ in range(W)]
+    dist.all_gather(allv, v)
+    acc = allv[0].clone()
+    for r in range(1, W):
+        acc = acc + allv[r]
+    want = (acc * 0.25)
+    c.all_reduce(v, 0.25)
+    check_equal("all_reduce", v, want)
+    got = [torch.empty_like(v) for _ in range(W)]
+    dist.all_gather(got, v)
+    for r in range(W):
+        check_equal(f"all_reduce on rank {r}", got[r], v)
+    # reduce_scatter: block r summed over ranks lands on rank r.
+    send = torch.arange(2 * W, dtype=torch.float64) + 100 * rank
+    recv = torch.empty(2, dtype=torch.float64)
+    c.reduce_scatter(send, recv, 0.5)
+    want = torch.tensor([2 * rank, 2 * rank + 1], dtype=torch.float64) * W + 100 * sum(range(W))
+    check_equal("reduce_scatter", recv, want * 0.5)
+    # all_to_allv with unpacked displacements.
+    sc = [1] * W
+    sd = [2 * p for p in range(W)]
+    src = torch.tensor([float(rank * 10 + p // 2) if p % 2 == 0 else -1.0 for p in range(2 * W)])
+    dst = torch.full((2 * W,), -7.0)
+    c.all_to_allv(src, sc, sd, dst, [1] * W, [2 * p + 1 for p in range(W)])
+    for p in range(W):
+        assert dst[2 * p + 1].item() == p * 10 + rank and dst[2 * p].item() == -7.0
+    # broadcast, barrier, split.
+    b = torch.full((3,), float(rank), dtype=torch.float32)
+    c.broadcast(b, W - 1)
+    check_equal("broadcast", b, torch.full((3,), float(W - 1)))
+    c.barrier()
+    sub = c.split(rank % 2, rank)
+    members = [r for r in range(W) if r % 2 == rank % 2]
+    assert sub.size() == len(members), (sub.size(), members)
+    assert sub.rank() == members.index(rank), (sub.rank(), members)
+    # A torch group numbers its members by job rank: keys that reorder them are refused.
+    expect_error(lambda: c.split(0, -rank), "configuration", "order its members differently")
+    t = torch.tensor([float(rank)])
+    sub.all_reduce(t, 1.0)
+    assert t.item() == float(sum(members))
+
+
+def dense_hook_case():
+    W, rank = dist.get_world_size(), dist.get_rank()
+    mesh = epx_torch.Mesh(tp=2 if W % 2 == 0 else 1, fsdp=W // 2 if W % 2 == 0 else W, ep=W, experts=W)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=1)
+    p = torch.nn.Parameter(torch.zeros(4))
+    layer.register_dense_hooks([p])
+    (p * float(layer.batch + 1)).sum().backward()
+    want = sum(range(1, mesh.batches + 1)) / mesh.batches
+    check_close("dense gradient mean", p.grad, torch.full((4,), want), 1e-15)
+
+
+def cases(W: int):
+    out = []
+    f64, f32, bf16 = torch.float64, torch.float32, torch.bfloat16
+    add = lambda name, fn: out.append((name, fn))  # noqa: E731
+    add("communicator over the process group", communicator_case)
+    for dt in (f64, f32, bf16):
+        add(f"all_to_all tp1 ep{W} {dt}", lambda dt=dt: layer_case(tp=1, dtype=dt))
+    add("all_to_all inference (no_grad)", lambda: layer_case(tp=1, train=False))
+    add("all_to_all padding off", lambda: layer_case(padding=(0, 1), routing="first_half"))
+    add("all_to_all padding 2 rows, align 4", lambda: layer_case(padding=(2, 4), check_padding=True))
+    add("all_to_all one expert takes every token", lambda: layer_case(routing="one_expert"))
+    add("all_to_all experts of upper ranks get nothing", lambda: layer_case(routing="first_half"))
+    add("dense gradient hook", dense_hook_case)
+    # The process group's own all-to-all (transport='group') instead of shared memory.
+    add("transport group: all_to_all float64", lambda: layer_case(transport="group"))
+    add("transport group: all_to_all float32, padding 2 rows align 4",
+        lambda: layer_case(dtype=f32, padding=(2, 4), transport="group"))
+    add("transport shm required", lambda: layer_case(dtype=f32, transport="shm"))
+    if W >= 2:
+        add("all_to_all tp2 (TP slicing)", lambda: layer_case(tp=2, dtype=f64))
+        add("all_to_all tp2 float32", lambda: layer_case(tp=2, dtype=f32))
+        add("all_to_all tp2 one-token decode (empty slice)", lambda: layer_case(tp=2, N=1))
+        add("all_reduce (masked) ep == tp == 2", lambda: layer_case(tp=2, ep=2, path="all_reduce"))
+        add("all_reduce (masked) float32", lambda: layer_case(tp=2, ep=2, path="all_reduce", dtype=f32))
+        add("auto: masked for inference when ep == tp", lambda: layer_case(tp=2, ep=2, path="auto", train=False))
+        add("auto: all_to_all for training", lambda: layer_case(tp=2, ep=2, path="auto"))
+        add("bitwise = epx::moe_layer (all_to_all, float32)", lambda: bitwise_case(dtype=f32))
+        add("bitwise = epx::moe_layer (all_to_all, bfloat16)", lambda: bitwise_case(dtype=bf16))
+        add("bitwise = epx::moe_layer (all_to_all, tp2, float64)", lambda: bitwise_case(tp=2, dtype=f64))
+        add("bitwise = epx::moe_layer (transport group, tp2, float32)",
+            lambda: bitwise_case(tp=2, dtype=f32, transport="group"))
+        add("bitwise = epx::moe_layer (all_reduce, float32)",
+            lambda: bitwise_case(tp=2, ep=2, dtype=f32, path="all_reduce"))
+    if W >= 4:
+        add("all_to_all tp2 fsdp2 ep4 (efsdp 1)", lambda: layer_case(tp=2, fsdp=W // 2, ep=4))
+        add("all_to_all tp1 ep2 efsdp2", lambda: layer_case(tp=1, fsdp=W, ep=2))
+        add("transport group: tp2 fsdp2 ep4", lambda: layer_case(tp=2, fsdp=W // 2, ep=4, transport="group"))
+        add("all_to_all dp_replicate 2", lambda: layer_case(tp=1, fsdp=W // 2, ep=2, dp_replicate=2))
+        add("all_reduce (masked) with dp_replicate 2",
+            lambda: layer_case(tp=2, fsdp=W // 4, ep=2, dp_replicate=2, path="all_reduce"))
+    if W >= 8:
+        add("all_to_all tp2 fsdp4 ep4 (the seed's mesh) float32", lambda: layer_case(tp=2, fsdp=4, ep=4, dtype=f32))
+        add("all_to_all tp2 fsdp4 ep8 efsdp1 bfloat16", lambda: layer_case(tp=2, fsdp=4, ep=8, dtype=bf16))
+        add("bitwise = epx::moe_layer (tp2 ep4, float32)", lambda: bitwise_case(tp=2, ep=4, dtype=f32))
+    out.extend(error_cases(W))
+    return out

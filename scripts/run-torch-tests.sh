@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The PyTorch bindings' tests (bindings/torch, docs/pytorch.md):
+#   1. a virtual environment in ${EPX_TORCH_VENV:-$HOME/.cache/epx/torch-venv}, made and filled
+#      with the pinned packages of bindings/torch/requirements.txt (pip install --no-deps),
+#      reused while the list is unchanged; a failed install fails this script;
+#   2. the extension built (or found built) by importing epx_torch;
+#   3. the tests under torchrun (gloo, CPU) with 2, 4 and 8 processes: the ops suite on each,
+#      the docs example on 4, the transformers comparison and the benchmark on 8.
+# Prints every case as `torch[np=N] PASS|FAIL name` and ends with `N passed, N failed`; exits
+# non-zero on any failure. EPX_TORCH_RUN_TIMEOUT (seconds, default 900) bounds each torchrun.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+venv=${EPX_TORCH_VENV:-$HOME/.cache/epx/torch-venv}
+req=bindings/torch/requirements.txt
+python=${EPX_PYTHON:-python3}
+stamp="$venv/.epx-requirements"
+want=$(sha256sum "$req" | cut -d' ' -f1)
+
+fail() {
+  echo "torch: $*" >&2
+  echo "0 passed, 1 failed"
+  exit 1
+}
+
+# torch's CUDA libraries come from the toolkit (requirements.txt): make sure the loader sees it.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do
+  [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+done
+
+if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "==== torch: installing the pinned packages into $venv ===="
+  rm -rf "$venv"
+  "$python" -m venv "$venv" || fail "could not create the virtual environment $venv with $python"
+  "$venv/bin/python" -m pip install --no-deps --disable-pip-version-check --no-input -q -r "$req" ||
+    fail "installing $req into $venv failed (see pip's message above)"
+  echo "$want" >"$stamp"
+fi
+"$venv/bin/python" - <<'EOF' || fail "the installed torch/transformers do not import (see above)"
+import torch, transformers, accelerate, torch.distributed as dist
+assert torch.__version__.split("+")[0] == "2.15.0", torch.__version__
+assert transformers.__version__ == "5.23.0", transformers.__version__
+assert dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo is missing"
+print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+EOF
+
+export PYTHONPATH="$root/bindings/torch${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+echo "==== torch: building the extension ===="
+t0=$(date +%s)
+"$venv/bin/python" -c "import epx_torch" || fail "building the epx_torch extension failed (see the compiler's message above)"
+echo "extension ready in $(( $(date +%s) - t0 ))s"
+
+passed=0
+failed=0
+noise='^\[rank[0-9]+\]:W[0-9]{4} |^W[0-9]{4} |^\*{10}|OMP_NUM_THREADS|^Writing model shards'
+for np in 2 4 8; do
+  extra=()
+  [ "$np" = 4 ] && extra=(--doc)
+  [ "$np" = 8 ] && extra=(--transformers --bench)
+  echo "==== torch: torchrun --nproc-per-node=$np ${extra[*]} ===="
+  log=$(mktemp)
+  t0=$(date +%s)
+  timeout "${EPX_TORCH_RUN_TIMEOUT:-900}" nice "$venv/bin/torchrun" --standalone --nproc-per-node="$np" \
+    bindings/torch/tests/run.py "${extra[@]}" >"$log" 2>&1
+  rc=$?
+  grep -Ev "$noise" "$log" | grep -E '^torch\[|^  ' || true
+  line=$(grep -E '^torch\[np=[0-9]+\] RESULT passed=[0-9]+ failed=[0-9]+$' "$log" | tail -1)
+  if [ -n "$line" ]; then
+    p=$(sed -E 's/.*passed=([0-9]+).*/\1/' <<<"$line")
+    f=$(sed -E 's/.*failed=([0-9]+).*/\1/' <<<"$line")
+  else
+    p=0
+    f=0
+  fi
+  passed=$((passed + p))
+  failed=$((failed + f))
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    # The run died (or timed out, rc 124) outside a case: count it, and show why.
+    failed=$((failed + 1))
+    echo "torch[np=$np] FAIL the torchrun itself exited with $rc; the end of its output:"
+    grep -Ev "$noise" "$log" | tail -40
+  fi
+  echo "torch[np=$np] done in $(( $(date +%s) - t0 ))s (rc=$rc)"
+  rm -f "$log"
+done
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
