@@ -85,8 +85,11 @@ torch_layer::torch_layer(const epx::mesh_config& mc, const std::string& world_gr
   fsdp_ = std::make_unique<torch_communicator>(epx::sub_communicator(*world_, *mesh_, epx::group_kind::fsdp));
   dp_replicate_ =
       std::make_unique<torch_communicator>(epx::sub_communicator(*world_, *mesh_, epx::group_kind::dp_replicate));
-  // The rows of dispatch and combine move inside the EP group.
-  if (transport != 2) ep_->enable_shared_memory(timeout_s, transport == 1);
+  // The rows of dispatch and combine move inside the EP group, the TP sums inside the TP group.
+  if (transport != 2) {
+    ep_->enable_shared_memory(timeout_s, transport == 1);
+    if (mesh_->tp() > 1) tp_->enable_shared_memory(timeout_s, transport == 1);
+  }
 }
 
 std::string torch_layer::check_tensor(const char* what, const at::Tensor& t, at::ScalarType want, std::int64_t rows,

@@ -6,7 +6,8 @@
 // successive exchanges. An exchange:
 //   1. the sender writes a table (where each (peer, segment) block sits) and the blocks
 //      into its buffer of this exchange;
-//   2. a barrier over the group (an atomic counter in shared memory, bounded by a timeout);
+//   2. a barrier over the group (an atomic counter in shared memory; waiters sleep on a
+//      futex, bounded by the group's timeout);
 //   3. each receiver copies its blocks straight from every sender's buffer to where it
 //      wants them (expert-major for dispatch, send order for combine).
 // Two buffers make one barrier per exchange enough: a sender writes buffer b at exchange i
@@ -20,7 +21,8 @@
 #pragma once
 
 #include <fcntl.h>
-#include <sched.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -29,6 +31,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -143,6 +146,25 @@ class shm_exchange {
     }
   }
 
+  // Every rank's `bytes` bytes to every rank, in rank order (the same protocol, one block).
+  void all_gather(const std::byte* send, std::byte* recv, std::size_t bytes) {
+    const int b = static_cast<int>(calls_ % 2);
+    ++calls_;
+    std::byte* buf = own_buffer(b, 64 + bytes);
+    const std::uint64_t n = bytes;
+    std::memcpy(buf, &n, sizeof n);
+    if (bytes) std::memcpy(buf + 64, send, bytes);
+    barrier();
+    for (int q = 0; q < size_; ++q) {
+      const std::byte* src = peer_buffer(q, b);
+      std::uint64_t m = 0;
+      std::memcpy(&m, src, sizeof m);
+      EPX_REQUIRE(m == n, epx::errc::communicator, "shared-memory all_gather: rank ", q, " sends ", m,
+                  " bytes, rank ", rank_, " expects ", n);
+      if (bytes) std::memcpy(recv + static_cast<std::size_t>(q) * bytes, src + 64, bytes);
+    }
+  }
+
   void barrier() {
     control* c0 = peers_[0].ctl;
     sense_ = !sense_;
@@ -150,6 +172,7 @@ class shm_exchange {
     if (c0->count.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<std::uint32_t>(size_)) {
       c0->count.store(0, std::memory_order_relaxed);
       c0->sense.store(s, std::memory_order_release);
+      futex(&c0->sense, FUTEX_WAKE, INT32_MAX, nullptr);  // the waiters sleep in the kernel
       return;
     }
     const auto t0 = std::chrono::steady_clock::now();
@@ -157,15 +180,12 @@ class shm_exchange {
       if (c0->failed.load(std::memory_order_relaxed) != 0)
         throw epx::error(epx::errc::communicator,
                          "shared-memory all-to-all: another rank of the group timed out waiting", EPX_HERE);
-      if (spin < 64) continue;
-      if (spin < 4096) {
-        sched_yield();
-        continue;
-      }
-      timespec ts{0, 50000};  // 50 us
-      nanosleep(&ts, nullptr);
-      if ((spin & 255) == 0 &&
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > timeout_) {
+      if (spin < 128) continue;
+      // Sleep until the last rank flips the sense (or 20 ms pass, to check the timeout): the
+      // ranks often outnumber the cores, and a spinning waiter takes a core from the others.
+      timespec ts{0, 20000000};
+      futex(&c0->sense, FUTEX_WAIT, 1u - s, &ts);
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > timeout_) {
         c0->failed.store(1, std::memory_order_relaxed);
         throw epx::error(epx::errc::communicator,
                          epx::detail::concat("shared-memory all-to-all: rank ", rank_, " waited more than ", timeout_,
@@ -187,6 +207,12 @@ class shm_exchange {
   };
 
   static std::size_t round_up(std::size_t n) { return (n + 63) / 64 * 64; }
+
+  // futex on a word of a shared mapping (not FUTEX_PRIVATE: the waiters are processes).
+  static long futex(std::atomic<std::uint32_t>* word, int op, std::uint32_t val, const timespec* ts) {
+    static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t));
+    return syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), op, val, ts, nullptr, 0);
+  }
 
   static std::string make_name() {
     static std::atomic<std::uint64_t> next{0};

@@ -11,8 +11,9 @@
 //   reduce_scatter      all_to_all of the blocks, then the same rank-order sum
 //   broadcast, barrier  the group's own
 //   with enable_shared_memory() (collective; when every rank of the group is on one host),
-//   all_to_allv and all_to_allv_segments move rows through shared memory instead
-//   (shm_exchange.hpp): two memcpy and one barrier per exchange
+//   all_gather, all_to_allv and all_to_allv_segments (and so all_reduce and
+//   reduce_scatter) go through shared memory instead (shm_exchange.hpp): two memcpy and one
+//   barrier per call
 //   split               all_gather of (color, key) and one torch.distributed.new_group per
 //                       color, made in Python (every rank of the job makes every group, in
 //                       color order); only a communicator over the whole job can split, and
@@ -147,6 +148,10 @@ class torch_communicator {
   }
 
   void all_gather(const void* send, void* recv, std::size_t count, epx::datatype t) {
+    if (shm_) {
+      shm_->all_gather(static_cast<const std::byte*>(send), static_cast<std::byte*>(recv), bytes(count, t));
+      return;
+    }
     const int P = size();
     std::vector<at::Tensor> in = {view(send, count, t)};
     std::vector<std::vector<at::Tensor>> out(1);

@@ -4,7 +4,9 @@
 fsdp 8), identity experts, forward + backward, float32 and bfloat16, in the same process
 group. Each timed iteration is one forward and one backward of the whole MoE exchange; the
 time of an iteration is the slowest rank's. Prints the median of EPX_BENCH_ITERS iterations
-(default 5, after one warm-up) for both and their ratio (transformers / epx).
+(default 5, after one warm-up) for both and their ratio (transformers / epx), epx with its
+default transport (shared memory when the ranks share a host) and, for comparison, with
+transport='group' (the process group's all_to_all_single, as transformers uses).
 
 Sizes can be changed with EPX_BENCH_TOKENS, EPX_BENCH_HIDDEN (for a quick run).
 """
@@ -69,14 +71,17 @@ def bench(dtype) -> tuple[float, float]:
     x, ids, w, grad = _inputs(dtype)
 
     mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=EXPERTS)
-    layer = epx_torch.Layer(mesh, hidden=HIDDEN, top_k=TOP_K, dtype=dtype)
+    layer = epx_torch.Layer(mesh, hidden=HIDDEN, top_k=TOP_K, dtype=dtype)  # transport "auto"
+    layer_group = epx_torch.Layer(mesh, hidden=HIDDEN, top_k=TOP_K, dtype=dtype, transport="group")
 
-    def epx_step():
-        xi = x.detach().requires_grad_()
-        wi = w.detach().requires_grad_()
-        rows, offsets, handle = epx_torch.dispatch(xi, ids, wi, layer)
-        out = epx_torch.combine(rows, handle)  # identity experts
-        out.backward(grad)
+    def step_of(lay):
+        def step():
+            xi = x.detach().requires_grad_()
+            wi = w.detach().requires_grad_()
+            rows, offsets, handle = epx_torch.dispatch(xi, ids, wi, lay)
+            out = epx_torch.combine(rows, handle)  # identity experts
+            out.backward(grad)
+        return step
 
     dm = init_device_mesh("cpu", (W, 1), mesh_dim_names=("ep", "tp"))
     ep_impl = AllToAllEP(_IdentityExperts(EXPERTS // W), dm["ep"], dm["tp"])
@@ -98,11 +103,10 @@ def bench(dtype) -> tuple[float, float]:
     if not err <= tol:
         raise AssertionError(f"epx and transformers differ: relative error {err:.2e}")
 
-    t_epx, t_tf = [], []
-    for _ in range(1):  # interleaved, so that both see the same machine load
-        t_tf += _time(tf_step)
-        t_epx += _time(epx_step)
-    return statistics.median(t_epx), statistics.median(t_tf)
+    t_tf = _time(tf_step)
+    t_epx = _time(step_of(layer))
+    t_group = _time(step_of(layer_group))
+    return statistics.median(t_epx), statistics.median(t_tf), statistics.median(t_group), layer.shared_memory
 
 
 def cases(W: int):
@@ -111,13 +115,14 @@ def cases(W: int):
     results = {}
 
     def run(dtype, target):
-        e, t = bench(dtype)
+        e, t, g, shm = bench(dtype)
         ratio = t / e
         results[dtype] = ratio
         say(f"  bench {str(dtype).replace('torch.', '')}: {W} ranks, {TOKENS} tokens x {HIDDEN} hidden per rank, "
             f"top-{TOP_K} of {EXPERTS} experts, ep {W}, identity experts, forward+backward: "
-            f"epx {e * 1e3:.1f} ms, transformers AllToAllEP {t * 1e3:.1f} ms, ratio {ratio:.2f}x "
-            f"(target {target}x)")
+            f"epx {e * 1e3:.1f} ms ({'shared memory' if shm else 'process group'}), "
+            f"transformers AllToAllEP {t * 1e3:.1f} ms, ratio {ratio:.2f}x (target {target}x); "
+            f"epx over the process group's all_to_all (transport='group') {g * 1e3:.1f} ms, ratio {t / g:.2f}x")
 
     return [("bench float32: epx vs transformers AllToAllEP (ratio printed)", lambda: run(torch.float32, 5)),
             ("bench bfloat16: epx vs transformers AllToAllEP (ratio printed)", lambda: run(torch.bfloat16, 3))]

@@ -253,6 +253,17 @@ def error_cases(W: int):
         expect_error(lambda: epx_torch.Layer(epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=W + 1), hidden=H, top_k=2),
                      f"num_experts ({W + 1}) must be divisible by ep_size ({W})")
 
+    def missing_rank_times_out():
+        # A rank that never calls dispatch: the others raise once the layer's group timeout
+        # (3 s here) has passed, on the shared-memory path as on the process group's.
+        import datetime
+
+        quick = dist.new_group(list(range(W)), timeout=datetime.timedelta(seconds=3))
+        lay = epx_torch.Layer(mesh, hidden=H, top_k=2, dtype=torch.float32, group=quick, transport="shm")
+        x, ids, w = data()
+        if rank != bad:
+            expect_error(lambda: epx_torch.dispatch(x, ids, w, lay), "communicator", "waited more than 3")
+
     def still_works_after_errors():
         layer_case(tp=1, dtype=torch.float64)
 
@@ -267,6 +278,7 @@ def error_cases(W: int):
             ("error: ranks built different dtypes", dtypes_disagree),
             ("error: masked path needs ep == tp", masked_needs_ep_eq_tp),
             ("error: mesh rule (experts % ep)", bad_mesh),
+            ("error: a rank that never calls: the others time out", missing_rank_times_out),
             ("after errors the group still works", still_works_after_errors)]
 
 
