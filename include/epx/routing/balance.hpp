@@ -99,6 +99,24 @@ struct load_sum {
   }
 };
 
+// The start of a loss functor's token t: its logit row `l` and gradient row `g` (null
+// without a gradient); writes the token's status. Returns false, with the token's value
+// and gradient row zeroed, when one of its logits is not finite.
+template <class T>
+EPX_HOST_DEVICE inline bool loss_token(const T* logits, int E, std::size_t t, float* value, float* grad,
+                                       token_status* status, const T*& l, float*& g) {
+  l = logits + t * static_cast<std::size_t>(E);
+  g = grad != nullptr ? grad + t * static_cast<std::size_t>(E) : nullptr;
+  token_status st = token_ok();
+  const bool ok = check_logits(l, E, st);
+  status[t] = st;
+  if (ok) return true;
+  if (value != nullptr) value[t] = 0.0f;
+  if (g != nullptr)
+    for (int e = 0; e < E; ++e) g[e] = 0.0f;
+  return false;
+}
+
 // Switch/GShard, token t: q[t] = sum_e f_e p[t, e]; with `grad`, grad[t, e] = coef * p_e (f_e - q_t).
 template <class T>
 struct aux_token {
@@ -111,23 +129,15 @@ struct aux_token {
   token_status* status;
 
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
-    const T* l = logits + t * static_cast<std::size_t>(E);
-    float* g = grad != nullptr ? grad + t * static_cast<std::size_t>(E) : nullptr;
-    token_status st = token_ok();
-    if (!check_logits(l, E, st)) {
-      if (q != nullptr) q[t] = 0.0f;
-      if (g != nullptr)
-        for (int e = 0; e < E; ++e) g[e] = 0.0f;
-      status[t] = st;
-      return;
-    }
+    const T* l = nullptr;
+    float* g = nullptr;
+    if (!loss_token(logits, E, t, q, grad, status, l, g)) return;
     const softmax_f32 sm = softmax_of(E, [&](int e) { return convert<float>(l[e]); });
     float s = 0.0f;
     for (int e = 0; e < E; ++e) s += f[e] * sm.p(convert<float>(l[e]));
     if (q != nullptr) q[t] = s;
     if (g != nullptr)
       for (int e = 0; e < E; ++e) g[e] = coef * sm.p(convert<float>(l[e])) * (f[e] - s);
-    status[t] = st;
   }
 };
 
@@ -220,22 +230,14 @@ struct z_token {
   token_status* status;
 
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
-    const T* l = logits + t * static_cast<std::size_t>(E);
-    float* g = grad != nullptr ? grad + t * static_cast<std::size_t>(E) : nullptr;
-    token_status st = token_ok();
-    if (!check_logits(l, E, st)) {
-      if (z != nullptr) z[t] = 0.0f;
-      if (g != nullptr)
-        for (int e = 0; e < E; ++e) g[e] = 0.0f;
-      status[t] = st;
-      return;
-    }
+    const T* l = nullptr;
+    float* g = nullptr;
+    if (!loss_token(logits, E, t, z, grad, status, l, g)) return;
     const softmax_f32 sm = softmax_of(E, [&](int e) { return convert<float>(l[e]); });
     const float lse = sm.mx + log_f32(sm.z);
     if (z != nullptr) z[t] = lse;
     if (g != nullptr)
       for (int e = 0; e < E; ++e) g[e] = coef * lse * sm.p(convert<float>(l[e]));
-    status[t] = st;
   }
 };
 
