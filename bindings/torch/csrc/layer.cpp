@@ -208,10 +208,10 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> torch_layer:
   s->pos = epx::exec::make_buffer<std::int64_t>(ex, Nr * ks);
   epx::exec::copy_from_host(ex, off64.data(), off64.size(), local_offset.data());
   epx::exec::for_each_n(ex, static_cast<std::size_t>(L),
-                        epx::layout::masked_source_rows{plan.src_row.data(), plan.expert_offset.data(),
+                        epx::layout::masked_source_rows{plan.src_row.data(), plan.expert_offset(),
                                                         local_offset.data(), s->row_source.data(), first});
   epx::exec::for_each_n(ex, Nr * ks,
-                        epx::layout::masked_positions{id, plan.pos.data(), plan.expert_offset.data(),
+                        epx::layout::masked_positions{id, plan.pos.data(), plan.expert_offset(),
                                                       local_offset.data(), s->pos.data(), first, L});
   at::Tensor local = pool_.get(tensor_pool::rows, static_cast<std::int64_t>(R), static_cast<std::int64_t>(H),
                                scalar_type_of(dtype_));
