@@ -138,6 +138,9 @@ class torch_communicator {
       if (c == color) index = static_cast<int>(groups.size());
       groups.push_back(std::move(g));
     }
+    // One color holding every rank in order: the group itself (no new group; its timeout and
+    // shared memory stay its own).
+    if (groups.size() == 1) return torch_communicator(name_, world_rank_, world_size_);
     EPX_REQUIRE(static_cast<bool>(split_hook()), epx::errc::internal, "split: no group maker registered");
     std::string made;
     {
@@ -170,6 +173,16 @@ class torch_communicator {
   // this host and can map the others' segments. Returns whether it did (the same on every
   // rank). `required`: raise errc::configuration on every rank instead of falling back.
   bool enable_shared_memory(double timeout_s, bool required) {
+    // One exchange per process group, shared by every layer over it (their calls are ordered
+    // like any collectives on the group). Kept for the life of the process: whether a group
+    // has one then depends only on the calls made so far, the same on every rank.
+    static std::map<std::string, std::pair<std::shared_ptr<shm_exchange>, std::string>> made;
+    if (auto it = made.find(name_); it != made.end()) {
+      EPX_REQUIRE(it->second.first || !required, epx::errc::configuration,
+                  "transport='shm': the group's ranks cannot share memory: ", it->second.second);
+      shm_ = it->second.first;
+      return shm_ != nullptr;
+    }
     constexpr std::size_t rec = 16 + shm_exchange::name_len;
     const auto P = static_cast<std::size_t>(size());
     std::shared_ptr<shm_exchange> x;
@@ -219,6 +232,7 @@ class torch_communicator {
         if (why.empty()) why = epx::detail::concat("rank ", r, " could not map its peers' shared memory");
       }
     if (usable) x->unlink_control();  // every rank has mapped every control segment
+    made[name_] = {usable ? x : nullptr, why};
     EPX_REQUIRE(usable || !required, epx::errc::configuration,
                 "transport='shm': the group's ranks cannot share memory: ", why);
     shm_ = usable ? x : nullptr;
