@@ -98,19 +98,17 @@ class torch_communicator {
   // `world_size`: this process in the default group (for split and messages).
   torch_communicator(const std::string& group_name, int world_rank, int world_size)
       : name_(group_name), world_rank_(world_rank), world_size_(world_size) {
-    try {
-      pg_ = c10d::resolve_process_group(group_name);
-    } catch (const std::exception& e) {
-      throw epx::error(epx::errc::configuration,
-                       epx::detail::concat("no torch process group named '", group_name, "': ", e.what()), EPX_HERE);
-    }
+    auto pg = group();
+    rank_ = pg->getRank();
+    size_ = pg->getSize();
+    backend_ = pg->getBackendName();
     scratch_ = std::make_shared<scratch_pool>();
   }
 
-  int rank() const { return pg_->getRank(); }
-  int size() const { return pg_->getSize(); }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
   const std::string& name() const noexcept { return name_; }
-  std::string backend() const { return pg_->getBackendName(); }
+  const std::string& backend() const noexcept { return backend_; }
   int world_rank() const noexcept { return world_rank_; }
 
   torch_communicator split(int color, int key) const {
@@ -159,7 +157,7 @@ class torch_communicator {
     std::vector<at::Tensor> in = {view(send, count, t)};
     std::vector<std::vector<at::Tensor>> out(1);
     for (int r = 0; r < P; ++r) out[0].push_back(view(static_cast<std::byte*>(recv) + bytes(r * count, t), count, t));
-    run("all_gather", [&] { return pg_->allgather(out, in); });
+    run("all_gather", [&] { return group()->allgather(out, in); });
   }
 
   void all_to_all(const void* send, void* recv, std::size_t count, epx::datatype t) {
@@ -365,11 +363,11 @@ class torch_communicator {
     std::vector<at::Tensor> v = {view(data, count, t)};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    run("broadcast", [&] { return pg_->broadcast(v, o); });
+    run("broadcast", [&] { return group()->broadcast(v, o); });
   }
 
   void barrier() {
-    run("barrier", [&] { return pg_->barrier(); });
+    run("barrier", [&] { return group()->barrier(); });
   }
 
  private:
@@ -430,7 +428,7 @@ class torch_communicator {
       nr += recv_counts[p];
     }
     at::Tensor in = view(send, ns, t), out = view(recv, nr, t);
-    run("all_to_all", [&] { return pg_->all_to_all_single(out, in, rc, sc); });
+    run("all_to_all", [&] { return group()->all_to_all_single(out, in, rc, sc); });
   }
   static void sum_blocks(const std::byte* all, std::size_t P, void* recv, std::size_t count, epx::datatype t,
                          double scale) {
@@ -453,7 +451,22 @@ class torch_communicator {
     }
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  // The group, looked up by name for each call: the communicator keeps no reference, so a
+  // group destroyed by torch.distributed.destroy_process_group is gone (its collectives then
+  // raise here) and is never destroyed late, at interpreter exit, through a layer.
+  c10::intrusive_ptr<c10d::ProcessGroup> group() const {
+    try {
+      return c10d::resolve_process_group(name_);
+    } catch (const std::exception& e) {
+      throw epx::error(epx::errc::configuration,
+                       epx::detail::concat("no torch process group named '", name_,
+                                           "' (destroyed, or never made): ", e.what()),
+                       EPX_HERE);
+    }
+  }
+
+  int rank_ = 0, size_ = 0;
+  std::string backend_;
   std::shared_ptr<scratch_pool> scratch_;
   std::shared_ptr<shm_exchange> shm_;
   std::string name_;
