@@ -113,22 +113,35 @@ class shm_exchange {
   // One exchange. Blocks (peer p, segment i) of send_counts[p*nseg+i] elements at
   // send_displs[...] go to peer p, which stores them at its recv_displs[me*nseg+i]; counts
   // and displacements in bytes here.
+  // Where the next exchange with `nseg` segments per peer may take its send buffer of
+  // `bytes` bytes in place (no copy): a sender that writes its blocks there (at their
+  // send_displs) and passes this pointer as `send` saves the copy of step 1.
+  std::byte* outbox(std::size_t bytes, std::size_t nseg) {
+    const std::size_t table = round_up(2 * static_cast<std::size_t>(size_) * nseg * sizeof(std::uint64_t));
+    return own_buffer(static_cast<int>(calls_ % 2), table + bytes) + table;
+  }
+
   void exchange(const std::byte* send, const std::size_t* send_counts, const std::size_t* send_displs,
                 std::byte* recv, const std::size_t* recv_counts, const std::size_t* recv_displs, std::size_t nseg) {
     const auto P = static_cast<std::size_t>(size_);
     const int b = static_cast<int>(calls_ % 2);
-    ++calls_;
     // 1. The table ([P][nseg] offsets into the buffer, then counts) and the blocks.
-    const std::size_t table = 2 * P * nseg * sizeof(std::uint64_t);
+    const std::size_t table = round_up(2 * P * nseg * sizeof(std::uint64_t));
+    const bool in_place = mine_[b].ptr != nullptr && send == mine_[b].ptr + table;
     std::size_t total = table;
-    for (std::size_t j = 0; j < P * nseg; ++j) total += round_up(send_counts[j]);
-    std::byte* buf = own_buffer(b, total);
+    for (std::size_t j = 0; j < P * nseg; ++j) total += in_place ? 0 : round_up(send_counts[j]);
+    std::byte* buf = in_place ? mine_[b].ptr : own_buffer(b, total);
+    ++calls_;
     auto* off = reinterpret_cast<std::uint64_t*>(buf);
     auto* cnt = off + P * nseg;
     std::size_t at = table;
     for (std::size_t j = 0; j < P * nseg; ++j) {
-      off[j] = at;
       cnt[j] = send_counts[j];
+      if (in_place) {
+        off[j] = table + send_displs[j];
+        continue;
+      }
+      off[j] = at;
       if (send_counts[j]) std::memcpy(buf + at, send + send_displs[j], send_counts[j]);
       at += round_up(send_counts[j]);
     }

@@ -237,6 +237,10 @@ class torch_communicator {
     return usable;
   }
   bool shared_memory() const noexcept { return shm_ != nullptr; }
+  // With shared memory: a buffer of `bytes` bytes that the next all_to_allv_segments (with
+  // `nseg` segments) sends from without copying, when the caller builds its send buffer
+  // there and passes it. Null without shared memory.
+  void* outbox(std::size_t bytes, std::size_t nseg) { return shm_ ? shm_->outbox(bytes, nseg) : nullptr; }
 
   void all_to_allv(const void* send, const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
                    const std::size_t* recv_counts, const std::size_t* recv_displs, epx::datatype t) {
