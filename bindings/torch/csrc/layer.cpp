@@ -165,12 +165,17 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> torch_layer:
     s->seg = epx::detail::segments_of(s->layout, me);
     // 4. Rows into send order, then the segmented all-to-all lands them expert-major.
     const at::ScalarType st = scalar_type_of(dtype_);
-    at::Tensor send = pool_.get(tensor_pool::send, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
+    // With shared memory the rows are gathered straight into the exchange's buffer.
+    at::Tensor send;
+    T* sp = static_cast<T*>(ep_->outbox(S * H * sizeof(T), static_cast<std::size_t>(L)));
+    if (sp == nullptr) {
+      send = pool_.get(tensor_pool::send, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
+      sp = ptr<T>(send);
+    }
     at::Tensor recv = pool_.get(tensor_pool::rows, static_cast<std::int64_t>(R), static_cast<std::int64_t>(H), st);
-    epx::kernels::gather(ex, S, H, xp + sl.begin * H, static_cast<const std::int64_t*>(plan.src_row.data()),
-                         ptr<T>(send));
+    epx::kernels::gather(ex, S, H, xp + sl.begin * H, static_cast<const std::int64_t*>(plan.src_row.data()), sp);
     epx::detail::zero_padding(ex, ptr<T>(recv), s->layout, me, H);
-    epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(send)), epx::make_span(s->seg.send_counts),
+    epx::all_to_allv_segments(*ep_, static_cast<const T*>(sp), epx::make_span(s->seg.send_counts),
                               epx::make_span(s->seg.send_displs), ptr<T>(recv), epx::make_span(s->seg.recv_counts),
                               epx::make_span(s->seg.recv_displs), static_cast<std::size_t>(L), H);
     s->weights_at = pool_.get(tensor_pool::weights, 1, static_cast<std::int64_t>(S), at::kFloat)[0];  // per send position
@@ -302,16 +307,21 @@ std::tuple<at::Tensor, at::Tensor> torch_layer::combine_backward_t(dispatch_stat
     const std::size_t n = sl.size(), S = n * ks;
     // grad_y rows in send order: w * grad_out of the position's row; grad_w from the
     // outputs kept in send order.
-    at::Tensor send = pool_.get(tensor_pool::grad_send, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
+    at::Tensor send;
+    T* sp = static_cast<T*>(ep_->outbox(S * H * sizeof(T), static_cast<std::size_t>(L)));
+    if (sp == nullptr) {
+      send = pool_.get(tensor_pool::grad_send, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
+      sp = ptr<T>(send);
+    }
     float* gw = ptr<float>(grad_w);
     epx::exec::fill_zero(ex, gw, sl.begin * ks);
     epx::exec::fill_zero(ex, gw + sl.end * ks, (N - sl.end) * ks);
     epx::kernels::gather(ex, S, H, g + sl.begin * H, static_cast<const std::int64_t*>(s.src_row.data()),
-                         ptr<const float>(s.weights_at), ptr<T>(send));
+                         ptr<const float>(s.weights_at), sp);
     epx::kernels::weight_gradients(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(s.y)), g + sl.begin * H,
                                    static_cast<const std::int64_t*>(s.pos.data()), ptr<float>(grad_w) + sl.begin * ks);
     epx::detail::zero_padding(ex, ptr<T>(grad_rows), s.layout, me, H);
-    epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(send)), epx::make_span(s.seg.send_counts),
+    epx::all_to_allv_segments(*ep_, static_cast<const T*>(sp), epx::make_span(s.seg.send_counts),
                               epx::make_span(s.seg.send_displs), ptr<T>(grad_rows),
                               epx::make_span(s.seg.recv_counts), epx::make_span(s.seg.recv_displs),
                               static_cast<std::size_t>(L), H);

@@ -17,7 +17,9 @@
 // Names are /epx.<pid>.<n>. The control segments' names are removed right after setup; a
 // data buffer's name by the last peer that maps it (every peer maps a new buffer in the
 // exchange that publishes it), so no name outlives its exchange, whenever a rank's
-// communicator is destroyed.
+// communicator is destroyed; when a rank times out (a peer died or never called), every
+// rank that notices removes its own names. Only a rank killed in the middle of an exchange
+// leaves a name behind.
 #pragma once
 
 #include <fcntl.h>
@@ -73,6 +75,7 @@ class shm_exchange {
   }
 
   ~shm_exchange() {
+    if (own_ != nullptr && peers_[0].ctl != nullptr && peers_[0].ctl->failed.load() != 0) drop_names();
     for (auto& p : peers_) {
       if (p.ctl != nullptr && p.ctl != own_) munmap(p.ctl, sizeof(control));
       for (auto& b : p.buf)
@@ -110,22 +113,35 @@ class shm_exchange {
   // One exchange. Blocks (peer p, segment i) of send_counts[p*nseg+i] elements at
   // send_displs[...] go to peer p, which stores them at its recv_displs[me*nseg+i]; counts
   // and displacements in bytes here.
+  // Where the next exchange with `nseg` segments per peer may take its send buffer of
+  // `bytes` bytes in place (no copy): a sender that writes its blocks there (at their
+  // send_displs) and passes this pointer as `send` saves the copy of step 1.
+  std::byte* outbox(std::size_t bytes, std::size_t nseg) {
+    const std::size_t table = round_up(2 * static_cast<std::size_t>(size_) * nseg * sizeof(std::uint64_t));
+    return own_buffer(static_cast<int>(calls_ % 2), table + bytes) + table;
+  }
+
   void exchange(const std::byte* send, const std::size_t* send_counts, const std::size_t* send_displs,
                 std::byte* recv, const std::size_t* recv_counts, const std::size_t* recv_displs, std::size_t nseg) {
     const auto P = static_cast<std::size_t>(size_);
     const int b = static_cast<int>(calls_ % 2);
-    ++calls_;
     // 1. The table ([P][nseg] offsets into the buffer, then counts) and the blocks.
-    const std::size_t table = 2 * P * nseg * sizeof(std::uint64_t);
+    const std::size_t table = round_up(2 * P * nseg * sizeof(std::uint64_t));
+    const bool in_place = mine_[b].ptr != nullptr && send == mine_[b].ptr + table;
     std::size_t total = table;
-    for (std::size_t j = 0; j < P * nseg; ++j) total += round_up(send_counts[j]);
-    std::byte* buf = own_buffer(b, total);
+    for (std::size_t j = 0; j < P * nseg; ++j) total += in_place ? 0 : round_up(send_counts[j]);
+    std::byte* buf = in_place ? mine_[b].ptr : own_buffer(b, total);
+    ++calls_;
     auto* off = reinterpret_cast<std::uint64_t*>(buf);
     auto* cnt = off + P * nseg;
     std::size_t at = table;
     for (std::size_t j = 0; j < P * nseg; ++j) {
-      off[j] = at;
       cnt[j] = send_counts[j];
+      if (in_place) {
+        off[j] = table + send_displs[j];
+        continue;
+      }
+      off[j] = at;
       if (send_counts[j]) std::memcpy(buf + at, send + send_displs[j], send_counts[j]);
       at += round_up(send_counts[j]);
     }
@@ -177,9 +193,11 @@ class shm_exchange {
     }
     const auto t0 = std::chrono::steady_clock::now();
     for (unsigned spin = 0; c0->sense.load(std::memory_order_acquire) != s; ++spin) {
-      if (c0->failed.load(std::memory_order_relaxed) != 0)
+      if (c0->failed.load(std::memory_order_relaxed) != 0) {
+        drop_names();
         throw epx::error(epx::errc::communicator,
                          "shared-memory all-to-all: another rank of the group timed out waiting", EPX_HERE);
+      }
       if (spin < 128) continue;
       // Sleep until the last rank flips the sense (or 20 ms pass, to check the timeout): the
       // ranks often outnumber the cores, and a spinning waiter takes a core from the others.
@@ -187,6 +205,7 @@ class shm_exchange {
       futex(&c0->sense, FUTEX_WAIT, 1u - s, &ts);
       if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > timeout_) {
         c0->failed.store(1, std::memory_order_relaxed);
+        drop_names();
         throw epx::error(epx::errc::communicator,
                          epx::detail::concat("shared-memory all-to-all: rank ", rank_, " waited more than ", timeout_,
                                              " s for the other ranks of its group (one died or did not call)"),
@@ -200,6 +219,7 @@ class shm_exchange {
     std::byte* ptr = nullptr;
     std::size_t bytes = 0;
     std::uint64_t generation = 0;
+    std::string name;  // own buffers: the name peers open
   };
   struct peer {
     control* ctl = nullptr;
@@ -207,6 +227,16 @@ class shm_exchange {
   };
 
   static std::size_t round_up(std::size_t n) { return (n + 63) / 64 * 64; }
+
+  // The group is broken (a rank timed out): remove this rank's buffer names now, since the
+  // peers that would have removed them may never map them.
+  void drop_names() {
+    for (auto& m : mine_)
+      if (!m.name.empty()) {
+        shm_unlink(m.name.c_str());
+        m.name.clear();
+      }
+  }
 
   // futex on a word of a shared mapping (not FUTEX_PRIVATE: the waiters are processes).
   static long futex(std::atomic<std::uint32_t>* word, int op, std::uint32_t val, const timespec* ts) {
@@ -264,6 +294,7 @@ class shm_exchange {
     if (m.ptr != nullptr) munmap(m.ptr, m.bytes);
     m.ptr = p;
     m.bytes = want;
+    m.name = name;
     slot_info& s = own_->slot[b];
     s.bytes = want;
     std::memset(s.name, 0, name_len);

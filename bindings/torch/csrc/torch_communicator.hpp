@@ -98,19 +98,17 @@ class torch_communicator {
   // `world_size`: this process in the default group (for split and messages).
   torch_communicator(const std::string& group_name, int world_rank, int world_size)
       : name_(group_name), world_rank_(world_rank), world_size_(world_size) {
-    try {
-      pg_ = c10d::resolve_process_group(group_name);
-    } catch (const std::exception& e) {
-      throw epx::error(epx::errc::configuration,
-                       epx::detail::concat("no torch process group named '", group_name, "': ", e.what()), EPX_HERE);
-    }
+    auto pg = group();
+    rank_ = pg->getRank();
+    size_ = pg->getSize();
+    backend_ = pg->getBackendName();
     scratch_ = std::make_shared<scratch_pool>();
   }
 
-  int rank() const { return pg_->getRank(); }
-  int size() const { return pg_->getSize(); }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
   const std::string& name() const noexcept { return name_; }
-  std::string backend() const { return pg_->getBackendName(); }
+  const std::string& backend() const noexcept { return backend_; }
   int world_rank() const noexcept { return world_rank_; }
 
   torch_communicator split(int color, int key) const {
@@ -138,6 +136,9 @@ class torch_communicator {
       if (c == color) index = static_cast<int>(groups.size());
       groups.push_back(std::move(g));
     }
+    // One color holding every rank in order: the group itself (no new group; its timeout and
+    // shared memory stay its own).
+    if (groups.size() == 1) return torch_communicator(name_, world_rank_, world_size_);
     EPX_REQUIRE(static_cast<bool>(split_hook()), epx::errc::internal, "split: no group maker registered");
     std::string made;
     {
@@ -156,7 +157,7 @@ class torch_communicator {
     std::vector<at::Tensor> in = {view(send, count, t)};
     std::vector<std::vector<at::Tensor>> out(1);
     for (int r = 0; r < P; ++r) out[0].push_back(view(static_cast<std::byte*>(recv) + bytes(r * count, t), count, t));
-    run("all_gather", [&] { return pg_->allgather(out, in); });
+    run("all_gather", [&] { return group()->allgather(out, in); });
   }
 
   void all_to_all(const void* send, void* recv, std::size_t count, epx::datatype t) {
@@ -170,6 +171,16 @@ class torch_communicator {
   // this host and can map the others' segments. Returns whether it did (the same on every
   // rank). `required`: raise errc::configuration on every rank instead of falling back.
   bool enable_shared_memory(double timeout_s, bool required) {
+    // One exchange per process group, shared by every layer over it (their calls are ordered
+    // like any collectives on the group). Kept for the life of the process: whether a group
+    // has one then depends only on the calls made so far, the same on every rank.
+    static std::map<std::string, std::pair<std::shared_ptr<shm_exchange>, std::string>> made;
+    if (auto it = made.find(name_); it != made.end()) {
+      EPX_REQUIRE(it->second.first || !required, epx::errc::configuration,
+                  "transport='shm': the group's ranks cannot share memory: ", it->second.second);
+      shm_ = it->second.first;
+      return shm_ != nullptr;
+    }
     constexpr std::size_t rec = 16 + shm_exchange::name_len;
     const auto P = static_cast<std::size_t>(size());
     std::shared_ptr<shm_exchange> x;
@@ -219,12 +230,17 @@ class torch_communicator {
         if (why.empty()) why = epx::detail::concat("rank ", r, " could not map its peers' shared memory");
       }
     if (usable) x->unlink_control();  // every rank has mapped every control segment
+    made[name_] = {usable ? x : nullptr, why};
     EPX_REQUIRE(usable || !required, epx::errc::configuration,
                 "transport='shm': the group's ranks cannot share memory: ", why);
     shm_ = usable ? x : nullptr;
     return usable;
   }
   bool shared_memory() const noexcept { return shm_ != nullptr; }
+  // With shared memory: a buffer of `bytes` bytes that the next all_to_allv_segments (with
+  // `nseg` segments) sends from without copying, when the caller builds its send buffer
+  // there and passes it. Null without shared memory.
+  void* outbox(std::size_t bytes, std::size_t nseg) { return shm_ ? shm_->outbox(bytes, nseg) : nullptr; }
 
   void all_to_allv(const void* send, const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
                    const std::size_t* recv_counts, const std::size_t* recv_displs, epx::datatype t) {
@@ -351,11 +367,11 @@ class torch_communicator {
     std::vector<at::Tensor> v = {view(data, count, t)};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    run("broadcast", [&] { return pg_->broadcast(v, o); });
+    run("broadcast", [&] { return group()->broadcast(v, o); });
   }
 
   void barrier() {
-    run("barrier", [&] { return pg_->barrier(); });
+    run("barrier", [&] { return group()->barrier(); });
   }
 
  private:
@@ -416,7 +432,7 @@ class torch_communicator {
       nr += recv_counts[p];
     }
     at::Tensor in = view(send, ns, t), out = view(recv, nr, t);
-    run("all_to_all", [&] { return pg_->all_to_all_single(out, in, rc, sc); });
+    run("all_to_all", [&] { return group()->all_to_all_single(out, in, rc, sc); });
   }
   static void sum_blocks(const std::byte* all, std::size_t P, void* recv, std::size_t count, epx::datatype t,
                          double scale) {
@@ -439,7 +455,22 @@ class torch_communicator {
     }
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  // The group, looked up by name for each call: the communicator keeps no reference, so a
+  // group destroyed by torch.distributed.destroy_process_group is gone (its collectives then
+  // raise here) and is never destroyed late, at interpreter exit, through a layer.
+  c10::intrusive_ptr<c10d::ProcessGroup> group() const {
+    try {
+      return c10d::resolve_process_group(name_);
+    } catch (const std::exception& e) {
+      throw epx::error(epx::errc::configuration,
+                       epx::detail::concat("no torch process group named '", name_,
+                                           "' (destroyed, or never made): ", e.what()),
+                       EPX_HERE);
+    }
+  }
+
+  int rank_ = 0, size_ = 0;
+  std::string backend_;
   std::shared_ptr<scratch_pool> scratch_;
   std::shared_ptr<shm_exchange> shm_;
   std::string name_;

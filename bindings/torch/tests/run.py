@@ -55,6 +55,17 @@ def main() -> None:
 
         for name, fn in bench.cases(W):
             harness.run(name, fn)
+    def no_shm_names_left():
+        # Every buffer name is removed once mapped (or on a timeout): none of this process's.
+        import glob
+        import torch.distributed as dist
+
+        dist.barrier()
+        left = glob.glob(f"/dev/shm/epx.{os.getpid()}.*")
+        if left:
+            raise AssertionError(f"shared-memory names left behind: {left}")
+
+    harness.run("no shared-memory names left in /dev/shm", no_shm_names_left)
     _, failed = harness.summary()
     harness.finish(failed)
 
