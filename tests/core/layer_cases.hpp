@@ -454,6 +454,20 @@ struct raised {
   std::string message;
 };
 
+// Runs f and returns what it raised (an epx::error), or nothing.
+template <class F>
+raised capture(F&& f) {
+  raised r;
+  try {
+    f();
+  } catch (const error& e) {
+    r.thrown = true;
+    r.category = e.category();
+    r.message = e.what();
+  }
+  return r;
+}
+
 // Rank `bad_rank` (world rank) feeds bad input of kind `kind`; returns what this rank raised.
 template <class Comm, class T, class Impl = impl::all_to_all>
 raised run_bad_input(Comm& world, const layer_case& c, bad_input kind, int bad_rank) {

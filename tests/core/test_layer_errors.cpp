@@ -116,15 +116,10 @@ template <class Impl = epx::impl::all_to_all>
 void expect_configuration_error(int world, epx::mesh_config mc, epx::layer_options o, const std::string& words) {
   std::vector<raised> seen(static_cast<std::size_t>(world));
   epx::threads::run(world, [&](comm_t& comm) {
-    raised r;
-    try {
+    const raised r = epx::test::capture([&] {
       const epx::mesh m(mc);
       epx::moe_layer<comm_t, float, Impl> layer(m, comm, o);
-    } catch (const epx::error& e) {
-      r.thrown = true;
-      r.category = e.category();
-      r.message = e.what();
-    }
+    });
     seen[static_cast<std::size_t>(comm.rank())] = r;
   });
   for (const auto& s : seen) {
@@ -185,15 +180,10 @@ std::vector<raised> construct_each(int world, const std::function<epx::mesh_conf
   epx::threads::run(
       world,
       [&](comm_t& comm) {
-        raised r;
-        try {
+        const raised r = epx::test::capture([&] {
           const epx::mesh m(mine(comm.rank()));
           epx::moe_layer<comm_t, float> layer(m, comm, o);
-        } catch (const epx::error& e) {
-          r.thrown = true;
-          r.category = e.category();
-          r.message = e.what();
-        }
+        });
         seen[static_cast<std::size_t>(comm.rank())] = r;
       },
       opts);
@@ -240,17 +230,12 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
   SUBCASE("one rank's own configuration is bad: every rank hears it") {
     std::vector<raised> seen(4);
     epx::threads::run(4, [&](comm_t& comm) {
-      raised x;
-      try {
+      const raised x = epx::test::capture([&] {
         const epx::mesh m(epx::mesh_config{1, 4, 1, 1, 4, 8, 0});
         epx::layer_options mine = o;
         if (comm.rank() == 2) mine.top_k = 9;  // more than the 8 experts
         epx::moe_layer<comm_t, float> layer(m, comm, mine);
-      } catch (const epx::error& e) {
-        x.thrown = true;
-        x.category = e.category();
-        x.message = e.what();
-      }
+      });
       seen[static_cast<std::size_t>(comm.rank())] = x;
     });
     for (const auto& x : seen) {
@@ -301,8 +286,7 @@ TEST_CASE("framework constructor: the caller's ep and tp communicators, checked 
           4,
           [&](comm_t& comm) {
             const epx::mesh m(mc);
-            raised x;
-            try {
+            const raised x = epx::test::capture([&] {
               comm_t ep = epx::sub_communicator(comm, m, epx::group_kind::ep);
               comm_t tp = epx::sub_communicator(comm, m, epx::group_kind::tp);
               if (variant == 0) {
@@ -315,11 +299,7 @@ TEST_CASE("framework constructor: the caller's ep and tp communicators, checked 
               } else {
                 epx::moe_layer<comm_t, float> l(m, (comm.rank() + 1) % 4, std::move(ep), std::move(tp), o);  // wrong world rank
               }
-            } catch (const epx::error& e) {
-              x.thrown = true;
-              x.category = e.category();
-              x.message = e.what();
-            }
+            });
             seen[static_cast<std::size_t>(comm.rank())] = x;
           },
           opts);

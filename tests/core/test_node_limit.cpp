@@ -11,6 +11,7 @@
 
 #include "epx/comm/threads.hpp"
 #include "epx/epx.hpp"
+#include "core/routing_cases.hpp"
 #include "support/reference.hpp"
 
 namespace ref = epx::ref;
@@ -18,20 +19,9 @@ namespace routing = epx::routing;
 
 namespace {
 
-constexpr double near_tie = 1e-4;
-
-struct lib_routing {
-  std::vector<std::int32_t> ids;
-  std::vector<float> weights;
-};
-
-template <class T, class Policy, class Exec>
-lib_routing run_route(const Policy& p, const Exec& ex, const std::vector<T>& logits, std::size_t N, int E, int k) {
-  lib_routing r{std::vector<std::int32_t>(N * k, -7), std::vector<float>(N * k, -7.0f)};
-  routing::route(p, ex, epx::span<const T>(logits.data(), logits.size()), E, k, epx::make_span(r.ids),
-                 epx::make_span(r.weights));
-  return r;
-}
+using epx::test::lib_routing;
+using epx::test::near_tie;
+using epx::test::run_route;
 
 ref::node_limit_params ref_limit(const routing::node_limit& nl) { return {nl.nodes, nl.max_nodes}; }
 

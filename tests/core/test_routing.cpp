@@ -10,6 +10,7 @@
 #include <string>
 
 #include "epx/routing/routing.hpp"
+#include "core/routing_cases.hpp"
 #include "support/reference.hpp"
 
 namespace ref = epx::ref;
@@ -17,21 +18,9 @@ namespace routing = epx::routing;
 
 namespace {
 
-// Below this selection margin float32 and float64 may legitimately pick different experts.
-constexpr double near_tie = 1e-4;
-
-struct lib_routing {
-  std::vector<std::int32_t> ids;
-  std::vector<float> weights;
-};
-
-template <class T, class Policy, class Exec>
-lib_routing run_route(const Policy& p, const Exec& ex, const std::vector<T>& logits, std::size_t N, int E, int k) {
-  lib_routing r{std::vector<std::int32_t>(N * k, -7), std::vector<float>(N * k, -7.0f)};
-  routing::route(p, ex, epx::span<const T>(logits.data(), logits.size()), E, k, epx::make_span(r.ids),
-                 epx::make_span(r.weights));
-  return r;
-}
+using epx::test::lib_routing;
+using epx::test::near_tie;
+using epx::test::run_route;
 
 template <class T, class Policy, class Exec>
 std::vector<float> run_backward(const Policy& p, const Exec& ex, const std::vector<T>& logits, std::size_t N, int E,

@@ -12,11 +12,14 @@
 #include <cstring>
 #include <vector>
 
+#include "cuda/support/device.hpp"
 #include "epx/core/fp8.hpp"
 #include "epx/core/numeric.hpp"
 #include "epx/exec/cuda.cuh"
 #include "epx/exec/host.hpp"
 #include "epx/kernels/fp8.hpp"
+
+using namespace epx::test::cuda;
 
 namespace {
 
@@ -47,31 +50,9 @@ __global__ void decode_all_codes(unsigned* epx_bits, unsigned* cuda_bits) {
   cuda_bits[b] = __float_as_uint(static_cast<float>(c));
 }
 
-struct test_stream {
-  cudaStream_t s = nullptr;
-  test_stream() { EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~test_stream() { (void)cudaStreamDestroy(s); }
-  epx::exec::cuda policy() const { return epx::exec::cuda{s}; }
-};
 
-template <class T>
-epx::exec::device_buffer<T> to_device(const epx::exec::cuda& p, const std::vector<T>& v) {
-  epx::exec::device_buffer<T> b(v.size(), p);
-  epx::exec::copy_from_host(p, v.data(), v.size(), b.data());
-  return b;
-}
 
-template <class T>
-std::vector<T> to_host(const epx::exec::cuda& p, const T* d, std::size_t n) {
-  std::vector<T> v(n);
-  epx::exec::copy_to_host(p, d, n, v.data());
-  return v;
-}
 
-template <class T>
-bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
 
 template <class T>
 void check_rows(const epx::exec::cuda& dev) {
@@ -111,9 +92,9 @@ void check_rows(const epx::exec::cuda& dev) {
   const auto sc = to_host(dev, ds.data(), ds.size());
   const auto out = to_host(dev, dout.data(), dout.size());
   epx::exec::synchronize(dev);
-  CHECK(same_bytes(q, hq));
-  CHECK(same_bytes(sc, hs));
-  CHECK(same_bytes(out, ho));
+  CHECK(same_bits(q, hq));
+  CHECK(same_bits(sc, hs));
+  CHECK(same_bits(out, ho));
 }
 
 }  // namespace

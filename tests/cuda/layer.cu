@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/support/device.hpp"
 #include "epx/comm/nccl.cuh"
 #include "epx/exec/cuda.cuh"
 #include "epx/grad/hooks.hpp"
@@ -23,29 +24,13 @@
 #define EPX_TEST_HAVE_LAYER 1
 #endif
 
+using namespace epx::test::cuda;
+
 namespace {
 
-using epx::exec::device_buffer;
 
-struct test_stream {
-  cudaStream_t s = nullptr;
-  test_stream() { EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~test_stream() { (void)cudaStreamDestroy(s); }
-};
 
-template <class T>
-device_buffer<T> to_device(const epx::exec::cuda& p, const std::vector<T>& v) {
-  device_buffer<T> b(v.size(), p);
-  epx::exec::copy_from_host(p, v.data(), v.size(), b.data());
-  return b;
-}
 
-template <class T>
-std::vector<T> to_host(const epx::exec::cuda& p, const T* d, std::size_t n) {
-  std::vector<T> v(n);
-  epx::exec::copy_to_host(p, d, n, v.data());
-  return v;
-}
 
 }  // namespace
 

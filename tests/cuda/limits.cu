@@ -9,34 +9,19 @@
 #include <random>
 #include <vector>
 
+#include "cuda/support/device.hpp"
 #include "epx/exec/cuda.cuh"
 #include "epx/impl/limits.hpp"
 #include "epx/routing/balance.hpp"
 #include "epx/routing/routing.hpp"
 
+using namespace epx::test::cuda;
+
 namespace {
 
-using epx::exec::device_buffer;
 
-struct test_stream {
-  cudaStream_t s = nullptr;
-  test_stream() { EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~test_stream() { (void)cudaStreamDestroy(s); }
-};
 
-template <class T>
-device_buffer<T> to_device(const epx::exec::cuda& p, const std::vector<T>& v) {
-  device_buffer<T> b(v.size(), p);
-  epx::exec::copy_from_host(p, v.data(), v.size(), b.data());
-  return b;
-}
 
-template <class T>
-std::vector<T> to_host(const epx::exec::cuda& p, const T* d, std::size_t n) {
-  std::vector<T> v(n);
-  epx::exec::copy_to_host(p, d, n, v.data());
-  return v;
-}
 
 std::vector<std::int32_t> skewed_ids(std::size_t n, int k, int E, unsigned seed) {
   std::mt19937 g(seed);

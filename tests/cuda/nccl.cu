@@ -17,12 +17,14 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/support/device.hpp"
 #include "epx/comm/collectives.hpp"
 #include "epx/comm/nccl.cuh"
 #include "epx/exec/cuda.cuh"
 
 namespace {
 
+using epx::test::cuda::test_stream;
 using epx::datatype;
 using epx::exec::device_buffer;
 using epx::nccl::communicator;
@@ -50,12 +52,6 @@ communicator world_of_one(bool blocking, cudaStream_t s) {
   o.timeout = std::chrono::seconds(60);
   return communicator::from_unique_id(id, 1, 0, -1, s, o);
 }
-
-struct test_stream {
-  cudaStream_t s = nullptr;
-  test_stream() { EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~test_stream() { (void)cudaStreamDestroy(s); }
-};
 
 }  // namespace
 
