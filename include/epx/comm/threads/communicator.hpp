@@ -164,27 +164,39 @@ class communicator {
     const int n = size();
     std::vector<const void*> srcs(static_cast<std::size_t>(n));
     const std::size_t es = size_of(t);
+    const bool direct = world_->memory().host_accessible;
+    // Blocks of the chunk: sum into our recv, then copy to the peers' recv. Each block of
+    // every send buffer is read before the same block of any recv buffer is written, so
+    // send == recv works. Memory the host cannot read is staged: the members' blocks are
+    // copied to the host, summed there and the sum copied back.
+    constexpr std::size_t block = 16 * 1024;
+    std::vector<char> staged;
+    if (!direct) staged.resize((static_cast<std::size_t>(n) + 1) * block * es);
     enter_and_finish(d, [&] {
       // This rank's chunk, in whole 64-element pieces so chunks do not share cache lines.
       const std::size_t pieces = (count + 63) / 64;
       const std::size_t begin = std::min(count, pieces * static_cast<std::size_t>(rank_) / n * 64);
       const std::size_t end = std::min(count, pieces * static_cast<std::size_t>(rank_ + 1) / n * 64);
-      // Blocks of the chunk: sum into our recv, then copy to the peers' recv. Each block of
-      // every send buffer is read before the same block of any recv buffer is written, so
-      // send == recv works.
-      constexpr std::size_t block = 16 * 1024;
       for (std::size_t b = begin; b < end; b += block) {
         const std::size_t m = std::min(block, end - b);
-        for (int k = 0; k < n; ++k)
-          srcs[static_cast<std::size_t>(k)] = static_cast<const char*>(slot(k).send) + b * es;
-        char* mine = static_cast<char*>(recv) + b * es;
-        detail::reduce_sum(t, srcs.data(), n, mine, m, scale);
-        for (int k = 1; k < n; ++k) {
+        char* sum = direct ? static_cast<char*>(recv) + b * es : staged.data() + static_cast<std::size_t>(n) * block * es;
+        for (int k = 0; k < n; ++k) {
+          const char* src = static_cast<const char*>(slot(k).send) + b * es;
+          if (!direct) {
+            char* host = staged.data() + static_cast<std::size_t>(k) * block * es;
+            copy_bytes(host, src, m * es);
+            src = host;
+          }
+          srcs[static_cast<std::size_t>(k)] = src;
+        }
+        detail::reduce_sum(t, srcs.data(), n, sum, m, scale);
+        for (int k = direct ? 1 : 0; k < n; ++k) {
           const int p = (rank_ + k) % n;
-          copy_bytes(static_cast<char*>(slot(p).recv) + b * es, mine, m * es);
+          copy_bytes(static_cast<char*>(slot(p).recv) + b * es, sum, m * es);
         }
       }
     });
+    throw_if_copy_failed("all_reduce");
   }
 
   // send holds size()*recv_count elements; block r, summed over ranks and times scale,
@@ -195,12 +207,28 @@ class communicator {
     const int n = size();
     std::vector<const void*> srcs(static_cast<std::size_t>(n));
     const std::size_t es = size_of(t);
+    const bool direct = world_->memory().host_accessible;
+    std::vector<char> staged;
+    if (!direct) staged.resize((static_cast<std::size_t>(n) + 1) * recv_count * es);
     enter_and_finish(d, [&] {
-      for (int k = 0; k < n; ++k)
-        srcs[static_cast<std::size_t>(k)] =
-            static_cast<const char*>(slot(k).send) + static_cast<std::size_t>(rank_) * recv_count * es;
-      detail::reduce_sum(t, srcs.data(), n, recv, recv_count, scale);
+      for (int k = 0; k < n; ++k) {
+        const char* src = static_cast<const char*>(slot(k).send) + static_cast<std::size_t>(rank_) * recv_count * es;
+        if (!direct) {
+          char* host = staged.data() + static_cast<std::size_t>(k) * recv_count * es;
+          copy_bytes(host, src, recv_count * es);
+          src = host;
+        }
+        srcs[static_cast<std::size_t>(k)] = src;
+      }
+      if (direct) {
+        detail::reduce_sum(t, srcs.data(), n, recv, recv_count, scale);
+      } else {
+        char* sum = staged.data() + static_cast<std::size_t>(n) * recv_count * es;
+        detail::reduce_sum(t, srcs.data(), n, sum, recv_count, scale);
+        copy_bytes(recv, sum, recv_count * es);
+      }
     });
+    throw_if_copy_failed("reduce_scatter");
   }
 
   // recv holds size()*count elements: block p is rank p's send.
@@ -357,8 +385,25 @@ class communicator {
   // Rank r's slot for the collective in progress (this rank's sequence number's parity).
   detail::threads_slot& slot(int r) const noexcept { return group_->slot(group_->entered(rank_), r); }
 
-  static void copy_bytes(void* dst, const void* src, std::size_t bytes) noexcept {
-    if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
+  // Every block a collective moves goes through here: memcpy, or the run's memory copy
+  // (threads::memory), whose failure is remembered and raised once the collective is over
+  // (throw_if_copy_failed), so that no member is left waiting.
+  void copy_bytes(void* dst, const void* src, std::size_t bytes) const noexcept {
+    if (bytes == 0 || dst == src) return;
+    const auto copy = world_->memory().copy;
+    if (copy == nullptr) {
+      std::memcpy(dst, src, bytes);
+    } else if (!copy(dst, src, bytes)) {
+      copy_failed_ = true;
+    }
+  }
+
+  void throw_if_copy_failed(const char* op) const {
+    if (!copy_failed_) return;
+    copy_failed_ = false;
+    const char* name = world_->memory().name;
+    EPX_THROW(errc::communicator, op, ": copying a block between the ranks' buffers failed (memory '",
+              name ? name : "?", "') on ", who(rank_));
   }
 
   static void require_buffer(const void* p, std::size_t count, const char* op, const char* what) {
@@ -498,6 +543,7 @@ class communicator {
     const std::string mismatch = checked_match();
     wait_exit();
     if (!mismatch.empty()) EPX_THROW(errc::communicator, mismatch);
+    throw_if_copy_failed(to_string(d.op));
   }
 
   // Whether peer p's published call agrees with ours on what we read from it
@@ -519,6 +565,7 @@ class communicator {
   std::shared_ptr<detail::threads_world> world_;
   std::shared_ptr<detail::threads_group> group_;
   int rank_ = 0;
+  mutable bool copy_failed_ = false;  // a memory copy of the collective in progress failed
 };
 
 }  // namespace threads

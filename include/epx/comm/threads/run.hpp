@@ -29,7 +29,10 @@ void run(int n, F&& f, const options& opts = {}) {
   EPX_REQUIRE(n >= 1, errc::configuration, "threads::run: number of ranks (", n, ") must be at least 1");
   EPX_REQUIRE(opts.timeout.count() > 0, errc::configuration, "threads::run: watchdog timeout (",
               opts.timeout.count(), " ms) must be positive");
-  auto world = std::make_shared<detail::threads_world>(n, opts.timeout);
+  EPX_REQUIRE(opts.memory.copy != nullptr || opts.memory.host_accessible, errc::configuration,
+              "threads::run: memory '", opts.memory.name ? opts.memory.name : "?",
+              "' is not host-accessible but names no copy function");
+  auto world = std::make_shared<detail::threads_world>(n, opts.timeout, opts.memory);
   std::vector<int> ranks(static_cast<std::size_t>(n));
   for (int i = 0; i < n; ++i) ranks[static_cast<std::size_t>(i)] = i;
   auto group = world->make_group(std::move(ranks));

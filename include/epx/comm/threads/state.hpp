@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "epx/comm/datatype.hpp"
+#include "epx/comm/threads/options.hpp"
 #include "epx/core/error.hpp"
 
 namespace epx::detail {
@@ -270,8 +271,8 @@ class threads_group {
 
 class threads_world {
  public:
-  threads_world(int n, std::chrono::milliseconds timeout)
-      : timeout_(timeout), finished_(new padded_counter[static_cast<std::size_t>(n)]) {
+  threads_world(int n, std::chrono::milliseconds timeout, threads::memory memory = {})
+      : timeout_(timeout), memory_(memory), finished_(new padded_counter[static_cast<std::size_t>(n)]) {
     const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
     // With more ranks than cores a spinning or yielding waiter steals the core of the rank
     // it waits for (or hands a whole time slice to another process): sleep at once.
@@ -279,6 +280,7 @@ class threads_world {
   }
 
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  const threads::memory& memory() const noexcept { return memory_; }
   bool finished(int world_rank) const noexcept { return finished_[static_cast<std::size_t>(world_rank)].value.load() != 0; }
 
   // Rank `world_rank` returned from its function: waiters for it can stop waiting.
@@ -355,6 +357,7 @@ class threads_world {
   }
 
   std::chrono::milliseconds timeout_;
+  threads::memory memory_;
   std::unique_ptr<padded_counter[]> finished_;
   int spin_limit_ = 0;
   std::atomic<bool> aborted_{false};

@@ -1,0 +1,46 @@
+// epx/comm/threads/cuda.cuh: several threads ranks on one GPU (device memory).
+//
+//   epx::threads::options o;
+//   o.memory = epx::threads::device_memory();
+//   epx::threads::run(8, [&](epx::threads::communicator& comm) {
+//     cudaStream_t s;  // each rank its own stream
+//     cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+//     epx::moe_layer<epx::threads::communicator, epx::bf16, epx::impl::all_to_all, epx::exec::cuda>
+//         layer(mesh, comm, lo, epx::exec::cuda{s});
+//     ...
+//   }, o);
+//
+// The ranks' row buffers are device memory of the current device; the communicator moves
+// blocks with cudaMemcpy (cudaMemcpyDefault: device to device within one GPU, and host
+// memory where a caller passes it), synchronous with respect to the calling thread. The
+// layer waits for a rank's stream before each collective of a host communicator
+// (epx/comm/settle.hpp), and a rank's later work on its stream starts after the
+// collective's exit barrier, when every peer has finished copying, so no event is needed.
+// Sums (all_reduce, reduce_scatter) are staged through the host and computed there in rank
+// order, as on host memory. The layer takes the staged route (device policies do not take
+// the direct route).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "epx/comm/threads/options.hpp"
+
+namespace epx::threads {
+
+// Copies `bytes` between any two buffers of the device address space (threads::memory::copy).
+inline bool cuda_device_copy(void* dst, const void* src, std::size_t bytes) noexcept {
+  return cudaMemcpy(dst, src, bytes, cudaMemcpyDefault) == cudaSuccess;
+}
+
+// The memory of ranks whose buffers are CUDA device memory (or managed memory).
+inline memory device_memory() noexcept {
+  memory m;
+  m.copy = &cuda_device_copy;
+  m.host_accessible = false;
+  m.name = "cuda device";
+  return m;
+}
+
+}  // namespace epx::threads
