@@ -209,9 +209,19 @@ struct scaling_experts {
 
 double gbps(double bytes, double secs) { return bytes / secs * 1e-9; }
 
-void row(const char* name, const std::string& shape, double bytes, double secs, double floor_gbps) {
+// One measurement: a table row, and a JSON line (collected by bench/gpu/run.sh) with whether
+// the measured call's output was checked and matched (`validated`).
+std::vector<std::string> g_json;
+void row(const char* name, const std::string& shape, double bytes, double secs, double floor_gbps, bool validated) {
   const double g = gbps(bytes, secs);
-  std::printf("| %-26s | %-30s | %9.3f | %8.1f | %6.3f |\n", name, shape.c_str(), secs * 1e3, g, g / floor_gbps);
+  std::printf("| %-26s | %-30s | %9.3f | %8.1f | %6.3f | %s\n", name, shape.c_str(), secs * 1e3, g, g / floor_gbps,
+              validated ? "ok" : "NOT VALIDATED");
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "{\"bench\": \"%s\", \"shape\": \"%s\", \"backend\": \"one GPU, world size 1\", \"validated\": %s, "
+                "\"us\": %.2f, \"bytes\": %.0f, \"GBps\": %.1f, \"copy_fraction\": %.3f}",
+                name, shape.c_str(), validated ? "true" : "false", secs * 1e6, bytes, g, g / floor_gbps);
+  g_json.emplace_back(line);
 }
 
 template <class T>
@@ -219,6 +229,19 @@ const char* type_name() {
   if constexpr (std::is_same_v<T, float>) return "f32";
   else if constexpr (std::is_same_v<T, epx::bf16>) return "bf16";
   else return "?";
+}
+
+// Sampled rows of a device buffer [rows, H] (every `step`-th row), copied to the host.
+template <class T>
+std::vector<std::vector<T>> sample_rows(cudaStream_t s, const T* d, std::size_t rows, std::size_t H, std::size_t step) {
+  std::vector<std::vector<T>> out;
+  EPX_CUDA_CHECK(cudaStreamSynchronize(s));
+  for (std::size_t r = 0; r < rows; r += step) {
+    std::vector<T> v(H);
+    EPX_CUDA_CHECK(cudaMemcpy(v.data(), d + r * H, H * sizeof(T), cudaMemcpyDeviceToHost));
+    out.push_back(std::move(v));
+  }
+  return out;
 }
 
 template <class T>
@@ -245,28 +268,59 @@ void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, s
   std::snprintf(shape, sizeof shape, "N=%zu H=%zu k=%zu E=%d %s", N, H, k, E, type_name<T>());
   const double gather_bytes = 2.0 * static_cast<double>(S * H * sizeof(T));
   const double combine_bytes = static_cast<double>((S + N) * H * sizeof(T));
+  const std::size_t step_s = std::max<std::size_t>(1, S / 64), step_n = std::max<std::size_t>(1, N / 64);
+  const double tol = std::is_same_v<T, float> ? 1e-5 : 1.0 / 64;
+
+  // send[p] == x[src_row[p]] bit for bit (sampled rows).
+  auto gather_ok = [&] {
+    const auto got = sample_rows(s, send.data(), S, H, step_s);
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      const auto row0 = static_cast<std::size_t>(r.src_row[i * step_s]);
+      if (std::memcmp(got[i].data(), hx.data() + row0 * H, H * sizeof(T)) != 0) return false;
+    }
+    return true;
+  };
+  // out[t] == sum_j w[t,j] * scale(e) * x[t] within the rounding of T (sampled tokens); the
+  // rows combined are x's own rows, scaled by `scale` (the experts of the layer rows).
+  auto combine_ok = [&](auto&& scale) {
+    const auto got = sample_rows(s, out.data(), N, H, step_n);
+    double err = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      const std::size_t t = i * step_n;
+      for (std::size_t h = 0; h < H; ++h) {
+        double ref = 0;
+        for (std::size_t j = 0; j < k; ++j) {
+          const float sx = scale(r.ids[t * k + j]) * epx::convert<float>(hx[t * H + h]);
+          ref += static_cast<double>(r.w[t * k + j]) * epx::convert<double>(epx::convert<T>(sx));
+        }
+        err = std::max(err, std::fabs(epx::convert<double>(got[i][h]) - ref) / (1.0 + std::fabs(ref)));
+      }
+    }
+    if (err > tol) std::printf("|   check failed: max rel err %.2e (tol %.1e)\n", err, tol);
+    return err <= tol;
+  };
+  auto unit = [](int) { return 1.0f; };
 
 #if EPX_BENCH_HAVE_FUNCTORS
   {
     const T* xs = x.data();
     const std::int64_t* src_rows = src.data();
-    row("gather (kernels::gather)", shape, gather_bytes,
-        tm.time([&] { epx::kernels::gather(dev, S, H, xs, src_rows, send.data()); }, 2, iters), floor_gbps);
+    const double tg = tm.time([&] { epx::kernels::gather(dev, S, H, xs, src_rows, send.data()); }, 2, iters);
+    row("gather (kernels::gather)", shape, gather_bytes, tg, floor_gbps, gather_ok());
     const T* ys = send.data();
-    row("combine (kernels::combine)", shape, combine_bytes,
-        tm.time([&] { epx::kernels::combine(dev, N, H, static_cast<int>(k), ys, w.data(), pos.data(), out.data()); }, 2,
-                iters),
-        floor_gbps);
+    const double tc = tm.time(
+        [&] { epx::kernels::combine(dev, N, H, static_cast<int>(k), ys, w.data(), pos.data(), out.data()); }, 2, iters);
+    row("combine (kernels::combine)", shape, combine_bytes, tc, floor_gbps, combine_ok(unit));
   }
 #endif
   const gather_rows_vec16<T> gv{reinterpret_cast<const pack16<T>*>(x.data()), src.data(),
                                 reinterpret_cast<pack16<T>*>(send.data()), words};
-  row("gather_rows (vec16 ref)", shape, gather_bytes,
-      tm.time([&] { epx::exec::for_each_n(dev, S * words, gv); }, 2, iters), floor_gbps);
+  const double tgv = tm.time([&] { epx::exec::for_each_n(dev, S * words, gv); }, 2, iters);
+  row("gather_rows (vec16 ref)", shape, gather_bytes, tgv, floor_gbps, gather_ok());
   const combine_vec16<T> cv{reinterpret_cast<const pack16<T>*>(send.data()), w.data(), pos.data(),
                             reinterpret_cast<pack16<T>*>(out.data()), words, static_cast<int>(k)};
-  row("combine (vec16 ref)", shape, combine_bytes, tm.time([&] { epx::exec::for_each_n(dev, N * words, cv); }, 2, iters),
-      floor_gbps);
+  const double tcv = tm.time([&] { epx::exec::for_each_n(dev, N * words, cv); }, 2, iters);
+  row("combine (vec16 ref)", shape, combine_bytes, tcv, floor_gbps, combine_ok(unit));
 
   // Round trip through the NCCL communicator: E segments (one per expert) each way.
   const auto E_ = static_cast<std::size_t>(E);
@@ -286,28 +340,46 @@ void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, s
   };
   const combine_vec16<T> cvb{reinterpret_cast<const pack16<T>*>(back.data()), w.data(), pos.data(),
                              reinterpret_cast<pack16<T>*>(out.data()), words, static_cast<int>(k)};
-  row("round trip nccl ws1 (vec16)", shape, trip_bytes,
-      tm.time([&] { trip(gv, S * words, cvb, N * words); }, 1, std::max(1, iters / 2)), floor_gbps);
+  epx::exec::fill_zero(dev, out.data(), N * H);
+  const double tt = tm.time([&] { trip(gv, S * words, cvb, N * words); }, 1, std::max(1, iters / 2));
+  comm.wait();
+  row("round trip nccl ws1 (vec16)", shape, trip_bytes, tt, floor_gbps, combine_ok(unit));
 #if EPX_BENCH_HAVE_FUNCTORS
   {
     const T* xs = x.data();
     const T* bs = back.data();
     const std::int64_t* src_rows = src.data();
-    row("round trip nccl ws1 (kernels)", shape, trip_bytes, tm.time([&] {
+    epx::exec::fill_zero(dev, out.data(), N * H);
+    const double tk = tm.time([&] {
           epx::kernels::gather(dev, S, H, xs, src_rows, send.data());
           epx::all_to_allv_segments(comm, send.data(), c_, o_, recv.data(), c_, o_, E_, H);
           epx::all_to_allv_segments(comm, recv.data(), c_, o_, back.data(), c_, o_, E_, H);
           epx::kernels::combine(dev, N, H, static_cast<int>(k), bs, w.data(), pos.data(), out.data());
-        }, 1, std::max(1, iters / 2)),
-        floor_gbps);
+        }, 1, std::max(1, iters / 2));
+    comm.wait();
+    row("round trip nccl ws1 (kernels)", shape, trip_bytes, tk, floor_gbps, combine_ok(unit));
   }
 #endif
-  comm.wait();
 
-  // NCCL itself at world size 1: an in-place scaled all-reduce of the [N, H] output.
-  row("nccl all_reduce ws1 x0.5", shape, 2.0 * static_cast<double>(N * H * sizeof(T)),
-      tm.time([&] { comm.all_reduce(out.data(), out.data(), N * H, epx::datatype_of<T>(), 0.5); }, 1, iters), floor_gbps);
+  // NCCL itself at world size 1: an in-place scaled all-reduce of the [N, H] output (checked
+  // on one extra call: every sampled element halves exactly, away from subnormals).
+  const double ta = tm.time([&] { comm.all_reduce(out.data(), out.data(), N * H, epx::datatype_of<T>(), 0.5); }, 1, iters);
   comm.wait();
+  {
+    trip(gv, S * words, cvb, N * words);
+    comm.wait();
+    const auto before = sample_rows(s, out.data(), N, H, step_n);
+    comm.all_reduce(out.data(), out.data(), N * H, epx::datatype_of<T>(), 0.5);
+    comm.wait();
+    const auto after = sample_rows(s, out.data(), N, H, step_n);
+    bool ok = true;
+    for (std::size_t i = 0; i < before.size(); ++i)
+      for (std::size_t h = 0; h < H; ++h) {
+        const double b = epx::convert<double>(before[i][h]);
+        if (std::fabs(b) > 1e-30 && epx::convert<double>(after[i][h]) != 0.5 * b) ok = false;
+      }
+    row("nccl all_reduce ws1 x0.5", shape, 2.0 * static_cast<double>(N * H * sizeof(T)), ta, floor_gbps, ok);
+  }
 
 #if EPX_BENCH_HAVE_LAYER
   {
@@ -329,39 +401,24 @@ void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, s
     const epx::span<const std::int32_t> is(ids.data(), S);
     const epx::span<const float> ws(w.data(), S);
     const double expert_bytes = gather_bytes;
-    row("moe_layer forward (infer)", shape, trip_bytes + expert_bytes,
-        tm.time([&] { layer.forward(xs, is, ws, epx::span<T>(out.data(), N * H), experts, epx::mode::inference); }, 1,
-                std::max(1, iters / 2)),
-        floor_gbps);
-    row("moe_layer forward+backward", shape, 2.0 * (trip_bytes + expert_bytes),
-        tm.time(
-            [&] {
-              auto saved = layer.forward(xs, is, ws, epx::span<T>(out.data(), N * H), experts, epx::mode::train);
-              layer.backward(std::move(saved), epx::span<const T>(out.data(), N * H), epx::span<T>(gx.data(), N * H),
-                             epx::span<float>(gw.data(), S), experts);
-            },
-            1, std::max(1, iters / 4)),
-        floor_gbps);
+    auto scale = [](int e) { return 1.0f + 0.25f * static_cast<float>(e); };
+    const double tf = tm.time(
+        [&] { layer.forward(xs, is, ws, epx::span<T>(out.data(), N * H), experts, epx::mode::inference); }, 1,
+        std::max(1, iters / 2));
+    comm.wait();
+    row("moe_layer forward (infer)", shape, trip_bytes + expert_bytes, tf, floor_gbps, combine_ok(scale));
+    epx::exec::fill_zero(dev, out.data(), N * H);
+    const double tb = tm.time(
+        [&] {
+          auto saved = layer.forward(xs, is, ws, epx::span<T>(out.data(), N * H), experts, epx::mode::train);
+          layer.backward(std::move(saved), epx::span<const T>(out.data(), N * H), epx::span<T>(gx.data(), N * H),
+                         epx::span<float>(gw.data(), S), experts);
+        },
+        1, std::max(1, iters / 4));
+    comm.wait();
+    row("moe_layer forward+backward", shape, 2.0 * (trip_bytes + expert_bytes), tb, floor_gbps, combine_ok(scale));
   }
 #endif
-  // `out` as one round trip computes it, for the check below.
-  trip(gv, S * words, cvb, N * words);
-  comm.wait();
-
-  // Correctness of the round trip (last run): out == combine of x rows, checked on a few tokens.
-  std::vector<T> ho(N * H);
-  epx::exec::copy_to_host(dev, out.data(), N * H, ho.data());
-  double err = 0;
-  for (std::size_t t = 0; t < N; t += std::max<std::size_t>(1, N / 64))
-    for (std::size_t h = 0; h < H; ++h) {
-      double ref = 0;
-      for (std::size_t j = 0; j < k; ++j)
-        ref += static_cast<double>(r.w[t * k + j]) * epx::convert<double>(hx[t * H + h]);
-      err = std::max(err, std::fabs(epx::convert<double>(ho[t * H + h]) - ref) / (1.0 + std::fabs(ref)));
-    }
-  const double tol = std::is_same_v<T, float> ? 1e-5 : 1.0 / 64;
-  std::printf("|   round trip check: max rel err %.2e (tol %.1e) %s\n", err, tol, err <= tol ? "ok" : "FAILED");
-  if (err > tol) throw epx::error(epx::errc::internal, "round trip result differs from the reference");
 }
 
 }  // namespace
@@ -399,6 +456,14 @@ int main(int argc, char** argv) {
         tm.time([&] { epx::exec::for_each_n(epx::exec::cuda{s}, bytes / 16, copy_vec16{a.data(), b.data()}); }, 2, iters);
     const double g_memcpy = gbps(2.0 * bytes, t_memcpy), g_kernel = gbps(2.0 * bytes, t_kernel);
     const double floor_gbps = std::max(g_memcpy, g_kernel);
+    {
+      char line[256];
+      std::snprintf(line, sizeof line,
+                    "{\"bench\": \"copy bandwidth\", \"bytes\": %.0f, \"memcpy_GBps\": %.1f, \"kernel_GBps\": %.1f, "
+                    "\"floor_GBps\": %.1f, \"validated\": true}",
+                    2.0 * static_cast<double>(bytes), g_memcpy, g_kernel, floor_gbps);
+      g_json.emplace_back(line);
+    }
     std::printf("copy bandwidth (read+write): cudaMemcpy D2D %.1f GB/s, copy kernel %.1f GB/s; floor %.1f GB/s\n",
                 g_memcpy, g_kernel, floor_gbps);
     a = device_buffer<uint4>();
@@ -409,7 +474,7 @@ int main(int argc, char** argv) {
     auto comm = epx::nccl::communicator::from_unique_id(id, 1, 0, 0, s);
     comm.barrier();
 
-    std::printf("| %-26s | %-30s | %9s | %8s | %6s |\n", "kernel", "shape", "ms", "GB/s", "frac");
+    std::printf("| %-26s | %-30s | %9s | %8s | %6s | output\n", "kernel", "shape", "ms", "GB/s", "frac");
     std::printf("|%s|%s|%s|%s|%s|\n", std::string(28, '-').c_str(), std::string(32, '-').c_str(),
                 std::string(11, '-').c_str(), std::string(10, '-').c_str(), std::string(8, '-').c_str());
     if (quick) {
@@ -424,6 +489,9 @@ int main(int argc, char** argv) {
     std::printf("frac = GB/s / copy floor (target >= 0.85). \"kernels\": epx/kernels/launch.hpp through "
                 "exec::cuda; \"vec16 ref\": 16 bytes per thread.\n");
     EPX_CUDA_CHECK(cudaStreamDestroy(s));
+    for (const auto& l : g_json) std::printf("JSON %s\n", l.c_str());
+    for (const auto& l : g_json)
+      if (l.find("\"validated\": false") != std::string::npos) return 1;
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "epx_bench_gpu_kernels: %s\n", e.what());

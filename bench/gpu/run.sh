@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # bench/gpu/run.sh: the GPU check of epx, one command on a machine with an NVIDIA GPU.
 #
-#   bench/gpu/run.sh            # build (nvcc, sm_90), run the CUDA tests, run the benchmark
+#   bench/gpu/run.sh            # build (nvcc, sm_90), run the CUDA tests, run the benchmarks
 #   bench/gpu/run.sh --quick    # smaller benchmark shapes
 #
+# Every measurement is also one JSON line (`validated`, microseconds, GB/s and the fraction
+# of the device copy bandwidth), collected in $EPX_GPU_BUILD/results.jsonl and printed at
+# the end: the kernels and the NCCL round trip at world size 1 (bench_kernels.cu), and the
+# layer's forward and forward+backward with 8 ranks on the one GPU at 4096 x 7168 and at the
+# decode shape 128 x 7168, bf16, top-8, 256 experts (bench_layer_ep.cu).
 # Environment: EPX_CUDA_ARCH (default 90), EPX_GPU_BUILD (default build/gpu), NVCC,
 # DOCTEST_INCLUDE (folder holding doctest/doctest.h), NCCL_HOME (NCCL's prefix if not in
 # the CUDA toolkit or /usr). Needs nvcc, NCCL and, for the tests, doctest. Prints the
 # benchmark table (bench/gpu/bench_kernels.cu explains the columns) and a summary; exits
-# non-zero if a build, a test or the benchmark failed. Builds four CUDA translation units
+# non-zero if a build, a test or a benchmark failed. Builds eight CUDA translation units
 # directly with nvcc (no CMake, no Google Benchmark needed): a few minutes at most.
 set -euo pipefail
 
@@ -19,7 +24,7 @@ quick=""
 for a in "$@"; do
   case "$a" in
     --quick) quick="--quick" ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$a' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -80,8 +85,11 @@ if [[ $doctest_ok == 1 ]]; then
   build test_cuda_nccl tests/cuda/nccl.cu tests/cuda/support/device_main.cpp
   build test_cuda_layer tests/cuda/layer.cu tests/cuda/support/device_main.cpp
   build test_cuda_fp8 tests/cuda/fp8.cu tests/cuda/support/device_main.cpp
+  build test_cuda_limits tests/cuda/limits.cu tests/cuda/support/device_main.cpp
+  build test_cuda_threads_device tests/cuda/threads_device.cu tests/cuda/support/device_main.cpp
 fi
 build epx_bench_gpu_kernels bench/gpu/bench_kernels.cu
+build epx_bench_gpu_layer_ep bench/gpu/bench_layer_ep.cu
 build_failed=0
 for i in "${!pids[@]}"; do
   if wait "${pids[$i]}"; then
@@ -111,13 +119,19 @@ if [[ $doctest_ok == 1 ]]; then
   run_test test_cuda_nccl
   run_test test_cuda_layer
   run_test test_cuda_fp8
+  run_test test_cuda_limits
+  run_test test_cuda_threads_device
 else
   result[tests]="NOT BUILT (doctest missing)"
 fi
 
-say "benchmark"
+say "benchmark: kernels and NCCL at world size 1"
 bench_rc=0
 limited 300 "$out/epx_bench_gpu_kernels" $quick | tee "$out/bench.txt" || bench_rc=${PIPESTATUS[0]}
+say "benchmark: the layer, 8 ranks on one GPU"
+layer_rc=0
+limited 240 "$out/epx_bench_gpu_layer_ep" $quick | tee "$out/bench_layer_ep.txt" || layer_rc=${PIPESTATUS[0]}
+grep -h '^JSON ' "$out/bench.txt" "$out/bench_layer_ep.txt" | sed 's/^JSON //' > "$out/results.jsonl" || true
 
 say "summary"
 status=0
@@ -126,9 +140,16 @@ for k in "${!result[@]}"; do
   [[ ${result[$k]} == passed ]] || status=1
 done
 if [[ $bench_rc == 0 ]]; then
-  echo "benchmark: ok (table above, also in $out/bench.txt)"
+  echo "benchmark kernels: ok (table above, also in $out/bench.txt)"
 else
-  echo "benchmark: FAILED (exit $bench_rc)"; status=1
+  echo "benchmark kernels: FAILED (exit $bench_rc)"; status=1
 fi
+if [[ $layer_rc == 0 ]]; then
+  echo "benchmark layer (8 ranks, one GPU): ok"
+else
+  echo "benchmark layer (8 ranks, one GPU): FAILED (exit $layer_rc)"; status=1
+fi
+say "results ($out/results.jsonl)"
+cat "$out/results.jsonl"
 echo "total time $(( $(date +%s) - start )) s"
 exit $status
