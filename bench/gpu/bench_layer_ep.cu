@@ -25,11 +25,12 @@
 #include <string>
 #include <vector>
 
-// The CUDA policy first: the layer's templates find its overloads (epx/exec/cuda.cuh).
-#include "epx/exec/cuda.cuh"
+// The umbrella first: under nvcc it declares exec::cuda's functions (epx/exec/host.hpp)
+// before the library code that calls them, whatever the order of includes.
+#include "epx/epx.hpp"
 #include "epx/comm/threads.hpp"
 #include "epx/comm/threads/cuda.cuh"
-#include "epx/epx.hpp"
+#include "epx/exec/cuda.cuh"
 
 namespace {
 

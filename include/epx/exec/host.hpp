@@ -203,3 +203,10 @@ inline void synchronize(const openmp&) {}
 // (whose qualified exec:: calls see only what is declared before it) finds its functions
 // whatever the order of includes.
 #include "epx/exec/emulated.hpp"
+
+// Likewise the CUDA policy, when nvcc compiles: a .cu file may include any epx header
+// first (epx/epx.hpp, the layer, a communicator) and exec::cuda's functions are still
+// declared before the library code that calls them.
+#if defined(__CUDACC__)
+#include "epx/exec/cuda.cuh"
+#endif
