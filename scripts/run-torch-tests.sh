@@ -42,18 +42,25 @@ done
 mkdir -p "$(dirname "$venv")" || fail "cannot create the directory of $venv"
 lock_wait=${EPX_TORCH_LOCK_TIMEOUT:-1800}
 exec 9>"$venv.lock" || fail "cannot open the lock file $venv.lock"
-flock -w "$lock_wait" 9 || fail "waited more than ${lock_wait}s for the lock $venv.lock (another run installing or using it)"
-if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "==== torch: installing the pinned packages into $venv ===="
-  rm -rf "$venv"
-  "$python" -m venv "$venv" 9>&- || fail "could not create the virtual environment $venv with $python"
-  timeout "${EPX_TORCH_INSTALL_TIMEOUT:-1200}" "$venv/bin/python" -m pip install --no-deps \
-    --disable-pip-version-check --no-input -q -r "$req" 9>&- ||
-    fail "installing $req into $venv failed (see pip's message above)"
-  echo "$want" >"$stamp"
+installed() { [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; }
+# Readers share the lock; an install takes it alone (then looks again: another run may have
+# installed meanwhile) and goes back to sharing it.
+flock -s -w "$lock_wait" 9 || fail "waited more than ${lock_wait}s for the lock $venv.lock (another run installing)"
+if ! installed; then
+  flock -x -w "$lock_wait" 9 ||
+    fail "waited more than ${lock_wait}s for the lock $venv.lock (other runs using or installing it)"
+  if ! installed; then
+    echo "==== torch: installing the pinned packages into $venv ===="
+    rm -rf "$venv"
+    "$python" -m venv "$venv" 9>&- || fail "could not create the virtual environment $venv with $python"
+    timeout "${EPX_TORCH_INSTALL_TIMEOUT:-1200}" "$venv/bin/python" -m pip install --no-deps \
+      --disable-pip-version-check --no-input -q -r "$req" 9>&- ||
+      fail "installing $req into $venv failed (see pip's message above)"
+    echo "$want" >"$stamp"
+  fi
+  # From here on the environment is only read: share it with other runs.
+  flock -s -w "$lock_wait" 9 || fail "could not take the shared lock $venv.lock"
 fi
-# From here on the environment is only read: share it with other runs.
-flock -s -w "$lock_wait" 9 || fail "could not take the shared lock $venv.lock"
 "$venv/bin/python" - 9>&- <<'EOF' || fail "the installed torch/transformers do not import (see above)"
 import torch, transformers, accelerate, torch.distributed as dist
 assert torch.__version__.split("+")[0] == "2.15.0", torch.__version__
