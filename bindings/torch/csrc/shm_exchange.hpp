@@ -19,12 +19,15 @@
 // reused does not block the new process. The control segments' names are removed right
 // after setup; a data buffer's name by the last peer that maps it (every peer maps a new
 // buffer in the exchange that publishes it), so no name outlives its exchange, whenever a
-// rank's communicator is destroyed; when a rank times out (a peer died or never called), or
-// fails on its own (no shared memory left for a larger buffer, a peer's buffer that cannot
-// be mapped), it marks the group failed with its reason: every rank then stops at its next
-// wait with that reason instead of waiting out the timeout, removes its own names, and the
-// exchange raises from then on. Only a rank killed in the middle of an exchange leaves a
-// name behind.
+// rank's communicator is destroyed. When a rank fails on its own (no shared memory left for
+// a larger buffer, a peer's buffer that cannot be mapped) or times out (a peer died or never
+// called), it marks the group failed with its reason: every rank then stops at its next call
+// or wait with that reason instead of waiting out the timeout, and the exchange raises from
+// then on. A peer may still be reading the previous exchange when another fails, so the
+// names are removed only once every rank has stopped (the last one to stop removes every
+// rank's), and by a rank that timed out (its peers are gone). Only a rank killed in the
+// middle of an exchange, or one that never calls again after a failure, leaves a name
+// behind.
 #pragma once
 
 #include <fcntl.h>
@@ -69,8 +72,8 @@ class shm_exchange {
   struct control {
     std::atomic<std::uint32_t> count;  // rank 0's: the barrier
     std::atomic<std::uint32_t> sense;
-    std::atomic<std::uint32_t> failed;  // rank 0's: 1 + the first rank that failed; the others stop too
-    std::uint32_t pad_;
+    std::atomic<std::uint32_t> failed;   // rank 0's: 1 + the first rank that failed; the others stop too
+    std::atomic<std::uint32_t> stopped;  // rank 0's: ranks that have seen the failure and read no more
     slot_info slot[2];
     char reason[reason_len];  // this rank's failure, written before it sets rank 0's `failed`
   };
@@ -218,6 +221,7 @@ class shm_exchange {
                                                     timeout_, " s for the other ranks of its group (one died or did "
                                                     "not call)");
         fail_group(why);
+        drop_names();  // the peers that would read them are gone
         throw epx::error(epx::errc::communicator, why, EPX_HERE);
       }
     }
@@ -243,7 +247,7 @@ class shm_exchange {
     control* c0 = peers_[0].ctl;
     const std::uint32_t f = c0->failed.load(std::memory_order_acquire);
     if (f == 0) return;
-    drop_names();
+    note_stopped();
     const int r = static_cast<int>(f) - 1;
     const control* cr = r >= 0 && r < size_ ? peers_[static_cast<std::size_t>(r)].ctl : nullptr;
     std::string why = cr != nullptr ? std::string(cr->reason, strnlen(cr->reason, reason_len)) : std::string();
@@ -260,7 +264,22 @@ class shm_exchange {
     std::uint32_t none = 0;
     peers_[0].ctl->failed.compare_exchange_strong(none, static_cast<std::uint32_t>(rank_ + 1), std::memory_order_acq_rel);
     futex(&peers_[0].ctl->sense, FUTEX_WAKE, INT32_MAX, nullptr);
+    note_stopped();
+  }
+
+  // This rank reads no more buffers of the group; the last rank to stop removes every rank's
+  // buffer names (each at most once; a name already removed is no error).
+  void note_stopped() {
+    if (stopped_) return;
+    stopped_ = true;
+    if (peers_[0].ctl->stopped.fetch_add(1, std::memory_order_acq_rel) + 1 != static_cast<std::uint32_t>(size_))
+      return;
     drop_names();
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      for (const slot_info& sl : peers_[static_cast<std::size_t>(r)].ctl->slot)
+        if (sl.name[0] != 0) shm_unlink(std::string(sl.name, strnlen(sl.name, name_len)).c_str());
+    }
   }
 
   // Runs a step that may fail on this rank alone; a failure marks the group failed first.
@@ -408,6 +427,7 @@ class shm_exchange {
   int own_fd_ = -1;
   std::string own_name_;
   bool control_unlinked_ = false;
+  bool stopped_ = false;
   bool sense_ = false;
   std::uint64_t calls_ = 0;
   std::vector<int> fds_;
