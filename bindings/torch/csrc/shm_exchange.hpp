@@ -25,9 +25,9 @@
 // or wait with that reason instead of waiting out the timeout, and the exchange raises from
 // then on. A peer may still be reading the previous exchange when another fails, so the
 // names are removed only once every rank has stopped (the last one to stop removes every
-// rank's), and by a rank that timed out (its peers are gone). Only a rank killed in the
-// middle of an exchange, or one that never calls again after a failure, leaves a name
-// behind.
+// rank's); after a timeout (a peer is gone and may never stop), every rank that notices it
+// removes its own at once. Only a rank killed in the middle of an exchange, or one that
+// never calls again after a failure of another kind, leaves a name behind.
 #pragma once
 
 #include <fcntl.h>
@@ -76,6 +76,7 @@ class shm_exchange {
     std::atomic<std::uint32_t> stopped;  // rank 0's: ranks that have seen the failure and read no more
     slot_info slot[2];
     char reason[reason_len];  // this rank's failure, written before it sets rank 0's `failed`
+    std::uint32_t timed_out;  // that failure was a timeout (a peer is gone), written likewise
   };
 
   // Creates this rank's control segment; `names()` is what the peers need to map it.
@@ -220,8 +221,7 @@ class shm_exchange {
         const std::string why = epx::detail::concat("shared-memory all-to-all: rank ", rank_, " waited more than ",
                                                     timeout_, " s for the other ranks of its group (one died or did "
                                                     "not call)");
-        fail_group(why);
-        drop_names();  // the peers that would read them are gone
+        fail_group(why, true);
         throw epx::error(epx::errc::communicator, why, EPX_HERE);
       }
     }
@@ -247,9 +247,11 @@ class shm_exchange {
     control* c0 = peers_[0].ctl;
     const std::uint32_t f = c0->failed.load(std::memory_order_acquire);
     if (f == 0) return;
-    note_stopped();
     const int r = static_cast<int>(f) - 1;
     const control* cr = r >= 0 && r < size_ ? peers_[static_cast<std::size_t>(r)].ctl : nullptr;
+    // After a timeout a peer is gone and may never stop: remove this rank's names now.
+    if (cr != nullptr && cr->timed_out != 0) drop_names();
+    note_stopped();
     std::string why = cr != nullptr ? std::string(cr->reason, strnlen(cr->reason, reason_len)) : std::string();
     if (r == rank_) throw epx::error(epx::errc::communicator, "shared-memory exchange: failed earlier: " + why, EPX_HERE);
     throw epx::error(epx::errc::communicator,
@@ -258,7 +260,9 @@ class shm_exchange {
 
   // This rank cannot go on: publish its reason and mark the group failed (the first failure
   // wins), so the peers stop at their next wait instead of timing out.
-  void fail_group(const std::string& why) {
+  void fail_group(const std::string& why, bool timed_out = false) {
+    own_->timed_out = timed_out ? 1u : 0u;
+    if (timed_out) drop_names();
     std::memset(own_->reason, 0, reason_len);
     std::memcpy(own_->reason, why.data(), std::min(why.size(), reason_len - 1));
     std::uint32_t none = 0;
