@@ -7,7 +7,17 @@
 #   3. the tests under torchrun (gloo, CPU) with 2, 4 and 8 processes: the ops suite on each,
 #      the docs example on 4, the transformers comparison and the benchmark on 8.
 # Prints every case as `torch[np=N] PASS|FAIL name` and ends with `N passed, N failed`; exits
-# non-zero on any failure. EPX_TORCH_RUN_TIMEOUT (seconds, default 900) bounds each torchrun.
+# non-zero on any failure. EPX_TORCH_RUN_TIMEOUT (seconds, default 900) bounds each torchrun;
+# EPX_TORCH_TIMEOUT (seconds, default 300) is the process group's timeout, after which a
+# collective that waits for a rank fails.
+#
+# Runs of this script at the same time (from one copy of the repository or several) do not
+# meet: each torchrun rendezvous on a port the system picks (--standalone: the agent's store
+# listens on port 0 and its workers use that store); shared-memory names carry the process id
+# and a random token; each copy of the repository builds the extension into its own directory
+# (epx_torch/_build.py); the virtual environment is installed under an exclusive lock and used
+# under a shared one, so an install waits (EPX_TORCH_LOCK_TIMEOUT seconds, default 1800) for
+# the runs that use the old one and a run never sees a half-installed one.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -29,15 +39,29 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do
   [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 done
 
-if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "==== torch: installing the pinned packages into $venv ===="
-  rm -rf "$venv"
-  "$python" -m venv "$venv" || fail "could not create the virtual environment $venv with $python"
-  "$venv/bin/python" -m pip install --no-deps --disable-pip-version-check --no-input -q -r "$req" ||
-    fail "installing $req into $venv failed (see pip's message above)"
-  echo "$want" >"$stamp"
+mkdir -p "$(dirname "$venv")" || fail "cannot create the directory of $venv"
+lock_wait=${EPX_TORCH_LOCK_TIMEOUT:-1800}
+exec 9>"$venv.lock" || fail "cannot open the lock file $venv.lock"
+installed() { [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; }
+# Readers share the lock; an install takes it alone (then looks again: another run may have
+# installed meanwhile) and goes back to sharing it.
+flock -s -w "$lock_wait" 9 || fail "waited more than ${lock_wait}s for the lock $venv.lock (another run installing)"
+if ! installed; then
+  flock -x -w "$lock_wait" 9 ||
+    fail "waited more than ${lock_wait}s for the lock $venv.lock (other runs using or installing it)"
+  if ! installed; then
+    echo "==== torch: installing the pinned packages into $venv ===="
+    rm -rf "$venv"
+    "$python" -m venv "$venv" 9>&- || fail "could not create the virtual environment $venv with $python"
+    timeout "${EPX_TORCH_INSTALL_TIMEOUT:-1200}" "$venv/bin/python" -m pip install --no-deps \
+      --disable-pip-version-check --no-input -q -r "$req" 9>&- ||
+      fail "installing $req into $venv failed (see pip's message above)"
+    echo "$want" >"$stamp"
+  fi
+  # From here on the environment is only read: share it with other runs.
+  flock -s -w "$lock_wait" 9 || fail "could not take the shared lock $venv.lock"
 fi
-"$venv/bin/python" - <<'EOF' || fail "the installed torch/transformers do not import (see above)"
+"$venv/bin/python" - 9>&- <<'EOF' || fail "the installed torch/transformers do not import (see above)"
 import torch, transformers, accelerate, torch.distributed as dist
 assert torch.__version__.split("+")[0] == "2.15.0", torch.__version__
 assert transformers.__version__ == "5.23.0", transformers.__version__
@@ -47,9 +71,14 @@ EOF
 
 export PYTHONPATH="$root/bindings/torch${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+export EPX_TORCH_TIMEOUT=${EPX_TORCH_TIMEOUT:-300}
+# The workers use the agent's store, which listens on the port the system gave it (never a
+# fixed one such as 29500); none of a caller's rendezvous settings leak in.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0
+unset MASTER_ADDR MASTER_PORT RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK TORCHELASTIC_RUN_ID
 echo "==== torch: building the extension ===="
 t0=$(date +%s)
-"$venv/bin/python" -c "import epx_torch" || fail "building the epx_torch extension failed (see the compiler's message above)"
+"$venv/bin/python" -c "import epx_torch" 9>&- || fail "building the epx_torch extension failed (see the compiler's message above)"
 echo "extension ready in $(( $(date +%s) - t0 ))s"
 
 passed=0
@@ -62,8 +91,10 @@ for np in 2 4 8; do
   echo "==== torch: torchrun --nproc-per-node=$np ${extra[*]} ===="
   log=$(mktemp)
   t0=$(date +%s)
-  timeout "${EPX_TORCH_RUN_TIMEOUT:-900}" nice "$venv/bin/torchrun" --standalone --nproc-per-node="$np" \
-    bindings/torch/tests/run.py "${extra[@]}" >"$log" 2>&1
+  # Not under nice: with other work on the machine, niced ranks got a few percent of a core
+  # each and a torchrun of 8 ranks did not get through its imports in 10 minutes.
+  timeout --kill-after=30 "${EPX_TORCH_RUN_TIMEOUT:-900}" "$venv/bin/torchrun" --standalone --nproc-per-node="$np" \
+    bindings/torch/tests/run.py "${extra[@]}" >"$log" 2>&1 9>&-
   rc=$?
   grep -Ev "$noise" "$log" | grep -E '^torch\[|^  ' || true
   line=$(grep -E '^torch\[np=[0-9]+\] RESULT passed=[0-9]+ failed=[0-9]+$' "$log" | tail -1)

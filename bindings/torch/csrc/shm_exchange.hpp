@@ -14,12 +14,20 @@
 // only after the barrier of exchange i-1, which every receiver passes after it has read
 // exchange i-2 (the last one that used b). Rows move by two memcpy, with no socket.
 //
-// Names are /epx.<pid>.<n>. The control segments' names are removed right after setup; a
-// data buffer's name by the last peer that maps it (every peer maps a new buffer in the
-// exchange that publishes it), so no name outlives its exchange, whenever a rank's
-// communicator is destroyed; when a rank times out (a peer died or never called), every
-// rank that notices removes its own names. Only a rank killed in the middle of an exchange
-// leaves a name behind.
+// Names are /epx.<pid>.<token>.<n>, with a random token drawn once per process: names of
+// concurrent jobs never meet, and a name left behind by a killed process whose pid is later
+// reused does not block the new process. The control segments' names are removed right
+// after setup; a data buffer's name by the last peer that maps it (every peer maps a new
+// buffer in the exchange that publishes it), so no name outlives its exchange, whenever a
+// rank's communicator is destroyed. When a rank fails on its own (no shared memory left for
+// a larger buffer, a peer's buffer that cannot be mapped) or times out (a peer died or never
+// called), it marks the group failed with its reason: every rank then stops at its next call
+// or wait with that reason instead of waiting out the timeout, and the exchange raises from
+// then on. A peer may still be reading the previous exchange when another fails, so the
+// names are removed only once every rank has stopped (the last one to stop removes every
+// rank's); after a timeout (a peer is gone and may never stop), every rank that notices it
+// removes its own at once. Only a rank killed in the middle of an exchange, or one that
+// never calls again after a failure of another kind, leaves a name behind.
 #pragma once
 
 #include <fcntl.h>
@@ -37,7 +45,10 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -57,12 +68,15 @@ class shm_exchange {
     std::uint64_t bytes;
     char name[name_len];
   };
+  static constexpr std::size_t reason_len = 240;
   struct control {
     std::atomic<std::uint32_t> count;  // rank 0's: the barrier
     std::atomic<std::uint32_t> sense;
-    std::atomic<std::uint32_t> failed;  // a rank gave up waiting: the others stop too
-    std::uint32_t pad_;
+    std::atomic<std::uint32_t> failed;   // rank 0's: 1 + the first rank that failed; the others stop too
+    std::atomic<std::uint32_t> stopped;  // rank 0's: ranks that have seen the failure and read no more
     slot_info slot[2];
+    char reason[reason_len];  // this rank's failure, written before it sets rank 0's `failed`
+    std::uint32_t timed_out;  // that failure was a timeout (a peer is gone), written likewise
   };
 
   // Creates this rank's control segment; `names()` is what the peers need to map it.
@@ -118,7 +132,8 @@ class shm_exchange {
   // send_displs) and passes this pointer as `send` saves the copy of step 1.
   std::byte* outbox(std::size_t bytes, std::size_t nseg) {
     const std::size_t table = round_up(2 * static_cast<std::size_t>(size_) * nseg * sizeof(std::uint64_t));
-    return own_buffer(static_cast<int>(calls_ % 2), table + bytes) + table;
+    check_group();
+    return guarded([&] { return own_buffer(static_cast<int>(calls_ % 2), table + bytes); }) + table;
   }
 
   void exchange(const std::byte* send, const std::size_t* send_counts, const std::size_t* send_displs,
@@ -130,7 +145,8 @@ class shm_exchange {
     const bool in_place = mine_[b].ptr != nullptr && send == mine_[b].ptr + table;
     std::size_t total = table;
     for (std::size_t j = 0; j < P * nseg; ++j) total += in_place ? 0 : round_up(send_counts[j]);
-    std::byte* buf = in_place ? mine_[b].ptr : own_buffer(b, total);
+    check_group();
+    std::byte* buf = in_place ? mine_[b].ptr : guarded([&] { return own_buffer(b, total); });
     ++calls_;
     auto* off = reinterpret_cast<std::uint64_t*>(buf);
     auto* cnt = off + P * nseg;
@@ -149,7 +165,7 @@ class shm_exchange {
     barrier();
     // 3. Read every sender's blocks for this rank.
     for (std::size_t q = 0; q < P; ++q) {
-      const std::byte* src = peer_buffer(static_cast<int>(q), b);
+      const std::byte* src = guarded([&] { return peer_buffer(static_cast<int>(q), b); });
       const auto* qoff = reinterpret_cast<const std::uint64_t*>(src);
       const auto* qcnt = qoff + P * nseg;
       for (std::size_t i = 0; i < nseg; ++i) {
@@ -165,14 +181,15 @@ class shm_exchange {
   // Every rank's `bytes` bytes to every rank, in rank order (the same protocol, one block).
   void all_gather(const std::byte* send, std::byte* recv, std::size_t bytes) {
     const int b = static_cast<int>(calls_ % 2);
+    check_group();
+    std::byte* buf = guarded([&] { return own_buffer(b, 64 + bytes); });
     ++calls_;
-    std::byte* buf = own_buffer(b, 64 + bytes);
     const std::uint64_t n = bytes;
     std::memcpy(buf, &n, sizeof n);
     if (bytes) std::memcpy(buf + 64, send, bytes);
     barrier();
     for (int q = 0; q < size_; ++q) {
-      const std::byte* src = peer_buffer(q, b);
+      const std::byte* src = guarded([&] { return peer_buffer(q, b); });
       std::uint64_t m = 0;
       std::memcpy(&m, src, sizeof m);
       EPX_REQUIRE(m == n, epx::errc::communicator, "shared-memory all_gather: rank ", q, " sends ", m,
@@ -183,6 +200,7 @@ class shm_exchange {
 
   void barrier() {
     control* c0 = peers_[0].ctl;
+    check_group();
     sense_ = !sense_;
     const std::uint32_t s = sense_ ? 1u : 0u;
     if (c0->count.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<std::uint32_t>(size_)) {
@@ -193,23 +211,18 @@ class shm_exchange {
     }
     const auto t0 = std::chrono::steady_clock::now();
     for (unsigned spin = 0; c0->sense.load(std::memory_order_acquire) != s; ++spin) {
-      if (c0->failed.load(std::memory_order_relaxed) != 0) {
-        drop_names();
-        throw epx::error(epx::errc::communicator,
-                         "shared-memory all-to-all: another rank of the group timed out waiting", EPX_HERE);
-      }
+      check_group();
       if (spin < 128) continue;
       // Sleep until the last rank flips the sense (or 20 ms pass, to check the timeout): the
       // ranks often outnumber the cores, and a spinning waiter takes a core from the others.
       timespec ts{0, 20000000};
       futex(&c0->sense, FUTEX_WAIT, 1u - s, &ts);
       if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > timeout_) {
-        c0->failed.store(1, std::memory_order_relaxed);
-        drop_names();
-        throw epx::error(epx::errc::communicator,
-                         epx::detail::concat("shared-memory all-to-all: rank ", rank_, " waited more than ", timeout_,
-                                             " s for the other ranks of its group (one died or did not call)"),
-                         EPX_HERE);
+        const std::string why = epx::detail::concat("shared-memory all-to-all: rank ", rank_, " waited more than ",
+                                                    timeout_, " s for the other ranks of its group (one died or did "
+                                                    "not call)");
+        fail_group(why, true);
+        throw epx::error(epx::errc::communicator, why, EPX_HERE);
       }
     }
   }
@@ -228,8 +241,64 @@ class shm_exchange {
 
   static std::size_t round_up(std::size_t n) { return (n + 63) / 64 * 64; }
 
-  // The group is broken (a rank timed out): remove this rank's buffer names now, since the
-  // peers that would have removed them may never map them.
+  // Raises when a rank of the group has failed (on every later call too: the exchange is
+  // broken for good), with that rank's reason.
+  void check_group() {
+    control* c0 = peers_[0].ctl;
+    const std::uint32_t f = c0->failed.load(std::memory_order_acquire);
+    if (f == 0) return;
+    const int r = static_cast<int>(f) - 1;
+    const control* cr = r >= 0 && r < size_ ? peers_[static_cast<std::size_t>(r)].ctl : nullptr;
+    // After a timeout a peer is gone and may never stop: remove this rank's names now.
+    if (cr != nullptr && cr->timed_out != 0) drop_names();
+    note_stopped();
+    std::string why = cr != nullptr ? std::string(cr->reason, strnlen(cr->reason, reason_len)) : std::string();
+    if (r == rank_) throw epx::error(epx::errc::communicator, "shared-memory exchange: failed earlier: " + why, EPX_HERE);
+    throw epx::error(epx::errc::communicator,
+                     epx::detail::concat("shared-memory exchange: rank ", r, " of the group failed: ", why), EPX_HERE);
+  }
+
+  // This rank cannot go on: publish its reason and mark the group failed (the first failure
+  // wins), so the peers stop at their next wait instead of timing out.
+  void fail_group(const std::string& why, bool timed_out = false) {
+    own_->timed_out = timed_out ? 1u : 0u;
+    if (timed_out) drop_names();
+    std::memset(own_->reason, 0, reason_len);
+    std::memcpy(own_->reason, why.data(), std::min(why.size(), reason_len - 1));
+    std::uint32_t none = 0;
+    peers_[0].ctl->failed.compare_exchange_strong(none, static_cast<std::uint32_t>(rank_ + 1), std::memory_order_acq_rel);
+    futex(&peers_[0].ctl->sense, FUTEX_WAKE, INT32_MAX, nullptr);
+    note_stopped();
+  }
+
+  // This rank reads no more buffers of the group; the last rank to stop removes every rank's
+  // buffer names (each at most once; a name already removed is no error).
+  void note_stopped() {
+    if (stopped_) return;
+    stopped_ = true;
+    if (peers_[0].ctl->stopped.fetch_add(1, std::memory_order_acq_rel) + 1 != static_cast<std::uint32_t>(size_))
+      return;
+    drop_names();
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      for (const slot_info& sl : peers_[static_cast<std::size_t>(r)].ctl->slot)
+        if (sl.name[0] != 0) shm_unlink(std::string(sl.name, strnlen(sl.name, name_len)).c_str());
+    }
+  }
+
+  // Runs a step that may fail on this rank alone; a failure marks the group failed first.
+  template <class F>
+  auto guarded(F&& f) -> decltype(f()) {
+    try {
+      return f();
+    } catch (const epx::error& e) {
+      fail_group(e.message());
+      throw;
+    }
+  }
+
+  // The group is broken: remove this rank's buffer names now, since the peers that would
+  // have removed them may never map them.
   void drop_names() {
     for (auto& m : mine_)
       if (!m.name.empty()) {
@@ -244,9 +313,22 @@ class shm_exchange {
     return syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), op, val, ts, nullptr, 0);
   }
 
+  // /epx.<pid>.<token>.<n>: the token is random, drawn once per process.
   static std::string make_name() {
     static std::atomic<std::uint64_t> next{0};
-    return epx::detail::concat("/epx.", static_cast<long>(getpid()), ".", next.fetch_add(1));
+    static const std::string token = [] {
+      std::uint64_t t = 0;
+      try {
+        std::random_device rd;
+        t = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+      } catch (...) {
+      }
+      t ^= static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+      char b[17];
+      std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(t));
+      return std::string(b);
+    }();
+    return epx::detail::concat("/epx.", static_cast<long>(getpid()), ".", token, ".", next.fetch_add(1));
   }
 
   void* create(const std::string& name, std::size_t bytes, int* fd_out) {
@@ -283,10 +365,25 @@ class shm_exchange {
     return p;
   }
 
+  // EPX_TORCH_SHM_MAX_BYTES: the most one data buffer of this process may take (unset: no
+  // limit but /dev/shm's); an exchange that needs more fails on every rank of the group.
+  static std::size_t max_buffer_bytes() {
+    const char* v = std::getenv("EPX_TORCH_SHM_MAX_BYTES");
+    if (v == nullptr || *v == 0) return SIZE_MAX;
+    char* end = nullptr;
+    const unsigned long long n = std::strtoull(v, &end, 10);
+    EPX_REQUIRE(end != nullptr && *end == 0, epx::errc::configuration, "EPX_TORCH_SHM_MAX_BYTES='", v,
+                "' is not a number of bytes");
+    return static_cast<std::size_t>(n);
+  }
+
   std::byte* own_buffer(int b, std::size_t bytes) {
     mapping& m = mine_[b];
     if (m.bytes >= bytes) return m.ptr;
-    const std::size_t want = std::max<std::size_t>(bytes + bytes / 4, 1 << 20);
+    const std::size_t limit = max_buffer_bytes();
+    EPX_REQUIRE(bytes <= limit, epx::errc::communicator, "shared-memory exchange: rank ", rank_, " needs a buffer of ",
+                bytes, " bytes, above EPX_TORCH_SHM_MAX_BYTES=", limit);
+    const std::size_t want = std::min(std::max<std::size_t>(bytes + bytes / 4, 1 << 20), std::max(limit, bytes));
     const std::string name = make_name();
     int fd = -1;
     auto* p = static_cast<std::byte*>(create(name, want, &fd));
@@ -334,6 +431,7 @@ class shm_exchange {
   int own_fd_ = -1;
   std::string own_name_;
   bool control_unlinked_ = false;
+  bool stopped_ = false;
   bool sense_ = false;
   std::uint64_t calls_ = 0;
   std::vector<int> fds_;

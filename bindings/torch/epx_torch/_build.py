@@ -4,11 +4,17 @@ The extension is compiled (C++20, as torch 2.15 requires; the core is C++17 and 
 under both) by torch.utils.cpp_extension.load from bindings/torch/csrc with
 epx's headers (the repository's include/); the core stays header-only and knows nothing of
 torch. The build directory is EPX_TORCH_BUILD_DIR, by default
-~/.cache/epx/torch-build/<torch version>; ninja rebuilds only what changed.
+~/.cache/epx/torch-build/<torch version>-<key>, where <key> is a hash of the absolute paths
+of the sources and of the headers: every copy of the repository builds into its own
+directory. (One directory shared by two copies would be rebuilt by each in turn, since
+torch writes the sources' paths into its build file: the processes of a job that import
+epx_torch then wait on the build lock for minutes while another copy's job rebuilds, and
+may load the other copy's module.) ninja rebuilds only what changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 
@@ -23,17 +29,24 @@ def include_dir() -> pathlib.Path:
     return pathlib.Path(env) if env else _REPO / "include"
 
 
+def build_dir(torch_version: str) -> pathlib.Path:
+    """Where the extension is built: EPX_TORCH_BUILD_DIR, else one directory per torch
+    version and per copy of the sources and headers (see the module's docstring)."""
+    env = os.environ.get("EPX_TORCH_BUILD_DIR")
+    if env:
+        return pathlib.Path(env)
+    key = hashlib.sha256(f"{_BINDINGS.resolve()}\n{include_dir().resolve()}".encode()).hexdigest()[:12]
+    return pathlib.Path.home() / ".cache" / "epx" / "torch-build" / f"{torch_version.replace('+', '_')}-{key}"
+
+
 def load(verbose: bool | None = None):
     import torch
     from torch.utils import cpp_extension
 
     if verbose is None:
         verbose = os.environ.get("EPX_TORCH_VERBOSE_BUILD", "") not in ("", "0")
-    build_dir = pathlib.Path(
-        os.environ.get("EPX_TORCH_BUILD_DIR")
-        or pathlib.Path.home() / ".cache" / "epx" / "torch-build" / torch.__version__.replace("+", "_")
-    )
-    build_dir.mkdir(parents=True, exist_ok=True)
+    where = build_dir(torch.__version__)
+    where.mkdir(parents=True, exist_ok=True)
     sources = [str(_BINDINGS / "csrc" / f) for f in ("module.cpp", "layer.cpp", "reference.cpp")]
     flags = ["-O3", "-march=native", "-fopenmp", "-fno-fast-math", "-ffp-contract=off"]
     return cpp_extension.load(
@@ -42,7 +55,7 @@ def load(verbose: bool | None = None):
         extra_include_paths=[str(include_dir()), str(_BINDINGS / "csrc")],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
+        build_directory=str(where),
         with_cuda=False,
         verbose=verbose,
     )

@@ -7,7 +7,8 @@ rank, gathers every rank's verdict and, on rank 0, prints one line per case:
     torch[np=4] FAIL name: rank 2: <error>
 
 Every collective of the job has the process group's timeout (EPX_TORCH_TIMEOUT seconds,
-default 120), so a case that would hang fails instead.
+default 300: generous, since the ranks of a job share a few cores with whatever else runs),
+so a case that would hang fails instead.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ _results: list[tuple[str, bool]] = []
 
 def init() -> tuple[int, int]:
     if not dist.is_initialized():
-        timeout = float(os.environ.get("EPX_TORCH_TIMEOUT", "120"))
+        timeout = float(os.environ.get("EPX_TORCH_TIMEOUT", "300"))
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
     torch.set_num_threads(int(os.environ.get("EPX_TORCH_THREADS", "1")))
     return dist.get_rank(), dist.get_world_size()

@@ -11,6 +11,7 @@ batches of the per-batch gradients (contract section 6).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -183,6 +184,33 @@ def error_cases(W: int):
             x = torch.empty(x.shape, dtype=x.dtype, device="meta")
         expect_error(lambda: epx_torch.dispatch(x, ids, w, layer), f"rank {bad}", "on device meta")
 
+    def cuda_tensors():
+        # CUDA tensors (fake ones: no GPU is needed to make a tensor that says cuda:0) are
+        # refused on every rank, in dispatch (x, ids, weights) and combine (expert output),
+        # naming the rank and the device; the gradient reductions refuse them too.
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake = FakeTensorMode()
+
+        def on_cuda(t):
+            with fake:
+                return torch.empty(t.shape, dtype=t.dtype, device="cuda")
+
+        for which, what in ((0, "x"), (1, "expert ids"), (2, "routing weights")):
+            args = list(data())
+            if rank == bad:
+                args[which] = on_cuda(args[which])
+            expect_error(lambda: epx_torch.dispatch(*args, layer), "epx_torch dispatch", f"rank {bad}",
+                         f"{what} is on device cuda:0", "runs on the CPU")
+        x, ids, w = data()
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        y = on_cuda(rows) if rank == bad else rows
+        expect_error(lambda: epx_torch.combine(y, h), "epx_torch combine", f"rank {bad}",
+                     "expert output is on device cuda:0")
+        g = on_cuda(torch.zeros(4))
+        expect_error(lambda: layer.reduce_expert_gradients(g), "reduce_expert_gradients", "contiguous CPU tensor")
+        expect_error(lambda: layer.reduce_dense_gradients(g), "reduce_dense_gradients", "contiguous CPU tensor")
+
     def wrong_shape():
         x, ids, w = data()
         if rank == bad:
@@ -264,11 +292,37 @@ def error_cases(W: int):
         if rank != bad:
             expect_error(lambda: epx_torch.dispatch(x, ids, w, lay), "communicator", "waited more than 3")
 
+    def one_rank_fails_in_shared_memory():
+        # A failure of one rank alone inside the shared-memory exchange (here: its buffer would
+        # pass EPX_TORCH_SHM_MAX_BYTES): every rank raises at once with that rank's reason,
+        # rather than waiting out the group's timeout (60 s; a wait would say "waited more
+        # than"); the exchange stays failed for later calls.
+        import datetime
+
+        g = dist.new_group(list(range(W)), timeout=datetime.timedelta(seconds=60))
+        Hb = 1024
+        lay = epx_torch.Layer(mesh, hidden=Hb, top_k=2, dtype=torch.float32, group=g, transport="shm")
+        gen = torch.Generator().manual_seed(77 + rank)
+        N = 256  # 256 x 2 rows of 4 KiB: 2 MiB sent by each rank, above the 1 MiB limit of one
+        x = torch.randn(N, Hb, generator=gen)
+        ids = torch.randint(0, E_DEFAULT, (N, 2), generator=gen, dtype=torch.int32)
+        w = torch.rand(N, 2, generator=gen)
+        if rank == bad:
+            os.environ["EPX_TORCH_SHM_MAX_BYTES"] = str(1 << 20)
+        try:
+            want = ("needs a buffer of", "above EPX_TORCH_SHM_MAX_BYTES=1048576") if rank == bad else (
+                f"rank {bad} of the group failed", "above EPX_TORCH_SHM_MAX_BYTES=1048576")
+            expect_error(lambda: epx_torch.dispatch(x, ids, w, lay), "shared-memory", *want)
+        finally:
+            os.environ.pop("EPX_TORCH_SHM_MAX_BYTES", None)
+        expect_error(lambda: epx_torch.dispatch(x[:4], ids[:4], w[:4], lay), f"rank {bad}",
+                     "above EPX_TORCH_SHM_MAX_BYTES=1048576")
+
     def still_works_after_errors():
         layer_case(tp=1, dtype=torch.float64)
 
     return [("error: wrong x dtype", wrong_dtype), ("error: wrong ids dtype", wrong_ids_dtype),
-            ("error: wrong device", wrong_device), ("error: wrong x shape", wrong_shape),
+            ("error: wrong device", wrong_device), ("error: CUDA tensors refused on every rank", cuda_tensors), ("error: wrong x shape", wrong_shape),
             ("error: wrong ids shape", ids_shape), ("error: expert id out of range", bad_expert_id),
             ("error: NaN routing weight", nan_weight), ("error: combine with a wrong expert output", combine_shape),
             ("error: a handle combined twice", combine_twice),
@@ -279,6 +333,8 @@ def error_cases(W: int):
             ("error: masked path needs ep == tp", masked_needs_ep_eq_tp),
             ("error: mesh rule (experts % ep)", bad_mesh),
             ("error: a rank that never calls: the others time out", missing_rank_times_out),
+            ("error: one rank fails inside the shared-memory exchange: every rank raises its reason",
+             one_rank_fails_in_shared_memory),
             ("after errors the group still works", still_works_after_errors)]
 
 
