@@ -1,7 +1,7 @@
 // Bounded mode (spec section 11) on the threads backend: bitwise the normal mode when
 // nothing overflows, the local-capacity drops of the float64 reference when something
 // does (by position and by score), over meshes with tp > 1, float and bf16, serial and
-// OpenMP policies, both routes (direct peer reads and the staged all-to-all), realistic
+// OpenMP policies (exec::emulated_device: tests/emulated/test_bounded.cpp), both routes (direct peer reads and the staged all-to-all), realistic
 // hidden sizes; the overflow counter and check(); bad options and bad input.
 #include <doctest/doctest.h>
 
@@ -62,7 +62,7 @@ std::int64_t no_overflow(const layer_case& c) {
   return static_cast<std::int64_t>(most);  // distinct experts per token: at most one pair per row
 }
 
-template <class T, class Exec = epx::exec::serial>
+template <class T, class Exec = epx::test::test_exec>
 void check(const layer_case& c, std::int64_t cap, bool drops, Exec policy = {}) {
   CAPTURE(c.describe());
   CAPTURE(cap);
@@ -111,11 +111,92 @@ TEST_CASE("bounded: OpenMP policy, decode-sized and empty batches, realistic hid
   auto decode = make(1, 4, 4, 8, 2);
   decode.rows = [](int b) { return static_cast<std::size_t>(b % 2); };  // empty and one-token batches
   check<float>(decode, 1, false);
-  auto wide = make(1, 4, 4, 16, 4);
-  wide.hidden = 4096;
+  auto wide = make(2, 2, 4, 8, 2);
+  wide.hidden = 1024;
   wide.rows = [](int b) { return static_cast<std::size_t>(6 + b); };
   check<epx::bf16>(wide, no_overflow(wide), false);
   check<epx::bf16>(wide, 1, true);
+}
+
+namespace {
+// Row-wise experts with O(H) work: out = 2 * in (bf16 rounding), grad_in = 2 * grad_out.
+template <class T>
+struct doubling_rows {
+  template <class Exec>
+  void forward(const Exec&, const epx::expert_rows<const T>& in, T* out) {
+    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i)
+      out[i] = epx::convert<T>(2.0f * epx::convert<float>(in.rows[i]));
+  }
+  template <class Exec>
+  void backward(const Exec&, const epx::expert_rows<const T>& in, const T* g, T* gi) {
+    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i) gi[i] = epx::convert<T>(2.0f * epx::convert<float>(g[i]));
+  }
+};
+
+// Forward (train), backward and inference at H = 4096 and 7168, bounded against normal, bitwise.
+template <class T, class Exec = epx::test::test_exec>
+std::string wide_bitwise(comm_t& comm, std::size_t H, int tp) {
+  epx::mesh_config mc;
+  mc.tp = tp;
+  mc.fsdp = 8 / tp;
+  mc.ep = 8;
+  mc.experts = 32;
+  const epx::mesh m(mc);
+  const std::size_t N = 16, k = 8;
+  const int b = m.batch(comm.rank());
+  std::vector<T> x(N * H), g(N * H);
+  std::vector<float> w(N * k);
+  std::vector<std::int32_t> ids(N * k);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    x[i] = epx::convert<T>(static_cast<float>((i * 7919 + static_cast<std::size_t>(b) * 31) % 2003) / 1001.0f - 1.0f);
+    g[i] = epx::convert<T>(static_cast<float>((i * 104729 + 17) % 997) / 498.0f - 1.0f);
+  }
+  for (std::size_t t = 0; t < N; ++t)
+    for (std::size_t j = 0; j < k; ++j) {
+      ids[t * k + j] = static_cast<std::int32_t>((t * 5 + j * 4 + static_cast<std::size_t>(b)) % 32);
+      w[t * k + j] = 0.05f + 0.1f * static_cast<float>((t + j) % 7);
+    }
+  std::vector<std::vector<T>> outs;
+  std::vector<std::vector<float>> gws;
+  for (bool bounded : {false, true}) {
+    epx::layer_options o;
+    o.hidden = H;
+    o.top_k = static_cast<int>(k);
+    if (bounded) {
+      o.counts = epx::count_exchange::device;
+      o.bound.cap = 16;
+    }
+    epx::moe_layer<comm_t, T, epx::impl::all_to_all, Exec> layer(m, comm, o);
+    doubling_rows<T> e;
+    std::vector<T> y(N * H), gx(N * H), yi(N * H);
+    std::vector<float> gw(N * k);
+    auto s = layer.forward(epx::span<const T>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                           epx::span<T>(y), e, epx::mode::train);
+    layer.backward(std::move(s), epx::span<const T>(g), epx::span<T>(gx), epx::span<float>(gw), e);
+    (void)layer.forward(epx::span<const T>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                        epx::span<T>(yi), e, epx::mode::inference);
+    if (bounded && layer.check().overflow_pairs != 0) return "unexpected overflow";
+    outs.push_back(y);
+    outs.push_back(gx);
+    outs.push_back(yi);
+    gws.push_back(gw);
+  }
+  std::string f;
+  for (int i = 0; i < 3; ++i)
+    if (!epx::test::bitwise_equal(outs[static_cast<std::size_t>(i)], outs[static_cast<std::size_t>(i + 3)]))
+      f += epx::detail::concat("H=", H, " tp=", tp, ": output ", i, " differs bitwise\n");
+  if (!epx::test::bitwise_equal(gws[0], gws[1])) f += epx::detail::concat("H=", H, " tp=", tp, ": grad_w differs\n");
+  return f;
+}
+}  // namespace
+
+TEST_CASE("bounded: H = 4096 and 7168, ep = 8, top-8 of 32 experts: bitwise the normal mode") {
+  for (std::size_t H : {std::size_t{4096}, std::size_t{7168}})
+    for (int tp : {1, 2}) {
+      CAPTURE(H);
+      CAPTURE(tp);
+      on_ranks(8, [&](comm_t& comm) { return wide_bitwise<epx::bf16>(comm, H, tp); });
+    }
 }
 
 TEST_CASE("bounded: a bound below 1, a capacity mode, the masked path: errc::configuration on every rank") {

@@ -322,6 +322,7 @@ class bounded_route {
       all_to_all(*ctx_.ep, span<const T>(send, SR * H), span<T>(back, SR * H));
       if (ok) kernels::combine(ex, n, H, k, static_cast<const T*>(back), w, slab_pos, out);
     }
+    if (tp > 1) order_before_collective(ex, *ctx_.ep);
     finish_tp(ex, a.out, a.rows * H, ok);
     if (train) {
       st.rows = a.rows;
@@ -376,6 +377,7 @@ class bounded_route {
                       a.grad_x + sl.begin * H);
     }
     if (tp > 1) {
+      order_before_collective(ex, *ctx_.ep);
       finish_tp(ex, a.grad_x, a.rows * H, ok);
       finish_tp(ex, a.grad_weights, a.rows * k, ok);
     }
@@ -402,11 +404,11 @@ class bounded_route {
     st.max_expert_load = st.mean_expert_load = st.max_rank_load = st.mean_rank_load = 0.0;
   }
 
-  // The TP group sums the slices (a rank with bad shapes joins with zeros).
+  // The TP group sums the slices (a rank with bad shapes joins with zeros); the caller
+  // has ordered the policy's work before it.
   template <class Exec, class V>
   void finish_tp(const Exec& ex, V* data, std::size_t count, bool ok) {
     if (ctx_.tp_size() <= 1) return;
-    order_before_collective(ex, *ctx_.ep);
     if (ok) {
       all_reduce(*ctx_.tp, span<V>(data, count));
     } else {
