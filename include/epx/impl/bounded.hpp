@@ -347,7 +347,7 @@ class bounded_route {
     const bool ok = a.status == 0;
     const row_slice sl = s.slice;
     const std::size_t n = sl.size();
-    if (!ok) exec::for_each_n(ex, 1, add_shape_error{b.counters.data()});
+    if (!ok) exec::for_each_n(ex, 1, layout::bound_shape_failed{b.counters.data()});
     b.staged(ex);
     T* send = b.send.data();
     T* recv = b.recv.data();
@@ -385,11 +385,6 @@ class bounded_route {
   }
 
  private:
-  struct add_shape_error {
-    std::int64_t* counters;
-    EPX_HOST_DEVICE void operator()(std::size_t) const { counters[layout::bound_shape_error] += 1; }
-  };
-
   void note_stats(layer_stats& st, bool direct) const {
     st.path = "all_to_all";
     st.bounded = true;

@@ -14,7 +14,8 @@
 // The functors (EPX_HOST_DEVICE, launched through exec::for_each_n / exec::for_each_row):
 //   bound_keep      (per expert) the local capacity rule with C = cap: kept counts and the
 //                   drop segments of layout::drop_pairs (epx/layout/capacity.hpp);
-//   bound_tally     (once) adds the call's dropped pairs and bad-input flag to the counters;
+//   bound_tally     (once) adds the call's dropped pairs and bad-input flag to the counters
+//                   (bound_shape_failed: a backward call's shape error);
 //   bound_slots     (per slab row) the slice row each slab row carries (-1: none);
 //   bound_positions (per pair) the slab row of every (row, slot) pair (-1: dropped or bad);
 //   bound_header    (per peer) writes the counts into a slab's header bytes;
@@ -71,9 +72,9 @@ struct bound_shape {
     s.block = pad.padded_rows(static_cast<std::size_t>(ep) * static_cast<std::size_t>(cap));
     return s;
   }
-  std::size_t send_rows() const noexcept { return static_cast<std::size_t>(ep) * slab; }
-  std::size_t expert_rows() const noexcept { return static_cast<std::size_t>(L) * block; }
-  int experts() const noexcept { return ep * L; }
+  EPX_HOST_DEVICE std::size_t send_rows() const noexcept { return static_cast<std::size_t>(ep) * slab; }
+  EPX_HOST_DEVICE std::size_t expert_rows() const noexcept { return static_cast<std::size_t>(L) * block; }
+  EPX_HOST_DEVICE int experts() const noexcept { return ep * L; }
 };
 
 namespace detail {
@@ -138,6 +139,12 @@ struct bound_tally {
     counters[bound_shape_error] += shape_error;
     counters[bound_calls] += 1;
   }
+};
+
+// Call once: a call whose shapes failed (backward) into the counters.
+struct bound_shape_failed {
+  std::int64_t* counters;
+  EPX_HOST_DEVICE void operator()(std::size_t) const { counters[bound_shape_error] += 1; }
 };
 
 // Call with r in [0, ep*slab): slot_row[r] = the slice row slab row r carries, -1 for
