@@ -153,9 +153,13 @@ TEST_CASE("bad configuration raises on every rank, together, before rows move") 
     o.pad.align = 0;
     expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, "padding.align (0)");
   }
-  SUBCASE("device count exchange is not built yet") {
+  SUBCASE("bounded mode without a bound") {
     o.counts = epx::count_exchange::device;
-    expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, "device-side count exchange");
+    expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, "layer_options.bound.cap (0) must be at least 1");
+  }
+  SUBCASE("an unknown count exchange") {
+    o.counts = static_cast<epx::count_exchange>(5);
+    expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, "layer_options.counts (5)");
   }
   SUBCASE("all_reduce path with ep != tp") {
     expect_configuration_error<epx::impl::all_reduce>(4, {1, 4, 1, 1, 4, 8, 0}, o, "requires ep_size (4) == tp_size (1)");

@@ -60,25 +60,30 @@ struct unit_experts {
 };
 
 struct syncs {
-  long long forward = -1, backward = -1;
+  long long forward = -1, backward = -1, inference = -1;
+  epx::bound_report report;
 };
 
 // One forward and backward of an 8-rank layer (tp=2, fsdp=4, ep=4) on Comm, Impl.
 template <class Comm, class Impl, class Make>
-std::vector<syncs> count_syncs(const epx::mesh_config& mc, Make make_comm) {
+std::vector<syncs> count_syncs(const epx::mesh_config& mc, Make make_comm, std::int64_t bound = 0) {
   std::vector<syncs> out(8);
   epx::threads::run(8, [&](epx::threads::communicator& world) {
     const epx::mesh m(mc);
     epx::layer_options o;
     o.hidden = 16;
     o.top_k = 2;
+    if (bound > 0) {  // bounded mode (spec section 11)
+      o.counts = epx::count_exchange::device;
+      o.bound.cap = bound;
+    }
     emu policy;
     Comm comm = make_comm(std::move(world), policy);
     epx::moe_layer<Comm, float, Impl, emu> layer(m, comm, o, policy);
     const std::size_t N = 6, H = 16;
     std::vector<float> x(N * H, 0.5f), w(N * 2, 0.25f), y(N * H), gx(N * H), gw(N * 2);
     std::vector<std::int32_t> ids(N * 2);
-    for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 5 + 1) % 8);
+    for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 5 + 1) % (bound > 0 ? 4 : 8));
     unit_experts e;
     auto s = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
                            epx::span<float>(y), e, epx::mode::train);
@@ -86,6 +91,13 @@ std::vector<syncs> count_syncs(const epx::mesh_config& mc, Make make_comm) {
     r.forward = layer.stats().host_syncs;
     layer.backward(std::move(s), epx::span<const float>(y), epx::span<float>(gx), epx::span<float>(gw), e);
     r.backward = layer.stats().host_syncs;
+    if (bound > 0) {
+      // A second forward (inference, the layer's own buffers), then the synchronising check.
+      (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                          epx::span<float>(y), e, epx::mode::inference);
+      r.inference = layer.stats().host_syncs;
+      r.report = layer.check();
+    }
   });
   return out;
 }
@@ -104,6 +116,28 @@ TEST_CASE("device path: one host synchronisation per call with a device communic
   for (const auto& s : count_syncs<epx::threads::communicator, epx::impl::all_to_all>(mc, as_is)) {
     CHECK(s.forward == 4);   // plan read-back, the dispatch, the return, the TP all-reduce
     CHECK(s.backward == 3);  // the dispatch of gradients, their return, the TP all-reduces
+  }
+}
+
+TEST_CASE("device path: bounded mode makes no host synchronisation in forward, backward or inference") {
+  const epx::mesh_config mc{2, 4, 1, 1, 4, 8, 0};  // tp = 2, ep = 4
+  auto as_queued = [](epx::threads::communicator c, const emu& p) { return queued_comm(std::move(c), p); };
+  for (const std::int64_t cap : {std::int64_t{8}, std::int64_t{1}}) {  // nothing dropped; overflow
+    CAPTURE(cap);
+    for (const auto& s : count_syncs<queued_comm, epx::impl::all_to_all>(mc, as_queued, cap)) {
+      CHECK(s.forward == 0);
+      CHECK(s.backward == 0);
+      CHECK(s.inference == 0);
+      CHECK(s.report.calls == 8);  // two forward calls on each of the 4 ranks of the EP group
+      CHECK((s.report.overflow_pairs > 0) == (cap == 1));
+    }
+  }
+  // A host communicator waits for the policy before each collective over device buffers:
+  // the two exchanges of forward and backward and the TP all-reduces, nothing else.
+  auto as_is = [](epx::threads::communicator c, const emu&) { return c; };
+  for (const auto& s : count_syncs<epx::threads::communicator, epx::impl::all_to_all>(mc, as_is, 8)) {
+    CHECK(s.forward == 3);
+    CHECK(s.backward == 3);
   }
 }
 

@@ -43,7 +43,11 @@ class all_reduce_impl {
   }
 
   // The masked path needs every rank of an EP group to hold the same rows: ep == tp.
-  static std::string can_implement(const mesh& m, const layer_options&) {
+  static std::string can_implement(const mesh& m, const layer_options& o) {
+    if (o.counts == count_exchange::device)
+      return "the all_reduce implementation has no bounded mode (counts == count_exchange::device): its call "
+             "exchanges the shapes and status on the host and sizes its buffers from N; use impl::all_to_all "
+             "(impl::automatic does)";
     if (m.ep() == m.tp()) return {};
     return concat("the all_reduce implementation requires ep_size (", m.ep(), ") == tp_size (", m.tp(),
                   "): every rank of an EP group must hold the same rows");

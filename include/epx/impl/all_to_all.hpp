@@ -24,6 +24,8 @@
 // policies), so a communicator never reads buffers a device stream is still writing.
 // Backward runs the same route in reverse with the saved layout (no count exchange, only
 // a small shape check exchange).
+// In bounded mode (layer_options::counts == count_exchange::device) both calls take the
+// route of epx/impl/bounded.hpp instead.
 // Row buffers of host policies come from a pool kept by the implementation between calls
 // (detail::workspace), so repeated calls do not page-fault fresh allocations; device
 // policies allocate through exec::make_buffer (stream-ordered).
@@ -40,6 +42,7 @@
 #include "epx/comm/settle.hpp"
 #include "epx/exec/host.hpp"
 #include "epx/exec/workspace.hpp"
+#include "epx/impl/bounded.hpp"
 #include "epx/impl/experts.hpp"
 #include "epx/impl/implementation.hpp"
 #include "epx/impl/prologue.hpp"
@@ -66,7 +69,7 @@ class all_to_all_impl {
  public:
   static constexpr const char* name = "all_to_all";
 
-  explicit all_to_all_impl(const layer_context<Comm>& ctx) : ctx_(ctx) {}
+  explicit all_to_all_impl(const layer_context<Comm>& ctx) : ctx_(ctx), bounded_(ctx) {}
 
   // Any mesh: the all-to-all path has no rule of its own beyond the mesh's.
   static std::string can_implement(const mesh&, const layer_options&) { return {}; }
@@ -90,6 +93,7 @@ class all_to_all_impl {
   template <class T, class Exec, class Experts>
   void forward(const Exec& ex, const forward_args<T>& a, Experts& experts, saved_state<T>* saved) {
     check_experts_forward<Experts, Exec, T>();
+    if (ctx_.bound != nullptr) return bounded_.forward(ex, a, experts, saved);  // spec section 11
     const int L = ctx_.local_experts(), tp = ctx_.tp_size(), me = ctx_.ep_rank();
     const std::size_t H = a.hidden;
     const auto k = static_cast<std::size_t>(a.top_k);
@@ -182,6 +186,7 @@ class all_to_all_impl {
   template <class T, class Exec, class Experts>
   void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
     check_experts_backward<Experts, Exec, T>();
+    if (ctx_.bound != nullptr) return bounded_.backward(ex, a, experts, saved);
     auto& s = saved.template get<state<T, Exec>>();
     const int L = ctx_.local_experts(), tp = ctx_.tp_size(), me = ctx_.ep_rank();
     const std::size_t H = s.hidden;
@@ -280,6 +285,7 @@ class all_to_all_impl {
 
   layer_context<Comm> ctx_;
   workspace ws_;  // pooled row buffers (host policies)
+  bounded_route<Comm> bounded_;  // bounded mode (epx/impl/bounded.hpp)
 };
 
 }  // namespace detail

@@ -12,7 +12,8 @@
 //                 T* grad_in /*[num_rows, H]*/);   // accumulates its own parameter gradients
 //
 // `rows`, `out`, `grad_out`, `grad_in` live in the execution policy's memory space;
-// `offsets` is host memory. Outputs of padding rows are discarded; in backward their
+// `offsets` is host memory; in bounded mode `device_counts` gives the rows that hold data
+// (policy memory, see expert_rows). Outputs of padding rows are discarded; in backward their
 // grad_out rows are zero, so a linear expert's parameter gradient gets nothing from them.
 // The expert owns its math (GEMMs, activations, parameter storage and gradients).
 //
@@ -24,6 +25,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 #include <utility>
 
@@ -37,6 +39,11 @@ struct expert_rows {
   const std::size_t* offsets = nullptr; // [num_local + 1], host memory
   int num_local = 0;                    // L
   int first_global_expert = 0;          // global id of local expert 0
+  // Bounded mode (layer_options::counts == count_exchange::device): [num_local] rows of each
+  // local expert that hold data, in the execution policy's memory (no host copy exists);
+  // every expert's block then has count(l) rows, the rows past device_counts[l] are not
+  // data (zero in training calls). Null in the normal mode.
+  const std::int64_t* device_counts = nullptr;
 
   std::size_t begin(int l) const noexcept { return offsets[l]; }
   std::size_t count(int l) const noexcept { return offsets[l + 1] - offsets[l]; }

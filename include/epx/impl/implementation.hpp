@@ -56,6 +56,9 @@ struct layer_context {
   Comm* tp = nullptr;         // this rank's TP group
   layer_options options = {};
   layer_stats* stats = nullptr;
+  // Bounded mode: the layer's fixed buffers (detail::bound_buffers<T, Exec> of
+  // epx/impl/bounded.hpp, made by the layer at construction); null otherwise.
+  void* bound = nullptr;
 
   int ep_size() const noexcept { return topology->ep(); }
   int tp_size() const noexcept { return topology->tp(); }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "epx/core/error.hpp"
 #include "epx/layout/capacity.hpp"
@@ -10,13 +11,24 @@
 namespace epx {
 
 // How the all-to-all path learns the receive counts.
-//   host: one all_gather of a small record per rank {status, N, H, k, counts[E]}; the one
-//         host synchronisation per layer call. Bad input and shape disagreement are seen by
-//         every rank of the EP group before any row moves.
-// A later `device` mode (counts exchanged on the device into fixed worst-case receive
-// buffers, no host synchronisation, capturable in a CUDA graph) takes this slot; it is
-// not built yet, and choosing it is refused at layer construction.
+//   host:   one all_gather of a small record per rank {status, N, H, k, counts[E]}; the one
+//           host synchronisation per layer call. Bad input and shape disagreement are seen
+//           by every rank of the EP group before any row moves.
+//   device: bounded mode (spec section 11; epx/impl/bounded.hpp): buffers sized at
+//           construction from layer_options::bound.cap, the counts travel with the rows,
+//           no host synchronisation (capturable in a CUDA graph). Pairs beyond the bound
+//           are dropped and counted; bad input is counted and raised by moe_layer::check().
 enum class count_exchange : int { host = 0, device = 1 };
+
+// Bounded mode (count_exchange::device). `cap`: at most this many (row, slot) pairs per
+// (source ep rank, global expert) block travel; it must be at least 1 in bounded mode.
+// Pairs beyond it are dropped by the local capacity rule (spec section 8, priority from
+// layer_options::capacity.priority) and counted in the layer's overflow counter.
+// `raise_on_overflow`: moe_layer::check() raises errc::input when pairs were dropped.
+struct bound_options {
+  std::int64_t cap = 0;
+  bool raise_on_overflow = false;
+};
 
 // Forward for training keeps what backward needs; inference keeps nothing.
 enum class mode : int { train = 0, inference = 1 };
@@ -26,6 +38,7 @@ struct layer_options {
   int top_k = 1;           // k, slots per token, in [1, num_experts]
   padding pad = {};
   count_exchange counts = count_exchange::host;
+  bound_options bound = {};  // bounded mode (counts == count_exchange::device)
   std::size_t chunks = 0;  // chunks of the counting sort; 0: the execution policy's default
   // On communicators whose ranks share memory (epx::has_peer_access_v: threads) and host
   // policies, the all-to-all path reads rows straight out of the peers' buffers: the gather

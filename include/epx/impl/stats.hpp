@@ -40,6 +40,10 @@ struct layer_stats {
   // The all-to-all path read rows straight out of the peers' buffers (layer_options::peer_access)
   // instead of moving them through the communicator's all-to-all.
   bool peer_access = false;
+  // Bounded mode (layer_options::counts == count_exchange::device) ran the last call: no
+  // count reaches the host, so the load figures above stay empty (moe_layer::check()
+  // reports the dropped pairs).
+  bool bounded = false;
   std::int64_t calls = 0;
   // Host synchronisations the last forward or backward call made on a device policy (0 on
   // host policies, which have no queue to wait for): the count exchange's read-back, and
@@ -63,6 +67,7 @@ inline void record_stats(layer_stats& st, const char* path, const receive_layout
   const std::size_t E = lay.E();
   st.path = path;
   st.peer_access = false;
+  st.bounded = false;
   st.tokens_per_local_expert.assign(Ls, 0);
   st.padding_per_local_expert.assign(Ls, 0);
   const std::size_t* off = lay.offsets(me);

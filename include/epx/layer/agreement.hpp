@@ -47,6 +47,8 @@ inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_o
           {"pad.rows_per_expert", o.pad.rows_per_expert},
           {"pad.align", o.pad.align},
           {"counts", static_cast<std::int64_t>(o.counts)},
+          {"bound.cap", o.bound.cap},
+          {"bound.raise_on_overflow", o.bound.raise_on_overflow ? 1 : 0},
           {"chunks", static_cast<std::int64_t>(o.chunks)},
           {"peer_access", o.peer_access ? 1 : 0},
           {"capacity.mode", static_cast<std::int64_t>(o.capacity.mode)},

@@ -40,6 +40,7 @@
 #include "epx/core/span.hpp"
 #include "epx/impl/all_reduce.hpp"
 #include "epx/impl/automatic.hpp"
+#include "epx/impl/bounded.hpp"
 #include "epx/impl/all_to_all.hpp"
 #include "epx/impl/implementation.hpp"
 #include "epx/impl/limits.hpp"
@@ -164,6 +165,23 @@ class moe_layer {
   }
 
   const layer_stats& stats() const noexcept { return *stats_; }
+
+  // Bounded mode (layer_options::counts == count_exchange::device, spec section 11).
+  // Collective over the EP group and a synchronising call: sums the group's counters since
+  // the last check (then resets them) and returns them; raises errc::input on every rank
+  // when a call had bad input, and when pairs overflowed the bound with
+  // layer_options::bound.raise_on_overflow. In the normal mode it returns an empty report.
+  bound_report check() {
+    if (!bound_) return {};
+    return detail::check_bound(exec_, *ep_, *static_cast<detail::bound_buffers<T, Exec>*>(bound_.get()), rank_);
+  }
+  // Bounded mode: this rank's counters in the execution policy's memory, read when the
+  // caller likes (no synchronisation here): [0] pairs it dropped beyond the bound as a
+  // sender, [1] calls with bad expert ids or weights, [2] calls with bad shapes, [3] calls,
+  // then [E] dropped pairs per global expert; reset by check(). Null in the normal mode.
+  const std::int64_t* overflow_counter() const noexcept {
+    return bound_ ? static_cast<const detail::bound_buffers<T, Exec>*>(bound_.get())->counters.data() : nullptr;
+  }
   // The node limit of layer_options::ranks_per_node and max_nodes, for the routing policies
   // (`policy.limit = layer.node_limit();`); no limit when max_nodes is 0.
   routing::node_limit node_limit() const { return detail::node_limit_for(*mesh_, options_); }
@@ -210,8 +228,11 @@ class moe_layer {
       m.validate_top_k(o.top_k);
       EPX_REQUIRE(o.hidden >= 1, errc::configuration, "layer_options.hidden (", o.hidden, ") must be at least 1");
       o.pad.validate();
-      EPX_REQUIRE(o.counts == count_exchange::host, errc::configuration,
-                  "layer_options.counts: the device-side count exchange is not available yet; use count_exchange::host");
+      const int counts = static_cast<int>(o.counts);
+      EPX_REQUIRE(counts == 0 || counts == 1, errc::configuration, "layer_options.counts (", counts,
+                  ") must be count_exchange::host or count_exchange::device");
+      const std::string bound = detail::bound_check(m, o);  // bounded mode (epx/impl/bounded.hpp)
+      EPX_REQUIRE(bound.empty(), errc::configuration, bound);
       detail::validate_limits(m, o);  // capacity, ranks_per_node, max_nodes (epx/impl/limits.hpp)
       return can_implement<impl_type>(m, o);
     } catch (const error& e) {
@@ -259,6 +280,11 @@ class moe_layer {
     ctx.tp = tp_.get();
     ctx.options = options_;
     ctx.stats = stats_.get();
+    rank_ = world_rank;
+    if (options_.counts == count_exchange::device) {
+      bound_ = std::make_shared<detail::bound_buffers<T, Exec>>(exec_, *mesh_, options_);
+      ctx.bound = bound_.get();
+    }
     impl_ = std::make_unique<impl_type>(ctx);
   }
 
@@ -269,6 +295,8 @@ class moe_layer {
   std::unique_ptr<Comm> ep_;
   std::unique_ptr<Comm> tp_;
   std::unique_ptr<layer_stats> stats_;
+  std::shared_ptr<void> bound_;  // bounded mode: detail::bound_buffers<T, Exec>
+  int rank_ = 0;
   std::unique_ptr<impl_type> impl_;
 };
 

@@ -1,0 +1,105 @@
+// tests/core/bounded_cases.hpp: bounded mode (spec section 11) test bodies, templated over
+// the communicator and the execution policy; each runs on one rank and returns the failures
+// of that rank as text ("" when everything matched), like core/layer_cases.hpp.
+//
+// check_bounded_case runs the layer in the normal mode and in bounded mode with bound `cap`
+// (training forward, backward, the expert hook, check(), then two inference calls):
+//   - with a bound that drops nothing: bitwise equal to the normal mode;
+//   - with overflow: bitwise equal to the normal mode with the local capacity rule
+//     C = cap (same priority), close to the float64 reference with those drops, and
+//     check() reports the EP group's dropped pairs per expert of the reference.
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "core/layer_cases.hpp"
+
+namespace epx::test {
+
+template <class Comm, class T, class Exec>
+std::string check_bounded_case(Comm& world, const layer_case& c, std::int64_t cap, bool expect_drops,
+                               Exec policy = {}) {
+  std::string f;
+  const std::string where = detail::concat(c.describe(), " cap=", cap, " rank ", world.rank());
+  try {
+    const auto global = ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+    // The normal mode with the drops bounded mode makes: local capacity with C = cap.
+    layer_case cc = c;
+    cc.capacity.mode = capacity_mode::local;
+    cc.capacity.rows = cap;
+    const auto normal = run_layer<Comm, T, impl::all_to_all, Exec>(world, expect_drops ? cc : c, global, policy);
+
+    const mesh m(c.topology);
+    const int rank = world.rank(), b = m.batch(rank);
+    const batch_data d = make_batch<T>(c, b);
+    const std::size_t N = c.rows_of(b), H = static_cast<std::size_t>(c.hidden), k = static_cast<std::size_t>(c.top_k);
+    layer_options o = options_for(c);
+    o.counts = count_exchange::device;
+    o.bound.cap = cap;
+    moe_layer<Comm, T, impl::all_to_all, Exec> layer(m, world, o, policy);
+    ref::test_linear_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
+    const auto x = ref::from_double<T>(d.x);
+    const auto go = ref::from_double<T>(d.grad_out);
+    std::vector<float> w(d.w.begin(), d.w.end());
+    layer_outputs<T> r;
+    r.out.assign(N * H, convert<T>(7.0f));
+    r.grad_x.assign(N * H, convert<T>(7.0f));
+    r.grad_w.assign(N * k, 7.0f);
+    auto saved = layer.forward(span<const T>(x), span<const std::int32_t>(d.ids), span<const float>(w),
+                               span<T>(r.out), experts, mode::train);
+    if (!layer.stats().bounded) f += where + ": stats.bounded is false\n";
+    layer.backward(std::move(saved), span<const T>(go), span<T>(r.grad_x), span<float>(r.grad_w), experts);
+    gradient_hooks<Comm> hooks(m, world);
+    r.expert_grads = experts.grads();
+    hooks.reduce_expert(span<double>(r.expert_grads));
+    const std::int64_t* counter = layer.overflow_counter();
+    if (counter == nullptr) f += where + ": no overflow counter\n";
+    const bound_report rep = layer.check();
+
+    if (!bitwise_equal(r.out, normal.out)) f += where + ": out differs bitwise from the normal mode\n";
+    if (!bitwise_equal(r.grad_x, normal.grad_x)) f += where + ": grad_x differs bitwise from the normal mode\n";
+    if (!bitwise_equal(r.grad_w, normal.grad_w)) f += where + ": grad_weights differ bitwise from the normal mode\n";
+    if (!bitwise_equal(r.expert_grads, normal.expert_grads))
+      f += where + ": expert grads differ bitwise from the normal mode\n";
+
+    // Against the float64 reference with the local-capacity drops of C = cap.
+    const auto e = expect<T>(cc, global, rank);
+    const double at = atol_for<T>(), rt = rtol_for<T>();
+    append(f, ref::compare(r.out, e.out, at, rt, where + " out"));
+    append(f, ref::compare(r.grad_x, e.grad_x, at, rt, where + " grad_x"));
+    append(f, ref::compare(r.grad_w, e.grad_w, std::max(2 * at, 1e-5), std::max(rt, 1e-5), where + " grad_weights"));
+    append(f, ref::compare(r.expert_grads, e.expert_grads, 2 * at, rt, where + " expert grads after hook"));
+    // check(): the group's dropped pairs per expert, one call per rank of the group.
+    std::vector<double> got(rep.dropped_per_expert.begin(), rep.dropped_per_expert.end());
+    std::vector<double> want(e.dropped_per_expert.begin(), e.dropped_per_expert.end());
+    append(f, ref::compare(got, want, 0, 0, where + " check().dropped_per_expert"));
+    std::int64_t total = 0;
+    for (auto v : e.dropped_per_expert) total += v;
+    if (rep.overflow_pairs != total)
+      f += detail::concat(where, ": check().overflow_pairs ", rep.overflow_pairs, ", expected ", total, "\n");
+    if (rep.calls != m.ep())
+      f += detail::concat(where, ": check().calls ", rep.calls, ", expected ", m.ep(), "\n");
+    if (expect_drops != (total > 0)) f += detail::concat(where, ": the case drops ", total, " pairs\n");
+
+    // Inference, twice (the layer's buffers are reused): bitwise the training forward's out.
+    for (int rep_i = 0; rep_i < 2; ++rep_i) {
+      std::vector<T> out(N * H, convert<T>(7.0f));
+      auto s = layer.forward(span<const T>(x), span<const std::int32_t>(d.ids), span<const float>(w), span<T>(out),
+                             experts, mode::inference);
+      if (!s.empty()) f += where + ": inference saved state not empty\n";
+      if (!bitwise_equal(out, normal.out))
+        f += detail::concat(where, ": inference call ", rep_i, " differs bitwise from the normal mode\n");
+    }
+    const bound_report rep2 = layer.check();
+    if (rep2.overflow_pairs != 2 * total)
+      f += detail::concat(where, ": second check().overflow_pairs ", rep2.overflow_pairs, ", expected ", 2 * total,
+                          "\n");
+  } catch (const std::exception& ex) {
+    f += where + ": exception: " + ex.what() + "\n";
+  }
+  return f;
+}
+
+}  // namespace epx::test

@@ -1,0 +1,371 @@
+// Bounded mode (spec section 11) on the threads backend: bitwise the normal mode when
+// nothing overflows, the local-capacity drops of the float64 reference when something
+// does (by position and by score), over meshes with tp > 1, float and bf16, serial and
+// OpenMP policies (exec::emulated_device: tests/emulated/test_bounded.cpp), both routes (direct peer reads and the staged all-to-all), realistic
+// hidden sizes; the overflow counter and check(); bad options and bad input.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "core/bounded_cases.hpp"
+#include "epx/comm/threads.hpp"
+
+namespace {
+
+using epx::test::layer_case;
+using epx::test::routing_kind;
+using comm_t = epx::threads::communicator;
+
+template <class Body>
+void on_ranks(int world, Body body) {
+  std::vector<std::string> failures(static_cast<std::size_t>(world));
+  epx::threads::run(world, [&](comm_t& comm) { failures[static_cast<std::size_t>(comm.rank())] = body(comm); });
+  for (int r = 0; r < world; ++r)
+    CHECK_MESSAGE(failures[static_cast<std::size_t>(r)].empty(), failures[static_cast<std::size_t>(r)]);
+}
+
+// Scales its rows by 2 (in place allowed): a stand-in for the experts of the error tests.
+struct doubling_experts {
+  static constexpr bool forward_in_place = true;
+  template <class Exec>
+  void forward(const Exec&, const epx::expert_rows<const float>& in, float* out) {
+    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i) out[i] = 2.0f * in.rows[i];
+  }
+  template <class Exec>
+  void backward(const Exec&, const epx::expert_rows<const float>& in, const float* g, float* gi) {
+    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i) gi[i] = 2.0f * g[i];
+  }
+};
+
+int world_of(const epx::mesh_config& m) { return m.tp * m.fsdp * m.dp_replicate * m.pp; }
+
+layer_case make(int tp, int fsdp, int ep, int E, int k, routing_kind r = routing_kind::random, int R = 1) {
+  layer_case c;
+  c.topology.tp = tp;
+  c.topology.fsdp = fsdp;
+  c.topology.ep = ep;
+  c.topology.dp_replicate = R;
+  c.topology.experts = E;
+  c.top_k = k;
+  c.routing = r;
+  c.rows = [](int b) { return static_cast<std::size_t>(10 + 3 * b); };
+  c.seed = static_cast<std::uint64_t>(tp * 1000 + fsdp * 100 + ep * 10 + E + k * 7 + static_cast<int>(r) * 13 + R);
+  return c;
+}
+
+// A bound that no block can exceed: every pair of a slice.
+std::int64_t no_overflow(const layer_case& c) {
+  std::size_t most = 0;
+  const epx::mesh m(c.topology);
+  for (int b = 0; b < m.batches(); ++b) most = std::max(most, c.rows_of(b));
+  return static_cast<std::int64_t>(most);  // distinct experts per token: at most one pair per row
+}
+
+template <class T, class Exec = epx::test::test_exec>
+void check(const layer_case& c, std::int64_t cap, bool drops, Exec policy = {}) {
+  CAPTURE(c.describe());
+  CAPTURE(cap);
+  on_ranks(world_of(c.topology), [&](comm_t& comm) {
+    return epx::test::check_bounded_case<comm_t, T, Exec>(comm, c, cap, drops, policy);
+  });
+}
+
+std::vector<layer_case> meshes() {
+  return {make(1, 4, 4, 8, 2),     make(2, 2, 4, 8, 2),    make(2, 4, 8, 16, 4, routing_kind::uneven),
+          make(1, 2, 2, 4, 1),     make(4, 2, 8, 16, 2),   make(1, 4, 2, 8, 2, routing_kind::random, 1),
+          make(1, 2, 2, 8, 2, routing_kind::random, 2), make(1, 1, 1, 4, 2)};
+}
+
+}  // namespace
+
+TEST_CASE("bounded: bitwise the normal mode when nothing overflows (meshes, float and bf16, both routes)") {
+  for (auto c : meshes()) {
+    check<float>(c, no_overflow(c), false);
+    check<epx::bf16>(c, no_overflow(c), false);
+    c.peer_access = false;  // the staged route everywhere
+    check<float>(c, no_overflow(c), false);
+  }
+}
+
+TEST_CASE("bounded: overflow drops the local-capacity pairs of the reference, by position and by score") {
+  for (auto c : meshes()) {
+    if (c.top_k == 1 && c.topology.experts == 4) c.routing = routing_kind::one_expert;  // something must overflow
+    for (auto prio : {epx::drop_priority::position, epx::drop_priority::score}) {
+      c.capacity.priority = prio;
+      check<float>(c, 1, true);
+      check<epx::bf16>(c, 1, true);
+      auto staged = c;
+      staged.peer_access = false;
+      check<float>(staged, 1, true);
+    }
+  }
+  auto uneven = make(2, 4, 8, 16, 4, routing_kind::uneven);
+  check<float>(uneven, 2, true);
+}
+
+TEST_CASE("bounded: OpenMP policy, decode-sized and empty batches, realistic hidden size") {
+  auto c = make(2, 2, 4, 8, 2);
+  check<float, epx::exec::openmp>(c, no_overflow(c), false, epx::exec::openmp{2});
+  check<float, epx::exec::openmp>(c, 1, true, epx::exec::openmp{2});
+  auto decode = make(1, 4, 4, 8, 2);
+  decode.rows = [](int b) { return static_cast<std::size_t>(b % 2); };  // empty and one-token batches
+  check<float>(decode, 1, false);
+  auto wide = make(2, 2, 4, 8, 2);
+  wide.hidden = 1024;
+  wide.rows = [](int b) { return static_cast<std::size_t>(6 + b); };
+  check<epx::bf16>(wide, no_overflow(wide), false);
+  check<epx::bf16>(wide, 1, true);
+}
+
+namespace {
+// Row-wise experts with O(H) work: out = 2 * in (bf16 rounding), grad_in = 2 * grad_out.
+template <class T>
+struct doubling_rows {
+  template <class Exec>
+  void forward(const Exec&, const epx::expert_rows<const T>& in, T* out) {
+    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i)
+      out[i] = epx::convert<T>(2.0f * epx::convert<float>(in.rows[i]));
+  }
+  template <class Exec>
+  void backward(const Exec&, const epx::expert_rows<const T>& in, const T* g, T* gi) {
+    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i) gi[i] = epx::convert<T>(2.0f * epx::convert<float>(g[i]));
+  }
+};
+
+// Forward (train), backward and inference at H = 4096 and 7168, bounded against normal, bitwise.
+template <class T, class Exec = epx::test::test_exec>
+std::string wide_bitwise(comm_t& comm, std::size_t H, int tp) {
+  epx::mesh_config mc;
+  mc.tp = tp;
+  mc.fsdp = 8 / tp;
+  mc.ep = 8;
+  mc.experts = 32;
+  const epx::mesh m(mc);
+  const std::size_t N = 16, k = 8;
+  const int b = m.batch(comm.rank());
+  std::vector<T> x(N * H), g(N * H);
+  std::vector<float> w(N * k);
+  std::vector<std::int32_t> ids(N * k);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    x[i] = epx::convert<T>(static_cast<float>((i * 7919 + static_cast<std::size_t>(b) * 31) % 2003) / 1001.0f - 1.0f);
+    g[i] = epx::convert<T>(static_cast<float>((i * 104729 + 17) % 997) / 498.0f - 1.0f);
+  }
+  for (std::size_t t = 0; t < N; ++t)
+    for (std::size_t j = 0; j < k; ++j) {
+      ids[t * k + j] = static_cast<std::int32_t>((t * 5 + j * 4 + static_cast<std::size_t>(b)) % 32);
+      w[t * k + j] = 0.05f + 0.1f * static_cast<float>((t + j) % 7);
+    }
+  std::vector<std::vector<T>> outs;
+  std::vector<std::vector<float>> gws;
+  for (bool bounded : {false, true}) {
+    epx::layer_options o;
+    o.hidden = H;
+    o.top_k = static_cast<int>(k);
+    if (bounded) {
+      o.counts = epx::count_exchange::device;
+      o.bound.cap = 16;
+    }
+    epx::moe_layer<comm_t, T, epx::impl::all_to_all, Exec> layer(m, comm, o);
+    doubling_rows<T> e;
+    std::vector<T> y(N * H), gx(N * H), yi(N * H);
+    std::vector<float> gw(N * k);
+    auto s = layer.forward(epx::span<const T>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                           epx::span<T>(y), e, epx::mode::train);
+    layer.backward(std::move(s), epx::span<const T>(g), epx::span<T>(gx), epx::span<float>(gw), e);
+    (void)layer.forward(epx::span<const T>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                        epx::span<T>(yi), e, epx::mode::inference);
+    if (bounded && layer.check().overflow_pairs != 0) return "unexpected overflow";
+    outs.push_back(y);
+    outs.push_back(gx);
+    outs.push_back(yi);
+    gws.push_back(gw);
+  }
+  std::string f;
+  for (int i = 0; i < 3; ++i)
+    if (!epx::test::bitwise_equal(outs[static_cast<std::size_t>(i)], outs[static_cast<std::size_t>(i + 3)]))
+      f += epx::detail::concat("H=", H, " tp=", tp, ": output ", i, " differs bitwise\n");
+  if (!epx::test::bitwise_equal(gws[0], gws[1])) f += epx::detail::concat("H=", H, " tp=", tp, ": grad_w differs\n");
+  return f;
+}
+}  // namespace
+
+TEST_CASE("bounded: H = 4096 and 7168, ep = 8, top-8 of 32 experts: bitwise the normal mode") {
+  for (std::size_t H : {std::size_t{4096}, std::size_t{7168}})
+    for (int tp : {1, 2}) {
+      CAPTURE(H);
+      CAPTURE(tp);
+      on_ranks(8, [&](comm_t& comm) { return wide_bitwise<epx::bf16>(comm, H, tp); });
+    }
+}
+
+TEST_CASE("bounded: a bound below 1, a capacity mode, the masked path: errc::configuration on every rank") {
+  const auto expect_bad = [](epx::layer_options o, const std::string& words, bool masked) {
+    epx::mesh_config mc;
+    mc.fsdp = masked ? 1 : 4;
+    mc.tp = masked ? 4 : 1;
+    mc.ep = 4;
+    mc.experts = 8;
+    const epx::mesh m(mc);
+    o.hidden = 4;
+    o.top_k = 2;
+    o.counts = epx::count_exchange::device;
+    std::vector<std::string> got(4);
+    epx::threads::run(4, [&](comm_t& comm) {
+      try {
+        if (masked) {
+          epx::moe_layer<comm_t, float, epx::impl::all_reduce> layer(m, comm, o);
+        } else {
+          epx::moe_layer<comm_t, float> layer(m, comm, o);
+        }
+        got[static_cast<std::size_t>(comm.rank())] = "no error";
+      } catch (const epx::error& e) {
+        got[static_cast<std::size_t>(comm.rank())] =
+            e.category() == epx::errc::configuration ? e.message() : std::string("wrong category: ") + e.what();
+      }
+    });
+    for (const auto& g : got)
+      CHECK_MESSAGE(g.find(words) != std::string::npos, std::string(g + " (wanted: " + words + ")"));
+  };
+  epx::layer_options o;
+  o.bound.cap = 0;
+  expect_bad(o, "layer_options.bound.cap (0) must be at least 1", false);
+  o.bound.cap = -5;
+  expect_bad(o, "layer_options.bound.cap (-5) must be at least 1", false);
+  o.bound.cap = 4;
+  o.capacity.mode = epx::capacity_mode::global;
+  o.capacity.factor = 1.0;
+  expect_bad(o, "layer_options.capacity.mode (global) must be off in bounded mode", false);
+  o.capacity = {};
+  expect_bad(o, "the all_reduce implementation has no bounded mode", true);
+
+  // One rank with another bound: every rank raises.
+  std::vector<std::string> got(2);
+  epx::mesh_config mc;
+  mc.fsdp = 2;
+  mc.ep = 2;
+  mc.experts = 4;
+  const epx::mesh m(mc);
+  epx::threads::run(2, [&](comm_t& comm) {
+    epx::layer_options p;
+    p.hidden = 4;
+    p.top_k = 1;
+    p.counts = epx::count_exchange::device;
+    p.bound.cap = comm.rank() == 1 ? 0 : 3;
+    try {
+      epx::moe_layer<comm_t, float> layer(m, comm, p);
+    } catch (const epx::error& e) {
+      got[static_cast<std::size_t>(comm.rank())] = e.category() == epx::errc::configuration ? e.message() : "wrong";
+    }
+  });
+  for (const auto& g : got) CHECK_MESSAGE(g.find("bound.cap (0) must be at least 1") != std::string::npos, g);
+
+  // The automatic implementation takes the all-to-all path in bounded mode on ep == tp.
+  epx::threads::run(2, [&](comm_t& comm) {
+    epx::mesh_config a;
+    a.tp = 2;
+    a.ep = 2;
+    a.experts = 4;
+    epx::layer_options p;
+    p.hidden = 4;
+    p.top_k = 1;
+    p.counts = epx::count_exchange::device;
+    p.bound.cap = 8;
+    epx::moe_layer<comm_t, float, epx::impl::automatic> layer(epx::mesh(a), comm, p);
+    std::vector<float> x(16, 0.5f), w(4, 1.0f), y(16);
+    std::vector<std::int32_t> ids = {0, 1, 2, 3};
+    doubling_experts e;
+    (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                        epx::span<float>(y), e, epx::mode::inference);
+    CHECK(std::string(layer.stats().path) == "all_to_all");
+    CHECK(layer.stats().bounded);
+  });
+}
+
+namespace {
+struct outcome {
+  bool call_threw = false;
+  std::string check_message;  // "" when check() did not raise
+  epx::bound_report report;
+  std::int64_t counter = -1;  // this rank's overflow counter before check()
+};
+
+// Four ranks (ep = 4, 8 experts, k = 2, cap 1), three rows each; `bad_rank` gets `bad`.
+template <class Mutate>
+std::vector<outcome> run_errors(bool raise_on_overflow, int bad_rank, Mutate bad) {
+  std::vector<outcome> got(4);
+  epx::threads::run(4, [&](comm_t& comm) {
+    epx::mesh_config mc;
+    mc.fsdp = 4;
+    mc.ep = 4;
+    mc.experts = 8;
+    epx::layer_options o;
+    o.hidden = 4;
+    o.top_k = 2;
+    o.counts = epx::count_exchange::device;
+    o.bound.cap = 1;
+    o.bound.raise_on_overflow = raise_on_overflow;
+    epx::moe_layer<comm_t, float> layer(epx::mesh(mc), comm, o);
+    const int r = comm.rank();
+    std::size_t N = 3;
+    std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4);
+    std::vector<std::int32_t> ids = {0, 1, 2, 3, 4, 5};  // distinct experts: nothing overflows
+    if (r == bad_rank) bad(ids, w, y);
+    doubling_experts e;
+    auto& g = got[static_cast<std::size_t>(r)];
+    try {
+      (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                          epx::span<float>(y), e, epx::mode::inference);
+    } catch (const epx::error&) {
+      g.call_threw = true;
+    }
+    g.counter = layer.overflow_counter()[0];
+    try {
+      g.report = layer.check();
+    } catch (const epx::error& ex) {
+      g.check_message = ex.category() == epx::errc::input ? ex.message() : std::string("wrong category");
+    }
+  });
+  return got;
+}
+}  // namespace
+
+TEST_CASE("bounded: overflow counter and check(), raising on overflow when asked") {
+  auto twice = [](std::vector<std::int32_t>& ids, std::vector<float>&, std::vector<float>&) {
+    ids = {0, 1, 0, 1, 0, 2};  // expert 0 three times, expert 1 twice: 3 pairs over cap 1
+  };
+  for (bool raise : {false, true}) {
+    const auto got = run_errors(raise, 2, twice);
+    for (int r = 0; r < 4; ++r) {
+      const auto& g = got[static_cast<std::size_t>(r)];
+      CHECK(!g.call_threw);
+      CHECK(g.counter == (r == 2 ? 3 : 0));
+      if (raise) {
+        CHECK_MESSAGE(g.check_message.find("3 (token, slot) pair(s) overflowed the bound cap=1") != std::string::npos,
+                      g.check_message);
+      } else {
+        CHECK(g.check_message.empty());
+        CHECK(g.report.overflow_pairs == 3);
+        CHECK(g.report.dropped_per_expert[0] == 2);
+        CHECK(g.report.dropped_per_expert[1] == 1);
+        CHECK(g.report.calls == 4);
+      }
+    }
+  }
+}
+
+TEST_CASE("bounded: bad expert ids, non-finite weights and bad shapes raise errc::input on every rank, no hang") {
+  using mut = void (*)(std::vector<std::int32_t>&, std::vector<float>&, std::vector<float>&);
+  const mut bad_id = [](std::vector<std::int32_t>& ids, std::vector<float>&, std::vector<float>&) { ids[3] = 8; };
+  const mut nan_w = [](std::vector<std::int32_t>&, std::vector<float>& w, std::vector<float>&) { w[1] = 0.0f / 0.0f; };
+  const mut bad_out = [](std::vector<std::int32_t>&, std::vector<float>&, std::vector<float>& y) { y.resize(5); };
+  for (mut m : {bad_id, nan_w, bad_out}) {
+    const auto got = run_errors(false, 3, m);
+    for (int r = 0; r < 4; ++r) {
+      const auto& g = got[static_cast<std::size_t>(r)];
+      CAPTURE(r);
+      CHECK(g.call_threw == (m == bad_out && r == 3));  // a bad shape raises at once on its rank
+      CHECK_MESSAGE(g.check_message.find("bounded mode: since the last check") != std::string::npos, g.check_message);
+    }
+  }
+}

@@ -1,0 +1,100 @@
+// Bounded mode (spec section 11) on the MPI backend (staged route: one fixed-size
+// all-to-all per direction): bitwise the normal mode when nothing overflows, the
+// local-capacity drops of the float64 reference with overflow, for the meshes that fit the
+// job's size (np 1, 2, 4, 8); a bad bound and bad input on the last rank.
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "core/bounded_cases.hpp"
+#include "epx/comm/mpi.hpp"
+
+namespace {
+
+using epx::test::layer_case;
+using epx::test::routing_kind;
+using comm_t = epx::mpi::communicator;
+
+layer_case make(int tp, int fsdp, int ep, int E, int k, routing_kind r = routing_kind::random, int R = 1) {
+  layer_case c;
+  c.topology = epx::mesh_config{tp, fsdp, 1, R, ep, E, 0};
+  c.top_k = k;
+  c.routing = r;
+  c.rows = [](int b) { return static_cast<std::size_t>(9 + 2 * b); };
+  c.seed = static_cast<std::uint64_t>(tp * 1000 + fsdp * 100 + ep * 10 + E + k * 7 + R + 5);
+  return c;
+}
+
+std::vector<layer_case> cases_for(int n) {
+  switch (n) {
+    case 1: return {make(1, 1, 1, 4, 2)};
+    case 2: return {make(1, 2, 2, 8, 2), make(2, 1, 2, 4, 1)};
+    case 4: return {make(2, 2, 4, 8, 2, routing_kind::uneven), make(1, 4, 2, 8, 4)};
+    case 8: return {make(2, 4, 8, 16, 4), make(4, 2, 4, 8, 2, routing_kind::one_expert), make(1, 8, 8, 16, 2, routing_kind::uneven)};
+    default: return {};
+  }
+}
+
+struct unit_experts {
+  template <class Exec>
+  void forward(const Exec&, const epx::expert_rows<const float>& in, float* out) {
+    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i) out[i] = in.rows[i];
+  }
+  template <class Exec>
+  void backward(const Exec&, const epx::expert_rows<const float>&, const float*, float*) {}
+};
+
+}  // namespace
+
+TEST_CASE("bounded (MPI): bitwise the normal mode without overflow, reference drops with overflow") {
+  comm_t world = comm_t::world();
+  for (auto c : cases_for(world.size())) {
+    CAPTURE(c.describe());
+    const std::string a = epx::test::check_bounded_case<comm_t, float, epx::exec::serial>(world, c, 64, false);
+    CHECK_MESSAGE(a.empty(), a);
+    const std::string b = epx::test::check_bounded_case<comm_t, epx::bf16, epx::exec::serial>(world, c, 64, false);
+    CHECK_MESSAGE(b.empty(), b);
+    if (c.top_k > 1 || c.topology.experts > 4) {
+      c.capacity.priority = epx::drop_priority::score;
+      const std::string d = epx::test::check_bounded_case<comm_t, float, epx::exec::serial>(world, c, 1, true);
+      if (!d.empty()) std::fprintf(stderr, "%s", d.c_str());
+      CHECK_MESSAGE(d.empty(), d);
+    }
+  }
+}
+
+TEST_CASE("bounded (MPI): a bound below 1 on the last rank, and a bad expert id, raise on every rank") {
+  comm_t world = comm_t::world();
+  const int n = world.size();
+  epx::mesh_config mc{1, n, 1, 1, n, 2 * n, 0};
+  const epx::mesh m(mc);
+  epx::layer_options o;
+  o.hidden = 4;
+  o.top_k = 1;
+  o.counts = epx::count_exchange::device;
+  o.bound.cap = world.rank() == n - 1 ? 0 : 2;
+  std::string msg;
+  try {
+    epx::moe_layer<comm_t, float> layer(m, world, o);
+  } catch (const epx::error& e) {
+    if (e.category() == epx::errc::configuration) msg = e.message();
+  }
+  CHECK_MESSAGE(msg.find("bound.cap (0) must be at least 1") != std::string::npos, msg);
+
+  o.bound.cap = 2;
+  epx::moe_layer<comm_t, float> layer(m, world, o);
+  std::vector<float> x(8, 1.0f), w(2, 1.0f), y(8);
+  std::vector<std::int32_t> ids = {0, world.rank() == n - 1 ? 2 * n : 1};
+  unit_experts e;
+  (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                      epx::span<float>(y), e, epx::mode::inference);
+  msg.clear();
+  try {
+    (void)layer.check();
+  } catch (const epx::error& err) {
+    if (err.category() == epx::errc::input) msg = err.message();
+  }
+  CHECK_MESSAGE(msg.find("1 call(s) of the EP group had an expert id out of range") != std::string::npos, msg);
+}
