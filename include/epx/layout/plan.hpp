@@ -30,6 +30,13 @@
 #include "epx/core/numeric.hpp"
 #include "epx/exec/host.hpp"
 #include "epx/exec/host_copy.hpp"
+#include "epx/exec/thrust.hpp"
+
+#if EPX_HAS_CCCL
+#include <thrust/binary_search.h>
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/sort.h>
+#endif
 
 #if EPX_HAS_OPENMP
 #include <omp.h>
@@ -203,6 +210,111 @@ struct send_plan {
   }
 };
 
+// The same plan from a stable sort (policies with a Thrust execution policy,
+// epx/exec/thrust.hpp): pairs are keyed by expert id (a bad pair by E, after every good
+// one) and carry their index; a stable sort by key gives the send order (expert, then row,
+// then slot: bitwise the counting sort's positions), a vectorised upper bound over the
+// sorted keys gives expert_offset, and the first bad pair is the first pair keyed E. The
+// plan has one chunk (chunk_bad[0]). Functors below; the sort and the search are Thrust
+// calls (CUB on a GPU).
+
+// Call with i in [0, pairs): keys[i], perm[i] = i.
+struct sort_keys {
+  const std::int32_t* ids;
+  const float* weights;  // or null
+  int num_experts;
+  std::int32_t* keys;
+  std::int64_t* perm;
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    const std::int32_t e = ids[i];
+    const bool ok = e >= 0 && e < num_experts && (weights == nullptr || is_finite_bits(weights[i]));
+    keys[i] = ok ? e : num_experts;
+    perm[i] = static_cast<std::int64_t>(i);
+  }
+};
+
+// Call with p in [0, pairs) after the sort: pos[perm[p]] = p and src_row[p] = its row, for
+// the good pairs (keys[p] < E).
+struct sorted_positions {
+  const std::int32_t* keys;  // sorted
+  const std::int64_t* perm;  // pair index of sorted position p
+  int num_experts;
+  int top_k;
+  std::int64_t* pos;
+  std::int64_t* src_row;
+
+  EPX_HOST_DEVICE void operator()(std::size_t p) const {
+    if (keys[p] >= num_experts) return;
+    const std::int64_t i = perm[p];
+    pos[i] = static_cast<std::int64_t>(p);
+    src_row[p] = i / top_k;
+  }
+};
+
+// Call with e in [0, E] after expert_offset[1..E] holds the upper bounds: expert_offset[0]
+// = 0, expert_counts[e], and (e == E) chunk_bad[0] = the first bad pair or -1.
+struct sorted_summary {
+  const std::int64_t* perm;
+  std::size_t pairs;
+  int num_experts;
+  std::int64_t* chunk_bad;      // [1]
+  std::int64_t* expert_counts;  // [E]
+  std::int64_t* expert_offset;  // [E+1]
+
+  EPX_HOST_DEVICE void operator()(std::size_t e) const {
+    const auto E = static_cast<std::size_t>(num_experts);
+    if (e == E) {
+      const std::int64_t good = expert_offset[E];
+      chunk_bad[0] = static_cast<std::size_t>(good) < pairs ? perm[good] : -1;
+      expert_offset[0] = 0;
+      return;
+    }
+    expert_counts[e] = expert_offset[e + 1] - (e == 0 ? 0 : expert_offset[e]);
+  }
+};
+
+#if EPX_HAS_CCCL
+// The sorted plan (see above); same contract as launch_plan.
+template <class Exec>
+send_plan<Exec> launch_sorted_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
+                                   int k, int E) {
+  EPX_REQUIRE(E >= 1 && k >= 1, errc::input, "build_plan: num_experts (", E, ") and top_k (", k,
+              ") must be at least 1");
+  send_plan<Exec> p;
+  p.pairs = n * static_cast<std::size_t>(k);
+  p.num_experts = E;
+  p.top_k = k;
+  p.chunks = 1;
+  const auto Es = static_cast<std::size_t>(E);
+  p.summary = exec::make_buffer<std::int64_t>(ex, 1 + 2 * Es + 1);
+  p.pos = exec::make_buffer<std::int64_t>(ex, p.pairs);
+  p.src_row = exec::make_buffer<std::int64_t>(ex, p.pairs);
+  auto keys = exec::make_buffer<std::int32_t>(ex, p.pairs);
+  auto perm = exec::make_buffer<std::int64_t>(ex, p.pairs);
+  exec::for_each_n(ex, p.pairs, sort_keys{ids, weights, E, keys.data(), perm.data()});
+  const auto tp = thrust_policy(ex);
+  if (p.pairs > 0) {
+    thrust::stable_sort_by_key(tp, keys.data(), keys.data() + p.pairs, perm.data());
+    thrust::upper_bound(tp, keys.data(), keys.data() + p.pairs, thrust::counting_iterator<std::int32_t>(0),
+                        thrust::counting_iterator<std::int32_t>(E), p.expert_offset() + 1);
+  } else {
+    exec::fill_zero(ex, p.expert_offset(), Es + 1);
+  }
+  exec::for_each_n(ex, p.pairs,
+                   sorted_positions{keys.data(), perm.data(), E, k, p.pos.data(), p.src_row.data()});
+  exec::for_each_n(ex, Es + 1,
+                   sorted_summary{perm.data(), p.pairs, E, p.chunk_bad(), p.expert_counts(), p.expert_offset()});
+  return p;
+}
+#endif
+
+// Which algorithm launch_plan uses on policy Exec: "stable sort (Thrust)" or "counting sort".
+template <class Exec>
+constexpr const char* plan_algorithm() {
+  return exec::has_thrust_policy_v<Exec> && EPX_HAS_CCCL ? "stable sort (Thrust)" : "counting sort";
+}
+
 // Queues the three passes for `n` rows of `k` pairs and returns at once: nothing is read
 // back, host_counts, host_offset and check stay empty. ids, weights: [n, k] in the policy's
 // memory (weights may be null). The passes run whatever pass 1 finds (bad pairs are left
@@ -211,6 +323,12 @@ struct send_plan {
 template <class Exec>
 send_plan<Exec> launch_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n, int k,
                             int E, std::size_t chunks = 0) {
+#if EPX_HAS_CCCL
+  if constexpr (exec::has_thrust_policy_v<Exec>) {
+    (void)chunks;
+    return launch_sorted_plan(ex, ids, weights, n, k, E);
+  }
+#endif
   EPX_REQUIRE(E >= 1 && k >= 1, errc::input, "build_plan: num_experts (", E, ") and top_k (", k,
               ") must be at least 1");
   send_plan<Exec> p;
