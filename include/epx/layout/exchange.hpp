@@ -8,6 +8,11 @@
 // every rank raises epx::error(errc::input) naming the offending ranks and values before
 // any row moves, and nobody hangs. Only on that error path a second all_gather carries
 // each failing rank's own message (fixed 256 bytes).
+//
+// A forward call builds its record on the execution policy (plan_record: the status takes
+// the send plan's bad-pair flag, the counts come from the plan's summary) and exchanges it
+// with exchange_policy_records: the gathered records reach the host with one
+// synchronisation, the call's only one.
 #pragma once
 
 #include <algorithm>

@@ -321,14 +321,8 @@ constexpr const char* plan_algorithm() {
 // out), so the bad-pair flags, counts and offsets are read back together, by read_plan or
 // inside the count exchange's record.
 template <class Exec>
-send_plan<Exec> launch_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n, int k,
-                            int E, std::size_t chunks = 0) {
-#if EPX_HAS_CCCL
-  if constexpr (exec::has_thrust_policy_v<Exec>) {
-    (void)chunks;
-    return launch_sorted_plan(ex, ids, weights, n, k, E);
-  }
-#endif
+send_plan<Exec> launch_counting_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
+                                     int k, int E, std::size_t chunks = 0) {
   EPX_REQUIRE(E >= 1 && k >= 1, errc::input, "build_plan: num_experts (", E, ") and top_k (", k,
               ") must be at least 1");
   send_plan<Exec> p;
@@ -353,6 +347,23 @@ send_plan<Exec> launch_plan(const Exec& ex, const std::int32_t* ids, const float
                    scatter_pairs{ids, weights, p.pairs, per, E, k, p.expert_offset(), p.chunk_counts.data(),
                                  p.pos.data(), p.src_row.data()});
   return p;
+}
+
+// The plan of policy Exec: the sorted plan where it has a Thrust execution policy, the
+// counting sort (in `chunks` chunks, 0: the policy's default) otherwise.
+template <class Exec>
+send_plan<Exec> launch_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n, int k,
+                            int E, std::size_t chunks = 0) {
+#if EPX_HAS_CCCL
+  if constexpr (exec::has_thrust_policy_v<Exec>) {
+    (void)chunks;
+    return launch_sorted_plan(ex, ids, weights, n, k, E);
+  } else {
+    return launch_counting_plan(ex, ids, weights, n, k, E, chunks);
+  }
+#else
+  return launch_counting_plan(ex, ids, weights, n, k, E, chunks);
+#endif
 }
 
 // The first bad pair of the plan, from the per-chunk flags `bad` (host memory, [chunks]):
