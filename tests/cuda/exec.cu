@@ -375,4 +375,42 @@ TEST_CASE("layout plan on the device equals the host plan (counting sort, bad id
   CHECK(dp.check.id == 9);
 }
 
+TEST_CASE("layout plan on the device: the Thrust (CUB) plan is the counting sort's, bad pairs included") {
+  test_stream ts;
+  const auto dev = ts.policy();
+  REQUIRE(std::string(epx::layout::plan_algorithm<epx::exec::cuda>()) == "stable sort (Thrust)");
+  // 32768 pairs over 256 experts (4096 tokens, top-8), with and without bad pairs.
+  const int n = 4096, k = 8, E = 256;
+  const std::size_t pairs = static_cast<std::size_t>(n) * k;
+  for (int bad : {0, 1}) {
+    CAPTURE(bad);
+    std::mt19937 rng(static_cast<unsigned>(99 + bad));
+    std::uniform_int_distribution<int> any(0, E - 1);
+    std::vector<std::int32_t> ids(pairs);
+    for (auto& e : ids) e = any(rng);
+    std::vector<float> w(pairs, 0.25f);
+    if (bad) {
+      ids[777] = E;
+      w[500] = NAN;
+      ids[20000] = -4;
+    }
+    auto d_ids = to_device(dev, ids);
+    auto d_w = to_device(dev, w);
+    auto sp = epx::layout::launch_sorted_plan(dev, d_ids.data(), d_w.data(), static_cast<std::size_t>(n), k, E);
+    epx::layout::read_plan(dev, sp, d_ids.data(), d_w.data());
+    auto cp = epx::layout::launch_counting_plan(dev, d_ids.data(), d_w.data(), static_cast<std::size_t>(n), k, E);
+    epx::layout::read_plan(dev, cp, d_ids.data(), d_w.data());
+    CHECK(sp.check.kind == cp.check.kind);
+    CHECK(sp.check.pair == cp.check.pair);
+    CHECK(sp.host_counts == cp.host_counts);
+    CHECK(sp.host_offset == cp.host_offset);
+    if (bad) {
+      CHECK(sp.check.pair == 500);
+      continue;
+    }
+    CHECK(same_bits(to_host(dev, sp.pos.data(), pairs), to_host(dev, cp.pos.data(), pairs)));
+    CHECK(same_bits(to_host(dev, sp.src_row.data(), pairs), to_host(dev, cp.src_row.data(), pairs)));
+  }
+}
+
 #endif  // EPX_TEST_HAVE_PLAN

@@ -5,6 +5,7 @@
 // device communicator whose queue is not the policy's.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <utility>
@@ -66,11 +67,11 @@ struct syncs {
 
 // One forward and backward of an 8-rank layer (tp=2, fsdp=4, ep=4) on Comm, Impl.
 template <class Comm, class Impl, class Make>
-std::vector<syncs> count_syncs(const epx::mesh_config& mc, Make make_comm, std::int64_t bound = 0) {
+std::vector<syncs> count_syncs(const epx::mesh_config& mc, Make make_comm, epx::layer_options o = {},
+                               std::int64_t bound = 0) {
   std::vector<syncs> out(8);
-  epx::threads::run(8, [&](epx::threads::communicator& world) {
+  epx::threads::run(8, [&, o](epx::threads::communicator& world) mutable {
     const epx::mesh m(mc);
-    epx::layer_options o;
     o.hidden = 16;
     o.top_k = 2;
     if (bound > 0) {  // bounded mode (spec section 11)
@@ -108,13 +109,22 @@ TEST_CASE("device path: one host synchronisation per call with a device communic
   const epx::mesh_config mc{2, 4, 1, 1, 4, 8, 0};
   auto as_queued = [](epx::threads::communicator c, const emu& p) { return queued_comm(std::move(c), p); };
   for (const auto& s : count_syncs<queued_comm, epx::impl::all_to_all>(mc, as_queued)) {
-    CHECK(s.forward == 2);   // the plan's read-back (counts, offsets, bad-pair flags), the count exchange
+    CHECK(s.forward == 1);   // the count exchange: status with the bad-pair flag, shapes, counts
     CHECK(s.backward == 1);  // the shape check's exchange
+  }
+  // Node figures and a capacity travel in the same record: still one.
+  epx::layer_options o;
+  o.ranks_per_node = 2;
+  o.capacity.mode = epx::capacity_mode::global;
+  o.capacity.factor = 0.5;
+  for (const auto& s : count_syncs<queued_comm, epx::impl::all_to_all>(mc, as_queued, o)) {
+    CHECK(s.forward == 1);
+    CHECK(s.backward == 1);
   }
   // Host communicator: each collective over device buffers waits for the policy first.
   auto as_is = [](epx::threads::communicator c, const emu&) { return c; };
   for (const auto& s : count_syncs<epx::threads::communicator, epx::impl::all_to_all>(mc, as_is)) {
-    CHECK(s.forward == 4);   // plan read-back, the dispatch, the return, the TP all-reduce
+    CHECK(s.forward == 4);   // the record's read-back, the dispatch, the return, the TP all-reduce
     CHECK(s.backward == 3);  // the dispatch of gradients, their return, the TP all-reduces
   }
 }
@@ -124,7 +134,7 @@ TEST_CASE("device path: bounded mode makes no host synchronisation in forward, b
   auto as_queued = [](epx::threads::communicator c, const emu& p) { return queued_comm(std::move(c), p); };
   for (const std::int64_t cap : {std::int64_t{8}, std::int64_t{1}}) {  // nothing dropped; overflow
     CAPTURE(cap);
-    for (const auto& s : count_syncs<queued_comm, epx::impl::all_to_all>(mc, as_queued, cap)) {
+    for (const auto& s : count_syncs<queued_comm, epx::impl::all_to_all>(mc, as_queued, {}, cap)) {
       CHECK(s.forward == 0);
       CHECK(s.backward == 0);
       CHECK(s.inference == 0);
@@ -135,7 +145,7 @@ TEST_CASE("device path: bounded mode makes no host synchronisation in forward, b
   // A host communicator waits for the policy before each collective over device buffers:
   // the two exchanges of forward and backward and the TP all-reduces, nothing else.
   auto as_is = [](epx::threads::communicator c, const emu&) { return c; };
-  for (const auto& s : count_syncs<epx::threads::communicator, epx::impl::all_to_all>(mc, as_is, 8)) {
+  for (const auto& s : count_syncs<epx::threads::communicator, epx::impl::all_to_all>(mc, as_is, {}, 8)) {
     CHECK(s.forward == 3);
     CHECK(s.backward == 3);
   }
@@ -145,8 +155,69 @@ TEST_CASE("device path: the masked path with a device communicator") {
   const epx::mesh_config mc{4, 2, 1, 1, 4, 8, 0};  // ep == tp
   auto as_queued = [](epx::threads::communicator c, const emu& p) { return queued_comm(std::move(c), p); };
   for (const auto& s : count_syncs<queued_comm, epx::impl::all_reduce>(mc, as_queued)) {
-    CHECK(s.forward == 2);
-    CHECK(s.backward == 1);
+    CHECK(s.forward == 1);   // the record exchange (shapes, bad-pair flag, this rank's counts)
+    CHECK(s.backward == 1);  // the shape check's exchange
+  }
+  auto as_is = [](epx::threads::communicator c, const emu&) { return c; };
+  for (const auto& s : count_syncs<epx::threads::communicator, epx::impl::all_reduce>(mc, as_is)) {
+    CHECK(s.forward == 2);   // the record's read-back, the EP all-reduce
+    CHECK(s.backward == 1);  // the EP all-reduces (one wait before both)
+  }
+}
+
+namespace {
+// A bad expert id on rank `bad` of a device communicator: every rank raises errc::input
+// naming it, within the threads communicator's timeout (no hang).
+template <class Impl>
+std::vector<std::string> bad_id_messages(const epx::mesh_config& mc, int bad) {
+  std::vector<std::string> msgs(8);
+  epx::threads::options opts;
+  opts.timeout = std::chrono::seconds(20);
+  epx::threads::run(
+      8,
+      [&](epx::threads::communicator& world) {
+        const epx::mesh m(mc);
+        epx::layer_options o;
+        o.hidden = 16;
+        o.top_k = 2;
+        emu policy;
+        queued_comm comm(std::move(world), policy);
+        epx::moe_layer<queued_comm, float, Impl, emu> layer(m, comm, o, policy);
+        const std::size_t N = 6, H = 16;
+        std::vector<float> x(N * H, 0.5f), w(N * 2, 0.25f), y(N * H);
+        std::vector<std::int32_t> ids(N * 2);
+        for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 5 + 1) % 8);
+        if (comm.rank() == bad)  // slot 1 of every token, so the rank's own TP slice holds one
+          for (std::size_t t = 0; t < N; ++t) ids[2 * t + 1] = 8;
+        unit_experts e;
+        try {
+          layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                        epx::span<float>(y), e, epx::mode::train);
+        } catch (const epx::error& err) {
+          if (err.category() == epx::errc::input) msgs[static_cast<std::size_t>(comm.rank())] = err.what();
+        }
+      },
+      opts);
+  return msgs;
+}
+}  // namespace
+
+TEST_CASE("device path: bad input found on the device raises on every rank of the EP group") {
+  auto check = [](const std::vector<std::string>& msgs, const epx::mesh_config& mc, int bad) {
+    const epx::mesh m(mc);
+    const auto group = m.group_members(epx::group_kind::ep, bad);
+    const std::string want = "rank " + std::to_string(bad) + ": expert id (8) of token ";
+    for (int r = 0; r < 8; ++r) {
+      CAPTURE(r);
+      CAPTURE(msgs[static_cast<std::size_t>(r)]);
+      const bool in_group = std::find(group.begin(), group.end(), r) != group.end();
+      CHECK((msgs[static_cast<std::size_t>(r)].find(want) != std::string::npos) == in_group);
+    }
+  };
+  const epx::mesh_config a2a{2, 4, 1, 1, 4, 8, 0}, masked{4, 2, 1, 1, 4, 8, 0};
+  for (int bad : {0, 3, 6}) {
+    check(bad_id_messages<epx::impl::all_to_all>(a2a, bad), a2a, bad);
+    check(bad_id_messages<epx::impl::all_reduce>(masked, bad), masked, bad);
   }
 }
 

@@ -29,6 +29,9 @@
 #include "epx/core/config.hpp"
 #include "epx/core/error.hpp"
 #include "epx/exec/host.hpp"
+#include "epx/exec/thrust.hpp"
+
+#include <thrust/system/cuda/execution_policy.h>
 
 namespace epx::detail {
 
@@ -240,6 +243,27 @@ template <class T>
 void copy_from_host(const cuda& p, const T* host_src, std::size_t n, T* dst) {
   copy_n(p, host_src, n, dst);
   synchronize(p);
+}
+
+namespace detail {
+// Temporary storage of Thrust calls on the policy's stream, allocated and freed in stream
+// order (cudaMallocAsync / cudaFreeAsync), so a call needs no device-wide synchronisation.
+struct thrust_stream_allocator {
+  using value_type = char;
+  cudaStream_t stream = 0;
+  char* allocate(std::ptrdiff_t n) {
+    void* p = nullptr;
+    EPX_CUDA_CHECK(cudaMallocAsync(&p, static_cast<std::size_t>(n), stream));
+    return static_cast<char*>(p);
+  }
+  void deallocate(char* p, std::size_t) noexcept { (void)cudaFreeAsync(p, stream); }
+};
+}  // namespace detail
+
+// Thrust's CUDA system (CUB kernels) on the policy's stream, with no synchronisation after
+// each call (par_nosync) and stream-ordered temporary storage (epx/exec/thrust.hpp).
+inline auto thrust_policy(const cuda& p) {
+  return thrust::cuda::par_nosync(detail::thrust_stream_allocator{p.stream}).on(p.stream);
 }
 
 }  // namespace epx::exec

@@ -101,8 +101,25 @@ struct call_limits {
   std::size_t size(std::size_t ncounts) const { return ncounts == 0 ? 0 : record.empty() ? ncounts : record.size(); }
 };
 
-// Step 1: the node figures of the n tokens at ids ([n, k], policy memory; null when the
-// call's input is bad). `gather`: the all-to-all path (figures travel in the record).
+// Step 1, queued: {tokens, sum, max} of the node counts of the n tokens at ids ([n, k],
+// policy memory; null or n == 0: zeros) into a buffer in the policy's memory, nothing read
+// back (the count exchange's record carries it). Empty without ranks_per_node.
+template <class Exec>
+exec::buffer<std::int64_t, Exec> launch_node_tally(const mesh& m, const layer_options& o, const Exec& ex,
+                                                   const std::int32_t* ids, std::size_t n, int k) {
+  if (o.ranks_per_node <= 0) return {};
+  auto tally = exec::make_buffer<std::int64_t>(ex, node_tally_size);
+  if (ids == nullptr) n = 0;
+  const int E = m.experts(), per_node = E / (m.ep() / o.ranks_per_node);
+  auto nodes = exec::make_buffer<std::int32_t>(ex, n);
+  exec::for_each_n(ex, n, routing::token_nodes{ids, nodes.data(), k, E, per_node, 1.0 / per_node});
+  exec::for_each_n(ex, 1, node_tally_sum{nodes.data(), n, tally.data()});
+  return tally;
+}
+
+// Step 1 with a read-back: the node figures of the n tokens at ids ([n, k], policy memory;
+// null when the call's input is bad). `gather`: the all-to-all path (figures travel in the
+// record after plan_counts).
 template <class Exec>
 call_limits count_nodes(const mesh& m, const layer_options& o, const Exec& ex, const std::int32_t* ids, std::size_t n,
                         int k, const std::vector<std::int64_t>& plan_counts, bool gather) {
@@ -110,11 +127,7 @@ call_limits count_nodes(const mesh& m, const layer_options& o, const Exec& ex, c
   if (o.ranks_per_node <= 0) return c;
   c.nodes = true;
   if (ids != nullptr && n > 0) {
-    const int E = m.experts(), per_node = E / (m.ep() / o.ranks_per_node);
-    auto nodes = exec::make_buffer<std::int32_t>(ex, n);
-    auto tally = exec::make_buffer<std::int64_t>(ex, node_tally_size);
-    exec::for_each_n(ex, n, routing::token_nodes{ids, nodes.data(), k, E, per_node, 1.0 / per_node});
-    exec::for_each_n(ex, 1, node_tally_sum{nodes.data(), n, tally.data()});
+    const auto tally = launch_node_tally(m, o, ex, ids, n, k);
     to_host(ex, static_cast<const std::int64_t*>(tally.data()), node_tally_size, c.tally);
   }
   if (gather) {

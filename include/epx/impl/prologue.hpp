@@ -2,10 +2,13 @@
 // before rows move.
 //
 //   1. the counting-sort send plan of the call's (row, slot) pairs (epx/layout/plan.hpp),
-//      which also finds the first bad expert id or non-finite weight;
-//   2. the record exchange over the EP group (epx/layout/exchange.hpp): status, shapes and,
-//      on the all-to-all path, the per-expert counts; bad input anywhere raises on every
-//      rank here;
+//      queued with nothing read back; its pass 1 also flags the first bad expert id or
+//      non-finite weight;
+//   2. this rank's record of the exchange, built on the policy from the plan's summary
+//      (layout plan_record: status with the bad-pair flag, shapes, the per-expert counts,
+//      node figures), and the record exchange over the EP group
+//      (epx/layout/exchange.hpp): the one host synchronisation of the call; bad input
+//      anywhere raises on every rank here;
 //   3. the receive layout (epx/layout/receive.hpp) from the gathered counts (all-to-all) or
 //      from this rank's own counts (masked path);
 //   4. the statistics of the call (detail::record_stats);
@@ -14,6 +17,7 @@
 // and runs the experts (run_experts), in place where they allow it.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -52,40 +56,54 @@ routed<Exec> route_forward(const layer_context<Comm>& ctx, const Exec& ex, const
                            const route_request& q) {
   const int E = ctx.num_experts(), L = ctx.local_experts();
   const auto k = static_cast<std::size_t>(a.top_k);
+  const auto Es = static_cast<std::size_t>(E);
   const bool ok = a.status == 0;
-  routed<Exec> r;
-  r.plan = layout::build_plan(ex, ok ? a.ids + q.row0 * k : nullptr, ok ? a.weights + q.row0 * k : nullptr,
-                              ok ? q.n : 0, a.top_k, E, ctx.options.chunks);
-  std::int64_t status = a.status;
-  std::string msg = a.status_message;
-  if (status == 0 && !r.plan.check) {
-    status = 2;
-    msg = layout::describe(r.plan.check, a.top_k, E, q.row0);
-  }
-  const std::size_t ncounts = q.gather_counts ? static_cast<std::size_t>(E) : 0;
-  // Limits (epx/impl/limits.hpp): node figures travel after the counts; capacity drops pairs.
   const std::int32_t* ids = ok ? a.ids + q.row0 * k : nullptr;
-  call_limits lim = count_nodes(*ctx.topology, ctx.options, ex, ids, ok ? q.n : 0, a.top_k, r.plan.host_counts,
-                                q.gather_counts);
-  r.records = exchange_records(*ctx.ep, ex, status, a.rows, a.hidden, a.top_k, ctx.rank,
-                               lim.counts(r.plan.host_counts, ncounts), lim.size(ncounts), msg, "moe_layer forward",
-                               q.agree_rows);
+  const float* weights = ok ? a.weights + q.row0 * k : nullptr;
+  routed<Exec> r;
+  // Queued, nothing read back: the plan, the node figures, this rank's record of the
+  // exchange built from them on the device ([status, N, H, k, rank | counts[E] | nodes]).
+  r.plan = layout::launch_plan(ex, ids, weights, ok ? q.n : 0, a.top_k, E, ctx.options.chunks);
+  const auto tally = launch_node_tally(*ctx.topology, ctx.options, ex, ids, ok ? q.n : 0, a.top_k);
+  call_limits lim;
+  lim.nodes = ctx.options.ranks_per_node > 0;
+  const std::size_t nextra = lim.nodes ? node_tally_size : 0;
+  const std::size_t stride = record_header + Es + nextra;
+  auto record = exec::make_buffer<std::int64_t>(ex, stride);
+  exec::for_each_n(ex, stride,
+                   plan_record{a.status, static_cast<std::int64_t>(a.rows), static_cast<std::int64_t>(a.hidden),
+                               a.top_k, ctx.rank, r.plan.chunk_bad(), r.plan.chunks, r.plan.expert_counts(), Es,
+                               lim.nodes ? static_cast<const std::int64_t*>(tally.data()) : nullptr, nextra,
+                               record.data()});
+  // The call's one host synchronisation: every rank's record (bad-input flag, shapes,
+  // counts) reaches the host together; bad input anywhere raises on every rank here.
+  const auto message = [&]() -> std::string {
+    if (a.status != 0) return a.status_message;
+    return layout::describe(layout::find_bad_pair(ex, r.plan, ids, weights), a.top_k, E, q.row0);
+  };
+  r.records = exchange_policy_records(*ctx.ep, ex, static_cast<const std::int64_t*>(record.data()), stride, message,
+                                      "moe_layer forward", q.agree_rows);
   const int ep = ctx.ep_size();
+  const std::int64_t* own = r.records.counts(ctx.ep_rank());
+  layout::set_host_counts(r.plan, own);
+  if (lim.nodes) std::copy(own + Es, own + Es + node_tally_size, lim.tally);
+  // Limits (epx/impl/limits.hpp): capacity drops pairs.
   if (q.gather_counts) {
-    apply_capacity(ctx.options.capacity, ex, r.records, ctx.ep_rank(), ctx.tp_size(), E, a.top_k, ids,
-                   ok ? a.weights + q.row0 * k : nullptr, r.plan, lim);
+    apply_capacity(ctx.options.capacity, ex, r.records, ctx.ep_rank(), ctx.tp_size(), E, a.top_k, ids, weights,
+                   r.plan, lim);
     const auto kept = [&](int s) {
       return lim.kept.empty() ? r.records.counts(s) : lim.kept.data() + static_cast<std::size_t>(s) * E;
     };
     r.layout = make_receive_layout(ep, ep, L, ctx.options.pad, kept, [&](int s) { return r.records.counts(s); });
   } else {
-    apply_capacity_masked(ctx.options.capacity, ex, ep, E, a.top_k, q.n, ids, ok ? a.weights + q.row0 * k : nullptr,
-                          r.plan, lim);
+    apply_capacity_masked(ctx.options.capacity, ex, ep, E, a.top_k, q.n, ids, weights, r.plan, lim);
     r.layout = make_receive_layout(1, ep, L, ctx.options.pad, [&](int) { return r.plan.host_counts.data(); });
   }
   if (ctx.stats != nullptr) {
     record_stats(*ctx.stats, q.path, r.layout, ctx.ep_rank(), q.moves_rows);
-    record_limits(*ctx.stats, lim, &r.records, ncounts);
+    // The all-to-all path sums the group's node figures; on the masked path every rank
+    // holds the same rows, so its own figures are the group's.
+    record_limits(*ctx.stats, lim, q.gather_counts ? &r.records : nullptr, q.gather_counts ? Es : 0);
   }
   return r;
 }

@@ -56,4 +56,52 @@ struct pair_dot {
   }
 };
 
+// The device shape of the same sums (exec::row_shape::chunks16 policies): one call per
+// (pair, lane), so neighbouring threads read neighbouring elements of a row, then one call
+// per pair adds the lanes in lane order. Each lane holds the terms h = w, w + dot_lanes, ...
+// in h order, exactly as dot_in_lanes does: the same bits as pair_dot.
+// Call with q = i * dot_lanes + w in [0, n*k*dot_lanes).
+template <class T, class Rows>
+struct pair_dot_lanes {
+  Rows y;
+  const T* grad_out;          // [n, H]
+  const std::int64_t* pos;    // [n, k]
+  accum_t<T>* lanes;          // [n*k, dot_lanes]
+  std::size_t hidden;
+  int top_k;
+
+  EPX_HOST_DEVICE void operator()(std::size_t q) const {
+    using A = accum_t<T>;
+    const std::size_t i = q / detail::dot_lanes, w = q % detail::dot_lanes;  // powers of two
+    const std::int64_t p = pos[i];
+    A acc = A(0);
+    if (p >= 0) {
+      const T* a = row_at(y, static_cast<std::size_t>(p), hidden);
+      const T* g = grad_out + (i / static_cast<std::size_t>(top_k)) * hidden;
+      for (std::size_t h = w; h < hidden; h += detail::dot_lanes)
+        acc = detail::mul_add(acc, convert<A>(a[h]), convert<A>(g[h]));
+    }
+    lanes[q] = acc;
+  }
+};
+
+// Call with i in [0, n*k): grad_w[i] = the lanes of pair i added in lane order (0 for a
+// negative position).
+template <class A>
+struct pair_dot_sum {
+  const A* lanes;             // [n*k, dot_lanes]
+  const std::int64_t* pos;    // [n, k]
+  float* grad_weights;        // [n, k]
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    if (pos[i] < 0) {
+      grad_weights[i] = 0.0f;
+      return;
+    }
+    A s = A(0);
+    for (std::size_t w = 0; w < detail::dot_lanes; ++w) s += lanes[i * detail::dot_lanes + w];
+    grad_weights[i] = static_cast<float>(s);
+  }
+};
+
 }  // namespace epx::kernels

@@ -11,7 +11,8 @@
 //   copy(ex, rows, H, table, scale, dst)         dst[r] = scale[r] * *table[r]
 //   combine(ex, n, H, k, y, w, pos, out)         out[t] = sum_j w[t,j] * y[pos[t,j]]
 //   reduce(ex, n, H, k, y, pos, out)             out[t] = sum_j y[pos[t,j]]
-//   weight_gradients(ex, n, H, k, y, g, pos, gw) gw[t,j] = y[pos[t,j]] . g[t]
+//   weight_gradients(ex, n, H, k, y, g, pos, gw) gw[t,j] = y[pos[t,j]] . g[t]   (host: a pair per call;
+//                                                device: a (pair, lane) per call, then the lanes)
 //   scatter(ex, n, pos, v, out)                  out[pos[i]] = v[i]               (pos >= 0)
 #pragma once
 
@@ -74,7 +75,17 @@ void weight_gradients(const Exec& ex, std::size_t n, std::size_t H, int k, Rows 
                       const std::int64_t* pos, float* grad_w) {
   using R = decltype(detail::rows_of(y));
   const std::size_t pairs = n * static_cast<std::size_t>(k);
-  if (pairs) exec::for_each_n(ex, pairs, pair_dot<T, R>{detail::rows_of(y), grad_out, pos, grad_w, H, k});
+  if (pairs == 0) return;
+  if constexpr (exec::row_shape_v<Exec> == exec::row_shape::whole_rows) {
+    exec::for_each_n(ex, pairs, pair_dot<T, R>{detail::rows_of(y), grad_out, pos, grad_w, H, k});
+  } else {
+    // Device shape: dot_lanes threads per pair, then the lanes in lane order (same bits).
+    using A = accum_t<T>;
+    auto lanes = exec::make_buffer<A>(ex, pairs * kernels::detail::dot_lanes);
+    exec::for_each_n(ex, pairs * kernels::detail::dot_lanes,
+                     pair_dot_lanes<T, R>{detail::rows_of(y), grad_out, pos, lanes.data(), H, k});
+    exec::for_each_n(ex, pairs, pair_dot_sum<A>{static_cast<const A*>(lanes.data()), pos, grad_w});
+  }
 }
 
 template <class Exec, class V>

@@ -8,6 +8,11 @@
 // every rank raises epx::error(errc::input) naming the offending ranks and values before
 // any row moves, and nobody hangs. Only on that error path a second all_gather carries
 // each failing rank's own message (fixed 256 bytes).
+//
+// A forward call builds its record on the execution policy (plan_record: the status takes
+// the send plan's bad-pair flag, the counts come from the plan's summary) and exchanges it
+// with exchange_policy_records: the gathered records reach the host with one
+// synchronisation, the call's only one.
 #pragma once
 
 #include <algorithm>
@@ -18,6 +23,7 @@
 #include <vector>
 
 #include "epx/comm/collectives.hpp"
+#include "epx/core/config.hpp"
 #include "epx/core/error.hpp"
 #include "epx/exec/host.hpp"
 #include "epx/comm/settle.hpp"
@@ -61,28 +67,12 @@ void gather_small(Comm& comm, const Exec& ex, const T* mine, std::size_t n, T* a
   }
 }
 
-// Collective over `comm`. `counts` (host memory, ncounts entries) may be null when
-// ncounts == 0. `what` names the call in messages; `tp` is the TP group size inside comm
-// (N must agree within each run of tp consecutive ranks; pass comm.size() when every rank
-// must hold the same N).
-template <class Comm, class Exec>
-group_records exchange_records(Comm& comm, const Exec& ex, std::int64_t status, std::size_t N, std::size_t H, int k,
-                               int world_rank, const std::int64_t* counts, std::size_t ncounts,
-                               const std::string& message, const char* what, int tp) {
-  group_records g;
-  g.size = comm.size();
-  g.stride = record_header + ncounts;
-  std::vector<std::int64_t> mine(g.stride, 0);
-  mine[0] = status;
-  mine[1] = static_cast<std::int64_t>(N);
-  mine[2] = static_cast<std::int64_t>(H);
-  mine[3] = k;
-  mine[4] = world_rank;
-  if (ncounts) std::memcpy(mine.data() + record_header, counts, ncounts * sizeof(std::int64_t));
-  const std::size_t total = g.stride * static_cast<std::size_t>(g.size);
-  g.data.assign(total, 0);
-  gather_small(comm, ex, mine.data(), g.stride, g.data.data());
-
+// Checks gathered records (g.data filled) and raises errc::input on every rank of `comm`
+// when anything is wrong. `message()` gives this rank's own message; it is called only
+// on the error path and only when this rank's status is not 0.
+template <class Comm, class Exec, class Message>
+void check_records(Comm& comm, const Exec& ex, const group_records& g, int me, Message&& message, const char* what,
+                   int tp) {
   std::string why;
   bool failed = false;
   for (int r = 0; r < g.size; ++r) failed = failed || g.status(r) != 0;
@@ -113,11 +103,12 @@ group_records exchange_records(Comm& comm, const Exec& ex, std::int64_t status, 
       failed = true;
     }
   }
-  if (!failed) return g;
+  if (!failed) return;
 
   // Error path: every rank gets there from the same records, so this all_gather matches.
+  const std::string mine = g.status(me) != 0 ? std::string(message()) : std::string();
   std::vector<char> msg(message_bytes, '\0');
-  std::memcpy(msg.data(), message.data(), std::min(message.size(), message_bytes - 1));
+  std::memcpy(msg.data(), mine.data(), std::min(mine.size(), message_bytes - 1));
   std::vector<char> all(message_bytes * static_cast<std::size_t>(g.size), '\0');
   gather_small(comm, ex, msg.data(), message_bytes, all.data());
   std::string full = concat(what, ": bad input in the expert-parallel group");
@@ -128,6 +119,101 @@ group_records exchange_records(Comm& comm, const Exec& ex, std::int64_t status, 
   }
   full += why;
   throw error(errc::input, full, EPX_HERE);
+}
+
+// Collective over `comm`. `counts` (host memory, ncounts entries) may be null when
+// ncounts == 0. `what` names the call in messages; `tp` is the TP group size inside comm
+// (N must agree within each run of tp consecutive ranks; pass comm.size() when every rank
+// must hold the same N).
+template <class Comm, class Exec>
+group_records exchange_records(Comm& comm, const Exec& ex, std::int64_t status, std::size_t N, std::size_t H, int k,
+                               int world_rank, const std::int64_t* counts, std::size_t ncounts,
+                               const std::string& message, const char* what, int tp) {
+  group_records g;
+  g.size = comm.size();
+  g.stride = record_header + ncounts;
+  std::vector<std::int64_t> mine(g.stride, 0);
+  mine[0] = status;
+  mine[1] = static_cast<std::int64_t>(N);
+  mine[2] = static_cast<std::int64_t>(H);
+  mine[3] = k;
+  mine[4] = world_rank;
+  if (ncounts) std::memcpy(mine.data() + record_header, counts, ncounts * sizeof(std::int64_t));
+  const std::size_t total = g.stride * static_cast<std::size_t>(g.size);
+  g.data.assign(total, 0);
+  gather_small(comm, ex, mine.data(), g.stride, g.data.data());
+  check_records(comm, ex, g, comm.rank(), [&] { return message; }, what, tp);
+  return g;
+}
+
+// This rank's record of the count exchange, built where the send plan lives (so the plan
+// needs no read-back of its own): record[0] = `status`, or 2 when the plan's pass 1 found a
+// bad pair (chunk_bad[c] >= 0 for some chunk); then N, H, k, the world rank; then
+// `ncounts` counts and `nextra` further figures (node statistics). Call with i in
+// [0, record_header + ncounts + nextra).
+struct plan_record {
+  std::int64_t status, rows, hidden, top_k, world_rank;
+  const std::int64_t* chunk_bad;  // [chunks]
+  std::size_t chunks;
+  const std::int64_t* counts;     // [ncounts] or null
+  std::size_t ncounts;
+  const std::int64_t* extra;      // [nextra] or null
+  std::size_t nextra;
+  std::int64_t* record;           // [record_header + ncounts + nextra]
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    if (i >= record_header) {
+      const std::size_t j = i - record_header;
+      record[i] = j < ncounts ? counts[j] : extra[j - ncounts];
+      return;
+    }
+    std::int64_t v = 0;
+    switch (i) {
+      case 0:
+        v = status;
+        for (std::size_t c = 0; v == 0 && c < chunks; ++c)
+          if (chunk_bad[c] >= 0) v = 2;
+        break;
+      case 1: v = rows; break;
+      case 2: v = hidden; break;
+      case 3: v = top_k; break;
+      default: v = world_rank; break;
+    }
+    record[i] = v;
+  }
+};
+
+// The exchange of records that live in the policy's memory (`record`, `stride` entries,
+// e.g. from plan_record): the group's records reach the host with one synchronisation,
+// whatever the communicator (a device communicator gathers on the policy's queue and the
+// host waits once for the result; a host communicator gathers host copies, made with one
+// wait). Then as exchange_records: errc::input on every rank when anything is wrong,
+// with `message()` (called on the error path only) as this rank's message.
+template <class Comm, class Exec, class Message>
+group_records exchange_policy_records(Comm& comm, const Exec& ex, const std::int64_t* record, std::size_t stride,
+                                      Message&& message, const char* what, int tp) {
+  group_records g;
+  g.size = comm.size();
+  g.stride = stride;
+  const std::size_t total = g.stride * static_cast<std::size_t>(g.size);
+  g.data.assign(total, 0);
+  if constexpr (is_device_communicator_v<Comm>) {
+    auto recv = exec::make_buffer<std::int64_t>(ex, total);
+    all_gather(comm, span<const std::int64_t>(record, stride), span<std::int64_t>(recv.data(), total));
+    exec::copy_n(ex, static_cast<const std::int64_t*>(recv.data()), total, g.data.data());
+    settle(ex, comm);
+  } else {
+    std::vector<std::int64_t> mine(stride);
+    if constexpr (exec::is_host_policy_v<Exec>) {
+      std::copy(record, record + stride, mine.begin());
+    } else {
+      exec::copy_n(ex, record, stride, mine.data());
+      settle(ex, comm);
+    }
+    all_gather(comm, span<const std::int64_t>(mine.data(), stride), span<std::int64_t>(g.data.data(), total));
+  }
+  check_records(comm, ex, g, comm.rank(), message, what, tp);
+  return g;
 }
 
 // Backward's agreement check: this rank's status (its own, or 1 when the backward shapes

@@ -30,6 +30,13 @@
 #include "epx/core/numeric.hpp"
 #include "epx/exec/host.hpp"
 #include "epx/exec/host_copy.hpp"
+#include "epx/exec/thrust.hpp"
+
+#if EPX_HAS_CCCL
+#include <thrust/binary_search.h>
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/sort.h>
+#endif
 
 #if EPX_HAS_OPENMP
 #include <omp.h>
@@ -174,8 +181,11 @@ struct input_check {
 };
 
 // The send layout of one slice. Buffers live in the policy's memory space; the small
-// per-chunk and per-expert arrays sit in one `summary` buffer, read back to the host
-// (host_counts, host_offset, check) with one copy and one synchronisation.
+// per-chunk and per-expert arrays sit in one `summary` buffer. The host copies
+// (host_counts, host_offset, check) come either from one read-back of the summary
+// (read_plan: one copy, one synchronisation) or, inside a layer call, from the count
+// exchange, whose record this rank builds on the device from the summary (so the plan
+// costs no synchronisation of its own; see epx/layout/exchange.hpp, plan_record).
 template <class Exec>
 struct send_plan {
   std::size_t pairs = 0;
@@ -193,15 +203,126 @@ struct send_plan {
   std::int64_t* chunk_bad() noexcept { return summary.data(); }
   std::int64_t* expert_counts() noexcept { return summary.data() + chunks; }
   std::int64_t* expert_offset() noexcept { return summary.data() + chunks + static_cast<std::size_t>(num_experts); }
+  const std::int64_t* chunk_bad() const noexcept { return summary.data(); }
+  const std::int64_t* expert_counts() const noexcept { return summary.data() + chunks; }
+  const std::int64_t* expert_offset() const noexcept {
+    return summary.data() + chunks + static_cast<std::size_t>(num_experts);
+  }
 };
 
-// Builds the plan for `n` rows of `k` pairs. ids, weights: [n, k] in the policy's memory
-// (weights may be null). On bad input the plan holds zero counts and `check` names the
-// first bad pair; no exception is raised here, so the caller can still join the count
-// exchange and let every rank of the group raise together.
+// The same plan from a stable sort (policies with a Thrust execution policy,
+// epx/exec/thrust.hpp): pairs are keyed by expert id (a bad pair by E, after every good
+// one) and carry their index; a stable sort by key gives the send order (expert, then row,
+// then slot: bitwise the counting sort's positions), a vectorised upper bound over the
+// sorted keys gives expert_offset, and the first bad pair is the first pair keyed E. The
+// plan has one chunk (chunk_bad[0]). Functors below; the sort and the search are Thrust
+// calls (CUB on a GPU).
+
+// Call with i in [0, pairs): keys[i], perm[i] = i.
+struct sort_keys {
+  const std::int32_t* ids;
+  const float* weights;  // or null
+  int num_experts;
+  std::int32_t* keys;
+  std::int64_t* perm;
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    const std::int32_t e = ids[i];
+    const bool ok = e >= 0 && e < num_experts && (weights == nullptr || is_finite_bits(weights[i]));
+    keys[i] = ok ? e : num_experts;
+    perm[i] = static_cast<std::int64_t>(i);
+  }
+};
+
+// Call with p in [0, pairs) after the sort: pos[perm[p]] = p and src_row[p] = its row, for
+// the good pairs (keys[p] < E).
+struct sorted_positions {
+  const std::int32_t* keys;  // sorted
+  const std::int64_t* perm;  // pair index of sorted position p
+  int num_experts;
+  int top_k;
+  std::int64_t* pos;
+  std::int64_t* src_row;
+
+  EPX_HOST_DEVICE void operator()(std::size_t p) const {
+    if (keys[p] >= num_experts) return;
+    const std::int64_t i = perm[p];
+    pos[i] = static_cast<std::int64_t>(p);
+    src_row[p] = i / top_k;
+  }
+};
+
+// Call with e in [0, E] after expert_offset[1..E] holds the upper bounds: expert_offset[0]
+// = 0, expert_counts[e], and (e == E) chunk_bad[0] = the first bad pair or -1.
+struct sorted_summary {
+  const std::int64_t* perm;
+  std::size_t pairs;
+  int num_experts;
+  std::int64_t* chunk_bad;      // [1]
+  std::int64_t* expert_counts;  // [E]
+  std::int64_t* expert_offset;  // [E+1]
+
+  EPX_HOST_DEVICE void operator()(std::size_t e) const {
+    const auto E = static_cast<std::size_t>(num_experts);
+    if (e == E) {
+      const std::int64_t good = expert_offset[E];
+      chunk_bad[0] = static_cast<std::size_t>(good) < pairs ? perm[good] : -1;
+      expert_offset[0] = 0;
+      return;
+    }
+    expert_counts[e] = expert_offset[e + 1] - (e == 0 ? 0 : expert_offset[e]);
+  }
+};
+
+#if EPX_HAS_CCCL
+// The sorted plan (see above); same contract as launch_plan.
 template <class Exec>
-send_plan<Exec> build_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n, int k,
-                           int E, std::size_t chunks = 0) {
+send_plan<Exec> launch_sorted_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
+                                   int k, int E) {
+  EPX_REQUIRE(E >= 1 && k >= 1, errc::input, "build_plan: num_experts (", E, ") and top_k (", k,
+              ") must be at least 1");
+  send_plan<Exec> p;
+  p.pairs = n * static_cast<std::size_t>(k);
+  p.num_experts = E;
+  p.top_k = k;
+  p.chunks = 1;
+  const auto Es = static_cast<std::size_t>(E);
+  p.summary = exec::make_buffer<std::int64_t>(ex, 1 + 2 * Es + 1);
+  p.pos = exec::make_buffer<std::int64_t>(ex, p.pairs);
+  p.src_row = exec::make_buffer<std::int64_t>(ex, p.pairs);
+  auto keys = exec::make_buffer<std::int32_t>(ex, p.pairs);
+  auto perm = exec::make_buffer<std::int64_t>(ex, p.pairs);
+  exec::for_each_n(ex, p.pairs, sort_keys{ids, weights, E, keys.data(), perm.data()});
+  const auto tp = thrust_policy(ex);
+  if (p.pairs > 0) {
+    thrust::stable_sort_by_key(tp, keys.data(), keys.data() + p.pairs, perm.data());
+    thrust::upper_bound(tp, keys.data(), keys.data() + p.pairs, thrust::counting_iterator<std::int32_t>(0),
+                        thrust::counting_iterator<std::int32_t>(E), p.expert_offset() + 1);
+  } else {
+    exec::fill_zero(ex, p.expert_offset(), Es + 1);
+  }
+  exec::for_each_n(ex, p.pairs,
+                   sorted_positions{keys.data(), perm.data(), E, k, p.pos.data(), p.src_row.data()});
+  exec::for_each_n(ex, Es + 1,
+                   sorted_summary{perm.data(), p.pairs, E, p.chunk_bad(), p.expert_counts(), p.expert_offset()});
+  return p;
+}
+#endif
+
+// Which algorithm launch_plan uses on policy Exec: "stable sort (Thrust)" or "counting sort".
+template <class Exec>
+constexpr const char* plan_algorithm() {
+  return exec::has_thrust_policy_v<Exec> && EPX_HAS_CCCL ? "stable sort (Thrust)" : "counting sort";
+}
+
+// Queues the three passes for `n` rows of `k` pairs and returns at once: nothing is read
+// back, host_counts, host_offset and check stay empty. ids, weights: [n, k] in the policy's
+// memory (weights may be null). The passes run whatever pass 1 finds (bad pairs are left
+// out), so the bad-pair flags, counts and offsets are read back together, by read_plan or
+// inside the count exchange's record.
+template <class Exec>
+send_plan<Exec> launch_counting_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
+                                     int k, int E, std::size_t chunks = 0) {
   EPX_REQUIRE(E >= 1 && k >= 1, errc::input, "build_plan: num_experts (", E, ") and top_k (", k,
               ") must be at least 1");
   send_plan<Exec> p;
@@ -219,29 +340,94 @@ send_plan<Exec> build_plan(const Exec& ex, const std::int32_t* ids, const float*
   p.pos = exec::make_buffer<std::int64_t>(ex, p.pairs);
   p.src_row = exec::make_buffer<std::int64_t>(ex, p.pairs);
 
-  // The three passes run whatever pass 1 finds (bad pairs are left out), so the host reads
-  // the bad-pair flags, counts and offsets back together.
   exec::for_each_n(ex, C, histogram_chunks{ids, weights, p.pairs, per, E, p.chunk_counts.data(), p.chunk_bad()});
   exec::for_each_n(ex, Es, scan_chunks{p.chunk_counts.data(), p.expert_counts(), C, E});
   exec::for_each_n(ex, 1, expert_offsets{p.expert_counts(), p.expert_offset(), E});
   exec::for_each_n(ex, C,
                    scatter_pairs{ids, weights, p.pairs, per, E, k, p.expert_offset(), p.chunk_counts.data(),
                                  p.pos.data(), p.src_row.data()});
+  return p;
+}
+
+// The plan of policy Exec: the sorted plan where it has a Thrust execution policy, the
+// counting sort (in `chunks` chunks, 0: the policy's default) otherwise.
+template <class Exec>
+send_plan<Exec> launch_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n, int k,
+                            int E, std::size_t chunks = 0) {
+#if EPX_HAS_CCCL
+  if constexpr (exec::has_thrust_policy_v<Exec>) {
+    (void)chunks;
+    return launch_sorted_plan(ex, ids, weights, n, k, E);
+  } else {
+    return launch_counting_plan(ex, ids, weights, n, k, E, chunks);
+  }
+#else
+  return launch_counting_plan(ex, ids, weights, n, k, E, chunks);
+#endif
+}
+
+// The first bad pair of the plan, from the per-chunk flags `bad` (host memory, [chunks]):
+// its index and values (read from ids and weights, the error path's only reads).
+template <class Exec>
+input_check describe_bad_pair(const Exec& ex, const std::int64_t* bad, std::size_t chunks, const std::int32_t* ids,
+                              const float* weights, int E) {
+  input_check check;
+  for (std::size_t c = 0; c < chunks; ++c) {
+    if (bad[c] < 0) continue;
+    check.pair = bad[c];
+    detail::to_host(ex, ids + bad[c], 1, &check.id);
+    if (weights != nullptr) detail::to_host(ex, weights + bad[c], 1, &check.weight);
+    check.kind = (check.id < 0 || check.id >= E) ? input_check::bad_expert_id : input_check::non_finite_weight;
+    break;
+  }
+  return check;
+}
+
+// The error path of a plan whose summary was not read back: reads the bad-pair flags (one
+// synchronisation) and names the first bad pair.
+template <class Exec>
+input_check find_bad_pair(const Exec& ex, const send_plan<Exec>& p, const std::int32_t* ids, const float* weights) {
+  std::vector<std::int64_t> bad(p.chunks);
+  detail::to_host(ex, p.chunk_bad(), p.chunks, bad.data());
+  return describe_bad_pair(ex, bad.data(), p.chunks, ids, weights, p.num_experts);
+}
+
+// The host copies of the counts, given them ([E], host memory, e.g. this rank's record of
+// the count exchange): host_counts and its exclusive scan host_offset. No device access.
+template <class Exec>
+void set_host_counts(send_plan<Exec>& p, const std::int64_t* counts) {
+  const auto Es = static_cast<std::size_t>(p.num_experts);
+  p.host_counts.assign(counts, counts + Es);
+  p.host_offset.assign(Es + 1, 0);
+  for (std::size_t e = 0; e < Es; ++e) p.host_offset[e + 1] = p.host_offset[e] + p.host_counts[e];
+}
+
+// Reads the summary back (one copy, one synchronisation): host_counts, host_offset and
+// check. On bad input the counts are zero and `check` names the first bad pair; no
+// exception is raised here, so the caller can still join the count exchange and let every
+// rank of the group raise together.
+template <class Exec>
+void read_plan(const Exec& ex, send_plan<Exec>& p, const std::int32_t* ids, const float* weights) {
+  const std::size_t C = p.chunks;
+  const auto Es = static_cast<std::size_t>(p.num_experts);
   std::vector<std::int64_t> host(C + 2 * Es + 1);
   detail::to_host(ex, static_cast<const std::int64_t*>(p.summary.data()), host.size(), host.data());
-  for (std::size_t c = 0; c < C; ++c) {
-    if (host[c] < 0) continue;
-    // Bad input (the error path): its values, for the message; counts stay zero.
-    p.check.pair = host[c];
-    detail::to_host(ex, ids + host[c], 1, &p.check.id);
-    if (weights != nullptr) detail::to_host(ex, weights + host[c], 1, &p.check.weight);
-    p.check.kind = (p.check.id < 0 || p.check.id >= E) ? input_check::bad_expert_id : input_check::non_finite_weight;
+  p.check = describe_bad_pair(ex, host.data(), C, ids, weights, p.num_experts);
+  if (!p.check) {
     p.host_counts.assign(Es, 0);
     p.host_offset.assign(Es + 1, 0);
-    return p;
+    return;
   }
   p.host_counts.assign(host.begin() + static_cast<std::ptrdiff_t>(C), host.begin() + static_cast<std::ptrdiff_t>(C + Es));
   p.host_offset.assign(host.begin() + static_cast<std::ptrdiff_t>(C + Es), host.end());
+}
+
+// launch_plan and read_plan: the plan with its host copies (one synchronisation).
+template <class Exec>
+send_plan<Exec> build_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n, int k,
+                           int E, std::size_t chunks = 0) {
+  send_plan<Exec> p = launch_plan(ex, ids, weights, n, k, E, chunks);
+  read_plan(ex, p, ids, weights);
   return p;
 }
 
