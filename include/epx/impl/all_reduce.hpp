@@ -70,6 +70,7 @@ class all_reduce_impl {
     saved_state<T> forward;
     rows_buffer<T, Exec> grad_y;   // [R, H]
     rows_buffer<T, Exec> grad_in;  // [R, H]
+    float* grad_weights = nullptr; // the call's [N, k], summed over the EP group by backward_combine
   };
 
   template <class T, class Exec, class Experts>
@@ -154,7 +155,8 @@ class all_reduce_impl {
   }
 
   // grad_y row r = w * grad_out of its token (padding rows: zero); grad_w of the local
-  // slots from the kept outputs (0 for the others), summed over the EP group.
+  // slots from the kept outputs (0 for the others; the EP group sums them in
+  // backward_combine, with grad_x).
   template <class T, class Exec>
   expert_grad_batch<T> backward_dispatch(const Exec& ex, const backward_args<T>& a, saved_state<T>& saved,
                                          saved_state<T>& flight) {
@@ -165,15 +167,13 @@ class all_reduce_impl {
     const int L = ctx_.local_experts();
     exchange_backward_status(*ctx_.ep, ex, a, s.rows, s.hidden, s.top_k, ctx_.rank, ctx_.ep_size());
     const std::size_t N = s.rows, H = s.hidden, R = s.local_rows;
-    const auto k = static_cast<std::size_t>(s.top_k);
     b.grad_y = make_rows<T>(ws_, ex, R * H);
     b.grad_in = make_rows<T>(ws_, ex, R * H);
     kernels::gather(ex, R, H, a.grad_out, static_cast<const std::int64_t*>(s.row_source.data()),
                     static_cast<const float*>(s.weights.data()), b.grad_y.data());
     kernels::weight_gradients(ex, N, H, s.top_k, static_cast<const T*>(s.y_local.data()), a.grad_out,
                               static_cast<const std::int64_t*>(s.local_pos.data()), a.grad_weights);
-    order_before_collective(ex, *ctx_.ep);
-    all_reduce(*ctx_.ep, span<float>(a.grad_weights, N * k));
+    b.grad_weights = a.grad_weights;
     expert_grad_batch<T> g;
     g.in = expert_rows<const T>{s.x_local.data(), R, H, s.offsets.data(), L, ctx_.first_expert()};
     g.grad_out = b.grad_y.data();
@@ -190,6 +190,7 @@ class all_reduce_impl {
                     static_cast<const std::int64_t*>(s.local_pos.data()), grad_x);
     order_before_collective(ex, *ctx_.ep);
     all_reduce(*ctx_.ep, span<T>(grad_x, N * H));
+    all_reduce(*ctx_.ep, span<float>(b.grad_weights, N * static_cast<std::size_t>(s.top_k)));
   }
 
  private:

@@ -104,6 +104,7 @@ class all_to_all_impl {
     rows_buffer<T, Exec> grad_recv;  // [R, H] gradients of the experts' outputs
     rows_buffer<T, Exec> grad_in;    // [R, H] gradients of their inputs
     rows_buffer<T, Exec> grad_send;  // staged: [S, H] send order
+    float* grad_weights = nullptr;   // the call's [N, k], summed over the TP group by backward_combine
   };
 
   template <class T, class Exec, class Experts>
@@ -233,8 +234,9 @@ class all_to_all_impl {
     }
   }
 
-  // Backward up to the experts: grad_weights (all written, summed over the TP group) and the
-  // gradients of the experts' outputs, expert-major at the owners. Consumes `saved`.
+  // Backward up to the experts: the gradients of the experts' outputs, expert-major at the
+  // owners, and this rank's slice of grad_weights (the TP group sums them in
+  // backward_combine, with grad_x: one wait for both). Consumes `saved`.
   template <class T, class Exec>
   expert_grad_batch<T> backward_dispatch(const Exec& ex, const backward_args<T>& a, saved_state<T>& saved,
                                          saved_state<T>& flight) {
@@ -296,10 +298,7 @@ class all_to_all_impl {
       order_before_collective(ex, *ctx_.ep);
       exchange_rows(s.seg, static_cast<const T*>(b.grad_send.data()), b.grad_recv.data(), L, H, false);
     }
-    if (tp > 1) {
-      order_before_collective(ex, *ctx_.ep);
-      all_reduce(*ctx_.tp, span<float>(a.grad_weights, s.rows * k));
-    }
+    b.grad_weights = a.grad_weights;
     expert_grad_batch<T> g;
     g.in = expert_rows<const T>{s.x_recv.data(), R, H, lay.offsets(me), L, ctx_.first_expert()};
     g.grad_out = b.grad_recv.data();
@@ -308,7 +307,7 @@ class all_to_all_impl {
   }
 
   // Backward after the experts: each token sums its slots' input gradients into grad_x
-  // ([N, H], all written); the TP group sums the slices.
+  // ([N, H], all written); the TP group sums the slices of grad_x and grad_weights.
   template <class T, class Exec>
   void backward_combine(const Exec& ex, saved_state<T>& flight, T* grad_x_all) {
     auto& b = flight.template get<backward_state<T, Exec>>();
@@ -342,6 +341,7 @@ class all_to_all_impl {
     if (tp > 1) {
       order_before_collective(ex, *ctx_.ep);
       all_reduce(*ctx_.tp, span<T>(grad_x_all, s.rows * H));
+      all_reduce(*ctx_.tp, span<float>(b.grad_weights, s.rows * k));
     }
   }
 

@@ -37,8 +37,8 @@
 // dispatch reads a.x, a.ids, a.weights (not a.out) and returns the experts' input rows and
 // the buffer they write (their own inputs when `in_place` and not `training`); combine
 // writes all of out ([N, H]) and, for training, moves what backward needs into *saved.
-// backward_dispatch consumes `saved`, reads a.grad_out and writes all of a.grad_weights
-// (not a.grad_x); backward_combine writes all of grad_x. The built-in implementations
+// backward_dispatch consumes `saved` and reads a.grad_out (not a.grad_x);
+// backward_combine writes all of grad_x and of the a.grad_weights its dispatch was given. The built-in implementations
 // make their fused forward and backward from these stages (detail::forward_by_stages,
 // detail::backward_by_stages), so that both give bitwise the same results.
 //

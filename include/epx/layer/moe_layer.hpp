@@ -256,8 +256,8 @@ class moe_layer {
   }
 
   // Consumes the saved state; grad_out: [N, H], read before the call returns;
-  // grad_weights: [N, k], all written by backward_dispatch_wait. The experts read
-  // g.inputs() and g.grad_outputs() and write g.grad_inputs().
+  // grad_weights: [N, k], all written once backward_combine_wait returns (keep it until
+  // then). The experts read g.inputs() and g.grad_outputs() and write g.grad_inputs().
   backward_handle<T> backward_dispatch_start(saved_state<T>&& saved, span<const T> grad_out, span<float> grad_weights) {
     static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
     saved_state<T> s = std::move(saved);

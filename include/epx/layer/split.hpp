@@ -7,10 +7,10 @@
 //   epx::saved_state<T> saved = layer.combine_wait(h);
 //
 //   auto g = layer.backward_dispatch_start(std::move(saved), grad_out, grad_weights);
-//   layer.backward_dispatch_wait(g);              // grad_weights final
+//   layer.backward_dispatch_wait(g);
 //   experts.backward(policy, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());
 //   layer.backward_combine_start(g, g.grad_inputs(), grad_x);
-//   layer.backward_combine_wait(g);               // grad_x final
+//   layer.backward_combine_wait(g);               // grad_x and grad_weights final
 //
 // A handle is one call in flight: move-only, bound to the layer that made it, and walked
 // through its phases exactly once (start, wait, start, wait). Each phase checks that the
