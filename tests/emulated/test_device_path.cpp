@@ -61,6 +61,7 @@ struct unit_experts {
 
 struct syncs {
   long long forward = -1, backward = -1;
+  long long split_forward = -1, split_backward = -1;  // the same calls through the split phase
 };
 
 // One forward and backward of an 8-rank layer (tp=2, fsdp=4, ep=4) on Comm, Impl.
@@ -86,6 +87,15 @@ std::vector<syncs> count_syncs(const epx::mesh_config& mc, Make make_comm) {
     r.forward = layer.stats().host_syncs;
     layer.backward(std::move(s), epx::span<const float>(y), epx::span<float>(gx), epx::span<float>(gw), e);
     r.backward = layer.stats().host_syncs;
+    auto h = layer.dispatch(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                            epx::mode::train);
+    e.forward(policy, h.inputs(), h.outputs().data());
+    auto s2 = layer.combine(h, h.outputs(), epx::span<float>(y));
+    r.split_forward = layer.stats().host_syncs;
+    auto g = layer.backward_dispatch(std::move(s2), epx::span<const float>(y), epx::span<float>(gw));
+    e.backward(policy, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());
+    layer.backward_combine(g, g.grad_inputs(), epx::span<float>(gx));
+    r.split_backward = layer.stats().host_syncs;
   });
   return out;
 }
@@ -98,12 +108,17 @@ TEST_CASE("device path: one host synchronisation per call with a device communic
   for (const auto& s : count_syncs<queued_comm, epx::impl::all_to_all>(mc, as_queued)) {
     CHECK(s.forward == 2);   // the plan's read-back (counts, offsets, bad-pair flags), the count exchange
     CHECK(s.backward == 1);  // the shape check's exchange
+    // Split phase: one more each, the combine start's agreement on the handles.
+    CHECK(s.split_forward == 3);
+    CHECK(s.split_backward == 2);
   }
   // Host communicator: each collective over device buffers waits for the policy first.
   auto as_is = [](epx::threads::communicator c, const emu&) { return c; };
   for (const auto& s : count_syncs<epx::threads::communicator, epx::impl::all_to_all>(mc, as_is)) {
     CHECK(s.forward == 4);   // plan read-back, the dispatch, the return, the TP all-reduce
     CHECK(s.backward == 3);  // the dispatch of gradients, their return, the TP all-reduces
+    CHECK(s.split_forward == 4);  // the agreement on the handles travels in host memory
+    CHECK(s.split_backward == 3);
   }
 }
 

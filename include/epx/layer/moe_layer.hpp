@@ -232,8 +232,8 @@ class moe_layer {
       else if (out.size() != N * H)
         why = detail::concat("combine_start: out has ", out.size(), " elements but N*H = ", N, "*", H, " = ", N * H);
     }
-    detail::agree_on_phase(*ep_, exec_, !why.empty(), category, why, rank_, "moe_layer combine_start");
     const long long syncs = detail::host_syncs_on_this_thread();
+    detail::agree_on_phase(*ep_, exec_, !why.empty(), category, why, rank_, "moe_layer combine_start");
     if (expert_outputs.size() > 0 && expert_outputs.data() != h.batch_.out)
       exec::copy_n(exec_, expert_outputs.data(), expert_outputs.size(), h.batch_.out);
     h.call_.phase = detail::split_phase::combining;  // spent from here, whatever happens below
@@ -306,8 +306,8 @@ class moe_layer {
         why = detail::concat("backward_combine_start: grad_x has ", grad_x.size(), " elements but N*H = ", N, "*", H,
                              " = ", N * H);
     }
-    detail::agree_on_phase(*ep_, exec_, !why.empty(), category, why, rank_, "moe_layer backward_combine_start");
     const long long syncs = detail::host_syncs_on_this_thread();
+    detail::agree_on_phase(*ep_, exec_, !why.empty(), category, why, rank_, "moe_layer backward_combine_start");
     if (grad_inputs.size() > 0 && grad_inputs.data() != h.batch_.grad_in)
       exec::copy_n(exec_, grad_inputs.data(), grad_inputs.size(), h.batch_.grad_in);
     h.call_.phase = detail::split_phase::combining;
