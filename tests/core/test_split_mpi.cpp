@@ -1,10 +1,12 @@
-// The split-phase calls of the layer (spec section 13) on the MPI backend: the bodies of
-// core/split_cases.hpp for the meshes that fit the job's size (np 1, 2, 4, 8).
+// The split-phase calls of the layer (spec section 13) and FP8 dispatch (section 12) on the
+// MPI backend: the bodies of core/split_cases.hpp and core/fp8_layer_cases.hpp for the
+// meshes that fit the job's size (np 1, 2, 4, 8).
 #include <doctest/doctest.h>
 
 #include <string>
 #include <vector>
 
+#include "core/fp8_layer_cases.hpp"
 #include "core/split_cases.hpp"
 #include "epx/comm/mpi.hpp"
 
@@ -84,5 +86,19 @@ TEST_CASE("split phase (MPI): misuse on the last rank raises on every rank of it
     CHECK(r.category == e.want);
     CHECK(r.message.find(e.text) != std::string::npos);
     if (!e.everyone) CHECK(r.message.find("rank " + std::to_string(n - 1) + ": ") != std::string::npos);
+  }
+}
+
+TEST_CASE("fp8 dispatch (MPI): against float64 and the E4M3 bound, split phase bitwise the fused calls") {
+  comm_t world = comm_t::world();
+  const int n = world.size();
+  std::vector<layer_case> cases = {make(1, n, n, 2 * n, 2, routing_kind::uneven)};
+  if (n % 2 == 0) cases.push_back(make(2, n / 2, n, 2 * n, 2));
+  for (auto c : cases) {
+    c.hidden = 256;
+    CAPTURE(c.describe());
+    const std::string f = epx::test::check_fp8_layer<comm_t, float>(world, c) +
+                          epx::test::check_fp8_layer<comm_t, epx::bf16>(world, c);
+    CHECK_MESSAGE(f.empty(), f);
   }
 }

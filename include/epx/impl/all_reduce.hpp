@@ -43,7 +43,10 @@ class all_reduce_impl {
   }
 
   // The masked path needs every rank of an EP group to hold the same rows: ep == tp.
-  static std::string can_implement(const mesh& m, const layer_options&) {
+  static std::string can_implement(const mesh& m, const layer_options& o) {
+    if (o.fp8_dispatch)
+      return "the all_reduce implementation moves no rows, so it has no FP8 dispatch (layer_options::fp8_dispatch): "
+             "use impl::all_to_all or impl::automatic";
     if (m.ep() == m.tp()) return {};
     return concat("the all_reduce implementation requires ep_size (", m.ep(), ") == tp_size (", m.tp(),
                   "): every rank of an EP group must hold the same rows");

@@ -46,6 +46,7 @@
 #include "epx/impl/experts.hpp"
 #include "epx/impl/implementation.hpp"
 #include "epx/impl/prologue.hpp"
+#include "epx/kernels/fp8.hpp"
 #include "epx/kernels/launch.hpp"
 #include "epx/layout/receive.hpp"
 #include "epx/layout/slicing.hpp"
@@ -61,6 +62,17 @@ void zero_padding(const Exec& ex, T* rows, const receive_layout& lay, int me, st
   for (int l = 0; l < lay.L; ++l) {
     const std::size_t b = off[l] + got[l];
     exec::fill_zero(ex, rows + b * H, (off[l + 1] - b) * H);
+  }
+}
+
+// Scale 1 for the padding rows of owner `me`'s FP8 scales ([R, H/128]), as for a zero block.
+template <class Exec>
+void unit_padding_scales(const Exec& ex, float* scales, const receive_layout& lay, int me, std::size_t blocks) {
+  const std::size_t* off = lay.offsets(me);
+  const std::size_t* got = lay.received(me);
+  for (int l = 0; l < lay.L; ++l) {
+    const std::size_t b = off[l] + got[l];
+    kernels::fill(ex, (off[l + 1] - b) * blocks, 1.0f, scales + b * blocks);
   }
 }
 
@@ -88,7 +100,10 @@ class all_to_all_impl {
     exec::buffer<std::int64_t, Exec> pos;      // [n*k] send position of pair (t, j)
     exec::buffer<std::int64_t, Exec> src_row;  // [S] the slice row of each send position
     exec::buffer<float, Exec> weights;         // [S] routing weight of each send position
-    rows_buffer<T, Exec> x_recv;               // [R, H] expert-major input rows
+    rows_buffer<T, Exec> x_recv;               // [R, H] expert-major input rows (FP8 dispatch: made by backward)
+    bool fp8 = false;                          // FP8 dispatch (layer_options::fp8_dispatch; staged route)
+    rows_buffer<fp8_e4m3, Exec> x8;            // FP8: [R, H] expert-major rows as E4M3
+    exec::buffer<float, Exec> scales;          // FP8: [R, H/128] their scales
     rows_buffer<T, Exec> y;                    // staged: [S, H] outputs in send order; direct: [R, H] expert-major
     // Between dispatch and combine only.
     exec::buffer<float, Exec> slice_weights;  // [n*k] the slice's routing weights (the caller's may change)
@@ -141,7 +156,8 @@ class all_to_all_impl {
     s.hidden = H;
     s.top_k = a.top_k;
     s.slice = sl;
-    s.direct = uses_peer_access<Exec>();
+    s.fp8 = ctx_.options.fp8_dispatch;
+    s.direct = uses_peer_access<Exec>() && !s.fp8;
     if (ctx_.stats != nullptr) ctx_.stats->peer_access = s.direct;
     s.layout = std::move(r.layout);
     s.pos = std::move(r.plan.pos);
@@ -151,7 +167,7 @@ class all_to_all_impl {
     const T* x = a.x + sl.begin * H;
     s.slice_weights = exec::make_buffer<float>(ex, S);
     if (S > 0) exec::copy_n(ex, a.weights + sl.begin * k, S, s.slice_weights.data());
-    s.x_recv = make_rows<T>(ws_, ex, R * H);
+    if (!s.fp8) s.x_recv = make_rows<T>(ws_, ex, R * H);
 
     if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
       if (s.direct) {
@@ -171,17 +187,40 @@ class all_to_all_impl {
     if (!s.direct) {
       // 4: rows into send order, then the segmented all-to-all lands them expert-major.
       s.seg = segments_of(lay, me);
-      s.send = make_rows<T>(ws_, ex, S * H);
-      kernels::gather(ex, S, H, x, static_cast<const std::int64_t*>(s.src_row.data()), s.send.data());
-      zero_padding(ex, s.x_recv.data(), lay, me, H);
-      order_before_collective(ex, *ctx_.ep);
-      exchange_rows(s.seg, static_cast<const T*>(s.send.data()), s.x_recv.data(), L, H, false);
+      s.send = make_rows<T>(ws_, ex, S * H);  // FP8: only for the way back
+      if (s.fp8) {
+        // FP8 (spec section 12): each send row as E4M3 with one scale per 128 elements;
+        // bytes and scales travel by the same segments.
+        const std::size_t B = kernels::fp8_scales_per_row(H);
+        auto send8 = make_rows<fp8_e4m3>(ws_, ex, S * H);
+        auto send_scales = exec::make_buffer<float>(ex, S * B);
+        kernels::quantise_e4m3(ex, S, H, x, static_cast<const std::int64_t*>(s.src_row.data()), send8.data(),
+                               send_scales.data());
+        s.x8 = make_rows<fp8_e4m3>(ws_, ex, R * H);
+        s.scales = exec::make_buffer<float>(ex, R * B);
+        zero_padding(ex, s.x8.data(), lay, me, H);
+        unit_padding_scales(ex, s.scales.data(), lay, me, B);
+        order_before_collective(ex, *ctx_.ep);
+        exchange_rows(s.seg, reinterpret_cast<const unsigned char*>(send8.data()),
+                      reinterpret_cast<unsigned char*>(s.x8.data()), L, H, false);
+        exchange_rows(s.seg, static_cast<const float*>(send_scales.data()), s.scales.data(), L, B, false);
+      } else {
+        kernels::gather(ex, S, H, x, static_cast<const std::int64_t*>(s.src_row.data()), s.send.data());
+        zero_padding(ex, s.x_recv.data(), lay, me, H);
+        order_before_collective(ex, *ctx_.ep);
+        exchange_rows(s.seg, static_cast<const T*>(s.send.data()), s.x_recv.data(), L, H, false);
+      }
     }
-    // 5 is the caller's: the experts read x_recv and write out_rows.
-    s.out_rows = expert_output_rows(ws_, ex, R, H, s.x_recv.data(), training, in_place, s.outputs);
+    // 5 is the caller's: the experts read x_recv (FP8: x8 and scales) and write out_rows.
+    s.out_rows = expert_output_rows(ws_, ex, R, H, s.x_recv.data(), training || s.fp8, in_place, s.outputs);
     expert_batch<T> b;
     b.in = expert_rows<const T>{s.x_recv.data(), R, H, lay.offsets(me), L, ctx_.first_expert()};
     b.out = s.out_rows;
+    if (s.fp8) {
+      b.fp8 = true;
+      b.in8 = expert_rows<const fp8_e4m3>{s.x8.data(), R, H, lay.offsets(me), L, ctx_.first_expert()};
+      b.scales = s.scales.data();
+    }
     return b;
   }
 
@@ -255,6 +294,12 @@ class all_to_all_impl {
     const float* w_send = static_cast<const float*>(s.weights.data());
     float* grad_w = a.grad_weights + sl.begin * k;
     exec::fill_zero(ex, a.grad_weights, s.rows * k);
+    if (s.fp8 && s.x_recv.size() == 0 && R > 0) {
+      // The experts' backward reads the rows they saw, in T: the FP8 rows dequantised.
+      s.x_recv = make_rows<T>(ws_, ex, R * H);
+      kernels::dequantise_e4m3(ex, R, H, static_cast<const fp8_e4m3*>(s.x8.data()),
+                               static_cast<const float*>(s.scales.data()), s.x_recv.data());
+    }
     b.grad_recv = make_rows<T>(ws_, ex, R * H);
     b.grad_in = make_rows<T>(ws_, ex, R * H);
 

@@ -168,10 +168,15 @@ class saved_state {
 
 // The experts' side of one dispatched call (split phase): the expert-major rows they
 // read and the [in.num_rows, H] buffer they write, in the policy's memory space.
+// With FP8 dispatch (`fp8`) the rows are `in8` with their `scales` [num_rows, H/128],
+// and in.rows is null (in keeps the shape).
 template <class T>
 struct expert_batch {
   expert_rows<const T> in;
   T* out = nullptr;
+  bool fp8 = false;
+  expert_rows<const fp8_e4m3> in8;
+  const float* scales = nullptr;
 };
 
 // The experts' side of one dispatched backward call: the forward's expert-major inputs,
@@ -255,12 +260,29 @@ struct has_impl_stages<
                                                              std::declval<saved_state<T>&>(), std::declval<T*>()))>>
     : std::true_type {};
 
+// The experts over a dispatched batch: their FP8 forward when the rows came as FP8.
+template <class T, class Exec, class Experts>
+void run_expert_batch(const Exec& ex, Experts& experts, const expert_batch<T>& b) {
+  if (b.fp8) {
+    if constexpr (has_fp8_forward_v<Experts, Exec, T>)
+      experts.forward(ex, b.in8, b.scales, b.out);
+    else
+      EPX_THROW(errc::configuration, "layer_options::fp8_dispatch needs experts with `forward(const Exec&, "
+                                     "const epx::expert_rows<const epx::fp8_e4m3>&, const float* scales, T* out)`");
+  } else {
+    if constexpr (has_expert_forward<Experts, Exec, T>::value)
+      experts.forward(ex, b.in, b.out);
+    else
+      EPX_THROW(errc::configuration, "these experts take only FP8 rows: set layer_options::fp8_dispatch");
+  }
+}
+
 // The fused calls made from the stages: one body per operation.
 template <class I, class T, class Exec, class Experts>
 void forward_by_stages(I& impl, const Exec& ex, const forward_args<T>& a, Experts& experts, saved_state<T>* saved) {
   saved_state<T> flight;
   const expert_batch<T> b = impl.dispatch(ex, a, flight, saved != nullptr, forward_in_place_v<Experts>);
-  experts.forward(ex, b.in, b.out);
+  run_expert_batch(ex, experts, b);
   impl.combine(ex, flight, a.out, saved);
 }
 template <class I, class T, class Exec, class Experts>

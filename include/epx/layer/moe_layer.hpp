@@ -59,6 +59,7 @@
 #include "epx/impl/experts.hpp"
 #include "epx/impl/options.hpp"
 #include "epx/impl/stats.hpp"
+#include "epx/kernels/fp8.hpp"
 #include "epx/mesh/mesh.hpp"
 
 namespace epx {
@@ -128,6 +129,14 @@ class moe_layer {
                          Experts& experts, mode m) {
     check_experts_forward<Experts, Exec, T>();
     check_implementation_calls<impl_type, Exec, T, Experts>();
+    // The same on every rank (agreed options, one Experts type): raised before any row moves.
+    if (options_.fp8_dispatch)
+      EPX_REQUIRE((has_fp8_forward_v<Experts, Exec, T>), errc::configuration,
+                  "layer_options::fp8_dispatch needs experts with `forward(const Exec&, const "
+                  "epx::expert_rows<const epx::fp8_e4m3>&, const float* scales, T* out)` (epx/impl/experts.hpp)");
+    else
+      EPX_REQUIRE((detail::has_expert_forward<Experts, Exec, T>::value), errc::configuration,
+                  "these experts take only FP8 rows: set layer_options::fp8_dispatch");
     const std::size_t H = options_.hidden, N = x.size() / H;
     const auto k = static_cast<std::size_t>(options_.top_k);
     forward_args<T> a;
@@ -393,6 +402,7 @@ class moe_layer {
       EPX_REQUIRE(o.counts == count_exchange::host, errc::configuration,
                   "layer_options.counts: the device-side count exchange is not available yet; use count_exchange::host");
       detail::validate_limits(m, o);  // capacity, ranks_per_node, max_nodes (epx/impl/limits.hpp)
+      if (o.fp8_dispatch) kernels::check_fp8_hidden(o.hidden);
       return can_implement<impl_type>(m, o);
     } catch (const error& e) {
       return e.message();

@@ -132,7 +132,24 @@ class forward_handle {
   // policy's memory space. Raise errc::configuration in any other phase.
   const expert_rows<const T>& inputs() const {
     require_dispatched("inputs()");
+    EPX_REQUIRE(!batch_.fp8, errc::configuration,
+                "forward_handle::inputs(): the layer dispatches FP8 rows (layer_options::fp8_dispatch); read "
+                "fp8_inputs() and scales()");
     return batch_.in;
+  }
+  // With layer_options::fp8_dispatch: the rows as E4M3 and their scales [num_rows, H/128].
+  bool fp8() const noexcept { return batch_.fp8; }
+  const expert_rows<const fp8_e4m3>& fp8_inputs() const {
+    require_dispatched("fp8_inputs()");
+    EPX_REQUIRE(batch_.fp8, errc::configuration,
+                "forward_handle::fp8_inputs(): the layer dispatches rows in T (layer_options::fp8_dispatch is off)");
+    return batch_.in8;
+  }
+  const float* scales() const {
+    require_dispatched("scales()");
+    EPX_REQUIRE(batch_.fp8, errc::configuration,
+                "forward_handle::scales(): the layer dispatches rows in T (layer_options::fp8_dispatch is off)");
+    return batch_.scales;
   }
   span<T> outputs() const {
     require_dispatched("outputs()");
