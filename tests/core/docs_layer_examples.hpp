@@ -125,4 +125,48 @@ class counted_all_to_all {
 // epx::moe_layer<Comm, float, counted_all_to_all<Comm>> layer(mesh, world, options);
 // [/doc]
 
+// One micro-batch of the split-phase example: its inputs and what the layer writes.
+struct micro_batch {
+  std::vector<float> x, w, grad_out;       // [N, H], [N, k], [N, H]
+  std::vector<std::int32_t> ids;           // [N, k]
+  std::vector<float> out, grad_x, grad_w;  // [N, H], [N, H], [N, k]
+};
+
+// [doc:split]
+// Forward and backward of two micro-batches through the split-phase calls: both
+// dispatches are under way before the first experts run, so a caller can hand micro-batch
+// 0's rows to its experts (another thread, a device stream) while micro-batch 1's travel.
+// Bitwise the results of layer.forward and layer.backward on each micro-batch.
+template <class Layer>
+void two_micro_batches(Layer& layer, diagonal_experts& experts, micro_batch& a, micro_batch& b) {
+  const epx::exec::serial exec;
+  micro_batch* mb[2] = {&a, &b};
+  epx::forward_handle<float> h[2];
+  for (int i = 0; i < 2; ++i)  // collective: the same order on every rank
+    h[i] = layer.dispatch_start(epx::span<const float>(mb[i]->x), epx::span<const std::int32_t>(mb[i]->ids),
+                                epx::span<const float>(mb[i]->w), epx::mode::train);
+  for (int i = 0; i < 2; ++i) {
+    layer.dispatch_wait(h[i]);  // micro-batch i's rows are in h[i].inputs()
+    experts.forward(exec, h[i].inputs(), h[i].outputs().data());
+    mb[i]->out.resize(mb[i]->x.size());
+    layer.combine_start(h[i], h[i].outputs(), epx::span<float>(mb[i]->out));
+  }
+  epx::saved_state<float> saved[2] = {layer.combine_wait(h[0]), layer.combine_wait(h[1])};
+
+  epx::backward_handle<float> g[2];
+  for (int i = 0; i < 2; ++i) {
+    mb[i]->grad_x.resize(mb[i]->x.size());
+    mb[i]->grad_w.resize(mb[i]->w.size());
+    g[i] = layer.backward_dispatch_start(std::move(saved[i]), epx::span<const float>(mb[i]->grad_out),
+                                         epx::span<float>(mb[i]->grad_w));
+  }
+  for (int i = 0; i < 2; ++i) {
+    layer.backward_dispatch_wait(g[i]);
+    experts.backward(exec, g[i].inputs(), g[i].grad_outputs().data(), g[i].grad_inputs().data());
+    layer.backward_combine_start(g[i], g[i].grad_inputs(), epx::span<float>(mb[i]->grad_x));
+  }
+  for (auto& gi : g) layer.backward_combine_wait(gi);  // grad_x and grad_w are final
+}
+// [/doc]
+
 }  // namespace docs

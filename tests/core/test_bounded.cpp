@@ -5,6 +5,8 @@
 // hidden sizes; the overflow counter and check(); bad options and bad input.
 #include <doctest/doctest.h>
 
+#include <chrono>
+
 #include <string>
 #include <vector>
 
@@ -238,6 +240,10 @@ TEST_CASE("bounded: a bound below 1, a capacity mode, the masked path: errc::con
   expect_bad(o, "layer_options.capacity.mode (global) must be off in bounded mode", false);
   o.capacity = {};
   expect_bad(o, "the all_reduce implementation has no bounded mode", true);
+  o.hidden = 128;
+  o.fp8_dispatch = true;
+  expect_bad(o, "layer_options.fp8_dispatch must be off in bounded mode", false);
+  o.fp8_dispatch = false;
 
   // One rank with another bound: every rank raises.
   std::vector<std::string> got(2);
@@ -368,4 +374,39 @@ TEST_CASE("bounded: bad expert ids, non-finite weights and bad shapes raise errc
       CHECK_MESSAGE(g.check_message.find("bounded mode: since the last check") != std::string::npos, g.check_message);
     }
   }
+}
+
+TEST_CASE("bounded: the split-phase calls raise errc::configuration on every rank, nothing hangs") {
+  epx::mesh_config mc;
+  mc.fsdp = 4;
+  mc.ep = 4;
+  mc.experts = 8;
+  const epx::mesh m(mc);
+  std::vector<std::string> got(4);
+  epx::threads::options opts;
+  opts.timeout = std::chrono::seconds(20);
+  epx::threads::run(
+      4,
+      [&](comm_t& comm) {
+        epx::layer_options o;
+        o.hidden = 8;
+        o.top_k = 2;
+        o.counts = epx::count_exchange::device;
+        o.bound.cap = 4;
+        epx::moe_layer<comm_t, float> layer(m, comm, o);
+        std::vector<float> x(6 * 8, 0.5f), w(12, 0.5f);
+        std::vector<std::int32_t> ids(12);
+        for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>(i % 8);
+        try {
+          auto h = layer.dispatch(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
+                                  epx::span<const float>(w), epx::mode::train);
+          got[static_cast<std::size_t>(comm.rank())] = "no error";
+        } catch (const epx::error& e) {
+          got[static_cast<std::size_t>(comm.rank())] =
+              e.category() == epx::errc::configuration ? e.message() : std::string("wrong category: ") + e.what();
+        }
+      },
+      opts);
+  for (const auto& g : got)
+    CHECK_MESSAGE(g.find("the split-phase calls are not available in bounded mode") != std::string::npos, g);
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -133,7 +134,7 @@ TEST_CASE("docs/layer.md: every code block of tests/core/docs_layer_examples.hpp
   REQUIRE_MESSAGE(!header.empty(), "cannot read ", here, "/docs_layer_examples.hpp");
   REQUIRE_MESSAGE(!doc.empty(), "cannot read ", here, "/../../docs/layer.md");
   const auto regions = doc_regions(header);
-  CHECK(regions.size() == 3);
+  CHECK(regions.size() == 4);
   for (const auto& [name, code] : regions) {
     INFO("region ", name);
     CHECK_MESSAGE(doc.find("```cpp\n" + code + "```") != std::string::npos,
@@ -223,6 +224,80 @@ TEST_CASE("docs/layer.md: counted_all_to_all is an implementation") {
         if (std::abs(out[t * H + h] - want) > 1e-6)
           f += epx::detail::concat("rank ", rank, " out[", t, ",", h, "] = ", out[t * H + h], ", want ", want, "\n");
       }
+  });
+  for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+}
+
+TEST_CASE("docs/layer.md: two_micro_batches is bitwise the fused calls and matches float64") {
+  using comm_t = epx::threads::communicator;
+  const epx::mesh m(epx::mesh_config{2, 2, 1, 1, 4, 8, 0});  // tp=2, fsdp=2, ep=4
+  const int H = 5, E = 8, k = 2;
+  std::vector<std::string> failures(4);
+  epx::threads::run(4, [&](comm_t& world) {
+    const int rank = world.rank(), b = m.batch(rank);
+    std::string& f = failures[static_cast<std::size_t>(rank)];
+    const auto make_experts = [&] {
+      docs::diagonal_experts e;
+      for (int l = 0; l < m.local_experts(); ++l)
+        for (int h = 0; h < H; ++h) e.d.push_back(diag_param(m.expert_begin(rank) + l, h));
+      e.grad.assign(e.d.size(), 0.0f);
+      return e;
+    };
+    std::vector<docs::micro_batch> mbs(2);
+    for (int i = 0; i < 2; ++i) {
+      const std::size_t N = 6 + static_cast<std::size_t>(3 * i + b);
+      const batch d = make_batch(10 * b + i, N, H, E);
+      auto& mb = mbs[static_cast<std::size_t>(i)];
+      mb.x = d.x;
+      mb.grad_out = d.grad_out;
+      for (std::size_t t = 0; t < N; ++t) {
+        const auto e0 = static_cast<std::int32_t>((t * 3 + static_cast<std::size_t>(i)) % E);
+        mb.ids.push_back(e0);
+        mb.ids.push_back((e0 + 1 + static_cast<std::int32_t>(t % 5)) % E);
+        mb.w.push_back(0.75f);
+        mb.w.push_back(0.25f);
+      }
+    }
+    epx::layer_options o;
+    o.hidden = H;
+    o.top_k = k;
+    // The fused calls, micro-batch 0 then 1.
+    epx::moe_layer<comm_t, float> fused_layer(m, world, o);
+    docs::diagonal_experts fused_experts = make_experts();
+    std::vector<docs::micro_batch> fused = mbs;
+    for (auto& mb : fused) {
+      mb.out.resize(mb.x.size());
+      mb.grad_x.resize(mb.x.size());
+      mb.grad_w.resize(mb.w.size());
+      auto s = fused_layer.forward(epx::span<const float>(mb.x), epx::span<const std::int32_t>(mb.ids),
+                                   epx::span<const float>(mb.w), epx::span<float>(mb.out), fused_experts,
+                                   epx::mode::train);
+      fused_layer.backward(std::move(s), epx::span<const float>(mb.grad_out), epx::span<float>(mb.grad_x),
+                           epx::span<float>(mb.grad_w), fused_experts);
+    }
+    epx::moe_layer<comm_t, float> layer(m, world, o);
+    docs::diagonal_experts experts = make_experts();
+    docs::two_micro_batches(layer, experts, mbs[0], mbs[1]);
+    const auto same = [](const std::vector<float>& x, const std::vector<float>& y) {
+      return x.size() == y.size() && std::equal(x.begin(), x.end(), y.begin(), [](float p, float q) {
+               return std::memcmp(&p, &q, sizeof p) == 0;
+             });
+    };
+    for (int i = 0; i < 2; ++i) {
+      const auto& s = mbs[static_cast<std::size_t>(i)];
+      const auto& u = fused[static_cast<std::size_t>(i)];
+      if (!same(s.out, u.out) || !same(s.grad_x, u.grad_x) || !same(s.grad_w, u.grad_w))
+        f += epx::detail::concat("rank ", rank, " micro-batch ", i, ": differs bitwise from the fused calls\n");
+      for (std::size_t t = 0; t < s.out.size() / H; ++t)
+        for (int h = 0; h < H; ++h) {
+          double want = 0;
+          for (int j = 0; j < k; ++j)
+            want += static_cast<double>(s.w[t * k + j]) * diag_param(s.ids[t * k + j], h) * static_cast<double>(s.x[t * H + h]);
+          if (std::abs(s.out[t * H + h] - want) > 1e-6)
+            f += epx::detail::concat("rank ", rank, " out[", t, ",", h, "] = ", s.out[t * H + h], ", want ", want, "\n");
+        }
+    }
+    if (!same(experts.grad, fused_experts.grad)) f += epx::detail::concat("rank ", rank, ": expert gradients differ\n");
   });
   for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
 }

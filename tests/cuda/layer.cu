@@ -340,6 +340,30 @@ void device_matches_host() {
     }
   const double tol = std::is_same_v<T, double> ? 1e-12 : std::is_same_v<T, float> ? 1e-5 : 1.0 / 128;
   CHECK(e_out <= tol);
+  // The split-phase calls on the device: bitwise the fused calls.
+  {
+    device_buffer<T> s_out(N * H, dev), s_gx(N * H, dev);
+    device_buffer<float> s_gw(N * k, dev);
+    auto h = layer.dispatch_start(epx::span<const T>(d_x.data(), N * H),
+                                  epx::span<const std::int32_t>(d_ids.data(), N * k),
+                                  epx::span<const float>(d_w.data(), N * k), epx::mode::train);
+    layer.dispatch_wait(h);
+    experts.forward(dev, h.inputs(), h.outputs().data());
+    layer.combine_start(h, epx::span<const T>(h.outputs().data(), h.outputs().size()),
+                        epx::span<T>(s_out.data(), N * H));
+    auto s = layer.combine_wait(h);
+    auto gh = layer.backward_dispatch(std::move(s), epx::span<const T>(d_g.data(), N * H),
+                                      epx::span<float>(s_gw.data(), N * k));
+    experts.backward(dev, gh.inputs(), gh.grad_outputs().data(), gh.grad_inputs().data());
+    layer.backward_combine(gh, epx::span<const T>(gh.grad_inputs().data(), gh.grad_inputs().size()),
+                           epx::span<T>(s_gx.data(), N * H));
+    world.wait();
+    const auto gx = to_host(dev, d_gx.data(), N * H);
+    const auto gw = to_host(dev, d_gw.data(), N * k);
+    CHECK(same_bits(to_host(dev, s_out.data(), N * H), out));
+    CHECK(same_bits(to_host(dev, s_gx.data(), N * H), gx));
+    CHECK(same_bits(to_host(dev, s_gw.data(), N * k), gw));
+  }
   // The expert-gradient hook on the NCCL communicator (world size 1: a scaled copy).
   epx::gradient_hooks<epx::nccl::communicator> hooks(m, world);
   device_buffer<float> d_grad(16, dev);

@@ -63,6 +63,7 @@ struct unit_experts {
 struct syncs {
   long long forward = -1, backward = -1, inference = -1;
   epx::bound_report report;
+  long long split_forward = -1, split_backward = -1;  // the same calls through the split phase
 };
 
 // One forward and backward of an 8-rank layer (tp=2, fsdp=4, ep=4) on Comm, Impl.
@@ -98,6 +99,16 @@ std::vector<syncs> count_syncs(const epx::mesh_config& mc, Make make_comm, epx::
                           epx::span<float>(y), e, epx::mode::inference);
       r.inference = layer.stats().host_syncs;
       r.report = layer.check();
+    } else {
+      auto h = layer.dispatch(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                              epx::mode::train);
+      e.forward(policy, h.inputs(), h.outputs().data());
+      auto s2 = layer.combine(h, h.outputs(), epx::span<float>(y));
+      r.split_forward = layer.stats().host_syncs;
+      auto g = layer.backward_dispatch(std::move(s2), epx::span<const float>(y), epx::span<float>(gw));
+      e.backward(policy, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());
+      layer.backward_combine(g, g.grad_inputs(), epx::span<float>(gx));
+      r.split_backward = layer.stats().host_syncs;
     }
   });
   return out;
@@ -111,6 +122,9 @@ TEST_CASE("device path: one host synchronisation per call with a device communic
   for (const auto& s : count_syncs<queued_comm, epx::impl::all_to_all>(mc, as_queued)) {
     CHECK(s.forward == 1);   // the count exchange: status with the bad-pair flag, shapes, counts
     CHECK(s.backward == 1);  // the shape check's exchange
+    // Split phase: one more each, the combine start's agreement on the handles.
+    CHECK(s.split_forward == 2);
+    CHECK(s.split_backward == 2);
   }
   // Node figures and a capacity travel in the same record: still one.
   epx::layer_options o;
@@ -126,6 +140,8 @@ TEST_CASE("device path: one host synchronisation per call with a device communic
   for (const auto& s : count_syncs<epx::threads::communicator, epx::impl::all_to_all>(mc, as_is)) {
     CHECK(s.forward == 4);   // the record's read-back, the dispatch, the return, the TP all-reduce
     CHECK(s.backward == 3);  // the dispatch of gradients, their return, the TP all-reduces
+    CHECK(s.split_forward == 4);  // the agreement on the handles travels in host memory
+    CHECK(s.split_backward == 3);
   }
 }
 

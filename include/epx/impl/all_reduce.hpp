@@ -48,6 +48,9 @@ class all_reduce_impl {
       return "the all_reduce implementation has no bounded mode (counts == count_exchange::device): its call "
              "exchanges the shapes and status on the host and sizes its buffers from N; use impl::all_to_all "
              "(impl::automatic does)";
+    if (o.fp8_dispatch)
+      return "the all_reduce implementation moves no rows, so it has no FP8 dispatch (layer_options::fp8_dispatch): "
+             "use impl::all_to_all or impl::automatic";
     if (m.ep() == m.tp()) return {};
     return concat("the all_reduce implementation requires ep_size (", m.ep(), ") == tp_size (", m.tp(),
                   "): every rank of an EP group must hold the same rows");
@@ -64,11 +67,35 @@ class all_reduce_impl {
     exec::buffer<float, Exec> weights;            // [R] routing weight of each local row
     rows_buffer<T, Exec> x_local;                 // [R, H]
     rows_buffer<T, Exec> y_local;                 // [R, H]
+    // Between dispatch and combine only.
+    exec::buffer<float, Exec> call_weights;       // [N*k] the call's routing weights
+    T* out_rows = nullptr;                        // where the experts write
+  };
+
+  template <class T, class Exec>
+  struct backward_state {
+    saved_state<T> forward;
+    rows_buffer<T, Exec> grad_y;   // [R, H]
+    rows_buffer<T, Exec> grad_in;  // [R, H]
+    float* grad_weights = nullptr; // the call's [N, k], summed over the EP group by backward_combine
   };
 
   template <class T, class Exec, class Experts>
   void forward(const Exec& ex, const forward_args<T>& a, Experts& experts, saved_state<T>* saved) {
     check_experts_forward<Experts, Exec, T>();
+    forward_by_stages(*this, ex, a, experts, saved);
+  }
+
+  template <class T, class Exec, class Experts>
+  void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
+    check_experts_backward<Experts, Exec, T>();
+    backward_by_stages(*this, ex, a, experts, saved);
+  }
+
+  // The rows of this rank's experts, gathered expert-major (no row moves between ranks).
+  template <class T, class Exec>
+  expert_batch<T> dispatch(const Exec& ex, const forward_args<T>& a, saved_state<T>& flight, bool training,
+                           bool in_place) {
     const int L = ctx_.local_experts(), first = ctx_.first_expert(), me = ctx_.ep_rank();
     const std::size_t H = a.hidden, N = a.status == 0 ? a.rows : 0;
     const auto k = static_cast<std::size_t>(a.top_k);
@@ -81,73 +108,96 @@ class all_reduce_impl {
     routed<Exec> r = route_forward(ctx_, ex, a, q);
 
     // Expert-major layout of this rank's experts (padding included).
+    auto& s = flight.template emplace<state<T, Exec>>();
     const std::size_t* off = r.layout.offsets(me);
-    std::vector<std::size_t> offsets(off, off + L + 1);
-    std::vector<std::int64_t> off64(offsets.begin(), offsets.end());
-    const std::size_t R = offsets.back();
+    s.offsets.assign(off, off + L + 1);
+    std::vector<std::int64_t> off64(s.offsets.begin(), s.offsets.end());
+    const std::size_t R = s.offsets.back();
+    s.rows = N;
+    s.hidden = H;
+    s.top_k = a.top_k;
+    s.local_rows = R;
     auto local_offset = exec::make_buffer<std::int64_t>(ex, static_cast<std::size_t>(L) + 1);
-    auto row_source = exec::make_buffer<std::int64_t>(ex, R);
-    auto local_pos = exec::make_buffer<std::int64_t>(ex, N * k);
+    s.row_source = exec::make_buffer<std::int64_t>(ex, R);
+    s.local_pos = exec::make_buffer<std::int64_t>(ex, N * k);
     exec::copy_n(ex, static_cast<const std::int64_t*>(off64.data()), off64.size(), local_offset.data());  // queued, no wait
     exec::for_each_n(ex, static_cast<std::size_t>(L),
                      layout::masked_source_rows{r.plan.src_row.data(), r.plan.expert_offset(),
-                                                local_offset.data(), row_source.data(), first});
+                                                local_offset.data(), s.row_source.data(), first});
     exec::for_each_n(ex, N * k,
                      layout::masked_positions{a.ids, r.plan.pos.data(), r.plan.expert_offset(),
-                                              local_offset.data(), local_pos.data(), first, L});
-    auto x_local = make_rows<T>(ws_, ex, R * H);  // pooled for host policies (detail::workspace)
-    kernels::gather(ex, R, H, a.x, static_cast<const std::int64_t*>(row_source.data()), x_local.data());
-
+                                              local_offset.data(), s.local_pos.data(), first, L});
+    s.x_local = make_rows<T>(ws_, ex, R * H);  // pooled for host policies (detail::workspace)
+    kernels::gather(ex, R, H, a.x, static_cast<const std::int64_t*>(s.row_source.data()), s.x_local.data());
+    s.call_weights = exec::make_buffer<float>(ex, N * k);
+    if (N > 0) exec::copy_n(ex, a.weights, N * k, s.call_weights.data());
     // The experts write over their inputs when they allow it and nothing is kept for backward.
-    const expert_rows<const T> rows{x_local.data(), R, H, offsets.data(), L, first};
-    rows_buffer<T, Exec> y_local;
-    const T* y = run_experts(ws_, ex, experts, rows, x_local.data(), saved != nullptr, y_local);
+    s.out_rows = expert_output_rows(ws_, ex, R, H, s.x_local.data(), training, in_place, s.y_local);
+    expert_batch<T> b;
+    b.in = expert_rows<const T>{s.x_local.data(), R, H, s.offsets.data(), L, first};
+    b.out = s.out_rows;
+    return b;
+  }
 
-    kernels::combine(ex, N, H, a.top_k, y, a.weights,
-                     static_cast<const std::int64_t*>(local_pos.data()), a.out);
+  // The routing weights applied on the expert side (zero for non-local slots), then the EP
+  // group sums the output.
+  template <class T, class Exec>
+  void combine(const Exec& ex, saved_state<T>& flight, T* out, saved_state<T>* saved) {
+    auto& s = flight.template get<state<T, Exec>>();
+    const std::size_t N = s.rows, H = s.hidden;
+    const auto k = static_cast<std::size_t>(s.top_k);
+    kernels::combine(ex, N, H, s.top_k, static_cast<const T*>(s.out_rows), static_cast<const float*>(s.call_weights.data()),
+                     static_cast<const std::int64_t*>(s.local_pos.data()), out);
+    s.out_rows = nullptr;
     order_before_collective(ex, *ctx_.ep);
-    all_reduce(*ctx_.ep, span<T>(a.out, N * H));
+    all_reduce(*ctx_.ep, span<T>(out, N * H));
 
     if (saved != nullptr) {
-      auto& s = saved->template emplace<state<T, Exec>>();
-      s.rows = N;
-      s.hidden = H;
-      s.top_k = a.top_k;
-      s.local_rows = R;
-      s.offsets = std::move(offsets);
-      s.weights = exec::make_buffer<float>(ex, R);  // the weight of each local row (padding: unread)
-      kernels::scatter(ex, N * k, static_cast<const std::int64_t*>(local_pos.data()), a.weights, s.weights.data());
-      s.local_pos = std::move(local_pos);
-      s.row_source = std::move(row_source);
-      s.x_local = std::move(x_local);
-      s.y_local = std::move(y_local);
+      s.weights = exec::make_buffer<float>(ex, s.local_rows);  // the weight of each local row (padding: unread)
+      kernels::scatter(ex, N * k, static_cast<const std::int64_t*>(s.local_pos.data()),
+                       static_cast<const float*>(s.call_weights.data()), s.weights.data());
+      s.call_weights = exec::buffer<float, Exec>{};
+      *saved = std::move(flight);
     }
   }
 
-  template <class T, class Exec, class Experts>
-  void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
-    check_experts_backward<Experts, Exec, T>();
-    auto& s = saved.template get<state<T, Exec>>();
+  // grad_y row r = w * grad_out of its token (padding rows: zero); grad_w of the local
+  // slots from the kept outputs (0 for the others; the EP group sums them in
+  // backward_combine, with grad_x).
+  template <class T, class Exec>
+  expert_grad_batch<T> backward_dispatch(const Exec& ex, const backward_args<T>& a, saved_state<T>& saved,
+                                         saved_state<T>& flight) {
+    saved.template get<state<T, Exec>>();  // raises on an empty or foreign state
+    auto& b = flight.template emplace<backward_state<T, Exec>>();
+    b.forward = std::move(saved);
+    auto& s = b.forward.template get<state<T, Exec>>();
     const int L = ctx_.local_experts();
     exchange_backward_status(*ctx_.ep, ex, a, s.rows, s.hidden, s.top_k, ctx_.rank, ctx_.ep_size());
     const std::size_t N = s.rows, H = s.hidden, R = s.local_rows;
-    const auto k = static_cast<std::size_t>(s.top_k);
-
-    // grad_y row r = w * grad_out of its token (padding rows: zero); grad_w of the local
-    // slots from the kept outputs (0 for the others).
-    auto grad_y = make_rows<T>(ws_, ex, R * H);
-    auto grad_in = make_rows<T>(ws_, ex, R * H);
+    b.grad_y = make_rows<T>(ws_, ex, R * H);
+    b.grad_in = make_rows<T>(ws_, ex, R * H);
     kernels::gather(ex, R, H, a.grad_out, static_cast<const std::int64_t*>(s.row_source.data()),
-                    static_cast<const float*>(s.weights.data()), grad_y.data());
+                    static_cast<const float*>(s.weights.data()), b.grad_y.data());
     kernels::weight_gradients(ex, N, H, s.top_k, static_cast<const T*>(s.y_local.data()), a.grad_out,
                               static_cast<const std::int64_t*>(s.local_pos.data()), a.grad_weights);
-    const expert_rows<const T> rows{s.x_local.data(), R, H, s.offsets.data(), L, ctx_.first_expert()};
-    experts.backward(ex, rows, static_cast<const T*>(grad_y.data()), grad_in.data());
-    kernels::reduce(ex, N, H, s.top_k, static_cast<const T*>(grad_in.data()),
-                    static_cast<const std::int64_t*>(s.local_pos.data()), a.grad_x);
+    b.grad_weights = a.grad_weights;
+    expert_grad_batch<T> g;
+    g.in = expert_rows<const T>{s.x_local.data(), R, H, s.offsets.data(), L, ctx_.first_expert()};
+    g.grad_out = b.grad_y.data();
+    g.grad_in = b.grad_in.data();
+    return g;
+  }
+
+  template <class T, class Exec>
+  void backward_combine(const Exec& ex, saved_state<T>& flight, T* grad_x) {
+    auto& b = flight.template get<backward_state<T, Exec>>();
+    auto& s = b.forward.template get<state<T, Exec>>();
+    const std::size_t N = s.rows, H = s.hidden;
+    kernels::reduce(ex, N, H, s.top_k, static_cast<const T*>(b.grad_in.data()),
+                    static_cast<const std::int64_t*>(s.local_pos.data()), grad_x);
     order_before_collective(ex, *ctx_.ep);
-    all_reduce(*ctx_.ep, span<T>(a.grad_x, N * H));
-    all_reduce(*ctx_.ep, span<float>(a.grad_weights, N * k));
+    all_reduce(*ctx_.ep, span<T>(grad_x, N * H));
+    all_reduce(*ctx_.ep, span<float>(b.grad_weights, N * static_cast<std::size_t>(s.top_k)));
   }
 
  private:

@@ -9,7 +9,9 @@
 //   4. rows land expert-major (with zero padding rows) at the owner of their expert, with
 //      no second permutation;
 //   5. the user's experts (over their own inputs in inference when they allow it,
-//      epx::forward_in_place_v);
+//      epx::forward_in_place_v): the caller's, between the dispatch stage (1-4) and the
+//      combine stage (6-7); the fused forward runs the two stages around them
+//      (detail::forward_by_stages), the split-phase calls of the layer one at a time;
 //   6-7. every token's k output rows are summed in accum_t, slot order, into the
 //      zero-filled [N, H] output; the TP group all-reduces it.
 // Steps 4 and 6-7 take one of two routes, with bitwise the same results:
@@ -23,9 +25,10 @@
 // Before every communicator call the execution policy is synchronised (a no-op for host
 // policies), so a communicator never reads buffers a device stream is still writing.
 // Backward runs the same route in reverse with the saved layout (no count exchange, only
-// a small shape check exchange).
-// In bounded mode (layer_options::counts == count_exchange::device) both calls take the
-// route of epx/impl/bounded.hpp instead.
+// a small shape check exchange), in two stages as well: backward_dispatch (grad_weights
+// and the gradients of the experts' outputs, expert-major) and backward_combine (grad_x).
+// In bounded mode (layer_options::counts == count_exchange::device) forward and backward
+// take the route of epx/impl/bounded.hpp instead, and the split-phase stages are refused.
 // Row buffers of host policies come from a pool kept by the implementation between calls
 // (detail::workspace), so repeated calls do not page-fault fresh allocations; device
 // policies allocate through exec::make_buffer (stream-ordered).
@@ -46,6 +49,7 @@
 #include "epx/impl/experts.hpp"
 #include "epx/impl/implementation.hpp"
 #include "epx/impl/prologue.hpp"
+#include "epx/kernels/fp8.hpp"
 #include "epx/kernels/launch.hpp"
 #include "epx/layout/receive.hpp"
 #include "epx/layout/slicing.hpp"
@@ -64,6 +68,17 @@ void zero_padding(const Exec& ex, T* rows, const receive_layout& lay, int me, st
   }
 }
 
+// Scale 1 for the padding rows of owner `me`'s FP8 scales ([R, H/128]), as for a zero block.
+template <class Exec>
+void unit_padding_scales(const Exec& ex, float* scales, const receive_layout& lay, int me, std::size_t blocks) {
+  const std::size_t* off = lay.offsets(me);
+  const std::size_t* got = lay.received(me);
+  for (int l = 0; l < lay.L; ++l) {
+    const std::size_t b = off[l] + got[l];
+    kernels::fill(ex, (off[l + 1] - b) * blocks, 1.0f, scales + b * blocks);
+  }
+}
+
 template <class Comm>
 class all_to_all_impl {
  public:
@@ -74,7 +89,9 @@ class all_to_all_impl {
   // Any mesh: the all-to-all path has no rule of its own beyond the mesh's.
   static std::string can_implement(const mesh&, const layer_options&) { return {}; }
 
-  // What backward needs; buffers in the policy's memory space.
+  // What combine and backward need; buffers in the policy's memory space. The dispatch
+  // stage makes it (the flight state of a split call), combine moves it into the saved
+  // state of a training call.
   template <class T, class Exec>
   struct state {
     std::size_t rows = 0, hidden = 0;
@@ -86,14 +103,47 @@ class all_to_all_impl {
     exec::buffer<std::int64_t, Exec> pos;      // [n*k] send position of pair (t, j)
     exec::buffer<std::int64_t, Exec> src_row;  // [S] the slice row of each send position
     exec::buffer<float, Exec> weights;         // [S] routing weight of each send position
-    rows_buffer<T, Exec> x_recv;               // [R, H] expert-major input rows
+    rows_buffer<T, Exec> x_recv;               // [R, H] expert-major input rows (FP8 dispatch: made by backward)
+    bool fp8 = false;                          // FP8 dispatch (layer_options::fp8_dispatch; staged route)
+    rows_buffer<fp8_e4m3, Exec> x8;            // FP8: [R, H] expert-major rows as E4M3
+    exec::buffer<float, Exec> scales;          // FP8: [R, H/128] their scales
     rows_buffer<T, Exec> y;                    // staged: [S, H] outputs in send order; direct: [R, H] expert-major
+    // Between dispatch and combine only.
+    exec::buffer<float, Exec> slice_weights;  // [n*k] the slice's routing weights (the caller's may change)
+    rows_buffer<T, Exec> send;                 // staged: [S, H] send order, reused for the return
+    rows_buffer<T, Exec> outputs;              // [R, H] the experts' outputs (unless over x_recv)
+    T* out_rows = nullptr;                     // where the experts write
+  };
+
+  // What backward's combine needs: the forward's state and the gradient rows.
+  template <class T, class Exec>
+  struct backward_state {
+    saved_state<T> forward;
+    rows_buffer<T, Exec> grad_recv;  // [R, H] gradients of the experts' outputs
+    rows_buffer<T, Exec> grad_in;    // [R, H] gradients of their inputs
+    rows_buffer<T, Exec> grad_send;  // staged: [S, H] send order
+    float* grad_weights = nullptr;   // the call's [N, k], summed over the TP group by backward_combine
   };
 
   template <class T, class Exec, class Experts>
   void forward(const Exec& ex, const forward_args<T>& a, Experts& experts, saved_state<T>* saved) {
     check_experts_forward<Experts, Exec, T>();
     if (ctx_.bound != nullptr) return bounded_.forward(ex, a, experts, saved);  // spec section 11
+    forward_by_stages(*this, ex, a, experts, saved);
+  }
+
+  template <class T, class Exec, class Experts>
+  void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
+    check_experts_backward<Experts, Exec, T>();
+    if (ctx_.bound != nullptr) return bounded_.backward(ex, a, experts, saved);
+    backward_by_stages(*this, ex, a, experts, saved);
+  }
+
+  // Steps 1-4: the rows land expert-major at the owners of their experts.
+  template <class T, class Exec>
+  expert_batch<T> dispatch(const Exec& ex, const forward_args<T>& a, saved_state<T>& flight, bool training,
+                           bool in_place) {
+    require_unbounded("dispatch");
     const int L = ctx_.local_experts(), tp = ctx_.tp_size(), me = ctx_.ep_rank();
     const std::size_t H = a.hidden;
     const auto k = static_cast<std::size_t>(a.top_k);
@@ -107,87 +157,139 @@ class all_to_all_impl {
     q.agree_rows = tp;
     q.path = name;
     routed<Exec> r = route_forward(ctx_, ex, a, q);
-    const receive_layout& lay = r.layout;
-    const bool direct = uses_peer_access<Exec>();
-    if (ctx_.stats != nullptr) ctx_.stats->peer_access = direct;
+    auto& s = flight.template emplace<state<T, Exec>>();
+    s.rows = a.rows;
+    s.hidden = H;
+    s.top_k = a.top_k;
+    s.slice = sl;
+    s.fp8 = ctx_.options.fp8_dispatch;
+    s.direct = uses_peer_access<Exec>() && !s.fp8;
+    if (ctx_.stats != nullptr) ctx_.stats->peer_access = s.direct;
+    s.layout = std::move(r.layout);
+    s.pos = std::move(r.plan.pos);
+    s.src_row = std::move(r.plan.src_row);
+    const receive_layout& lay = s.layout;
     const std::size_t S = n * k, R = lay.rows(me);
     const T* x = a.x + sl.begin * H;
-    const float* w = a.weights + sl.begin * k;
-    T* out = a.out + sl.begin * H;
-    exec::fill_zero(ex, a.out, sl.begin * H);  // the slice's rows are all written below
-    exec::fill_zero(ex, a.out + sl.end * H, (a.rows - sl.end) * H);
-    auto x_recv = make_rows<T>(ws_, ex, R * H);
-    const expert_rows<const T> rows{x_recv.data(), R, H, lay.offsets(me), L, ctx_.first_expert()};
-    rows_buffer<T, Exec> y;  // the experts' outputs: [S, H] in send order (staged), [R, H] at the owner (direct)
-    segments seg;
+    s.slice_weights = exec::make_buffer<float>(ex, S);
+    if (S > 0) exec::copy_n(ex, a.weights + sl.begin * k, S, s.slice_weights.data());
+    if (!s.fp8) s.x_recv = make_rows<T>(ws_, ex, R * H);
 
     if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
-      if (direct) {
+      if (s.direct) {
         // 4: every rank pulls its expert-major rows straight out of the owners' x (gather
         // and dispatch in one pass; padding rows come out zero).
-        auto table = ws_.template acquire<const T*>(std::max(R, S));
-        const void* mine[2] = {x, r.plan.src_row.data()};
+        auto table = ws_.template acquire<const T*>(R);
+        const void* mine[2] = {x, s.src_row.data()};
         ctx_.ep->access_peers(mine, 2, [&](const auto& peers) {
-          fill_receive_table(lay, me, table.data(), R, [&](int s, std::size_t p) {
-            const auto* src_row = static_cast<const std::int64_t*>(peers(s, 1));
-            return static_cast<const T*>(peers(s, 0)) + static_cast<std::size_t>(src_row[p]) * H;
+          fill_receive_table(lay, me, table.data(), R, [&](int src, std::size_t p) {
+            const auto* src_row = static_cast<const std::int64_t*>(peers(src, 1));
+            return static_cast<const T*>(peers(src, 0)) + static_cast<std::size_t>(src_row[p]) * H;
           });
-          kernels::copy(ex, R, H, static_cast<const T* const*>(table.data()), x_recv.data());
-        });
-        // 5: experts.
-        T* y_rows = run_experts(ws_, ex, experts, rows, x_recv.data(), saved != nullptr, y);
-        // 6-7: combine reads every slot's output row in place at its owner.
-        const void* mine_y[1] = {y_rows};
-        ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {
-          fill_return_table(lay, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
-          kernels::combine(ex, n, H, a.top_k, kernels::row_table<T>{table.data()}, w, r.plan.pos.data(), out);
+          kernels::copy(ex, R, H, static_cast<const T* const*>(table.data()), s.x_recv.data());
         });
       }
     }
-    if (!direct) {
+    if (!s.direct) {
       // 4: rows into send order, then the segmented all-to-all lands them expert-major.
-      seg = segments_of(lay, me);
-      auto send = make_rows<T>(ws_, ex, S * H);
-      kernels::gather(ex, S, H, x, static_cast<const std::int64_t*>(r.plan.src_row.data()), send.data());
-      zero_padding(ex, x_recv.data(), lay, me, H);
-      order_before_collective(ex, *ctx_.ep);
-      exchange_rows(seg, static_cast<const T*>(send.data()), x_recv.data(), L, H, false);
-      // 5: experts.
-      rows_buffer<T, Exec> y_recv;
-      const T* y_rows = run_experts(ws_, ex, experts, rows, x_recv.data(), saved != nullptr, y_recv);
+      s.seg = segments_of(lay, me);
+      s.send = make_rows<T>(ws_, ex, S * H);  // FP8: only for the way back
+      if (s.fp8) {
+        // FP8 (spec section 12): each send row as E4M3 with one scale per 128 elements;
+        // bytes and scales travel by the same segments.
+        const std::size_t B = kernels::fp8_scales_per_row(H);
+        auto send8 = make_rows<fp8_e4m3>(ws_, ex, S * H);
+        auto send_scales = exec::make_buffer<float>(ex, S * B);
+        kernels::quantise_e4m3(ex, S, H, x, static_cast<const std::int64_t*>(s.src_row.data()), send8.data(),
+                               send_scales.data());
+        s.x8 = make_rows<fp8_e4m3>(ws_, ex, R * H);
+        s.scales = exec::make_buffer<float>(ex, R * B);
+        zero_padding(ex, s.x8.data(), lay, me, H);
+        unit_padding_scales(ex, s.scales.data(), lay, me, B);
+        order_before_collective(ex, *ctx_.ep);
+        exchange_rows(s.seg, reinterpret_cast<const unsigned char*>(send8.data()),
+                      reinterpret_cast<unsigned char*>(s.x8.data()), L, H, false);
+        exchange_rows(s.seg, static_cast<const float*>(send_scales.data()), s.scales.data(), L, B, false);
+      } else {
+        kernels::gather(ex, S, H, x, static_cast<const std::int64_t*>(s.src_row.data()), s.send.data());
+        zero_padding(ex, s.x_recv.data(), lay, me, H);
+        order_before_collective(ex, *ctx_.ep);
+        exchange_rows(s.seg, static_cast<const T*>(s.send.data()), s.x_recv.data(), L, H, false);
+      }
+    }
+    // 5 is the caller's: the experts read x_recv (FP8: x8 and scales) and write out_rows.
+    s.out_rows = expert_output_rows(ws_, ex, R, H, s.x_recv.data(), training || s.fp8, in_place, s.outputs);
+    expert_batch<T> b;
+    b.in = expert_rows<const T>{s.x_recv.data(), R, H, lay.offsets(me), L, ctx_.first_expert()};
+    b.out = s.out_rows;
+    if (s.fp8) {
+      b.fp8 = true;
+      b.in8 = expert_rows<const fp8_e4m3>{s.x8.data(), R, H, lay.offsets(me), L, ctx_.first_expert()};
+      b.scales = s.scales.data();
+    }
+    return b;
+  }
+
+  // Steps 6-7: every token's k output rows are summed into out ([N, H], all written); the
+  // TP group sums the slices. For training, the flight state becomes the saved state.
+  template <class T, class Exec>
+  void combine(const Exec& ex, saved_state<T>& flight, T* out_all, saved_state<T>* saved) {
+    auto& s = flight.template get<state<T, Exec>>();
+    const int L = ctx_.local_experts(), tp = ctx_.tp_size(), me = ctx_.ep_rank();
+    const std::size_t H = s.hidden;
+    const auto k = static_cast<std::size_t>(s.top_k);
+    const row_slice sl = s.slice;
+    const receive_layout& lay = s.layout;
+    const std::size_t n = sl.size(), S = n * k, R = lay.rows(me);
+    const float* w = s.slice_weights.data();
+    T* out = out_all + sl.begin * H;
+    exec::fill_zero(ex, out_all, sl.begin * H);  // the slice's rows are all written below
+    exec::fill_zero(ex, out_all + sl.end * H, (s.rows - sl.end) * H);
+
+    if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
+      if (s.direct) {
+        // 6-7: combine reads every slot's output row in place at its owner.
+        auto table = ws_.template acquire<const T*>(std::max(R, S));
+        const void* mine_y[1] = {s.out_rows};
+        ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {
+          fill_return_table(lay, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
+          kernels::combine(ex, n, H, s.top_k, kernels::row_table<T>{table.data()}, w, s.pos.data(), out);
+        });
+        s.y = std::move(s.outputs);  // training: the outputs stay at their owner for backward
+      }
+    }
+    if (!s.direct) {
       // 6: outputs back into send order (reusing the send buffer); 7: combine.
       order_before_collective(ex, *ctx_.ep);
-      exchange_rows(seg, y_rows, send.data(), L, H, true);
-      kernels::combine(ex, n, H, a.top_k, static_cast<const T*>(send.data()), w, r.plan.pos.data(), out);
-      y = std::move(send);
+      exchange_rows(s.seg, static_cast<const T*>(s.out_rows), s.send.data(), L, H, true);
+      kernels::combine(ex, n, H, s.top_k, static_cast<const T*>(s.send.data()), w, s.pos.data(), out);
+      s.y = std::move(s.send);
+      s.outputs = rows_buffer<T, Exec>{};
     }
+    s.out_rows = nullptr;
     // The TP group sums the slices.
     order_before_collective(ex, *ctx_.ep);
-    if (tp > 1) all_reduce(*ctx_.tp, span<T>(a.out, a.rows * H));
+    if (tp > 1) all_reduce(*ctx_.tp, span<T>(out_all, s.rows * H));
 
     if (saved != nullptr) {
-      auto& s = saved->template emplace<state<T, Exec>>();
-      s.rows = a.rows;
-      s.hidden = H;
-      s.top_k = a.top_k;
-      s.slice = sl;
-      s.direct = direct;
       s.weights = exec::make_buffer<float>(ex, S);  // the weight of each send position
-      kernels::scatter(ex, S, static_cast<const std::int64_t*>(r.plan.pos.data()), w, s.weights.data());
-      s.layout = std::move(r.layout);
-      s.seg = std::move(seg);
-      s.pos = std::move(r.plan.pos);
-      s.src_row = std::move(r.plan.src_row);
-      s.x_recv = std::move(x_recv);
-      s.y = std::move(y);
+      kernels::scatter(ex, S, static_cast<const std::int64_t*>(s.pos.data()), w, s.weights.data());
+      s.slice_weights = exec::buffer<float, Exec>{};
+      *saved = std::move(flight);
     }
   }
 
-  template <class T, class Exec, class Experts>
-  void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
-    check_experts_backward<Experts, Exec, T>();
-    if (ctx_.bound != nullptr) return bounded_.backward(ex, a, experts, saved);
-    auto& s = saved.template get<state<T, Exec>>();
+  // Backward up to the experts: the gradients of the experts' outputs, expert-major at the
+  // owners, and this rank's slice of grad_weights (the TP group sums them in
+  // backward_combine, with grad_x: one wait for both). Consumes `saved`.
+  template <class T, class Exec>
+  expert_grad_batch<T> backward_dispatch(const Exec& ex, const backward_args<T>& a, saved_state<T>& saved,
+                                         saved_state<T>& flight) {
+    require_unbounded("backward_dispatch");
+    saved.template get<state<T, Exec>>();  // raises on an empty or foreign state
+    auto& b = flight.template emplace<backward_state<T, Exec>>();
+    b.forward = std::move(saved);
+    auto& s = b.forward.template get<state<T, Exec>>();
     const int L = ctx_.local_experts(), tp = ctx_.tp_size(), me = ctx_.ep_rank();
     const std::size_t H = s.hidden;
     const auto k = static_cast<std::size_t>(s.top_k);
@@ -197,14 +299,16 @@ class all_to_all_impl {
     const std::size_t n = sl.size(), S = n * k, R = lay.rows(me);
     const T* grad_out = a.grad_out + sl.begin * H;
     const float* w_send = static_cast<const float*>(s.weights.data());
-    T* grad_x = a.grad_x + sl.begin * H;
     float* grad_w = a.grad_weights + sl.begin * k;
-    exec::fill_zero(ex, a.grad_weights, a.rows * k);
-    exec::fill_zero(ex, a.grad_x, sl.begin * H);  // the slice's rows are all written below
-    exec::fill_zero(ex, a.grad_x + sl.end * H, (a.rows - sl.end) * H);
-    const expert_rows<const T> rows{s.x_recv.data(), R, H, lay.offsets(me), L, ctx_.first_expert()};
-    auto grad_recv = make_rows<T>(ws_, ex, R * H);
-    auto grad_in = make_rows<T>(ws_, ex, R * H);
+    exec::fill_zero(ex, a.grad_weights, s.rows * k);
+    if (s.fp8 && s.x_recv.size() == 0 && R > 0) {
+      // The experts' backward reads the rows they saw, in T: the FP8 rows dequantised.
+      s.x_recv = make_rows<T>(ws_, ex, R * H);
+      kernels::dequantise_e4m3(ex, R, H, static_cast<const fp8_e4m3*>(s.x8.data()),
+                               static_cast<const float*>(s.scales.data()), s.x_recv.data());
+    }
+    b.grad_recv = make_rows<T>(ws_, ex, R * H);
+    b.grad_in = make_rows<T>(ws_, ex, R * H);
 
     if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
       if (s.direct) {
@@ -225,7 +329,7 @@ class all_to_all_impl {
             scale.data()[i] = static_cast<const float*>(peers(src, 2))[p];
           });
           kernels::copy(ex, R, H, static_cast<const T* const*>(table.data()), static_cast<const float*>(scale.data()),
-                        grad_recv.data());
+                        b.grad_recv.data());
         });
         const void* mine_y[1] = {s.y.data()};
         ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {
@@ -233,9 +337,48 @@ class all_to_all_impl {
           kernels::weight_gradients(ex, n, H, s.top_k, kernels::row_table<T>{table.data()}, grad_out, s.pos.data(),
                                     grad_w);
         });
-        experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in.data());
+      }
+    }
+    if (!s.direct) {
+      // grad_y rows in send order: w * grad_out of the position's row; grad_w from the
+      // outputs kept in send order.
+      b.grad_send = make_rows<T>(ws_, ex, S * H);
+      kernels::gather(ex, S, H, grad_out, static_cast<const std::int64_t*>(s.src_row.data()), w_send,
+                      b.grad_send.data());
+      kernels::weight_gradients(ex, n, H, s.top_k, static_cast<const T*>(s.y.data()), grad_out, s.pos.data(), grad_w);
+      zero_padding(ex, b.grad_recv.data(), lay, me, H);
+      order_before_collective(ex, *ctx_.ep);
+      exchange_rows(s.seg, static_cast<const T*>(b.grad_send.data()), b.grad_recv.data(), L, H, false);
+    }
+    b.grad_weights = a.grad_weights;
+    expert_grad_batch<T> g;
+    g.in = expert_rows<const T>{s.x_recv.data(), R, H, lay.offsets(me), L, ctx_.first_expert()};
+    g.grad_out = b.grad_recv.data();
+    g.grad_in = b.grad_in.data();
+    return g;
+  }
+
+  // Backward after the experts: each token sums its slots' input gradients into grad_x
+  // ([N, H], all written); the TP group sums the slices of grad_x and grad_weights.
+  template <class T, class Exec>
+  void backward_combine(const Exec& ex, saved_state<T>& flight, T* grad_x_all) {
+    auto& b = flight.template get<backward_state<T, Exec>>();
+    auto& s = b.forward.template get<state<T, Exec>>();
+    const int L = ctx_.local_experts(), tp = ctx_.tp_size(), me = ctx_.ep_rank();
+    const std::size_t H = s.hidden;
+    const auto k = static_cast<std::size_t>(s.top_k);
+    const row_slice sl = s.slice;
+    const receive_layout& lay = s.layout;
+    const std::size_t n = sl.size(), S = n * k, R = lay.rows(me);
+    T* grad_x = grad_x_all + sl.begin * H;
+    exec::fill_zero(ex, grad_x_all, sl.begin * H);  // the slice's rows are all written below
+    exec::fill_zero(ex, grad_x_all + sl.end * H, (s.rows - sl.end) * H);
+
+    if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
+      if (s.direct) {
         // Each token sums its slots' input gradients in place at their owners.
-        const void* mine_i[1] = {grad_in.data()};
+        auto table = ws_.template acquire<const T*>(std::max(R, S));
+        const void* mine_i[1] = {b.grad_in.data()};
         ctx_.ep->access_peers(mine_i, 1, [&](const auto& peers) {
           fill_return_table(lay, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
           kernels::reduce(ex, n, H, s.top_k, kernels::row_table<T>{table.data()}, s.pos.data(), grad_x);
@@ -243,24 +386,14 @@ class all_to_all_impl {
       }
     }
     if (!s.direct) {
-      // grad_y rows in send order: w * grad_out of the position's row; grad_w from the
-      // outputs kept in send order.
-      auto grad_send = make_rows<T>(ws_, ex, S * H);
-      kernels::gather(ex, S, H, grad_out, static_cast<const std::int64_t*>(s.src_row.data()), w_send,
-                      grad_send.data());
-      kernels::weight_gradients(ex, n, H, s.top_k, static_cast<const T*>(s.y.data()), grad_out, s.pos.data(), grad_w);
-      zero_padding(ex, grad_recv.data(), lay, me, H);
       order_before_collective(ex, *ctx_.ep);
-      exchange_rows(s.seg, static_cast<const T*>(grad_send.data()), grad_recv.data(), L, H, false);
-      experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in.data());
-      order_before_collective(ex, *ctx_.ep);
-      exchange_rows(s.seg, static_cast<const T*>(grad_in.data()), grad_send.data(), L, H, true);
-      kernels::reduce(ex, n, H, s.top_k, static_cast<const T*>(grad_send.data()), s.pos.data(), grad_x);
+      exchange_rows(s.seg, static_cast<const T*>(b.grad_in.data()), b.grad_send.data(), L, H, true);
+      kernels::reduce(ex, n, H, s.top_k, static_cast<const T*>(b.grad_send.data()), s.pos.data(), grad_x);
     }
     if (tp > 1) {
       order_before_collective(ex, *ctx_.ep);
-      all_reduce(*ctx_.tp, span<T>(a.grad_x, a.rows * H));
-      all_reduce(*ctx_.tp, span<float>(a.grad_weights, a.rows * k));
+      all_reduce(*ctx_.tp, span<T>(grad_x_all, s.rows * H));
+      all_reduce(*ctx_.tp, span<float>(b.grad_weights, s.rows * k));
     }
   }
 
@@ -275,6 +408,15 @@ class all_to_all_impl {
     else
       all_to_allv_segments(*ctx_.ep, from, make_span(g.recv_counts), make_span(g.recv_displs), to,
                            make_span(g.send_counts), make_span(g.send_displs), static_cast<std::size_t>(L), H);
+  }
+
+  // The split-phase stages have no bounded-mode form: bounded mode's calls are fused (spec
+  // section 11). Options agree on every rank (checked at construction), so every rank
+  // raises here together.
+  void require_unbounded(const char* stage) const {
+    EPX_REQUIRE(ctx_.bound == nullptr, errc::configuration, "moe_layer ", stage,
+                ": the split-phase calls are not available in bounded mode (layer_options::counts == "
+                "count_exchange::device); use forward and backward");
   }
 
   // Whether this call reads rows out of the peers' buffers (see layer_options::peer_access).

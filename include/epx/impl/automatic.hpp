@@ -32,21 +32,49 @@ class automatic_impl {
 
   template <class T, class Exec, class Experts>
   void forward(const Exec& ex, const forward_args<T>& a, Experts& experts, saved_state<T>* saved) {
-    if (saved == nullptr && masked_) {
-      masked_->forward(ex, a, experts, saved);
-    } else {
-      a2a_.forward(ex, a, experts, saved);
-    }
+    check_experts_forward<Experts, Exec, T>();
+    forward_by_stages(*this, ex, a, experts, saved);
   }
 
   template <class T, class Exec, class Experts>
   void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
+    check_experts_backward<Experts, Exec, T>();
+    backward_by_stages(*this, ex, a, experts, saved);
+  }
+
+  // The stages follow the path of the call: dispatch chooses it, combine and backward follow
+  // the state it made.
+  template <class T, class Exec>
+  expert_batch<T> dispatch(const Exec& ex, const forward_args<T>& a, saved_state<T>& flight, bool training,
+                           bool in_place) {
+    if (!training && masked_) return masked_->dispatch(ex, a, flight, training, in_place);
+    return a2a_.dispatch(ex, a, flight, training, in_place);
+  }
+
+  template <class T, class Exec>
+  void combine(const Exec& ex, saved_state<T>& flight, T* out, saved_state<T>* saved) {
     using masked_state = typename all_reduce_impl<Comm>::template state<T, Exec>;
-    if (masked_ && saved.template holds<masked_state>()) {
-      masked_->backward(ex, a, experts, saved);
-    } else {
-      a2a_.backward(ex, a, experts, saved);
-    }
+    if (masked_ && flight.template holds<masked_state>())
+      masked_->combine(ex, flight, out, saved);
+    else
+      a2a_.combine(ex, flight, out, saved);
+  }
+
+  template <class T, class Exec>
+  expert_grad_batch<T> backward_dispatch(const Exec& ex, const backward_args<T>& a, saved_state<T>& saved,
+                                         saved_state<T>& flight) {
+    using masked_state = typename all_reduce_impl<Comm>::template state<T, Exec>;
+    if (masked_ && saved.template holds<masked_state>()) return masked_->backward_dispatch(ex, a, saved, flight);
+    return a2a_.backward_dispatch(ex, a, saved, flight);
+  }
+
+  template <class T, class Exec>
+  void backward_combine(const Exec& ex, saved_state<T>& flight, T* grad_x) {
+    using masked_state = typename all_reduce_impl<Comm>::template backward_state<T, Exec>;
+    if (masked_ && flight.template holds<masked_state>())
+      masked_->backward_combine(ex, flight, grad_x);
+    else
+      a2a_.backward_combine(ex, flight, grad_x);
   }
 
  private:

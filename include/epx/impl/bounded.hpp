@@ -86,6 +86,9 @@ inline std::string bound_check(const mesh& m, const layer_options& o) {
     return concat("layer_options.capacity.mode (", to_string(o.capacity.mode),
                   ") must be off in bounded mode: the bound is the capacity (local rule, C = bound.cap = ",
                   o.bound.cap, ")");
+  if (o.fp8_dispatch)
+    return "layer_options.fp8_dispatch must be off in bounded mode (counts == count_exchange::device): the "
+           "bounded slabs carry rows in the layer's element type";
   const double rows = static_cast<double>(m.ep()) * static_cast<double>(o.bound.cap) *
                       static_cast<double>(m.local_experts()) * static_cast<double>(o.hidden);
   if (rows > 9.0e15)

@@ -17,6 +17,17 @@
 // grad_out rows are zero, so a linear expert's parameter gradient gets nothing from them.
 // The expert owns its math (GEMMs, activations, parameter storage and gradients).
 //
+// With layer_options::fp8_dispatch (spec section 12) the rows arrive as FP8 E4M3 with one
+// float32 scale per 128 elements, and the experts provide instead of (or beside) the
+// forward above
+//
+//   template <class Exec>
+//   void forward(const Exec&, const expert_rows<const fp8_e4m3>& in,
+//                const float* scales /*[in.num_rows, H/128]*/, T* out /*[num_rows, H]*/);
+//
+// (epx::kernels::dequantise_e4m3 turns rows back into T; padding rows are zero bytes with
+// scale 1). Their backward gets the dequantised rows as `in`, in T.
+//
 // Optional: `static constexpr bool forward_in_place = true;` in the Experts type says that
 // forward works with out == in.rows (each output row may overwrite its own input row, e.g.
 // a row-blocked MLP that keeps one tile of rows in a temporary). Inference calls then write
@@ -28,6 +39,8 @@
 #include <cstdint>
 #include <type_traits>
 #include <utility>
+
+#include "epx/core/fp8.hpp"
 
 namespace epx {
 
@@ -59,6 +72,13 @@ struct has_expert_forward<E, Exec, T,
                               std::declval<const Exec&>(), std::declval<const expert_rows<const T>&>(),
                               std::declval<T*>()))>> : std::true_type {};
 template <class E, class Exec, class T, class = void>
+struct has_expert_forward_fp8 : std::false_type {};
+template <class E, class Exec, class T>
+struct has_expert_forward_fp8<E, Exec, T,
+                              std::void_t<decltype(std::declval<E&>().forward(
+                                  std::declval<const Exec&>(), std::declval<const expert_rows<const fp8_e4m3>&>(),
+                                  std::declval<const float*>(), std::declval<T*>()))>> : std::true_type {};
+template <class E, class Exec, class T, class = void>
 struct has_expert_backward : std::false_type {};
 template <class E, class Exec, class T>
 struct has_expert_backward<E, Exec, T,
@@ -76,10 +96,14 @@ struct forward_in_place<E, std::void_t<decltype(E::forward_in_place)>>
 template <class Experts>
 inline constexpr bool forward_in_place_v = detail::forward_in_place<std::remove_cv_t<Experts>>::value;
 
-// Checks the concept with a sentence instead of a template wall.
+// Whether Experts take FP8 rows and their scales (layer_options::fp8_dispatch).
+template <class Experts, class Exec, class T>
+inline constexpr bool has_fp8_forward_v = detail::has_expert_forward_fp8<Experts, Exec, T>::value;
+
+// Checks the concept with a sentence instead of a template wall (one of the two forwards).
 template <class Experts, class Exec, class T>
 constexpr void check_experts_forward() {
-  static_assert(detail::has_expert_forward<Experts, Exec, T>::value,
+  static_assert(detail::has_expert_forward<Experts, Exec, T>::value || has_fp8_forward_v<Experts, Exec, T>,
                 "epx: the Experts type needs `template <class Exec> void forward(const Exec&, "
                 "const epx::expert_rows<const T>&, T* out)` (see epx/impl/experts.hpp)");
 }

@@ -19,6 +19,29 @@
 //                   epx::saved_state<T>& saved);
 //   };
 //
+// Optional, for the split-phase calls of the layer (moe_layer::dispatch_start and the
+// others, spec section 13): the same work cut at the experts, into stages that keep what
+// the next stage needs in an opaque `flight` state:
+//
+//     template <class T, class Exec>
+//     epx::expert_batch<T> dispatch(const Exec&, const epx::forward_args<T>& a,
+//                                   epx::saved_state<T>& flight, bool training, bool in_place);
+//     template <class T, class Exec>
+//     void combine(const Exec&, epx::saved_state<T>& flight, T* out, epx::saved_state<T>* saved);
+//     template <class T, class Exec>
+//     epx::expert_grad_batch<T> backward_dispatch(const Exec&, const epx::backward_args<T>& a,
+//                                                 epx::saved_state<T>& saved, epx::saved_state<T>& flight);
+//     template <class T, class Exec>
+//     void backward_combine(const Exec&, epx::saved_state<T>& flight, T* grad_x);
+//
+// dispatch reads a.x, a.ids, a.weights (not a.out) and returns the experts' input rows and
+// the buffer they write (their own inputs when `in_place` and not `training`); combine
+// writes all of out ([N, H]) and, for training, moves what backward needs into *saved.
+// backward_dispatch consumes `saved` and reads a.grad_out (not a.grad_x);
+// backward_combine writes all of grad_x and of the a.grad_weights its dispatch was given. The built-in implementations
+// make their fused forward and backward from these stages (detail::forward_by_stages,
+// detail::backward_by_stages), so that both give bitwise the same results.
+//
 // The layer uses a user type as it is. The built-in ones are tags with
 // `template <class Comm> using with = ...;` that the layer binds to its communicator type
 // (epx::impl_for_t<Impl, Comm>). docs/implementations.md shows a complete user-defined one.
@@ -42,6 +65,7 @@
 #include <utility>
 
 #include "epx/core/error.hpp"
+#include "epx/impl/experts.hpp"
 #include "epx/impl/options.hpp"
 #include "epx/impl/stats.hpp"
 #include "epx/mesh/mesh.hpp"
@@ -145,6 +169,29 @@ class saved_state {
   const void* type_ = nullptr;
 };
 
+// The experts' side of one dispatched call (split phase): the expert-major rows they
+// read and the [in.num_rows, H] buffer they write, in the policy's memory space.
+// With FP8 dispatch (`fp8`) the rows are `in8` with their `scales` [num_rows, H/128],
+// and in.rows is null (in keeps the shape).
+template <class T>
+struct expert_batch {
+  expert_rows<const T> in;
+  T* out = nullptr;
+  bool fp8 = false;
+  expert_rows<const fp8_e4m3> in8;
+  const float* scales = nullptr;
+};
+
+// The experts' side of one dispatched backward call: the forward's expert-major inputs,
+// the gradients of their outputs ([in.num_rows, H], padding rows zero) and the buffer
+// where the experts write the gradients of their inputs.
+template <class T>
+struct expert_grad_batch {
+  expert_rows<const T> in;
+  const T* grad_out = nullptr;
+  T* grad_in = nullptr;
+};
+
 namespace detail {
 template <class I, class = void>
 struct impl_name {
@@ -198,7 +245,70 @@ struct has_impl_backward<I, Exec, T, Experts,
                          std::void_t<decltype(std::declval<I&>().backward(
                              std::declval<const Exec&>(), std::declval<const backward_args<T>&>(),
                              std::declval<Experts&>(), std::declval<saved_state<T>&>()))>> : std::true_type {};
+
+template <class I, class Exec, class T, class = void>
+struct has_impl_stages : std::false_type {};
+template <class I, class Exec, class T>
+struct has_impl_stages<
+    I, Exec, T,
+    std::void_t<decltype(expert_batch<T>(std::declval<I&>().dispatch(std::declval<const Exec&>(),
+                                                                      std::declval<const forward_args<T>&>(),
+                                                                      std::declval<saved_state<T>&>(), true, true))),
+                decltype(std::declval<I&>().combine(std::declval<const Exec&>(), std::declval<saved_state<T>&>(),
+                                                    std::declval<T*>(), std::declval<saved_state<T>*>())),
+                decltype(expert_grad_batch<T>(std::declval<I&>().backward_dispatch(
+                    std::declval<const Exec&>(), std::declval<const backward_args<T>&>(),
+                    std::declval<saved_state<T>&>(), std::declval<saved_state<T>&>()))),
+                decltype(std::declval<I&>().backward_combine(std::declval<const Exec&>(),
+                                                             std::declval<saved_state<T>&>(), std::declval<T*>()))>>
+    : std::true_type {};
+
+// The experts over a dispatched batch: their FP8 forward when the rows came as FP8.
+template <class T, class Exec, class Experts>
+void run_expert_batch(const Exec& ex, Experts& experts, const expert_batch<T>& b) {
+  if (b.fp8) {
+    if constexpr (has_fp8_forward_v<Experts, Exec, T>)
+      experts.forward(ex, b.in8, b.scales, b.out);
+    else
+      EPX_THROW(errc::configuration, "layer_options::fp8_dispatch needs experts with `forward(const Exec&, "
+                                     "const epx::expert_rows<const epx::fp8_e4m3>&, const float* scales, T* out)`");
+  } else {
+    if constexpr (has_expert_forward<Experts, Exec, T>::value)
+      experts.forward(ex, b.in, b.out);
+    else
+      EPX_THROW(errc::configuration, "these experts take only FP8 rows: set layer_options::fp8_dispatch");
+  }
+}
+
+// The fused calls made from the stages: one body per operation.
+template <class I, class T, class Exec, class Experts>
+void forward_by_stages(I& impl, const Exec& ex, const forward_args<T>& a, Experts& experts, saved_state<T>* saved) {
+  saved_state<T> flight;
+  const expert_batch<T> b = impl.dispatch(ex, a, flight, saved != nullptr, forward_in_place_v<Experts>);
+  run_expert_batch(ex, experts, b);
+  impl.combine(ex, flight, a.out, saved);
+}
+template <class I, class T, class Exec, class Experts>
+void backward_by_stages(I& impl, const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
+  saved_state<T> flight;
+  const expert_grad_batch<T> b = impl.backward_dispatch(ex, a, saved, flight);
+  experts.backward(ex, b.in, b.grad_out, b.grad_in);
+  impl.backward_combine(ex, flight, a.grad_x);
+}
 }  // namespace detail
+
+// Whether implementation I offers the split-phase stages (for the layer's split calls).
+template <class I, class Exec, class T>
+inline constexpr bool has_split_phase_v = detail::has_impl_stages<I, Exec, T>::value;
+
+template <class I, class Exec, class T>
+constexpr bool check_split_phase() {
+  static_assert(has_split_phase_v<I, Exec, T>,
+                "epx: the split-phase calls (dispatch_start, combine_start, ...) need an implementation with the "
+                "stages `dispatch`, `combine`, `backward_dispatch` and `backward_combine` (see "
+                "epx/impl/implementation.hpp); the fused forward and backward work without them");
+  return true;
+}
 
 template <class I, class Exec, class T, class Experts>
 constexpr bool check_implementation_calls() {

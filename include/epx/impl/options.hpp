@@ -53,6 +53,12 @@ struct layer_options {
   // routing policies their limit (moe_layer::node_limit()); it reports nodes per token.
   int ranks_per_node = 0;
   int max_nodes = 0;
+  // FP8 dispatch (spec section 12): the forward dispatch sends each row as E4M3 bytes with
+  // one float32 scale per 128 elements (epx/kernels/fp8.hpp); the experts receive the FP8
+  // rows and the scales (their fp8 forward, epx/impl/experts.hpp), their outputs come back
+  // in T, and backward runs in T. Needs hidden % 128 == 0 and the all-to-all path; takes
+  // the staged route. Checked at construction (errc::configuration on every rank).
+  bool fp8_dispatch = false;
 };
 
 }  // namespace epx

@@ -14,7 +14,7 @@
 //   4. the statistics of the call (detail::record_stats);
 // with, around the exchange, capacity and node statistics (epx/impl/limits.hpp): the
 // dropped pairs lose their send positions before the receive layout is made;
-// and runs the experts (run_experts), in place where they allow it.
+// and chooses where the experts write (expert_output_rows), in place where they allow it.
 #pragma once
 
 #include <algorithm>
@@ -108,19 +108,15 @@ routed<Exec> route_forward(const layer_context<Comm>& ctx, const Exec& ex, const
   return r;
 }
 
-// Runs the experts over `rows` (whose data is `x`) and returns their outputs: written over
-// x when the experts allow it (epx::forward_in_place_v) and nothing is kept for backward,
-// into `y` (allocated here, rows.num_rows rows) otherwise.
-template <class T, class Exec, class Experts>
-T* run_experts(workspace& ws, const Exec& ex, Experts& experts, const expert_rows<const T>& rows, T* x, bool training,
-               rows_buffer<T, Exec>& y) {
-  T* out = x;
-  if (training || !forward_in_place_v<Experts>) {
-    y = make_rows<T>(ws, ex, rows.num_rows * rows.hidden);
-    out = y.data();
-  }
-  experts.forward(ex, rows, out);
-  return out;
+// Where the experts write their outputs for `num_rows` rows of H (whose inputs are `x`):
+// over x when they allow it (`in_place`, epx::forward_in_place_v) and nothing is kept for
+// backward, into `y` (allocated here) otherwise.
+template <class T, class Exec>
+T* expert_output_rows(workspace& ws, const Exec& ex, std::size_t num_rows, std::size_t H, T* x, bool training,
+                      bool in_place, rows_buffer<T, Exec>& y) {
+  if (!training && in_place) return x;
+  y = make_rows<T>(ws, ex, num_rows * H);
+  return y.data();
 }
 
 }  // namespace epx::detail

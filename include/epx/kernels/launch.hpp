@@ -14,6 +14,7 @@
 //   weight_gradients(ex, n, H, k, y, g, pos, gw) gw[t,j] = y[pos[t,j]] . g[t]   (host: a pair per call;
 //                                                device: a (pair, lane) per call, then the lanes)
 //   scatter(ex, n, pos, v, out)                  out[pos[i]] = v[i]               (pos >= 0)
+//   fill(ex, n, v, out)                          out[i] = v
 #pragma once
 
 #include <cstddef>
@@ -91,6 +92,11 @@ void weight_gradients(const Exec& ex, std::size_t n, std::size_t H, int k, Rows 
 template <class Exec, class V>
 void scatter(const Exec& ex, std::size_t n, const std::int64_t* pos, const V* v, V* out) {
   if (n) exec::for_each_n(ex, n, value_scatter<V>{pos, v, out});
+}
+
+template <class Exec, class V>
+void fill(const Exec& ex, std::size_t n, V v, V* out) {
+  if (n) exec::for_each_n(ex, n, value_fill<V>{v, out});
 }
 
 }  // namespace epx::kernels

@@ -124,4 +124,13 @@ struct value_scatter {
   }
 };
 
+// out[i] = v: a constant into n elements.
+template <class V>
+struct value_fill {
+  V v;
+  V* out;  // [n]
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const { out[i] = v; }
+};
+
 }  // namespace epx::kernels

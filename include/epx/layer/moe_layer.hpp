@@ -7,6 +7,14 @@
 //   layer.backward(std::move(saved), grad_out, grad_x, grad_weights, experts);
 //   layer.stats();   // load of the last call
 //
+// The same calls in phases (spec section 13; handles in epx/layer/split.hpp), so that a
+// caller runs one micro-batch's experts while another's rows travel:
+//   auto h = layer.dispatch_start(x, ids, weights, mode);  layer.dispatch_wait(h);
+//   experts.forward(policy, h.inputs(), h.outputs().data());
+//   layer.combine_start(h, h.outputs(), out);  auto saved = layer.combine_wait(h);
+//   auto g = layer.backward_dispatch_start(std::move(saved), grad_out, grad_weights);  ...
+// bitwise the results of forward and backward, which are made of the same stages.
+//
 // Comm: a communicator (threads, MPI, NCCL). T: float, double, bf16 or fp16 activations.
 // Impl: impl::all_to_all (default), impl::all_reduce (ep == tp), impl::automatic, or a
 // user type meeting the concept of epx/impl/implementation.hpp. Exec: an execution
@@ -24,6 +32,7 @@
 // any row moves.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -47,9 +56,11 @@
 #include "epx/exec/host.hpp"
 #include "epx/exec/policy.hpp"
 #include "epx/layer/agreement.hpp"
+#include "epx/layer/split.hpp"
 #include "epx/impl/experts.hpp"
 #include "epx/impl/options.hpp"
 #include "epx/impl/stats.hpp"
+#include "epx/kernels/fp8.hpp"
 #include "epx/mesh/mesh.hpp"
 
 namespace epx {
@@ -119,6 +130,14 @@ class moe_layer {
                          Experts& experts, mode m) {
     check_experts_forward<Experts, Exec, T>();
     check_implementation_calls<impl_type, Exec, T, Experts>();
+    // The same on every rank (agreed options, one Experts type): raised before any row moves.
+    if (options_.fp8_dispatch)
+      EPX_REQUIRE((has_fp8_forward_v<Experts, Exec, T>), errc::configuration,
+                  "layer_options::fp8_dispatch needs experts with `forward(const Exec&, const "
+                  "epx::expert_rows<const epx::fp8_e4m3>&, const float* scales, T* out)` (epx/impl/experts.hpp)");
+    else
+      EPX_REQUIRE((detail::has_expert_forward<Experts, Exec, T>::value), errc::configuration,
+                  "these experts take only FP8 rows: set layer_options::fp8_dispatch");
     const std::size_t H = options_.hidden, N = x.size() / H;
     const auto k = static_cast<std::size_t>(options_.top_k);
     forward_args<T> a;
@@ -164,6 +183,158 @@ class moe_layer {
     stats_->host_syncs = detail::host_syncs_on_this_thread() - syncs;
   }
 
+  // ---- Split phase (spec section 13) ---------------------------------------------------
+  // forward = dispatch_start, dispatch_wait, the caller's experts, combine_start,
+  // combine_wait; backward likewise. Each start is collective over the EP group (all ranks
+  // make the starts of their calls in the same order); each wait is local. On host
+  // communicators a start does its communication before it returns (the wait completes the
+  // phase and checks the handle); a caller overlaps by running experts elsewhere (another
+  // thread, a device stream) while this thread starts the next call. Bad input raises in
+  // the start on every rank of the group (as in forward); a handle in the wrong phase, of
+  // another layer, or outputs of the wrong size raise errc::configuration (handles) or
+  // errc::input (sizes) in combine_start on every rank of the group, and in a wait on the
+  // rank that makes it.
+
+  // x: [N, H]; ids, weights: [N, k]; read before the call returns. The rows land in the
+  // handle's expert-major buffer (h.inputs() after dispatch_wait).
+  forward_handle<T> dispatch_start(span<const T> x, span<const std::int32_t> ids, span<const float> weights, mode m) {
+    static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
+    const std::size_t H = options_.hidden, N = x.size() / H;
+    const auto k = static_cast<std::size_t>(options_.top_k);
+    forward_args<T> a;
+    a.x = x.data();
+    a.ids = ids.data();
+    a.weights = weights.data();
+    const std::string msg = shape_error("x", x.size(), {{"expert ids have", ids.size(), N, k, "N*k"},
+                                                       {"routing weights have", weights.size(), N, k, "N*k"}});
+    set_shape(a, N, msg);
+    forward_handle<T> h;
+    const long long syncs = detail::host_syncs_on_this_thread();
+    h.batch_ = impl_->dispatch(exec_, a, h.call_.flight, m == mode::train, false);
+    h.call_.host_syncs = detail::host_syncs_on_this_thread() - syncs;
+    h.call_.layer = id_;
+    h.call_.tokens = N;
+    h.training_ = m == mode::train;
+    h.call_.phase = detail::split_phase::dispatching;
+    return h;
+  }
+  void dispatch_wait(forward_handle<T>& h) {
+    wait_for(h.call_, detail::split_phase::dispatching, "dispatch_wait");
+  }
+  forward_handle<T> dispatch(span<const T> x, span<const std::int32_t> ids, span<const float> weights, mode m) {
+    forward_handle<T> h = dispatch_start(x, ids, weights, m);
+    dispatch_wait(h);
+    return h;
+  }
+  // expert_outputs: [h.inputs().num_rows, H], the experts' outputs (h.outputs() itself, or
+  // a buffer of the policy's memory that is copied there); out: [N, H], all written by
+  // combine_wait.
+  void combine_start(forward_handle<T>& h, span<const T> expert_outputs, span<T> out) {
+    static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
+    errc category = errc::configuration;
+    std::string why = phase_error(h.call_, detail::split_phase::dispatched, "combine_start");
+    if (why.empty()) {
+      category = errc::input;
+      const std::size_t H = options_.hidden, R = h.batch_.in.num_rows, N = h.call_.tokens;
+      if (expert_outputs.size() != R * H)
+        why = detail::concat("combine_start: the expert outputs have ", expert_outputs.size(),
+                             " elements but the dispatched rows need rows*H = ", R, "*", H, " = ", R * H);
+      else if (out.size() != N * H)
+        why = detail::concat("combine_start: out has ", out.size(), " elements but N*H = ", N, "*", H, " = ", N * H);
+    }
+    const long long syncs = detail::host_syncs_on_this_thread();
+    detail::agree_on_phase(*ep_, exec_, !why.empty(), category, why, rank_, "moe_layer combine_start");
+    if (expert_outputs.size() > 0 && expert_outputs.data() != h.batch_.out)
+      exec::copy_n(exec_, expert_outputs.data(), expert_outputs.size(), h.batch_.out);
+    h.call_.phase = detail::split_phase::combining;  // spent from here, whatever happens below
+    impl_->combine(exec_, h.call_.flight, out.data(), h.training_ ? &h.saved_ : nullptr);
+    h.call_.flight.reset();
+    h.batch_ = expert_batch<T>{};
+    h.call_.host_syncs += detail::host_syncs_on_this_thread() - syncs;
+  }
+  // out is final; returns what backward needs for mode::train, an empty state otherwise.
+  saved_state<T> combine_wait(forward_handle<T>& h) {
+    wait_for(h.call_, detail::split_phase::combining, "combine_wait");
+    stats_->host_syncs = h.call_.host_syncs;
+    stats_->calls += 1;
+    if (stats_->path == nullptr || stats_->path[0] == '\0') stats_->path = detail::impl_name<impl_type>::value;
+    return std::move(h.saved_);
+  }
+  saved_state<T> combine(forward_handle<T>& h, span<const T> expert_outputs, span<T> out) {
+    combine_start(h, expert_outputs, out);
+    return combine_wait(h);
+  }
+
+  // Consumes the saved state; grad_out: [N, H], read before the call returns;
+  // grad_weights: [N, k], all written once backward_combine_wait returns (keep it until
+  // then). The experts read g.inputs() and g.grad_outputs() and write g.grad_inputs().
+  backward_handle<T> backward_dispatch_start(saved_state<T>&& saved, span<const T> grad_out, span<float> grad_weights) {
+    static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
+    saved_state<T> s = std::move(saved);
+    EPX_REQUIRE(!s.empty(), errc::input,
+                "backward needs the saved state of a training forward (this one is empty: an inference call, "
+                "already consumed, or default-constructed)");
+    const std::size_t H = options_.hidden, N = grad_out.size() / H;
+    const auto k = static_cast<std::size_t>(options_.top_k);
+    backward_args<T> a;
+    a.grad_out = grad_out.data();
+    a.grad_weights = grad_weights.data();
+    const std::string msg =
+        shape_error("grad_out", grad_out.size(), {{"grad_weights have", grad_weights.size(), N, k, "N*k"}});
+    set_shape(a, N, msg);
+    backward_handle<T> h;
+    const long long syncs = detail::host_syncs_on_this_thread();
+    h.batch_ = impl_->backward_dispatch(exec_, a, s, h.call_.flight);
+    h.call_.host_syncs = detail::host_syncs_on_this_thread() - syncs;
+    h.call_.layer = id_;
+    h.call_.tokens = N;
+    h.call_.phase = detail::split_phase::dispatching;
+    return h;
+  }
+  void backward_dispatch_wait(backward_handle<T>& h) {
+    wait_for(h.call_, detail::split_phase::dispatching, "backward_dispatch_wait");
+  }
+  backward_handle<T> backward_dispatch(saved_state<T>&& saved, span<const T> grad_out, span<float> grad_weights) {
+    backward_handle<T> h = backward_dispatch_start(std::move(saved), grad_out, grad_weights);
+    backward_dispatch_wait(h);
+    return h;
+  }
+  // grad_inputs: [g.inputs().num_rows, H], the experts' input gradients (g.grad_inputs()
+  // itself, or a buffer of the policy's memory copied there); grad_x: [N, H], all written
+  // by backward_combine_wait.
+  void backward_combine_start(backward_handle<T>& h, span<const T> grad_inputs, span<T> grad_x) {
+    static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
+    errc category = errc::configuration;
+    std::string why = phase_error(h.call_, detail::split_phase::dispatched, "backward_combine_start");
+    if (why.empty()) {
+      category = errc::input;
+      const std::size_t H = options_.hidden, R = h.batch_.in.num_rows, N = h.call_.tokens;
+      if (grad_inputs.size() != R * H)
+        why = detail::concat("backward_combine_start: the experts' input gradients have ", grad_inputs.size(),
+                             " elements but the dispatched rows need rows*H = ", R, "*", H, " = ", R * H);
+      else if (grad_x.size() != N * H)
+        why = detail::concat("backward_combine_start: grad_x has ", grad_x.size(), " elements but N*H = ", N, "*", H,
+                             " = ", N * H);
+    }
+    const long long syncs = detail::host_syncs_on_this_thread();
+    detail::agree_on_phase(*ep_, exec_, !why.empty(), category, why, rank_, "moe_layer backward_combine_start");
+    if (grad_inputs.size() > 0 && grad_inputs.data() != h.batch_.grad_in)
+      exec::copy_n(exec_, grad_inputs.data(), grad_inputs.size(), h.batch_.grad_in);
+    h.call_.phase = detail::split_phase::combining;
+    impl_->backward_combine(exec_, h.call_.flight, grad_x.data());
+    h.call_.flight.reset();
+    h.batch_ = expert_grad_batch<T>{};
+    h.call_.host_syncs += detail::host_syncs_on_this_thread() - syncs;
+  }
+  void backward_combine_wait(backward_handle<T>& h) {
+    wait_for(h.call_, detail::split_phase::combining, "backward_combine_wait");
+    stats_->host_syncs = h.call_.host_syncs;
+  }
+  void backward_combine(backward_handle<T>& h, span<const T> grad_inputs, span<T> grad_x) {
+    backward_combine_start(h, grad_inputs, grad_x);
+    backward_combine_wait(h);
+  }
+
   const layer_stats& stats() const noexcept { return *stats_; }
 
   // Bounded mode (layer_options::counts == count_exchange::device, spec section 11).
@@ -202,6 +373,24 @@ class moe_layer {
     a.status_message = msg.c_str();
   }
 
+  // Why a split call's handle cannot take phase `want` here ("" when it can).
+  std::string phase_error(const detail::split_call<T>& c, detail::split_phase want, const char* call) const {
+    if (c.phase == detail::split_phase::empty)
+      return detail::concat(call, " got an empty handle (default-constructed, moved from, or never started)");
+    if (c.layer != id_) return detail::concat(call, " got a handle made by another layer");
+    if (c.phase != want)
+      return detail::concat(call, " needs a handle whose phase is '", to_string(want), "' but this one's is '",
+                            to_string(c.phase), "'");
+    return {};
+  }
+  // A wait: local (no communication), raises errc::configuration on this rank when the
+  // handle is not in the phase its start left it in.
+  void wait_for(detail::split_call<T>& c, detail::split_phase started, const char* call) const {
+    const std::string why = phase_error(c, started, call);
+    EPX_REQUIRE(why.empty(), errc::configuration, why, " (rank ", rank_, ")");
+    c.phase = static_cast<detail::split_phase>(static_cast<int>(started) + 1);
+  }
+
   struct size_rule {
     const char* what;  // "out has"
     std::size_t have, rows, cols;
@@ -234,6 +423,7 @@ class moe_layer {
       const std::string bound = detail::bound_check(m, o);  // bounded mode (epx/impl/bounded.hpp)
       EPX_REQUIRE(bound.empty(), errc::configuration, bound);
       detail::validate_limits(m, o);  // capacity, ranks_per_node, max_nodes (epx/impl/limits.hpp)
+      if (o.fp8_dispatch) kernels::check_fp8_hidden(o.hidden);
       return can_implement<impl_type>(m, o);
     } catch (const error& e) {
       return e.message();
@@ -272,6 +462,9 @@ class moe_layer {
   }
 
   void start(int world_rank) {
+    static std::atomic<std::uint64_t> next_id{1};
+    id_ = next_id.fetch_add(1);
+    rank_ = world_rank;
     stats_ = std::make_unique<layer_stats>();
     layer_context<Comm> ctx;
     ctx.topology = mesh_.get();
@@ -298,6 +491,8 @@ class moe_layer {
   std::shared_ptr<void> bound_;  // bounded mode: detail::bound_buffers<T, Exec>
   int rank_ = 0;
   std::unique_ptr<impl_type> impl_;
+  std::uint64_t id_ = 0;  // names the layer in its split-phase handles
+  int rank_ = 0;          // in the world
 };
 
 }  // namespace epx

@@ -1,0 +1,172 @@
+// tests/core/fp8_layer_cases.hpp: the layer with FP8 dispatch (spec section 12), run on ONE
+// rank like the bodies of layer_cases.hpp (threads, MPI and emulated device suites).
+//
+// Experts (fp8_scale_experts): local expert of global id e dequantises its rows,
+// x' = float(q) * scale in float, and computes y = T(s_e * x') with s_e = 1 + e / 8;
+// backward grad_in = T(s_e * grad_out). They check that backward hands them, as `in`, the
+// rows they saw (T(x')), bitwise.
+//
+// Checks per rank, against float64:
+//   - tight: out, grad_w from the same y (computed on the host from x quantised by the
+//     host policy) summed in float64, within the tolerances of layer_cases.hpp; grad_x
+//     (no quantisation on the way back) likewise;
+//   - E4M3 bound: out against the unquantised float64 output, within
+//     sum_j |w_j| s_e max(|x| / 16, scale / 1024) (3 mantissa bits: half a step is 2^-4 of
+//     the value for normals, 2^-10 of the scale for subnormals) plus the tolerance of T;
+//     and the quantisation is visible (the largest error is above a tenth of the bound's);
+//   - the split-phase calls give bitwise the fused results.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/split_cases.hpp"
+
+namespace epx::test {
+
+template <class T>
+struct fp8_scale_experts {
+  int first = 0;
+  std::vector<T> seen;      // T(x') of the last forward, [rows, H]
+  long long backward_mismatch = 0;
+
+  static float scale_of(int e) { return 1.0f + static_cast<float>(e) / 8.0f; }
+
+  template <class Exec>
+  void forward(const Exec&, const expert_rows<const fp8_e4m3>& in, const float* scales, T* out) {
+    const std::size_t H = in.hidden, B = H / 128;
+    seen.assign(in.num_rows * H, convert<T>(0.0f));
+    for (int l = 0; l < in.num_local; ++l) {
+      const float s = scale_of(in.first_global_expert + l);
+      for (std::size_t r = in.begin(l); r < in.begin(l) + in.count(l); ++r)
+        for (std::size_t h = 0; h < H; ++h) {
+          const float xq = static_cast<float>(in.rows[r * H + h]) * scales[r * B + h / 128];
+          seen[r * H + h] = convert<T>(xq);
+          out[r * H + h] = convert<T>(s * xq);
+        }
+    }
+  }
+  template <class Exec>
+  void backward(const Exec&, const expert_rows<const T>& in, const T* grad_out, T* grad_in) {
+    const std::size_t H = in.hidden;
+    if (seen.size() != in.num_rows * H ||
+        (in.num_rows > 0 && std::memcmp(seen.data(), in.rows, seen.size() * sizeof(T)) != 0))
+      ++backward_mismatch;
+    for (int l = 0; l < in.num_local; ++l) {
+      const float s = scale_of(in.first_global_expert + l);
+      for (std::size_t i = in.begin(l) * H; i < (in.begin(l) + in.count(l)) * H; ++i)
+        grad_in[i] = convert<T>(s * convert<float>(grad_out[i]));
+    }
+  }
+};
+
+// x' of every row of x [N, H] as the layer makes it (quantised by the host policy, then
+// float(q) * scale in float), and each element's block scale.
+template <class T>
+void quantised_rows(const std::vector<T>& x, std::size_t H, std::vector<float>& xq, std::vector<float>& scale_of) {
+  const std::size_t N = x.size() / H, B = H / 128;
+  std::vector<fp8_e4m3> q(N * H);
+  std::vector<float> sc(N * B);
+  kernels::quantise_e4m3(exec::serial{}, N, H, x.data(), q.data(), sc.data());
+  xq.resize(N * H);
+  scale_of.resize(N * H);
+  for (std::size_t i = 0; i < N * H; ++i) {
+    scale_of[i] = sc[i / H * B + (i % H) / 128];
+    xq[i] = static_cast<float>(q[i]) * scale_of[i];
+  }
+}
+
+template <class Comm, class T, class Exec = test_exec>
+std::string check_fp8_layer(Comm& world, const layer_case& c, Exec policy = {}) {
+  std::string f;
+  const std::string where = detail::concat(c.describe(), " rank ", world.rank(), " fp8 dispatch: ");
+  try {
+    const mesh m(c.topology);
+    const int rank = world.rank(), b = m.batch(rank);
+    const std::size_t H = static_cast<std::size_t>(c.hidden);
+    const int k = c.top_k;
+    layer_options o = options_for(c);
+    o.fp8_dispatch = true;
+
+    // Fused forward and backward.
+    micro_batch<T> mb(c, b);
+    moe_layer<Comm, T, impl::all_to_all, Exec> layer(m, world, o, policy);
+    fp8_scale_experts<T> experts{m.expert_begin(rank)};
+    auto saved = layer.forward(span<const T>(mb.x), span<const std::int32_t>(mb.d.ids), span<const float>(mb.w),
+                               span<T>(mb.out), experts, mode::train);
+    if (layer.stats().peer_access) f += where + "took the direct route\n";
+    layer.backward(std::move(saved), span<const T>(mb.go), span<T>(mb.gx), span<float>(mb.gw), experts);
+    if (experts.backward_mismatch != 0) f += where + "backward's rows are not the dequantised rows forward saw\n";
+
+    // The references.
+    std::vector<float> xq, sc;
+    quantised_rows(mb.x, H, xq, sc);
+    const std::size_t N = mb.N;
+    std::vector<double> out_q(N * H, 0.0), out_x(N * H, 0.0), bound(N * H, 0.0), gx(N * H, 0.0),
+        gw(N * static_cast<std::size_t>(k), 0.0), gw_scale(N * static_cast<std::size_t>(k), 0.0);
+    const double at = atol_for<T>(), rt = rtol_for<T>();
+    for (std::size_t t = 0; t < N; ++t)
+      for (int j = 0; j < k; ++j) {
+        const std::size_t tj = t * static_cast<std::size_t>(k) + static_cast<std::size_t>(j);
+        const float s = fp8_scale_experts<T>::scale_of(mb.d.ids[tj]);
+        const double w = mb.w[tj];
+        for (std::size_t h = 0; h < H; ++h) {
+          const std::size_t i = t * H + h;
+          const double y = convert<double>(convert<T>(s * xq[i]));  // what the experts return
+          const double xv = convert<double>(mb.x[i]), g = convert<double>(mb.go[i]);
+          out_q[i] += w * y;
+          out_x[i] += w * s * xv;
+          bound[i] += std::abs(w) * s * std::max(std::abs(xv) / 16.0, static_cast<double>(sc[i]) / 1024.0) * (1 + 1e-6);
+          gx[i] += convert<double>(convert<T>(s * convert<float>(convert<T>(static_cast<float>(w) * static_cast<float>(g)))));
+          gw[tj] += y * g;
+          gw_scale[tj] += std::abs(y * g);
+        }
+      }
+    append(f, ref::compare(mb.out, out_q, at, rt, where + "out (float64 from the quantised rows)"));
+    append(f, ref::compare(mb.gx, gx, at, rt, where + "grad_x"));
+    double worst = 0, largest_err = 0, largest_bound = 0;
+    for (std::size_t i = 0; i < N * H; ++i) {
+      const double err = std::abs(convert<double>(mb.out[i]) - out_x[i]);
+      const double lim = bound[i] + at + rt * std::abs(out_x[i]);
+      worst = std::max(worst, err / lim);
+      largest_err = std::max(largest_err, err);
+      largest_bound = std::max(largest_bound, bound[i]);
+    }
+    if (worst > 1.0)
+      f += detail::concat(where, "out is off the unquantised float64 output by ", worst,
+                          " times the E4M3 bound\n");
+    if (N > 0 && largest_err < 0.1 * largest_bound)
+      f += detail::concat(where, "the quantisation does not show (largest error ", largest_err, ", bound ",
+                          largest_bound, ")\n");
+    for (std::size_t tj = 0; tj < gw.size(); ++tj) {
+      const double tol = 2e-6 * gw_scale[tj] + 1e-6;
+      if (!(std::abs(static_cast<double>(mb.gw[tj]) - gw[tj]) <= tol)) {
+        f += detail::concat(where, "grad_weights[", tj, "] = ", mb.gw[tj], ", float64 ", gw[tj], "\n");
+        break;
+      }
+    }
+
+    // The split-phase calls: bitwise the fused ones.
+    micro_batch<T> sp(c, b);
+    moe_layer<Comm, T, impl::all_to_all, Exec> split_layer(m, world, o, policy);
+    fp8_scale_experts<T> split_experts{m.expert_begin(rank)};
+    auto h = split_layer.dispatch(span<const T>(sp.x), span<const std::int32_t>(sp.d.ids), span<const float>(sp.w),
+                                  mode::train);
+    if (!h.fp8()) f += where + "the split handle does not hold FP8 rows\n";
+    split_experts.forward(policy, h.fp8_inputs(), h.scales(), h.outputs().data());
+    auto s = split_layer.combine(h, h.outputs(), span<T>(sp.out));
+    auto g = split_layer.backward_dispatch(std::move(s), span<const T>(sp.go), span<float>(sp.gw));
+    split_experts.backward(policy, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());
+    split_layer.backward_combine(g, g.grad_inputs(), span<T>(sp.gx));
+    if (!bitwise_equal(sp.out, mb.out) || !bitwise_equal(sp.gx, mb.gx) || !bitwise_equal(sp.gw, mb.gw))
+      f += where + "the split-phase calls differ bitwise from the fused ones\n";
+  } catch (const std::exception& ex) {
+    f += where + "exception: " + ex.what() + "\n";
+  }
+  return f;
+}
+
+}  // namespace epx::test

@@ -1,0 +1,198 @@
+// The split-phase calls of the layer (spec section 13) on the threads backend: bitwise the
+// fused calls across meshes, routes, implementations, element types and policies; every
+// misuse raises on every rank that makes it (and, for the collective starts, on every rank
+// of the EP group), nothing hangs.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <string>
+#include <vector>
+
+#include "core/split_cases.hpp"
+#include "epx/comm/threads.hpp"
+
+namespace {
+
+using epx::test::layer_case;
+using epx::test::routing_kind;
+using epx::test::split_misuse;
+using comm_t = epx::threads::communicator;
+
+int world_of(const epx::mesh_config& m) { return m.tp * m.fsdp * m.dp_replicate * m.pp; }
+
+template <class Body>
+void on_ranks(int world, Body body) {
+  std::vector<std::string> failures(static_cast<std::size_t>(world));
+  epx::threads::run(world, [&](comm_t& comm) { failures[static_cast<std::size_t>(comm.rank())] = body(comm); });
+  for (int r = 0; r < world; ++r) CHECK_MESSAGE(failures[static_cast<std::size_t>(r)].empty(), failures[static_cast<std::size_t>(r)]);
+}
+
+layer_case make(int tp, int fsdp, int ep, int E, int k, routing_kind r = routing_kind::random, int R = 1) {
+  layer_case c;
+  c.topology.tp = tp;
+  c.topology.fsdp = fsdp;
+  c.topology.ep = ep;
+  c.topology.dp_replicate = R;
+  c.topology.experts = E;
+  c.top_k = k;
+  c.routing = r;
+  c.seed = static_cast<std::uint64_t>(tp * 1000 + fsdp * 100 + ep * 10 + E + k * 7 + static_cast<int>(r) * 13 + R);
+  return c;
+}
+
+template <class T, class Impl = epx::impl::all_to_all>
+void check_split(const layer_case& c, epx::mode md = epx::mode::train) {
+  CAPTURE(c.describe());
+  on_ranks(world_of(c.topology), [&](comm_t& comm) {
+    return epx::test::check_split_matches_fused<comm_t, T, Impl>(comm, c, md);
+  });
+}
+
+std::vector<layer_case> meshes() {
+  std::vector<layer_case> v = {make(1, 4, 4, 8, 2),          make(2, 4, 4, 16, 2, routing_kind::uneven),
+                               make(2, 2, 4, 8, 8),          make(4, 2, 4, 16, 2),
+                               make(1, 2, 2, 4, 2, routing_kind::random, 2), make(3, 2, 3, 12, 2),
+                               make(2, 4, 8, 16, 1),         make(1, 4, 1, 4, 2)};
+  auto some_empty = make(2, 2, 4, 8, 2);
+  some_empty.rows = [](int b) { return b % 2 ? std::size_t{0} : std::size_t{10}; };
+  v.push_back(some_empty);
+  auto padded = make(2, 2, 4, 8, 2, routing_kind::first_rank_only);
+  padded.pad = {2, 4};
+  v.push_back(padded);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("split phase: bitwise the fused calls across meshes (tp x fsdp with ep, tp > 1), both routes (float32)") {
+  for (auto c : meshes()) {
+    for (bool direct : {true, false}) {
+      c.peer_access = direct;
+      check_split<float>(c);
+    }
+  }
+}
+
+TEST_CASE("split phase: bf16 and double, inference, capacity") {
+  for (auto c : {make(2, 4, 4, 16, 2, routing_kind::uneven), make(1, 4, 2, 8, 8)}) {
+    for (bool direct : {true, false}) {
+      c.peer_access = direct;
+      check_split<epx::bf16>(c);
+      check_split<float>(c, epx::mode::inference);
+    }
+    check_split<double>(c);
+  }
+  auto cap = make(1, 4, 4, 8, 2, routing_kind::uneven);
+  cap.capacity.mode = epx::capacity_mode::local;
+  cap.capacity.factor = 0.75;
+  check_split<float>(cap);
+}
+
+TEST_CASE("split phase: the masked all-reduce path and impl::automatic (ep == tp)") {
+  for (const auto& m : std::vector<std::array<int, 2>>{{2, 2}, {4, 1}, {2, 3}}) {
+    auto c = make(m[0], m[1], m[0], 16, 2, routing_kind::uneven);
+    check_split<float, epx::impl::all_reduce>(c);
+    check_split<epx::bf16, epx::impl::all_reduce>(c);
+    check_split<float, epx::impl::all_reduce>(c, epx::mode::inference);
+    check_split<float, epx::impl::automatic>(c);                        // training: all_to_all
+    check_split<float, epx::impl::automatic>(c, epx::mode::inference);  // inference: the masked path
+  }
+}
+
+TEST_CASE("split phase: a realistic hidden size (H=4096) and the openmp policy") {
+  // Elementwise experts (epx::test::scale_experts): bitwise against the fused calls; the
+  // fused calls at these sizes are checked against float64 in test_layer_sizes.cpp.
+  for (bool direct : {true, false}) {
+    auto c = make(2, 2, 4, 8, 2, routing_kind::uneven);
+    c.hidden = 4096;
+    c.rows = [](int) { return std::size_t{64}; };
+    c.peer_access = direct;
+    CAPTURE(c.describe());
+    on_ranks(4, [&](comm_t& comm) {
+      return epx::test::check_split_matches_fused<comm_t, float>(comm, c, epx::mode::train, {}, false) +
+             epx::test::check_split_matches_fused<comm_t, epx::bf16>(comm, c, epx::mode::train, {}, false);
+    });
+  }
+  auto o = make(2, 4, 4, 16, 2, routing_kind::uneven);
+  on_ranks(8, [&](comm_t& comm) {
+    return epx::test::check_split_matches_fused<comm_t, float, epx::impl::all_to_all, epx::exec::openmp>(
+        comm, o, epx::mode::train, epx::exec::openmp{2});
+  });
+}
+
+namespace {
+// Runs misuse `kind`, made by the ranks `bad(rank)`; every rank must raise `want` with `text`.
+template <class Bad>
+void check_misuse(const layer_case& c, split_misuse kind, Bad bad, epx::errc want, const std::string& text) {
+  CAPTURE(epx::test::to_string(kind));
+  const int n = world_of(c.topology);
+  std::vector<epx::test::raised> r(static_cast<std::size_t>(n));
+  epx::threads::run(n, [&](comm_t& comm) {
+    r[static_cast<std::size_t>(comm.rank())] =
+        epx::test::run_split_misuse<comm_t, float>(comm, c, kind, bad(comm.rank()));
+  });
+  for (int i = 0; i < n; ++i) {
+    const auto& x = r[static_cast<std::size_t>(i)];
+    CAPTURE(i);
+    CAPTURE(x.message);
+    REQUIRE(x.thrown);
+    CHECK(x.category == want);
+    CHECK(x.message.find(text) != std::string::npos);
+  }
+}
+}  // namespace
+
+TEST_CASE("split phase: misuse raises on every rank, nothing hangs") {
+  for (bool direct : {true, false}) {
+    auto c = make(2, 2, 4, 8, 2, routing_kind::uneven);
+    c.peer_access = direct;
+    const auto all = [](int) { return true; };
+    const auto last = [](int r) { return r == 3; };
+    using epx::errc;
+    // Local calls (waits, accessors): every rank that makes the mistake raises.
+    check_misuse(c, split_misuse::dispatch_wait_without_start, all, errc::configuration, "dispatch_wait got an empty handle");
+    check_misuse(c, split_misuse::dispatch_wait_twice, all, errc::configuration,
+                 "dispatch_wait needs a handle whose phase is 'dispatch started, not waited for' but this one's is 'dispatched'");
+    check_misuse(c, split_misuse::combine_wait_without_start, all, errc::configuration,
+                 "combine_wait needs a handle whose phase is 'combine started, not waited for'");
+    check_misuse(c, split_misuse::inputs_before_wait, all, errc::configuration,
+                 "forward_handle::inputs() is only available between dispatch_wait and combine_start");
+    check_misuse(c, split_misuse::backward_wait_without_start, all, errc::configuration,
+                 "backward_dispatch_wait got an empty handle");
+    // Collective starts: one rank's mistake raises on every rank of the EP group.
+    check_misuse(c, split_misuse::combine_before_dispatch_wait, last, errc::configuration, "rank 3: combine_start needs");
+    check_misuse(c, split_misuse::combine_twice, last, errc::configuration, "'already combined'");
+    check_misuse(c, split_misuse::combine_twice, all, errc::configuration, "rank 0: combine_start needs");
+    check_misuse(c, split_misuse::combine_other_layer, last, errc::configuration,
+                 "rank 3: combine_start got a handle made by another layer");
+    check_misuse(c, split_misuse::combine_moved_from, last, errc::configuration, "rank 3: combine_start got an empty handle");
+    check_misuse(c, split_misuse::expert_outputs_size, last, errc::input, "rank 3: combine_start: the expert outputs have");
+    check_misuse(c, split_misuse::out_size, last, errc::input, "rank 3: combine_start: out has");
+    check_misuse(c, split_misuse::backward_combine_twice, last, errc::configuration,
+                 "rank 3: backward_combine_start needs a handle whose phase is 'dispatched' but this one's is 'already combined'");
+    check_misuse(c, split_misuse::backward_grad_inputs_size, last, errc::input,
+                 "rank 3: backward_combine_start: the experts' input gradients have");
+    check_misuse(c, split_misuse::grad_x_size, last, errc::input, "rank 3: backward_combine_start: grad_x has");
+  }
+}
+
+TEST_CASE("split phase: bad input in dispatch_start raises on every rank of the EP group") {
+  auto c = make(1, 4, 4, 8, 2);
+  std::vector<epx::test::raised> r(4);
+  epx::threads::run(4, [&](comm_t& comm) {
+    const epx::mesh m(c.topology);
+    epx::test::micro_batch<float> mb(c, m.batch(comm.rank()));
+    if (comm.rank() == 2) mb.d.ids[1] = 99;
+    epx::moe_layer<comm_t, float> layer(m, comm, epx::test::options_for(c));
+    r[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
+      auto h = layer.dispatch_start(epx::span<const float>(mb.x), epx::span<const std::int32_t>(mb.d.ids),
+                                    epx::span<const float>(mb.w), epx::mode::train);
+    });
+  });
+  for (const auto& x : r) {
+    CAPTURE(x.message);
+    REQUIRE(x.thrown);
+    CHECK(x.category == epx::errc::input);
+    CHECK(x.message.find("rank 2") != std::string::npos);
+  }
+}
