@@ -20,7 +20,7 @@ class automatic_impl {
  public:
   static constexpr const char* name = "automatic";
 
-  explicit automatic_impl(const layer_context<Comm>& ctx) : a2a_(ctx) {
+  explicit automatic_impl(const layer_context<Comm>& ctx) : a2a_(ctx), bounded_(ctx.bound != nullptr) {
     if (all_reduce_impl<Comm>::can_implement(*ctx.topology, ctx.options).empty())
       masked_ = std::make_unique<all_reduce_impl<Comm>>(ctx);
   }
@@ -33,12 +33,14 @@ class automatic_impl {
   template <class T, class Exec, class Experts>
   void forward(const Exec& ex, const forward_args<T>& a, Experts& experts, saved_state<T>* saved) {
     check_experts_forward<Experts, Exec, T>();
+    if (bounded_) return a2a_.forward(ex, a, experts, saved);  // bounded mode: fused calls only
     forward_by_stages(*this, ex, a, experts, saved);
   }
 
   template <class T, class Exec, class Experts>
   void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
     check_experts_backward<Experts, Exec, T>();
+    if (bounded_) return a2a_.backward(ex, a, experts, saved);
     backward_by_stages(*this, ex, a, experts, saved);
   }
 
@@ -80,6 +82,7 @@ class automatic_impl {
  private:
   all_to_all_impl<Comm> a2a_;
   std::unique_ptr<all_reduce_impl<Comm>> masked_;
+  bool bounded_;  // bounded mode (count_exchange::device): the all-to-all path's own calls
 };
 
 }  // namespace detail

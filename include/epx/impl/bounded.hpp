@@ -97,6 +97,19 @@ inline std::string bound_check(const mesh& m, const layer_options& o) {
   return {};
 }
 
+// The experts' forward in the layer's type. Experts that take only FP8 rows compile with
+// the layer (fp8_dispatch is refused in bounded mode at construction), and raise here.
+template <class Experts, class Exec, class T>
+void bounded_expert_forward(Experts& experts, const Exec& ex, const expert_rows<const T>& rows, T* out) {
+  if constexpr (has_expert_forward<Experts, Exec, T>::value) {
+    experts.forward(ex, rows, out);
+  } else {
+    (void)experts, (void)ex, (void)rows, (void)out;
+    EPX_THROW(errc::configuration, "bounded mode needs experts with forward(const Exec&, const expert_rows<const T>&, "
+                                   "T*): these experts take only FP8 rows");
+  }
+}
+
 // The layer's own buffers of bounded mode (moe_layer makes them at construction).
 template <class T, class Exec>
 struct bound_buffers {
@@ -313,7 +326,7 @@ class bounded_route {
       } else if (!forward_in_place_v<Experts>) {
         y = b.outputs(ex);
       }
-      experts.forward(ex, er, y);
+      bounded_expert_forward(experts, ex, er, y);
       // 6. Back in slab shape; combine.
       exec::for_each_row<T>(ex, SR, H, layout::bound_pack<T>{y, row_off, sh, send});
       T* back = recv;
@@ -468,7 +481,7 @@ class bounded_route {
       });
       const expert_rows<const T> er{x_recv, XR, H, b.offsets.data(), L, ctx_.first_expert(), rows_of};
       T* y = forward_in_place_v<Experts> ? x_recv : b.outputs(ex);
-      experts.forward(ex, er, y);
+      bounded_expert_forward(experts, ex, er, y);
       const std::int64_t* kept = b.kept.data();
       const void* mine_y[1] = {y};
       ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {

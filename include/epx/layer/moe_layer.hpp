@@ -473,7 +473,6 @@ class moe_layer {
     ctx.tp = tp_.get();
     ctx.options = options_;
     ctx.stats = stats_.get();
-    rank_ = world_rank;
     if (options_.counts == count_exchange::device) {
       bound_ = std::make_shared<detail::bound_buffers<T, Exec>>(exec_, *mesh_, options_);
       ctx.bound = bound_.get();
@@ -489,7 +488,6 @@ class moe_layer {
   std::unique_ptr<Comm> tp_;
   std::unique_ptr<layer_stats> stats_;
   std::shared_ptr<void> bound_;  // bounded mode: detail::bound_buffers<T, Exec>
-  int rank_ = 0;
   std::unique_ptr<impl_type> impl_;
   std::uint64_t id_ = 0;  // names the layer in its split-phase handles
   int rank_ = 0;          // in the world
