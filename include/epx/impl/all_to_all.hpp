@@ -198,10 +198,15 @@ class all_to_all_impl {
         // FP8 (spec section 12): each send row as E4M3 with one scale per 128 elements;
         // bytes and scales travel by the same segments.
         const std::size_t B = kernels::fp8_scales_per_row(H);
+        // The n rows are quantised once, then their bytes and scales gathered into send order.
+        auto rows8 = make_rows<fp8_e4m3>(ws_, ex, n * H);
+        auto row_scales = exec::make_buffer<float>(ex, n * B);
+        kernels::quantise_e4m3(ex, n, H, x, rows8.data(), row_scales.data());
         auto send8 = make_rows<fp8_e4m3>(ws_, ex, S * H);
         auto send_scales = exec::make_buffer<float>(ex, S * B);
-        kernels::quantise_e4m3(ex, S, H, x, static_cast<const std::int64_t*>(s.src_row.data()), send8.data(),
-                               send_scales.data());
+        kernels::gather_e4m3(ex, S, H, static_cast<const fp8_e4m3*>(rows8.data()),
+                             static_cast<const float*>(row_scales.data()),
+                             static_cast<const std::int64_t*>(s.src_row.data()), send8.data(), send_scales.data());
         s.x8 = make_rows<fp8_e4m3>(ws_, ex, R * H);
         s.scales = exec::make_buffer<float>(ex, R * B);
         zero_padding(ex, s.x8.data(), lay, me, H);

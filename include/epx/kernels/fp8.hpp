@@ -109,14 +109,51 @@ struct fp8_quantise {
       return;
     }
     s += h0;
-    float amax = 0.0f;
+    // The largest magnitude, NaN left out, as the largest bits of |x| (non-negative floats
+    // order as their bits; an integer max reduction vectorises on the host).
+    std::uint32_t amax_bits = 0;
     for (std::size_t h = 0; h < fp8_block; ++h) {
-      const float a = detail::abs_bits(convert<float>(s[h]));
-      if (a > amax) amax = a;  // false for NaN
+      std::uint32_t a = epx::detail::float_bits(convert<float>(s[h])) & 0x7fffffffu;
+      a &= 0u - static_cast<std::uint32_t>(a <= 0x7f800000u);  // NaN: 0
+      amax_bits = a > amax_bits ? a : amax_bits;
     }
-    const float sc = fp8_block_scale(amax);
+    const float sc = fp8_block_scale(epx::detail::bits_float(amax_bits));
     for (std::size_t h = 0; h < fp8_block; ++h) d[h] = fp8_e4m3(detail::div_rn(convert<float>(s[h]), sc));
     scale[i] = sc;
+  }
+};
+
+// Block i = r * H/128 + b: row index[r] of rows quantised once per token (q [., H], scale
+// [., H/128]) into dst row r and its scale; index -1 gives zero bytes and scale 1, as
+// fp8_quantise of a missing row. Quantising the n token rows once and gathering their
+// bytes gives the bytes of quantising every send row (the quantisation of a row depends on
+// the row alone), at 1/k of the conversions.
+struct fp8_gather {
+  const fp8_e4m3* q;
+  const float* scale;
+  const std::int64_t* index;  // [rows]
+  fp8_e4m3* dst;              // [rows, H]
+  float* dst_scale;           // [rows, H / 128]
+  std::size_t hidden;
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    const std::size_t blocks = hidden / fp8_block;
+    const std::size_t r = i / blocks;
+    const std::size_t b = i - r * blocks;
+    fp8_e4m3* d = dst + r * hidden + b * fp8_block;
+    const std::int64_t src = index[r];
+    if (src < 0) {
+      for (std::size_t h = 0; h < fp8_block; ++h) d[h] = fp8_e4m3::from_bits(0);
+      dst_scale[i] = 1.0f;
+      return;
+    }
+    const fp8_e4m3* s = q + static_cast<std::size_t>(src) * hidden + b * fp8_block;
+#if defined(__CUDA_ARCH__)
+    for (std::size_t c = 0; c < fp8_block; c += 16) detail::copy_elements(d + c, s + c, 16);  // 16-byte vectors
+#else
+    detail::copy_elements(d, s, fp8_block);
+#endif
+    dst_scale[i] = scale[static_cast<std::size_t>(src) * blocks + b];
   }
 };
 
@@ -161,6 +198,14 @@ template <class Exec, class T>
 void quantise_e4m3(const Exec& ex, std::size_t rows, std::size_t H, const T* const* table, fp8_e4m3* q,
                    float* scale) {
   quantise_e4m3_rows<Exec, T>(ex, rows, H, row_table<T>{table}, q, scale);
+}
+
+// dst/dst_scale row r = row index[r] of q/scale (fp8_gather).
+template <class Exec>
+void gather_e4m3(const Exec& ex, std::size_t rows, std::size_t H, const fp8_e4m3* q, const float* scale,
+                 const std::int64_t* index, fp8_e4m3* dst, float* dst_scale) {
+  const std::size_t n = rows * (H / fp8_block);
+  if (n) exec::for_each_n(ex, n, fp8_gather{q, scale, index, dst, dst_scale, H});
 }
 
 template <class Exec, class T>
