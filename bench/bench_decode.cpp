@@ -275,15 +275,13 @@ void BM_decode(benchmark::State& state, bool bounded, bool direct) {
                  (bounded ? "bounded" : "normal") + " route=" + (direct ? "direct" : "staged"));
 }
 
-// Identity experts for FP8 rows: out = float(q) * scale, rounded to T.
+// Identity experts for FP8 rows: out = float(q) * scale, rounded to T (the library's
+// dequantisation, epx::kernels::dequantise_e4m3).
 struct fp8_identity_experts {
   using T = epx::bf16;
   template <class Exec>
-  void forward(const Exec&, const epx::expert_rows<const epx::fp8_e4m3>& in, const float* scales, T* out) {
-    const std::size_t H = in.hidden, B = H / 128;
-    for (std::size_t r = 0; r < in.num_rows; ++r)
-      for (std::size_t h = 0; h < H; ++h)
-        out[r * H + h] = epx::convert<T>(static_cast<float>(in.rows[r * H + h]) * scales[r * B + h / 128]);
+  void forward(const Exec& ex, const epx::expert_rows<const epx::fp8_e4m3>& in, const float* scales, T* out) {
+    epx::kernels::dequantise_e4m3(ex, in.num_rows, in.hidden, in.rows, scales, out);
   }
   template <class Exec>
   void backward(const Exec&, const epx::expert_rows<const T>& in, const T* g, T* gi) {
