@@ -362,7 +362,7 @@ class communicator {
     my[3] = what;
     // Publishing: when the buffers fit, copy them in before the gather (the gather is then
     // the barrier that makes them visible).
-    const bool early = code == 0 && need <= w.capacity;
+    const bool early = code == 0 && w.win != MPI_WIN_NULL && need <= w.capacity;
     if (early) detail::mpi_peer_copy_in(*s_, mine, bytes, count, my);
     {
       detail::mpi_keep keep(rec);
@@ -373,14 +373,14 @@ class communicator {
     check_peer_records(rec);
     std::uint64_t most = 0;
     for (std::size_t r = 0; r < n; ++r) most = std::max(most, rec[r * L + 2]);
-    if (most > w.capacity) {
+    if (most > w.capacity || w.win == MPI_WIN_NULL) {
       // Some rank's buffers do not fit: every rank takes part in the new window, copies its
       // buffers in, and waits for the others to have done so.
       detail::mpi_peer_grow(*s_, opt_, static_cast<std::size_t>(most));
       detail::mpi_peer_copy_in(*s_, mine, bytes, count, rec.data() + static_cast<std::size_t>(rank()) * L);
       EPX_MPI_BOUNDED_KEEP(*s_, opt_, detail::mpi_buffers::own, nullptr, MPI_Ibarrier(s_->comm, &epx_req_));
     }
-    if (w.win != MPI_WIN_NULL) MPI_Win_sync(w.win);
+    MPI_Win_sync(w.win);
     std::exception_ptr failure;
     try {
       const peer_pointers peers(w.base.data(), rec.data(), size());

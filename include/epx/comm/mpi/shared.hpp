@@ -66,6 +66,7 @@ inline bool mpi_peer_access_available(mpi_state& s, const mpi::options& opt) {
 // cannot wait for an absent rank.
 inline void mpi_peer_grow(mpi_state& s, const mpi::options& opt, std::size_t need) {
   auto& w = s.peer;
+  const std::size_t old = w.capacity;
   if (w.win != MPI_WIN_NULL) {
     MPI_Win_unlock_all(w.win);
     EPX_MPI_CHECK(MPI_Win_free(&w.win));
@@ -74,7 +75,7 @@ inline void mpi_peer_grow(mpi_state& s, const mpi::options& opt, std::size_t nee
   // Grow by half at least, in whole 2 MiB pieces, so that slowly growing calls do not
   // reallocate every time.
   constexpr std::size_t piece = std::size_t{2} << 20;
-  const std::size_t want = std::max(need, w.capacity + w.capacity / 2);
+  const std::size_t want = std::max({need, old + old / 2, std::size_t{1}});
   const std::size_t cap = (want + piece - 1) / piece * piece;
   MPI_Info info = MPI_INFO_NULL;
   EPX_MPI_CHECK(MPI_Info_create(&info));
