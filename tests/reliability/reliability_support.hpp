@@ -229,6 +229,15 @@ struct faulty_peer_access<Derived, Comm, true> {
     self.after("access_peers");
   }
   bool peer_access_available() { return epx::peer_access_available(*static_cast<Derived&>(*this).inner_); }
+  // Peer memory (MPI), forwarded as one more collective call.
+  template <class C = Comm, std::enable_if_t<epx::has_peer_memory_v<C>, int> = 0>
+  void* peer_memory(std::size_t bytes) {
+    auto& self = static_cast<Derived&>(*this);
+    self.before("peer_memory");
+    void* p = self.inner_->peer_memory(bytes);
+    self.after("peer_memory");
+    return p;
+  }
 };
 
 // A communicator that forwards to `Comm` and injects the fault of its plan.

@@ -57,6 +57,10 @@
 //                                       // communicator at run time (the same answer on every
 //                                       // member; may be collective on its first call);
 //                                       // without it, always
+//   void* peer_memory(std::size_t bytes);  // optional, collective: `bytes` of this rank's
+//                                       // memory that access_peers publishes without a copy
+//                                       // (valid until the next peer_memory call); the layer
+//                                       // builds the buffers it publishes there when present
 //
 // With it the MoE layer reads rows straight out of the peers' buffers (no send buffer, no
 // separate combine pass); without it, it moves them through all_to_allv.
@@ -200,6 +204,19 @@ template <class C>
 struct has_peer_access_query<C, std::void_t<decltype(bool(std::declval<C&>().peer_access_available()))>>
     : std::true_type {};
 }  // namespace detail
+
+namespace detail {
+template <class C, class = void>
+struct has_peer_memory : std::false_type {};
+template <class C>
+struct has_peer_memory<C, std::void_t<decltype(static_cast<void*>(std::declval<C&>().peer_memory(std::size_t{})))>>
+    : std::true_type {};
+}  // namespace detail
+
+// Whether C can give out memory that access_peers publishes without a copy (see above).
+template <class C>
+inline constexpr bool has_peer_memory_v =
+    has_peer_access_v<C> && detail::has_peer_memory<std::remove_cv_t<std::remove_reference_t<C>>>::value;
 
 // Whether access_peers works on `comm` now: has_peer_access_v<C> and, when C has the
 // query, comm.peer_access_available() (which may be collective on its first call: call it

@@ -114,8 +114,19 @@ class all_to_all_impl {
     T* out = a.out + sl.begin * H;
     exec::fill_zero(ex, a.out, sl.begin * H);  // the slice's rows are all written below
     exec::fill_zero(ex, a.out + sl.end * H, (a.rows - sl.end) * H);
-    auto x_recv = make_rows<T>(ws_, ex, R * H);
-    const expert_rows<const T> rows{x_recv.data(), R, H, lay.offsets(me), L, ctx_.first_expert()};
+    // In inference, on communicators with peer memory (MPI), the direct route builds the
+    // expert-major rows and the experts' outputs there, so that publishing the outputs
+    // costs no copy (nothing of them is kept after the call).
+    T* arena = nullptr;
+    if constexpr (has_peer_memory_v<Comm> && exec::is_host_policy_v<Exec>) {
+      if (direct && saved == nullptr) {
+        const std::size_t blocks = forward_in_place_v<Experts> ? 1 : 2;
+        arena = static_cast<T*>(ctx_.ep->peer_memory(blocks * R * H * sizeof(T)));
+      }
+    }
+    auto x_recv = make_rows<T>(ws_, ex, arena != nullptr ? 0 : R * H);
+    T* const xr = arena != nullptr ? arena : x_recv.data();
+    const expert_rows<const T> rows{xr, R, H, lay.offsets(me), L, ctx_.first_expert()};
     rows_buffer<T, Exec> y;  // the experts' outputs: [S, H] in send order (staged), [R, H] at the owner (direct)
     segments seg;
 
@@ -131,10 +142,16 @@ class all_to_all_impl {
             const auto* src_row = static_cast<const std::int64_t*>(peers(s, 1));
             return static_cast<const T*>(peers(s, 0)) + static_cast<std::size_t>(src_row[p]) * H;
           });
-          kernels::copy(ex, R, H, static_cast<const T* const*>(table.data()), x_recv.data());
+          kernels::copy(ex, R, H, static_cast<const T* const*>(table.data()), xr);
         });
         // 5: experts.
-        T* y_rows = run_experts(ws_, ex, experts, rows, x_recv.data(), saved != nullptr, y);
+        T* y_rows = nullptr;
+        if (arena != nullptr && !forward_in_place_v<Experts>) {
+          y_rows = arena + R * H;
+          experts.forward(ex, rows, y_rows);
+        } else {
+          y_rows = run_experts(ws_, ex, experts, rows, xr, saved != nullptr, y);
+        }
         // 6-7: combine reads every slot's output row in place at its owner.
         const void* mine_y[1] = {y_rows};
         const std::size_t bytes_y[1] = {R * H * sizeof(T)};
@@ -203,7 +220,14 @@ class all_to_all_impl {
     exec::fill_zero(ex, a.grad_x + sl.end * H, (a.rows - sl.end) * H);
     const expert_rows<const T> rows{s.x_recv.data(), R, H, lay.offsets(me), L, ctx_.first_expert()};
     auto grad_recv = make_rows<T>(ws_, ex, R * H);
-    auto grad_in = make_rows<T>(ws_, ex, R * H);
+    // The experts' input gradients, which the direct route publishes: in the peer memory
+    // where the communicator has one (MPI), so that publishing them costs no copy.
+    T* arena = nullptr;
+    if constexpr (has_peer_memory_v<Comm> && exec::is_host_policy_v<Exec>) {
+      if (s.direct) arena = static_cast<T*>(ctx_.ep->peer_memory(R * H * sizeof(T)));
+    }
+    auto grad_in_pool = make_rows<T>(ws_, ex, arena != nullptr ? 0 : R * H);
+    T* const grad_in = arena != nullptr ? arena : grad_in_pool.data();
 
     if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
       if (s.direct) {
@@ -234,9 +258,9 @@ class all_to_all_impl {
           kernels::weight_gradients(ex, n, H, s.top_k, kernels::row_table<T>{table.data()}, grad_out, s.pos.data(),
                                     grad_w);
         });
-        experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in.data());
+        experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in);
         // Each token sums its slots' input gradients in place at their owners.
-        const void* mine_i[1] = {grad_in.data()};
+        const void* mine_i[1] = {grad_in};
         ctx_.ep->access_peers(mine_i, bytes_y, 1, [&](const auto& peers) {
           fill_return_table(lay, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
           kernels::reduce(ex, n, H, s.top_k, kernels::row_table<T>{table.data()}, s.pos.data(), grad_x);
@@ -253,9 +277,9 @@ class all_to_all_impl {
       zero_padding(ex, grad_recv.data(), lay, me, H);
       order_before_collective(ex, *ctx_.ep);
       exchange_rows(s.seg, static_cast<const T*>(grad_send.data()), grad_recv.data(), L, H, false);
-      experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in.data());
+      experts.backward(ex, rows, static_cast<const T*>(grad_recv.data()), grad_in);
       order_before_collective(ex, *ctx_.ep);
-      exchange_rows(s.seg, static_cast<const T*>(grad_in.data()), grad_send.data(), L, H, true);
+      exchange_rows(s.seg, static_cast<const T*>(grad_in), grad_send.data(), L, H, true);
       kernels::reduce(ex, n, H, s.top_k, static_cast<const T*>(grad_send.data()), s.pos.data(), grad_x);
     }
     if (tp > 1) {

@@ -316,17 +316,33 @@ class communicator {
   class peer_pointers {
    public:
     const void* operator()(int r, std::size_t i) const noexcept {
-      return base_[r] + rec_[static_cast<std::size_t>(r) * detail::mpi_peer_record + 4 + i];
+      const std::uint64_t off = rec_[static_cast<std::size_t>(r) * detail::mpi_peer_record + 4 + i];
+      if (off & detail::mpi_peer_in_arena) return arena_[r] + (off & ~detail::mpi_peer_in_arena);
+      return base_[r] + off;
     }
     int size() const noexcept { return n_; }
 
    private:
     friend class communicator;
-    peer_pointers(char* const* base, const std::uint64_t* rec, int n) noexcept : base_(base), rec_(rec), n_(n) {}
+    peer_pointers(char* const* base, char* const* arena, const std::uint64_t* rec, int n) noexcept
+        : base_(base), arena_(arena), rec_(rec), n_(n) {}
     char* const* base_;
+    char* const* arena_;
     const std::uint64_t* rec_;
     int n_;
   };
+
+  // Peer memory: `bytes` of this rank's memory that the peers can map (its segment of a
+  // second grow-only shared window). A buffer published through access_peers that lies in
+  // it is read there by the peers, without the copy. Collective (every rank asks for its own
+  // size, bounded by the watchdog); valid until the next peer_memory call on this
+  // communicator or its copies. Needs peer_access_available().
+  void* peer_memory(std::size_t bytes) {
+    detail::mpi_enter(*s_, "peer_memory");
+    EPX_REQUIRE(peer_access_available(), errc::configuration, "peer_memory: the ranks of this MPI communicator (",
+                size(), ") do not all share one node, or options::shared_memory is off: no peer access");
+    return detail::mpi_peer_memory(*s_, opt_, bytes);
+  }
 
   template <class F>
   void access_peers(const void* const* mine, const std::size_t* bytes, std::size_t count, F&& f) {
@@ -350,6 +366,8 @@ class communicator {
         if (mine[i] == nullptr && bytes[i] != 0) {
           code = 3;
           what = i;
+        } else if (detail::mpi_in_arena(*s_, mine[i], bytes[i], my[4 + i])) {
+          // made in the peer memory: published where it is
         } else {
           my[4 + i] = need;
           need += detail::mpi_peer_round(bytes[i]);
@@ -376,14 +394,15 @@ class communicator {
     if (most > w.capacity || w.win == MPI_WIN_NULL) {
       // Some rank's buffers do not fit: every rank takes part in the new window, copies its
       // buffers in, and waits for the others to have done so.
-      detail::mpi_peer_grow(*s_, opt_, static_cast<std::size_t>(most));
+      detail::mpi_peer_grow(*s_, opt_, w, static_cast<std::size_t>(most));
       detail::mpi_peer_copy_in(*s_, mine, bytes, count, rec.data() + static_cast<std::size_t>(rank()) * L);
       EPX_MPI_BOUNDED_KEEP(*s_, opt_, detail::mpi_buffers::own, nullptr, MPI_Ibarrier(s_->comm, &epx_req_));
     }
     MPI_Win_sync(w.win);
+    if (s_->arena.win != MPI_WIN_NULL) MPI_Win_sync(s_->arena.win);
     std::exception_ptr failure;
     try {
-      const peer_pointers peers(w.base.data(), rec.data(), size());
+      const peer_pointers peers(w.base.data(), s_->arena.base.data(), rec.data(), size());
       f(peers);
     } catch (...) {
       failure = std::current_exception();

@@ -8,7 +8,9 @@
 // and grown (never shrunk) when a call publishes more bytes than a rank's segment holds.
 // access_peers copies each rank's published buffers into its own segment, then every rank
 // reads the peers' copies in place. The copy is one pass over the published bytes (the
-// route's extra traffic on MPI); nothing else moves.
+// route's extra traffic on MPI); nothing else moves. Buffers the caller made in the peer
+// memory (communicator::peer_memory: a second grow-only window, `arena`) are published
+// where they are, without a copy.
 //
 // Every wait is bounded by the watchdog (options::timeout): the blocking MPI calls
 // (MPI_Comm_split_type, MPI_Win_allocate_shared, MPI_Win_free) run only right after a
@@ -22,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "epx/comm/mpi/options.hpp"
 #include "epx/comm/mpi/state.hpp"
@@ -64,8 +67,7 @@ inline bool mpi_peer_access_available(mpi_state& s, const mpi::options& opt) {
 // Replaces the window by one whose segments hold at least `need` bytes (the same on every
 // rank). Collective; every rank has passed the access_peers gather, so the blocking calls
 // cannot wait for an absent rank.
-inline void mpi_peer_grow(mpi_state& s, const mpi::options& opt, std::size_t need) {
-  auto& w = s.peer;
+inline void mpi_peer_grow(mpi_state& s, const mpi::options& opt, mpi_peer_window& w, std::size_t need) {
   const std::size_t old = w.capacity;
   if (w.win != MPI_WIN_NULL) {
     MPI_Win_unlock_all(w.win);
@@ -98,13 +100,43 @@ inline void mpi_peer_grow(mpi_state& s, const mpi::options& opt, std::size_t nee
   w.timeout = opt.timeout;
 }
 
-// Copies this rank's published buffers into its segment at the offsets of its record.
+// An offset in a record with this bit set lies in the rank's segment of the peer memory
+// (mpi_state::arena), not in the copy window.
+inline constexpr std::uint64_t mpi_peer_in_arena = std::uint64_t{1} << 63;
+
+// Where buffer i of a record lies: its offset in the arena, or in the copy window.
+inline bool mpi_in_arena(const mpi_state& s, const void* p, std::size_t bytes, std::uint64_t& offset) noexcept {
+  if (s.arena.win == MPI_WIN_NULL || p == nullptr) return false;
+  const char* a = s.arena.base[static_cast<std::size_t>(s.rank)];
+  const char* q = static_cast<const char*>(p);
+  if (q < a || q > a + s.arena.capacity || bytes > static_cast<std::size_t>(a + s.arena.capacity - q)) return false;
+  offset = static_cast<std::uint64_t>(q - a) | mpi_peer_in_arena;
+  return true;
+}
+
+// Copies this rank's published buffers into its segment at the offsets of its record
+// (those already in the peer memory stay where they are).
 inline void mpi_peer_copy_in(mpi_state& s, const void* const* mine, const std::size_t* bytes, std::size_t count,
                              const std::uint64_t* record) {
   char* seg = s.peer.base[static_cast<std::size_t>(s.rank)];
   for (std::size_t i = 0; i < count; ++i)
-    if (bytes[i] != 0) std::memcpy(seg + record[4 + i], mine[i], bytes[i]);
+    if (bytes[i] != 0 && (record[4 + i] & mpi_peer_in_arena) == 0) std::memcpy(seg + record[4 + i], mine[i], bytes[i]);
   MPI_Win_sync(s.peer.win);
+  if (s.arena.win != MPI_WIN_NULL) MPI_Win_sync(s.arena.win);
+}
+
+// Peer memory (communicator::peer_memory): this rank's `bytes` of the arena window, grown
+// (collectively, never shrunk) when some rank asks for more than a segment holds.
+inline void* mpi_peer_memory(mpi_state& s, const mpi::options& opt, std::size_t bytes) {
+  std::vector<unsigned long long> most(1, static_cast<unsigned long long>(bytes));
+  {
+    mpi_keep keep(most);
+    EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::own, &keep,
+                         MPI_Iallreduce(MPI_IN_PLACE, most.data(), 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, s.comm, &epx_req_));
+  }
+  if (s.arena.win == MPI_WIN_NULL || most[0] > s.arena.capacity)
+    mpi_peer_grow(s, opt, s.arena, static_cast<std::size_t>(most[0]));
+  return s.arena.base[static_cast<std::size_t>(s.rank)];
 }
 
 }  // namespace epx::detail

@@ -13,6 +13,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <exception>
@@ -51,7 +52,8 @@ struct mpi_state {
   const char* op = "";   // the collective in progress (watchdog messages)
   std::string failed;    // set by a watchdog timeout: why the communicator cannot be used
   std::vector<mpi_orphan> orphans;
-  mpi_peer_window peer;
+  mpi_peer_window peer;   // the copies of access_peers
+  mpi_peer_window arena;  // peer_memory: buffers made in place, published without a copy
   mpi_state() = default;
   mpi_state(const mpi_state&) = delete;
   mpi_state& operator=(const mpi_state&) = delete;
@@ -81,23 +83,27 @@ struct mpi_state {
   // every rank passes within the watchdog's time, and never while an exception unwinds or
   // after a failure; otherwise it is left to MPI_Finalize.
   void free_peer_window() noexcept {
-    if (peer.win == MPI_WIN_NULL) return;
+    if (peer.win == MPI_WIN_NULL && arena.win == MPI_WIN_NULL) return;
     if (std::uncaught_exceptions() > 0 || !failed.empty() || !orphans.empty()) return;
     MPI_Request req = MPI_REQUEST_NULL;
     if (MPI_Ibarrier(comm, &req) != MPI_SUCCESS) return;
-    const auto deadline = std::chrono::steady_clock::now() + peer.timeout;
+    const auto timeout = std::max(peer.timeout, arena.timeout);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (unsigned spin = 1;; ++spin) {
       int done = 0;
       if (MPI_Test(&req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;
       if (done) break;
-      if (peer.timeout.count() != 0 && spin % 64 == 0 && std::chrono::steady_clock::now() >= deadline) {
+      if (timeout.count() != 0 && spin % 64 == 0 && std::chrono::steady_clock::now() >= deadline) {
         new MPI_Request(req);  // pending: leave it (and the window) to MPI_Finalize
         return;
       }
       if (spin % 64 == 0) std::this_thread::yield();
     }
-    MPI_Win_unlock_all(peer.win);
-    MPI_Win_free(&peer.win);
+    for (MPI_Win* w : {&peer.win, &arena.win}) {
+      if (*w == MPI_WIN_NULL) continue;
+      MPI_Win_unlock_all(*w);
+      MPI_Win_free(w);
+    }
   }
 
   ~mpi_state() {
