@@ -384,7 +384,7 @@ class communicator {
     if (early) detail::mpi_peer_copy_in(*s_, mine, bytes, count, my);
     {
       detail::mpi_keep keep(rec);
-      EPX_MPI_BOUNDED_KEEP(*s_, opt_, detail::mpi_buffers::own, &keep,
+      EPX_MPI_BOUNDED_IDLE(*s_, opt_, &keep,
                            MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, rec.data(), static_cast<int>(L),
                                           MPI_UINT64_T, s_->comm, &epx_req_));
     }
@@ -409,7 +409,7 @@ class communicator {
     }
     // Exit barrier: nobody rewrites its segment while a peer still reads it.
     s_->op = "access_peers";
-    EPX_MPI_BOUNDED_KEEP(*s_, opt_, detail::mpi_buffers::own, nullptr, MPI_Ibarrier(s_->comm, &epx_req_));
+    EPX_MPI_BOUNDED_IDLE(*s_, opt_, nullptr, MPI_Ibarrier(s_->comm, &epx_req_));
     if (failure) std::rethrow_exception(failure);
   }
 

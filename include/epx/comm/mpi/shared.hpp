@@ -131,7 +131,7 @@ inline void* mpi_peer_memory(mpi_state& s, const mpi::options& opt, std::size_t 
   std::vector<unsigned long long> most(1, static_cast<unsigned long long>(bytes));
   {
     mpi_keep keep(most);
-    EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::own, &keep,
+    EPX_MPI_BOUNDED_IDLE(s, opt, &keep,
                          MPI_Iallreduce(MPI_IN_PLACE, most.data(), 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, s.comm, &epx_req_));
   }
   if (s.arena.win == MPI_WIN_NULL || most[0] > s.arena.capacity)
