@@ -755,6 +755,43 @@ TEST_CASE("mpi: access_peers through shared memory shows every rank's buffers") 
   copy.access_peers(one, four, 1, [&](const auto& peers) { CHECK(*static_cast<const int*>(peers(n - 1, 0)) == 999 + n); });
 }
 
+// Peer memory: buffers built there are published where they are (no copy), next to copied
+// ones; it grows when a rank asks for more, and each call's memory is this rank's own.
+TEST_CASE("mpi: peer_memory buffers are published without a copy") {
+  communicator w = communicator::world();
+  const int n = w.size(), me = w.rank();
+  REQUIRE(w.peer_access_available());
+  static_assert(epx::has_peer_memory_v<communicator>);
+  static_assert(!epx::has_peer_memory_v<epx::threads::communicator>);
+  for (std::size_t round = 0; round < 4; ++round) {
+    const std::size_t m = 1000 * (round + 1) * static_cast<std::size_t>(me + 1);  // grows, differs by rank
+    auto* p = static_cast<std::int64_t*>(w.peer_memory(m * sizeof(std::int64_t)));
+    REQUIRE(p != nullptr);
+    for (std::size_t i = 0; i < m; ++i) p[i] = static_cast<std::int64_t>(me * 1000000 + i + round);
+    const int tag = me;
+    const void* mine[2] = {p, &tag};
+    const std::size_t bytes[2] = {m * sizeof(std::int64_t), sizeof(int)};
+    std::string bad;
+    w.access_peers(mine, bytes, 2, [&](const auto& peers) {
+      if (peers(me, 0) != static_cast<const void*>(p)) bad += "own peer-memory buffer was copied; ";
+      if (peers(me, 1) == static_cast<const void*>(&tag)) bad += "own stack buffer was not copied; ";
+      for (int r = 0; r < n; ++r) {
+        const auto* q = static_cast<const std::int64_t*>(peers(r, 0));
+        const std::size_t mr = 1000 * (round + 1) * static_cast<std::size_t>(r + 1);
+        if (q[0] != r * 1000000 + static_cast<std::int64_t>(round) ||
+            q[mr - 1] != static_cast<std::int64_t>(r * 1000000 + mr - 1 + round))
+          bad += epx::detail::concat("rank ", r, " peer memory; ");
+        if (*static_cast<const int*>(peers(r, 1)) != r) bad += epx::detail::concat("rank ", r, " tag; ");
+      }
+    });
+    CHECK_MESSAGE(bad.empty(), bad);
+  }
+  epx::mpi::options o;
+  o.shared_memory = false;
+  communicator off = communicator::world(o);
+  check_error([&] { (void)off.peer_memory(8); }, epx::errc::configuration, "no peer access");
+}
+
 TEST_CASE("mpi: access_peers failures: mismatched counts, bad buffers, a throwing function, no shared memory") {
   communicator w = communicator::world();
   const int n = w.size(), me = w.rank();
