@@ -94,10 +94,10 @@ class timed_comm {
   void broadcast(void* d, std::size_t n, epx::datatype t, int root) { timed([&] { c_.broadcast(d, n, t, root); }); }
   void barrier() { timed([&] { c_.barrier(); }); }
   template <class F>
-  void access_peers(const void* const* mine, std::size_t count, F&& f) {
+  void access_peers(const void* const* mine, const std::size_t* bytes, std::size_t count, F&& f) {
     double inside = 0;
     const auto t0 = clock_type::now();
-    c_.access_peers(mine, count, [&](const peer_pointers& p) {
+    c_.access_peers(mine, bytes, count, [&](const peer_pointers& p) {
       const auto t1 = clock_type::now();
       f(p);
       inside += seconds_since(t1);

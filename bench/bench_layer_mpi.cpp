@@ -1,5 +1,7 @@
-// The MoE layer over MPI (the staged route: MPI has no peer access), against the memcpy of
-// the bytes the route reads and writes, measured in the same run.
+// The MoE layer over MPI, on both routes, against the memcpy of the bytes the route reads
+// and writes, measured in the same run: the direct route (ranks on one node read each
+// other's buffers through the communicator's MPI-3 shared window) and the staged route
+// (layer_options::peer_access = false: segmented all-to-alls through MPI).
 //
 //   mpirun -np 8 ./bench_layer_mpi --benchmark_out=layer_mpi.json --benchmark_out_format=json
 //   mpirun -np 2 ./bench_layer_mpi --quick
@@ -8,8 +10,11 @@
 // Every rank is a process with its own exec::serial policy and runs every benchmark; rank 0
 // reports. One iteration: barrier, the layer call timed on every rank, the slowest rank's
 // time (MPI_Allreduce MAX) is the iteration's; then the floor: every rank memcpys half the
-// bytes its call reads plus writes (bench/layer_common.hpp's route_traffic), all ranks at
-// once, timed the same way. Every benchmark checks its outputs once against the direct
+// bytes its call reads plus writes (bench/layer_common.hpp's route_traffic, plus on the
+// direct route the copies of the published buffers into the shared window: x in forward,
+// whose expert-major rows and outputs the layer builds in the communicator's peer memory;
+// grad_out and the kept outputs in backward, whose grad_in is built in the peer memory),
+// all ranks at once, timed the same way. Every benchmark checks its outputs once against the direct
 // computation (identity experts). Counters as in bench_layer (epx_ms, floor_ms,
 // floor_ratio, floor_bytes, memcpy_GB/s, rows_sent, repeat_fraction, checked).
 #include <benchmark/benchmark.h>
@@ -60,7 +65,7 @@ struct shape {
 };
 
 template <class T>
-void bench_mpi_route(benchmark::State& state, shape s, bool backward) {
+void bench_mpi_route(benchmark::State& state, shape s, route rt, bool backward) {
   comm_t world = comm_t::world();
   const int ep = world.size(), me = world.rank();
   const std::size_t N = s.tokens, H = s.hidden, K = static_cast<std::size_t>(s.k);
@@ -72,6 +77,7 @@ void bench_mpi_route(benchmark::State& state, shape s, bool backward) {
   epx::layer_options lo;
   lo.hidden = H;
   lo.top_k = s.k;
+  lo.peer_access = rt == route::direct;
   epx::mesh_config mc;
   mc.fsdp = ep;
   mc.ep = ep;
@@ -92,6 +98,11 @@ void bench_mpi_route(benchmark::State& state, shape s, bool backward) {
   std::string bad = check_forward(x.data(), w.data(), out.data(), N, H, s.k);
   bwd();
   if (bad.empty()) bad = check_backward(x.data(), w.data(), g.data(), gx.data(), gw.data(), N, H, s.k);
+  // The timed forward is an inference call (on the direct route under MPI its rows and
+  // outputs live in the peer memory): checked too.
+  std::fill(out.begin(), out.end(), T{});
+  (void)fwd(epx::mode::inference);
+  if (bad.empty()) bad = check_forward(x.data(), w.data(), out.data(), N, H, s.k);
   const double failed = max_over_ranks(bad.empty() ? 0.0 : 1.0);
   if (failed > 0) {
     if (!bad.empty()) std::fprintf(stderr, "rank %d: output check failed: %s\n", me, bad.c_str());
@@ -99,6 +110,10 @@ void bench_mpi_route(benchmark::State& state, shape s, bool backward) {
     return;
   }
   const auto& st = layer.stats();
+  if (max_over_ranks(st.peer_access == (rt == route::direct) ? 0.0 : 1.0) > 0) {
+    state.SkipWithError("the layer did not take the requested route");
+    return;
+  }
   std::size_t R = 0, P = 0, S = 0, remote = 0;
   for (auto c : st.tokens_per_local_expert) R += static_cast<std::size_t>(c);
   for (auto c : st.padding_per_local_expert) P += static_cast<std::size_t>(c);
@@ -123,8 +138,17 @@ void bench_mpi_route(benchmark::State& state, shape s, bool backward) {
   const double row_bytes = static_cast<double>(H * sizeof(T));
   double traffic = 0;
   std::vector<std::size_t> parts;
-  for (double p : route_traffic(route::staged, backward, static_cast<double>(S), static_cast<double>(R),
-                                static_cast<double>(P), static_cast<double>(N), static_cast<double>(N), 1)) {
+  std::vector<double> route_rows = route_traffic(rt, backward, static_cast<double>(S), static_cast<double>(R),
+                                                 static_cast<double>(P), static_cast<double>(N), static_cast<double>(N), 1);
+  if (rt == route::direct) {
+    // The copies into the shared window (a copy reads and writes): forward x (N rows);
+    // backward grad_out (N) and the outputs kept since forward (R). The index and weight
+    // arrays are small beside them and not counted.
+    const double Nd = static_cast<double>(N), Rd = static_cast<double>(R);
+    if (backward) route_rows.insert(route_rows.end(), {2 * Nd, 2 * Rd});
+    else route_rows.push_back(2 * Nd);
+  }
+  for (double p : route_rows) {
     traffic += p * row_bytes;
     parts.push_back(static_cast<std::size_t>(p * row_bytes / 2));
   }
@@ -176,11 +200,12 @@ void bench_mpi_route(benchmark::State& state, shape s, bool backward) {
 }
 
 template <class T>
-void reg(const shape& s, bool backward, int iters) {
-  const std::string name = epx::detail::concat("mpi_route<", type_name<T>(), ">/staged/", backward ? "bwd" : "fwd",
+void reg(const shape& s, route rt, bool backward, int iters) {
+  const std::string name = epx::detail::concat("mpi_route<", type_name<T>(), ">/", to_string(rt), "/", backward ? "bwd" : "fwd",
                                                "/tokens:", s.tokens, "/hidden:", s.hidden, "/k:", s.k,
                                                "/experts:", s.experts);
-  benchmark::RegisterBenchmark(name.c_str(), [s, backward](benchmark::State& st) { bench_mpi_route<T>(st, s, backward); })
+  benchmark::RegisterBenchmark(name.c_str(),
+                               [s, rt, backward](benchmark::State& st) { bench_mpi_route<T>(st, s, rt, backward); })
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond)
       ->Iterations(iters);
@@ -208,17 +233,19 @@ int main(int argc, char** argv) {
   }
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
-  if (quick) {
-    reg<bf16>({128, 1024, 8, 64}, false, 3);
-    reg<bf16>({128, 1024, 8, 64}, true, 3);
-  } else {
-    // The transformers comparison shape, then the target shape.
-    for (bool bwd : {false, true}) {
-      reg<bf16>({1024, 1024, 8, 64}, bwd, 20);
-      reg<float>({1024, 1024, 8, 64}, bwd, 20);
+  for (route rt : {route::direct, route::staged}) {
+    if (quick) {
+      reg<bf16>({128, 1024, 8, 64}, rt, false, 3);
+      reg<bf16>({128, 1024, 8, 64}, rt, true, 3);
+    } else {
+      // The transformers comparison shape, then the target shape.
+      for (bool bwd : {false, true}) {
+        reg<bf16>({1024, 1024, 8, 64}, rt, bwd, 20);
+        reg<float>({1024, 1024, 8, 64}, rt, bwd, 20);
+      }
+      reg<bf16>({4096, 4096, 8, 64}, rt, false, 10);
+      reg<bf16>({4096, 4096, 8, 64}, rt, true, 10);
     }
-    reg<bf16>({4096, 4096, 8, 64}, false, 10);
-    reg<bf16>({4096, 4096, 8, 64}, true, 10);
   }
   bool has_out = false;
   for (int i = 1; i < n; ++i) has_out = has_out || std::string(args[static_cast<std::size_t>(i)]).rfind("--benchmark_out=", 0) == 0;

@@ -696,6 +696,154 @@ TEST_CASE("mpi: mismatched counts are reported on every rank") {
   check_all_reduce<float>(w, 9, 1.0, false, 5);
 }
 
+static_assert(epx::has_peer_access_v<communicator>, "MPI ranks on one node read each other's memory");
+
+// The peers' buffers through the shared window: every rank's buffers (of rank-dependent
+// sizes, growing over the rounds so that the window is replaced several times) are seen by
+// every rank, bitwise, and stay valid until every reader is done.
+TEST_CASE("mpi: access_peers through shared memory shows every rank's buffers") {
+  communicator w = communicator::world();
+  const int n = w.size(), me = w.rank();
+  REQUIRE(w.peer_access_available());  // the tests run on one node
+  CHECK(epx::peer_access_available(w));
+  for (int round = 0; round < 12; ++round) {
+    // Buffer 0: 3 ints; buffer 1: a rank- and round-dependent number of doubles (up to ~4 MiB).
+    const std::size_t m = static_cast<std::size_t>(1 + (me + 1) * (round + 1) * (round + 1) * 300);
+    std::vector<int> a = {me, round, 7};
+    std::vector<double> b(m);
+    for (std::size_t i = 0; i < m; ++i) b[i] = value_of<double>(key(round, static_cast<std::uint64_t>(me), 0, i));
+    const void* mine[2] = {a.data(), b.data()};
+    const std::size_t bytes[2] = {a.size() * sizeof(int), b.size() * sizeof(double)};
+    std::string bad;
+    int seen = 0;
+    w.access_peers(mine, bytes, 2, [&](const auto& peers) {
+      seen = peers.size();
+      for (int r = 0; r < n; ++r) {
+        const auto* pa = static_cast<const int*>(peers(r, 0));
+        if (pa[0] != r || pa[1] != round || pa[2] != 7) bad += epx::detail::concat("rank ", r, " buffer 0; ");
+        const std::size_t mr = static_cast<std::size_t>(1 + (r + 1) * (round + 1) * (round + 1) * 300);
+        const auto* pb = static_cast<const double*>(peers(r, 1));
+        for (std::size_t i = 0; i < mr; ++i)
+          if (pb[i] != value_of<double>(key(round, static_cast<std::uint64_t>(r), 0, i))) {
+            bad += epx::detail::concat("rank ", r, " buffer 1 element ", i, "; ");
+            break;
+          }
+      }
+    });
+    CHECK(seen == n);
+    CHECK_MESSAGE(bad.empty(), bad);
+  }
+  // No buffers: a barrier; zero-byte buffers (null allowed).
+  w.access_peers(nullptr, nullptr, 0, [](const auto&) {});
+  const void* none[1] = {nullptr};
+  const std::size_t zero[1] = {0};
+  w.access_peers(none, zero, 1, [](const auto&) {});
+  // Copies of the communicator share the window; sub-communicators have their own.
+  communicator copy = w;
+  communicator half = w.split(me % 2, 0);
+  REQUIRE(half.peer_access_available());
+  const int v = 1000 + me;
+  const void* one[1] = {&v};
+  const std::size_t four[1] = {sizeof(int)};
+  int sum = 0;
+  half.access_peers(one, four, 1, [&](const auto& peers) {
+    for (int r = 0; r < peers.size(); ++r) sum += *static_cast<const int*>(peers(r, 0));
+  });
+  int want = 0;
+  for (int r = me % 2; r < n; r += 2) want += 1000 + r;
+  CHECK(sum == want);
+  copy.access_peers(one, four, 1, [&](const auto& peers) { CHECK(*static_cast<const int*>(peers(n - 1, 0)) == 999 + n); });
+}
+
+// Peer memory: buffers built there are published where they are (no copy), next to copied
+// ones; it grows when a rank asks for more, and each call's memory is this rank's own.
+TEST_CASE("mpi: peer_memory buffers are published without a copy") {
+  communicator w = communicator::world();
+  const int n = w.size(), me = w.rank();
+  REQUIRE(w.peer_access_available());
+  static_assert(epx::has_peer_memory_v<communicator>);
+  static_assert(!epx::has_peer_memory_v<epx::threads::communicator>);
+  for (std::size_t round = 0; round < 4; ++round) {
+    const std::size_t m = 1000 * (round + 1) * static_cast<std::size_t>(me + 1);  // grows, differs by rank
+    auto* p = static_cast<std::int64_t*>(w.peer_memory(m * sizeof(std::int64_t)));
+    REQUIRE(p != nullptr);
+    for (std::size_t i = 0; i < m; ++i) p[i] = static_cast<std::int64_t>(me * 1000000 + i + round);
+    const int tag = me;
+    const void* mine[2] = {p, &tag};
+    const std::size_t bytes[2] = {m * sizeof(std::int64_t), sizeof(int)};
+    std::string bad;
+    w.access_peers(mine, bytes, 2, [&](const auto& peers) {
+      if (peers(me, 0) != static_cast<const void*>(p)) bad += "own peer-memory buffer was copied; ";
+      if (peers(me, 1) == static_cast<const void*>(&tag)) bad += "own stack buffer was not copied; ";
+      for (int r = 0; r < n; ++r) {
+        const auto* q = static_cast<const std::int64_t*>(peers(r, 0));
+        const std::size_t mr = 1000 * (round + 1) * static_cast<std::size_t>(r + 1);
+        if (q[0] != r * 1000000 + static_cast<std::int64_t>(round) ||
+            q[mr - 1] != static_cast<std::int64_t>(r * 1000000 + mr - 1 + round))
+          bad += epx::detail::concat("rank ", r, " peer memory; ");
+        if (*static_cast<const int*>(peers(r, 1)) != r) bad += epx::detail::concat("rank ", r, " tag; ");
+      }
+    });
+    CHECK_MESSAGE(bad.empty(), bad);
+  }
+  epx::mpi::options o;
+  o.shared_memory = false;
+  communicator off = communicator::world(o);
+  check_error([&] { (void)off.peer_memory(8); }, epx::errc::configuration, "no peer access");
+}
+
+TEST_CASE("mpi: access_peers failures: mismatched counts, bad buffers, a throwing function, no shared memory") {
+  communicator w = communicator::world();
+  const int n = w.size(), me = w.rank();
+  int v = me;
+  const void* mine[2] = {&v, &v};
+  const std::size_t bytes[2] = {sizeof(int), sizeof(int)};
+  if (n > 1) {
+    bool ran = false;
+    check_error([&] { w.access_peers(mine, bytes, me == n - 1 ? 2 : 1, [&](const auto&) { ran = true; }); },
+                epx::errc::communicator,
+                epx::detail::concat("access_peers: mismatched counts: rank 0 passed 1, rank ", n - 1, " passed 2"));
+    CHECK(!ran);
+  }
+  // A null buffer that claims bytes, and too many buffers, on the last rank: every rank raises.
+  const void* null_one[2] = {&v, nullptr};
+  check_error([&] { w.access_peers(me == n - 1 ? null_one : mine, bytes, 2, [](const auto&) {}); }, epx::errc::input,
+              epx::detail::concat("access_peers: rank ", n - 1, ": buffer 1 is null but holds bytes"));
+  std::vector<const void*> many(17, &v);
+  std::vector<std::size_t> many_bytes(17, sizeof(int));
+  check_error([&] { w.access_peers(many.data(), many_bytes.data(), me == n - 1 ? 17 : 2, [](const auto&) {}); },
+              epx::errc::input, epx::detail::concat("access_peers: rank ", n - 1, " passed 17 buffers; at most 16"));
+  // The function throws on the last rank: it rethrows once every rank's function is done;
+  // the others read every rank's buffer and carry on.
+  bool threw = false, read_all = false;
+  try {
+    w.access_peers(mine, bytes, 1, [&](const auto& peers) {
+      if (me == n - 1) throw std::runtime_error("reader failed");
+      read_all = true;
+      for (int r = 0; r < n; ++r) read_all = read_all && *static_cast<const int*>(peers(r, 0)) == r;
+    });
+  } catch (const std::runtime_error& e) {
+    threw = std::string(e.what()) == "reader failed";
+  }
+  CHECK(threw == (me == n - 1));
+  CHECK(read_all == (me != n - 1));
+  // Nothing is left half-done: the communicator still works, with peer access.
+  int sum = 0;
+  w.access_peers(mine, bytes, 1, [&](const auto& peers) {
+    for (int r = 0; r < n; ++r) sum += *static_cast<const int*>(peers(r, 0));
+  });
+  CHECK(sum == n * (n - 1) / 2);
+  check_all_to_allv<std::int32_t>(w, 4);
+  // Shared memory switched off: no peer access, and access_peers says why.
+  epx::mpi::options o;
+  o.shared_memory = false;
+  communicator off = communicator::world(o);
+  CHECK(!off.peer_access_available());
+  CHECK(!epx::peer_access_available(off));
+  check_error([&] { off.access_peers(mine, bytes, 1, [](const auto&) {}); }, epx::errc::configuration,
+              "options::shared_memory is off: no peer access");
+}
+
 TEST_CASE("mpi: unchecked communicator (point-to-point all_to_allv) on the shared cases") {
   epx::mpi::options o;
   o.check_counts = false;
@@ -794,4 +942,25 @@ TEST_CASE("mpi: injected assertion failure on one rank aborts every rank" * doct
   communicator w = communicator::world();
   CHECK_MESSAGE(w.rank() != w.size() - 1, "injected assertion failure");
   w.barrier();
+}
+
+// Run only by the ctest test_comm_mpi_access_peers_watchdog_np2 (--no-skip): the last rank
+// stays inside access_peers' function longer than the watchdog; the others' wait at the
+// exit barrier turns into an error and epx::mpi::run ends the job with it.
+TEST_CASE("mpi: watchdog on a rank stalled inside access_peers" * doctest::skip()) {
+  int argc = 1;
+  char name[] = "test";
+  char* args[] = {name, nullptr};
+  char** argv = args;
+  epx::mpi::run(argc, argv, [](communicator& world) {
+    epx::mpi::options o;
+    o.timeout = std::chrono::milliseconds(1000);
+    communicator w(world.native(), o);
+    const int v = w.rank();
+    const void* mine[1] = {&v};
+    const std::size_t bytes[1] = {sizeof(int)};
+    w.access_peers(mine, bytes, 1, [&](const auto&) {
+      if (w.rank() == w.size() - 1) std::this_thread::sleep_for(std::chrono::seconds(20));
+    });
+  });
 }

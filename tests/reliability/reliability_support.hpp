@@ -222,11 +222,21 @@ template <class Derived, class Comm>
 struct faulty_peer_access<Derived, Comm, true> {
   using peer_pointers = typename Comm::peer_pointers;
   template <class F>
-  void access_peers(const void* const* mine, std::size_t count, F&& f) {
+  void access_peers(const void* const* mine, const std::size_t* bytes, std::size_t count, F&& f) {
     auto& self = static_cast<Derived&>(*this);
     self.before("access_peers");
-    self.inner_->access_peers(mine, count, std::forward<F>(f));
+    self.inner_->access_peers(mine, bytes, count, std::forward<F>(f));
     self.after("access_peers");
+  }
+  bool peer_access_available() { return epx::peer_access_available(*static_cast<Derived&>(*this).inner_); }
+  // Peer memory (MPI), forwarded as one more collective call.
+  template <class C = Comm, std::enable_if_t<epx::has_peer_memory_v<C>, int> = 0>
+  void* peer_memory(std::size_t bytes) {
+    auto& self = static_cast<Derived&>(*this);
+    self.before("peer_memory");
+    void* p = self.inner_->peer_memory(bytes);
+    self.after("peer_memory");
+    return p;
   }
 };
 

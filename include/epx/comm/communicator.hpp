@@ -41,13 +41,26 @@
 //   void wait();                        // bounded wait for the work the communicator queued on
 //                                       // a device stream (epx/comm/settle.hpp)
 //
-// and, for backends whose ranks share one address space (threads::communicator):
+// and, for backends whose ranks can read each other's memory (threads::communicator: one
+// address space; mpi::communicator: MPI-3 shared memory when every rank is on one node):
 //
 //   class peer_pointers { const void* operator()(int r, std::size_t i) const; int size() const; };
-//   template <class F> void access_peers(const void* const* mine, std::size_t count, F&& f);
+//   template <class F> void access_peers(const void* const* mine, const std::size_t* bytes,
+//                                        std::size_t count, F&& f);
 //                                       // collective: f(peers) runs once every member has
-//                                       // published its `count` pointers, and nobody leaves
-//                                       // before every member's f has returned
+//                                       // published its `count` buffers (bytes[i] bytes at
+//                                       // mine[i]), and nobody leaves before every member's
+//                                       // f has returned; peers(r, i) is member r's buffer i
+//                                       // or a copy of it (a backend may copy the buffers
+//                                       // into memory the peers can map, as MPI does)
+//   bool peer_access_available();       // optional: whether access_peers works on this
+//                                       // communicator at run time (the same answer on every
+//                                       // member; may be collective on its first call);
+//                                       // without it, always
+//   void* peer_memory(std::size_t bytes);  // optional, collective: `bytes` of this rank's
+//                                       // memory that access_peers publishes without a copy
+//                                       // (valid until the next peer_memory call); the layer
+//                                       // builds the buffers it publishes there when present
 //
 // With it the MoE layer reads rows straight out of the peers' buffers (no send buffer, no
 // separate combine pass); without it, it moves them through all_to_allv.
@@ -176,11 +189,49 @@ struct has_peer_access : std::false_type {};
 
 template <class C>
 struct has_peer_access<C, std::void_t<decltype(std::declval<C&>().access_peers(
-                              std::declval<const void* const*>(), std::size_t{},
+                              std::declval<const void* const*>(), std::declval<const std::size_t*>(), std::size_t{},
                               std::declval<void (*)(const typename C::peer_pointers&)>()))>> : std::true_type {};
 
-// Whether C's ranks can read each other's memory (see access_peers above).
+// Whether C's ranks can read each other's memory (see access_peers above); at run time,
+// peer_access_available(comm) says whether this communicator's ranks can.
 template <class C>
 inline constexpr bool has_peer_access_v = has_peer_access<std::remove_cv_t<std::remove_reference_t<C>>>::value;
+
+namespace detail {
+template <class C, class = void>
+struct has_peer_access_query : std::false_type {};
+template <class C>
+struct has_peer_access_query<C, std::void_t<decltype(bool(std::declval<C&>().peer_access_available()))>>
+    : std::true_type {};
+}  // namespace detail
+
+namespace detail {
+template <class C, class = void>
+struct has_peer_memory : std::false_type {};
+template <class C>
+struct has_peer_memory<C, std::void_t<decltype(static_cast<void*>(std::declval<C&>().peer_memory(std::size_t{})))>>
+    : std::true_type {};
+}  // namespace detail
+
+// Whether C can give out memory that access_peers publishes without a copy (see above).
+template <class C>
+inline constexpr bool has_peer_memory_v =
+    has_peer_access_v<C> && detail::has_peer_memory<std::remove_cv_t<std::remove_reference_t<C>>>::value;
+
+// Whether access_peers works on `comm` now: has_peer_access_v<C> and, when C has the
+// query, comm.peer_access_available() (which may be collective on its first call: call it
+// on every member).
+template <class C>
+bool peer_access_available(C& comm) {
+  if constexpr (!has_peer_access_v<C>) {
+    (void)comm;
+    return false;
+  } else if constexpr (detail::has_peer_access_query<C>::value) {
+    return comm.peer_access_available();
+  } else {
+    (void)comm;
+    return true;
+  }
+}
 
 }  // namespace epx

@@ -18,10 +18,12 @@
 //   staged (any communicator): gather into a send-order buffer, segmented all-to-all;
 //      then the mirrored all-to-all back into send order, and combine: four passes over
 //      the routed rows;
-//   direct (communicators with peer access, epx::has_peer_access_v, and host policies;
-//      layer_options::peer_access): each owner copies its rows straight out of the
-//      senders' x, and combine reads every slot's output row in place at its owner
-//      (epx/layout/receive.hpp): two passes, no send buffer.
+//   direct (communicators with peer access, epx::has_peer_access_v, whose ranks can use it
+//      now, epx::peer_access_available, and host policies; layer_options::peer_access):
+//      each owner copies its rows straight out of the senders' x, and combine reads every
+//      slot's output row in place at its owner (epx/layout/receive.hpp): two passes, no
+//      send buffer. (On MPI, the buffers published to the peers are first copied into
+//      the communicator's shared window: one more pass over x and the outputs.)
 // Before every communicator call the execution policy is synchronised (a no-op for host
 // policies), so a communicator never reads buffers a device stream is still writing.
 // Backward runs the same route in reverse with the saved layout (no count exchange, only
@@ -181,7 +183,8 @@ class all_to_all_impl {
         // and dispatch in one pass; padding rows come out zero).
         auto table = ws_.template acquire<const T*>(R);
         const void* mine[2] = {x, s.src_row.data()};
-        ctx_.ep->access_peers(mine, 2, [&](const auto& peers) {
+        const std::size_t bytes[2] = {n * H * sizeof(T), S * sizeof(std::int64_t)};
+        ctx_.ep->access_peers(mine, bytes, 2, [&](const auto& peers) {
           fill_receive_table(lay, me, table.data(), R, [&](int src, std::size_t p) {
             const auto* src_row = static_cast<const std::int64_t*>(peers(src, 1));
             return static_cast<const T*>(peers(src, 0)) + static_cast<std::size_t>(src_row[p]) * H;
@@ -256,7 +259,8 @@ class all_to_all_impl {
         // 6-7: combine reads every slot's output row in place at its owner.
         auto table = ws_.template acquire<const T*>(std::max(R, S));
         const void* mine_y[1] = {s.out_rows};
-        ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {
+        const std::size_t bytes_y[1] = {R * H * sizeof(T)};
+        ctx_.ep->access_peers(mine_y, bytes_y, 1, [&](const auto& peers) {
           fill_return_table(lay, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
           kernels::combine(ex, n, H, s.top_k, kernels::row_table<T>{table.data()}, w, s.pos.data(), out);
         });
@@ -323,7 +327,8 @@ class all_to_all_impl {
         // (scatter and dispatch in one pass); each token owner takes the dot products of its
         // grad_out rows with the slots' outputs kept at their owners (grad_w).
         const void* mine[3] = {grad_out, s.src_row.data(), s.weights.data()};
-        ctx_.ep->access_peers(mine, 3, [&](const auto& peers) {
+        const std::size_t bytes[3] = {n * H * sizeof(T), S * sizeof(std::int64_t), S * sizeof(float)};
+        ctx_.ep->access_peers(mine, bytes, 3, [&](const auto& peers) {
           // Row i: send position q of member src, i.e. its grad_out row src_row[q] times its
           // weight (padding rows: null, a zero row).
           fill_receive_table(lay, me, table.data(), R, [&](int src, std::size_t p) {
@@ -337,7 +342,8 @@ class all_to_all_impl {
                         b.grad_recv.data());
         });
         const void* mine_y[1] = {s.y.data()};
-        ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {
+        const std::size_t bytes_y[1] = {R * H * sizeof(T)};
+        ctx_.ep->access_peers(mine_y, bytes_y, 1, [&](const auto& peers) {
           fill_return_table(lay, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
           kernels::weight_gradients(ex, n, H, s.top_k, kernels::row_table<T>{table.data()}, grad_out, s.pos.data(),
                                     grad_w);
@@ -384,7 +390,8 @@ class all_to_all_impl {
         // Each token sums its slots' input gradients in place at their owners.
         auto table = ws_.template acquire<const T*>(std::max(R, S));
         const void* mine_i[1] = {b.grad_in.data()};
-        ctx_.ep->access_peers(mine_i, 1, [&](const auto& peers) {
+        const std::size_t bytes_i[1] = {R * H * sizeof(T)};
+        ctx_.ep->access_peers(mine_i, bytes_i, 1, [&](const auto& peers) {
           fill_return_table(lay, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
           kernels::reduce(ex, n, H, s.top_k, kernels::row_table<T>{table.data()}, s.pos.data(), grad_x);
         });
@@ -424,10 +431,15 @@ class all_to_all_impl {
                 "count_exchange::device); use forward and backward");
   }
 
-  // Whether this call reads rows out of the peers' buffers (see layer_options::peer_access).
+  // Whether this call reads rows out of the peers' buffers (see layer_options::peer_access):
+  // the communicator has peer access and its ranks can use it now (MPI: all on one node;
+  // the same answer on every member, collective the first time).
   template <class Exec>
-  bool uses_peer_access() const noexcept {
-    return has_peer_access_v<Comm> && exec::is_host_policy_v<Exec> && ctx_.options.peer_access;
+  bool uses_peer_access() const {
+    if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>)
+      return ctx_.options.peer_access && peer_access_available(*ctx_.ep);
+    else
+      return false;
   }
 
   layer_context<Comm> ctx_;

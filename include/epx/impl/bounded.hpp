@@ -290,7 +290,7 @@ class bounded_route {
 
     bool done = false;
     if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
-      if (!train && ctx_.options.peer_access) {
+      if (!train && ctx_.options.peer_access && peer_access_available(*ctx_.ep)) {
         direct_forward(ex, b, experts, x, w, out, n, k, slab_pos, slot_row);
         done = true;
       }
@@ -451,7 +451,9 @@ class bounded_route {
       std::int64_t* row_off = b.row_off.data();
       std::int64_t* rows_of = b.rows.data();
       const void* mine[3] = {x, slot_row, b.kept.data()};
-      ctx_.ep->access_peers(mine, 3, [&](const auto& peers) {
+      const std::size_t bytes[3] = {n * H * sizeof(T), SR * sizeof(std::int64_t),
+                                    static_cast<std::size_t>(E) * sizeof(std::int64_t)};
+      ctx_.ep->access_peers(mine, bytes, 3, [&](const auto& peers) {
         auto kept_of = [&](int s) { return static_cast<const std::int64_t*>(peers(s, 2)); };
         for (int e = 0; e < E; ++e) {
           std::int64_t at = 0;
@@ -484,7 +486,8 @@ class bounded_route {
       bounded_expert_forward(experts, ex, er, y);
       const std::int64_t* kept = b.kept.data();
       const void* mine_y[1] = {y};
-      ctx_.ep->access_peers(mine_y, 1, [&](const auto& peers) {
+      const std::size_t bytes_y[1] = {XR * H * sizeof(T)};
+      ctx_.ep->access_peers(mine_y, bytes_y, 1, [&](const auto& peers) {
         for (int d = 0; d < ep; ++d) {
           const T* yd = static_cast<const T*>(peers(d, 0));
           for (int l = 0; l < L; ++l) {

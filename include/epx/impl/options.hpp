@@ -40,8 +40,9 @@ struct layer_options {
   count_exchange counts = count_exchange::host;
   bound_options bound = {};  // bounded mode (counts == count_exchange::device)
   std::size_t chunks = 0;  // chunks of the counting sort; 0: the execution policy's default
-  // On communicators whose ranks share memory (epx::has_peer_access_v: threads) and host
-  // policies, the all-to-all path reads rows straight out of the peers' buffers: the gather
+  // On communicators whose ranks share memory (epx::has_peer_access_v and, at run time,
+  // epx::peer_access_available: threads; MPI ranks all on one node) and host policies, the
+  // all-to-all path reads rows straight out of the peers' buffers: the gather
   // is fused into the dispatch and the combine into the return, with no send buffer.
   // false: always move rows through the communicator's all-to-all (same results, bitwise).
   bool peer_access = true;

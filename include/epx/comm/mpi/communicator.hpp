@@ -35,6 +35,11 @@
 //   each sender sends is what its receiver expects. A disagreement raises
 //   epx::error(errc::communicator) on every rank, naming the values:
 //   epx/comm/mpi/agreement.hpp.
+// - Peer access (access_peers, the layer's direct route): when every rank of the
+//   communicator runs on one node, the published buffers are copied into a shared window
+//   (MPI_Win_allocate_shared, grow-only, one per communicator) and read there in place by
+//   the peers: epx/comm/mpi/shared.hpp. peer_access_available() says whether that is the
+//   case (collective on its first call).
 #pragma once
 
 #include <mpi.h>
@@ -42,7 +47,9 @@
 #include <algorithm>
 #include <climits>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
+#include <exception>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -54,6 +61,7 @@
 #include "epx/comm/mpi/agreement.hpp"
 #include "epx/comm/mpi/environment.hpp"
 #include "epx/comm/mpi/options.hpp"
+#include "epx/comm/mpi/shared.hpp"
 #include "epx/comm/mpi/state.hpp"
 #include "epx/comm/mpi/support.hpp"
 #include "epx/comm/mpi/transport.hpp"
@@ -290,7 +298,142 @@ class communicator {
     }
   }
 
+  // Whether the ranks can read each other's memory: every rank of this communicator runs on
+  // one node (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)) and options::shared_memory is on.
+  // Collective on the first call on a communicator (and its copies): every rank must make
+  // it; later calls return the kept answer, the same on every rank.
+  bool peer_access_available() { return detail::mpi_peer_access_available(*s_, opt_); }
+
+  // Peer access (see epx::has_peer_access_v), when peer_access_available(). Collective:
+  // every rank publishes `count` buffers (mine[i], bytes[i] bytes each; at most 16), which
+  // are copied into its segment of the communicator's shared window; once every rank has
+  // published, f(peers) runs, where peers(r, i) is rank r's copy of its buffer i (this
+  // rank's too). The copies are read-only to the peers and stay valid until every rank's
+  // f has returned: nobody leaves before that. If f throws on one rank, that rank still
+  // waits for the others' f, then rethrows; the others carry on. Ranks that pass
+  // different counts, or a null buffer with bytes, all fail with the values. Every wait is
+  // bounded by the watchdog (options::timeout).
+  class peer_pointers {
+   public:
+    const void* operator()(int r, std::size_t i) const noexcept {
+      const std::uint64_t off = rec_[static_cast<std::size_t>(r) * detail::mpi_peer_record + 4 + i];
+      if (off & detail::mpi_peer_in_arena) return arena_[r] + (off & ~detail::mpi_peer_in_arena);
+      return base_[r] + off;
+    }
+    int size() const noexcept { return n_; }
+
+   private:
+    friend class communicator;
+    peer_pointers(char* const* base, char* const* arena, const std::uint64_t* rec, int n) noexcept
+        : base_(base), arena_(arena), rec_(rec), n_(n) {}
+    char* const* base_;
+    char* const* arena_;
+    const std::uint64_t* rec_;
+    int n_;
+  };
+
+  // Peer memory: `bytes` of this rank's memory that the peers can map (its segment of a
+  // second grow-only shared window). A buffer published through access_peers that lies in
+  // it is read there by the peers, without the copy. Collective (every rank asks for its own
+  // size, bounded by the watchdog); valid until the next peer_memory call on this
+  // communicator or its copies. Needs peer_access_available().
+  void* peer_memory(std::size_t bytes) {
+    detail::mpi_enter(*s_, "peer_memory");
+    EPX_REQUIRE(peer_access_available(), errc::configuration, "peer_memory: the ranks of this MPI communicator (",
+                size(), ") do not all share one node, or options::shared_memory is off: no peer access");
+    return detail::mpi_peer_memory(*s_, opt_, bytes);
+  }
+
+  template <class F>
+  void access_peers(const void* const* mine, const std::size_t* bytes, std::size_t count, F&& f) {
+    detail::mpi_enter(*s_, "access_peers");
+    EPX_REQUIRE(peer_access_available(), errc::configuration,
+                "access_peers: the ranks of this MPI communicator (", size(),
+                ") do not all share one node, or options::shared_memory is off: no peer access");
+    auto& w = s_->peer;
+    const auto n = static_cast<std::size_t>(size());
+    constexpr std::size_t L = detail::mpi_peer_record;
+    std::vector<std::uint64_t> rec(n * L, 0);
+    std::uint64_t* my = rec.data() + static_cast<std::size_t>(rank()) * L;
+    // Local checks travel in the record (code, detail), so every rank names the same values.
+    std::uint64_t code = 0, what = 0, need = 0;
+    if (count > detail::mpi_max_peer_buffers) {
+      code = 1;
+    } else if (count != 0 && (mine == nullptr || bytes == nullptr)) {
+      code = 2;
+    } else {
+      for (std::size_t i = 0; i < count && code == 0; ++i) {
+        if (mine[i] == nullptr && bytes[i] != 0) {
+          code = 3;
+          what = i;
+        } else if (detail::mpi_in_arena(*s_, mine[i], bytes[i], my[4 + i])) {
+          // made in the peer memory: published where it is
+        } else {
+          my[4 + i] = need;
+          need += detail::mpi_peer_round(bytes[i]);
+        }
+      }
+    }
+    my[0] = code;
+    my[1] = count;
+    my[2] = need;
+    my[3] = what;
+    // Publishing: when the buffers fit, copy them in before the gather (the gather is then
+    // the barrier that makes them visible).
+    const bool early = code == 0 && w.win != MPI_WIN_NULL && need <= w.capacity;
+    if (early) detail::mpi_peer_copy_in(*s_, mine, bytes, count, my);
+    {
+      detail::mpi_keep keep(rec);
+      EPX_MPI_BOUNDED_IDLE(*s_, opt_, &keep,
+                           MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, rec.data(), static_cast<int>(L),
+                                          MPI_UINT64_T, s_->comm, &epx_req_));
+    }
+    check_peer_records(rec);
+    std::uint64_t most = 0;
+    for (std::size_t r = 0; r < n; ++r) most = std::max(most, rec[r * L + 2]);
+    if (most > w.capacity || w.win == MPI_WIN_NULL) {
+      // Some rank's buffers do not fit: every rank takes part in the new window, copies its
+      // buffers in, and waits for the others to have done so.
+      detail::mpi_peer_grow(*s_, opt_, w, static_cast<std::size_t>(most));
+      detail::mpi_peer_copy_in(*s_, mine, bytes, count, rec.data() + static_cast<std::size_t>(rank()) * L);
+      EPX_MPI_BOUNDED_KEEP(*s_, opt_, detail::mpi_buffers::own, nullptr, MPI_Ibarrier(s_->comm, &epx_req_));
+    }
+    MPI_Win_sync(w.win);
+    if (s_->arena.win != MPI_WIN_NULL) MPI_Win_sync(s_->arena.win);
+    std::exception_ptr failure;
+    try {
+      const peer_pointers peers(w.base.data(), s_->arena.base.data(), rec.data(), size());
+      f(peers);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    // Exit barrier: nobody rewrites its segment while a peer still reads it.
+    s_->op = "access_peers";
+    EPX_MPI_BOUNDED_IDLE(*s_, opt_, nullptr, MPI_Ibarrier(s_->comm, &epx_req_));
+    if (failure) std::rethrow_exception(failure);
+  }
+
  private:
+  // After the access_peers gather: raises on every rank, with the same message, when a rank
+  // passed bad arguments or the counts differ.
+  void check_peer_records(const std::vector<std::uint64_t>& rec) const {
+    constexpr std::size_t L = detail::mpi_peer_record;
+    const int n = size();
+    for (int r = 0; r < n; ++r) {
+      const std::uint64_t* q = rec.data() + static_cast<std::size_t>(r) * L;
+      EPX_REQUIRE(q[0] != 1, errc::input, "access_peers: rank ", r, " passed ", q[1], " buffers; at most ",
+                  detail::mpi_max_peer_buffers, " on the MPI backend");
+      EPX_REQUIRE(q[0] != 2, errc::input, "access_peers: rank ", r, " passed ", q[1],
+                  " buffers with a null pointer or byte list");
+      EPX_REQUIRE(q[0] != 3, errc::input, "access_peers: rank ", r, ": buffer ", q[3], " is null but holds bytes");
+    }
+    std::string differ;
+    for (int r = 1; r < n; ++r)
+      if (rec[static_cast<std::size_t>(r) * L + 1] != rec[1])
+        differ += detail::concat(", rank ", r, " passed ", rec[static_cast<std::size_t>(r) * L + 1]);
+    EPX_REQUIRE(differ.empty(), errc::communicator, "access_peers: mismatched counts: rank 0 passed ", rec[1], differ);
+  }
+
   void all_to_all_unchecked(const void* send, void* recv, std::size_t count_per_peer, datatype t) {
     if (count_per_peer <= opt_.max_count) {
       EPX_MPI_BOUNDED(MPI_Ialltoall(send, static_cast<int>(count_per_peer), detail::mpi_type(t), recv,

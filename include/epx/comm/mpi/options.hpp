@@ -31,6 +31,10 @@ struct options {
   // (epx::mpi::run then ends the job with the message). Zero: wait forever, as MPI does.
   // split() is not covered (MPI has no nonblocking split). (epx/comm/mpi/wait.hpp)
   std::chrono::milliseconds timeout = std::chrono::minutes(10);
+  // Peer access (access_peers, the layer's direct route) through MPI-3 shared memory when
+  // every rank of the communicator runs on one node; false: never (peer_access_available()
+  // is false and the layer takes the staged route). (epx/comm/mpi/shared.hpp)
+  bool shared_memory = true;
 };
 
 }  // namespace epx::mpi

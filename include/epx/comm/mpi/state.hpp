@@ -8,13 +8,18 @@
 // the requests complete. An owned communicator and the duplicate are freed with the state,
 // unless MPI is finalized by then; orphaned buffers whose requests never completed are
 // left allocated (freeing them could let a late rank write into reused memory).
+// The shared-memory window of peer access (epx/comm/mpi/shared.hpp) lives here too.
 #pragma once
 
 #include <mpi.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstddef>
+#include <exception>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -24,6 +29,17 @@ namespace epx::detail {
 struct mpi_orphan {
   std::vector<MPI_Request> requests;
   std::vector<std::shared_ptr<void>> buffers;
+};
+
+// Peer access through MPI-3 shared memory (epx/comm/mpi/shared.hpp): whether every rank of
+// the communicator shares one node, and the grow-only window the published buffers are
+// copied into (every rank's segment has `capacity` bytes; base[r] is rank r's, mapped here).
+struct mpi_peer_window {
+  int available = -1;  // -1: not checked yet; 0: no; 1: every rank shares this node
+  MPI_Win win = MPI_WIN_NULL;
+  std::size_t capacity = 0;
+  std::vector<char*> base;
+  std::chrono::milliseconds timeout{0};  // the watchdog of the barrier before MPI_Win_free
 };
 
 struct mpi_state {
@@ -36,6 +52,8 @@ struct mpi_state {
   const char* op = "";   // the collective in progress (watchdog messages)
   std::string failed;    // set by a watchdog timeout: why the communicator cannot be used
   std::vector<mpi_orphan> orphans;
+  mpi_peer_window peer;   // the copies of access_peers
+  mpi_peer_window arena;  // peer_memory: buffers made in place, published without a copy
   mpi_state() = default;
   mpi_state(const mpi_state&) = delete;
   mpi_state& operator=(const mpi_state&) = delete;
@@ -60,6 +78,34 @@ struct mpi_state {
     return orphans.size();
   }
 
+  // MPI_Win_free is collective and blocks until every rank calls it, and a rank that leaves
+  // by an exception may never call it. So the window is freed only after a barrier that
+  // every rank passes within the watchdog's time, and never while an exception unwinds or
+  // after a failure; otherwise it is left to MPI_Finalize.
+  void free_peer_window() noexcept {
+    if (peer.win == MPI_WIN_NULL && arena.win == MPI_WIN_NULL) return;
+    if (std::uncaught_exceptions() > 0 || !failed.empty() || !orphans.empty()) return;
+    MPI_Request req = MPI_REQUEST_NULL;
+    if (MPI_Ibarrier(comm, &req) != MPI_SUCCESS) return;
+    const auto timeout = std::max(peer.timeout, arena.timeout);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (unsigned spin = 1;; ++spin) {
+      int done = 0;
+      if (MPI_Test(&req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;
+      if (done) break;
+      if (timeout.count() != 0 && spin % 64 == 0 && std::chrono::steady_clock::now() >= deadline) {
+        new MPI_Request(req);  // pending: leave it (and the window) to MPI_Finalize
+        return;
+      }
+      if (spin % 64 == 0) std::this_thread::yield();
+    }
+    for (MPI_Win* w : {&peer.win, &arena.win}) {
+      if (*w == MPI_WIN_NULL) continue;
+      MPI_Win_unlock_all(*w);
+      MPI_Win_free(w);
+    }
+  }
+
   ~mpi_state() {
     int finalized = 0;
     if (MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) return;  // MPI freed everything
@@ -67,6 +113,7 @@ struct mpi_state {
       // Still pending: a late rank may write into these buffers at any time. Leave them.
       new std::vector<mpi_orphan>(std::move(orphans));
     }
+    free_peer_window();
     if (chunk_comm != MPI_COMM_NULL) MPI_Comm_free(&chunk_comm);
     if (owned && comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
   }

@@ -103,8 +103,14 @@ inline void mpi_enter(mpi_state& s, const char* op) {
 // Waits for n requests of the collective `s.op` on the communicator of `s`, under the
 // watchdog of `opt` (see above). `kind` says whose buffers the requests touch; `keep`
 // lists the library's own (kind == own).
+//
+// `idle`: the requests only synchronize (a barrier, a gather of a few bytes), so a long wait
+// means that peers still compute; past the first few thousand polls the wait then sleeps
+// 50 us between polls instead of spinning, so that ranks sharing cores (more ranks than
+// cores) leave them to the ranks still working. Calls that move data keep polling, which
+// is what drives their progress.
 inline void mpi_wait_bounded(mpi_state& s, const mpi::options& opt, MPI_Request* reqs, int n,
-                             mpi_buffers kind = mpi_buffers::caller, mpi_keep* keep = nullptr) {
+                             mpi_buffers kind = mpi_buffers::caller, mpi_keep* keep = nullptr, bool idle = false) {
   if (n == 0) return;
   if (opt.timeout.count() == 0) {
     EPX_MPI_CHECK(MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE));
@@ -115,7 +121,8 @@ inline void mpi_wait_bounded(mpi_state& s, const mpi::options& opt, MPI_Request*
     int done = 0;
     EPX_MPI_CHECK(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE));
     if (done) return;
-    if (spin % 64 == 0) {
+    const bool sleep = idle && spin >= 4096;
+    if (spin % 64 == 0 || sleep) {
       if (std::chrono::steady_clock::now() >= deadline) {
         std::string msg = concat("watchdog: MPI ", s.op, " on rank ", s.rank, " of a communicator of ", s.size,
                                  " ranks still waits after ", opt.timeout.count(),
@@ -129,7 +136,8 @@ inline void mpi_wait_bounded(mpi_state& s, const mpi::options& opt, MPI_Request*
         s.failed = msg;
         throw error(errc::communicator, msg + " (the communicator cannot be used any more)", EPX_HERE);
       }
-      std::this_thread::yield();
+      if (sleep) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      else std::this_thread::yield();
     }
   }
 }
@@ -144,6 +152,13 @@ inline void mpi_wait_bounded(mpi_state& s, const mpi::options& opt, MPI_Request*
     MPI_Request epx_req_ = MPI_REQUEST_NULL;                                \
     EPX_MPI_CHECK(call);                                                    \
     ::epx::detail::mpi_wait_bounded((s), (opt), &epx_req_, 1, kind, keep);  \
+  } while (0)
+// The same for a call that only synchronizes (`idle` above; the library's buffers only).
+#define EPX_MPI_BOUNDED_IDLE(s, opt, keep, call)                                                             \
+  do {                                                                                                      \
+    MPI_Request epx_req_ = MPI_REQUEST_NULL;                                                                \
+    EPX_MPI_CHECK(call);                                                                                    \
+    ::epx::detail::mpi_wait_bounded((s), (opt), &epx_req_, 1, ::epx::detail::mpi_buffers::own, keep, true); \
   } while (0)
 #define EPX_MPI_BOUNDED_ON(s, opt, call) \
   EPX_MPI_BOUNDED_KEEP(s, opt, ::epx::detail::mpi_buffers::caller, nullptr, call)

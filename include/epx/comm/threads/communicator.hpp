@@ -263,6 +263,16 @@ class communicator {
   // the rows that are its own to write. If f throws on one member, that member still
   // waits for the others' f, then rethrows; the others carry on. Members that pass
   // different counts all fail with the values.
+  // `bytes` (the size of each buffer) is what backends that copy the buffers need; threads
+  // ranks read the buffers themselves, so it may be null here.
+  template <class F>
+  void access_peers(const void* const* mine, const std::size_t* bytes, std::size_t count, F&& f) {
+    (void)bytes;
+    access_peers(mine, count, std::forward<F>(f));
+  }
+  // Threads ranks share one address space: peer access always works.
+  bool peer_access_available() const noexcept { return true; }
+
   template <class F>
   void access_peers(const void* const* mine, std::size_t count, F&& f) {
     require_buffer(mine, count, "access_peers", "pointer list");
