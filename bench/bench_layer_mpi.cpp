@@ -11,9 +11,8 @@
 // reports. One iteration: barrier, the layer call timed on every rank, the slowest rank's
 // time (MPI_Allreduce MAX) is the iteration's; then the floor: every rank memcpys half the
 // bytes its call reads plus writes (bench/layer_common.hpp's route_traffic, plus on the
-// direct route the copies of the published buffers into the shared window: x in forward,
-// whose expert-major rows and outputs the layer builds in the communicator's peer memory;
-// grad_out and the kept outputs in backward, whose grad_in is built in the peer memory),
+// direct route the copies of the published buffers into the shared window: x and the
+// experts' outputs in forward; grad_out, the kept outputs and grad_in in backward),
 // all ranks at once, timed the same way. Every benchmark checks its outputs once against the direct
 // computation (identity experts). Counters as in bench_layer (epx_ms, floor_ms,
 // floor_ratio, floor_bytes, memcpy_GB/s, rows_sent, repeat_fraction, checked).
@@ -141,12 +140,13 @@ void bench_mpi_route(benchmark::State& state, shape s, route rt, bool backward) 
   std::vector<double> route_rows = route_traffic(rt, backward, static_cast<double>(S), static_cast<double>(R),
                                                  static_cast<double>(P), static_cast<double>(N), static_cast<double>(N), 1);
   if (rt == route::direct) {
-    // The copies into the shared window (a copy reads and writes): forward x (N rows);
-    // backward grad_out (N) and the outputs kept since forward (R). The index and weight
-    // arrays are small beside them and not counted.
+    // The copies into the shared window (a copy reads and writes): forward x (N rows) and
+    // the experts' outputs (R); backward grad_out (N), the outputs kept since forward (R)
+    // and the input gradients (R). The index and weight arrays are small beside them and
+    // not counted.
     const double Nd = static_cast<double>(N), Rd = static_cast<double>(R);
-    if (backward) route_rows.insert(route_rows.end(), {2 * Nd, 2 * Rd});
-    else route_rows.push_back(2 * Nd);
+    if (backward) route_rows.insert(route_rows.end(), {2 * Nd, 2 * Rd, 2 * Rd});
+    else route_rows.insert(route_rows.end(), {2 * Nd, 2 * Rd});
   }
   for (double p : route_rows) {
     traffic += p * row_bytes;
