@@ -32,7 +32,8 @@
 // mode: bounded mode carries rows in the layer's type):
 //   decode/fp8/normal/staged   the decode step above with E4M3 rows and per-128 scales on
 //                              the way out (experts dequantise), checked against the
-//                              unquantised output within the E4M3 bound
+//                              unquantised output within the E4M3 bound; its floor counts
+//                              the FP8 route's bytes (route_rows)
 //   dispatch/bf16-vs-fp8/staged/tokens:4096
 //                              the dispatch phase alone (moe_layer::dispatch: plan, count
 //                              exchange, rows to the experts' owners) at 4096 tokens, bf16
@@ -145,134 +146,19 @@ double percentile(std::vector<double> v, double q) {
 //   staged  gather 2S, all-to-all out (the threads all-to-all copies what each rank
 //           receives: normal 2R, bounded the fixed slabs 2*ep*slab), unpack 2R (bounded)
 //           or padding P (normal), pack 2R (bounded), all-to-all back (as out), combine S + n
+//   fp8     (staged, normal) quantise n rows (read n, write n/2), gather S/2 + S/2, all-to-all
+//           out R/2 + R/2, padding P/2, experts dequantise (read R/2, write R), all-to-all
+//           back 2R, combine S + n (in rows of T; E4M3 rows are half as wide; scales left out)
 // S = n*k pairs sent, R = rows received (mean over ranks: S), slab = hdr + L*cap.
-double route_rows(const shape& s, bool bounded, bool direct) {
+double route_rows(const shape& s, bool bounded, bool direct, bool fp8 = false) {
   const double n = static_cast<double>(s.tokens), S = n * s.top_k, R = S;
+  if (fp8) return 1.5 * n + S + R + 0.5 * (s.experts / s.ep) + 1.5 * R + 2 * R + S + n;
   if (direct) return 2 * R + S + n;
   const int L = s.experts / s.ep;
   const double slab = 1.0 + static_cast<double>(L) * static_cast<double>(s.cap);
   const double moved = bounded ? 2.0 * s.ep * slab : 2 * R;
   const double pack = bounded ? 4 * R : static_cast<double>(L);
   return 2 * S + 2 * moved + pack + S + n;
-}
-
-result run_decode(bool bounded, bool direct) {
-  using T = epx::bf16;
-  const shape s = g_shape;
-  const int P = s.ep;
-  result res;
-  std::vector<double> wait_sum(static_cast<std::size_t>(P), 0.0);
-  std::vector<std::string> failures(static_cast<std::size_t>(P));
-  std::vector<std::int64_t> overflow(static_cast<std::size_t>(P), 0);
-  std::vector<double> floors;
-  epx::threads::run(P, [&](epx::threads::communicator& world) {
-    const int r = world.rank();
-    auto waited = std::make_shared<double>(0.0);
-    timed_comm comm(world.split(0, r), waited);
-    epx::mesh_config mc;
-    mc.fsdp = P;
-    mc.ep = P;
-    mc.experts = s.experts;
-    const epx::mesh m(mc);
-    epx::layer_options o;
-    o.hidden = s.hidden;
-    o.top_k = s.top_k;
-    o.peer_access = direct;
-    epx::layer_options ob = o;
-    ob.counts = epx::count_exchange::device;
-    ob.bound.cap = s.cap;
-    const std::size_t n = s.tokens, H = s.hidden, k = static_cast<std::size_t>(s.top_k);
-    const auto x = epx::bench::make_rows<T>(n, H, r);
-    const auto ids = epx::bench::make_ids(n, s.top_k, s.experts, epx::bench::balanced, r);
-    const auto w = epx::bench::make_weights(n, s.top_k, r);
-    std::vector<T> out(n * H), ref(n * H);
-    epx::bench::identity_experts<T> experts;
-    epx::moe_layer<timed_comm, T> layer(m, comm, bounded ? ob : o);
-    auto call = [&](std::vector<T>& y) {
-      (void)layer.forward(epx::span<const T>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
-                          epx::span<T>(y), experts, epx::mode::inference);
-    };
-    // Check once: against the direct computation, and bounded against the normal mode.
-    call(out);
-    std::string f = epx::bench::check_forward(x.data(), w.data(), out.data(), n, H, s.top_k);
-    if (bounded) {
-      epx::moe_layer<timed_comm, T> normal(m, comm, o);
-      (void)normal.forward(epx::span<const T>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
-                           epx::span<T>(ref), experts, epx::mode::inference);
-      if (std::memcmp(out.data(), ref.data(), out.size() * sizeof(T)) != 0)
-        f += " bounded output differs bitwise from the normal mode's";
-    }
-    failures[static_cast<std::size_t>(r)] = f;
-    for (int i = 0; i < 10; ++i) call(out);
-    std::vector<double> lat;
-    double share = 0;
-    for (int i = 0; i < g_calls; ++i) {
-      world.barrier();
-      *waited = 0;
-      const auto t0 = clock_type::now();
-      call(out);
-      const double mine = seconds_since(t0);
-      world.barrier();
-      const double total = seconds_since(t0);
-      lat.push_back(total);
-      share += mine > 0 ? *waited / total : 0;
-    }
-    wait_sum[static_cast<std::size_t>(r)] = share / g_calls;
-    if (bounded) overflow[static_cast<std::size_t>(r)] = layer.check().overflow_pairs;
-    // The memcpy floor of the route's bytes.
-    const std::size_t bytes = static_cast<std::size_t>(route_rows(s, bounded, direct) * static_cast<double>(H) *
-                                                       sizeof(T) / 2.0);  // a memcpy of B reads B and writes B
-    const std::size_t chunk = std::min<std::size_t>(bytes, std::size_t{16} << 20);  // copied again until done
-    std::vector<unsigned char> a(chunk, 1), b(chunk);
-    std::vector<double> fl;
-    for (int i = 0; i < 20; ++i) {
-      world.barrier();
-      const auto t0 = clock_type::now();
-      for (std::size_t done = 0; done < bytes; done += chunk)
-        std::memcpy(b.data(), a.data(), std::min(chunk, bytes - done));
-      benchmark::DoNotOptimize(b.data());
-      world.barrier();
-      fl.push_back(seconds_since(t0));
-    }
-    if (r == 0) {
-      res.latency = lat;
-      floors = fl;
-      res.bytes = 2.0 * static_cast<double>(bytes);
-    }
-  });
-  for (const auto& f : failures)
-    if (!f.empty()) {
-      res.checked = false;
-      res.failure = f;
-    }
-  for (double v : wait_sum) res.wait_share += v / P;
-  for (auto v : overflow) res.overflow = std::max(res.overflow, v);
-  res.floor_s = percentile(floors, 0.5);
-  return res;
-}
-
-void BM_decode(benchmark::State& state, bool bounded, bool direct) {
-  result r;
-  for (auto _ : state) {
-    r = run_decode(bounded, direct);
-    if (!r.checked) {
-      state.SkipWithError(("output check failed: " + r.failure).c_str());
-      return;
-    }
-    state.SetIterationTime(percentile(r.latency, 0.5));
-  }
-  state.counters["median_us"] = percentile(r.latency, 0.5) * 1e6;
-  state.counters["p99_us"] = percentile(r.latency, 0.99) * 1e6;
-  state.counters["wait_share"] = r.wait_share;
-  state.counters["floor_us"] = r.floor_s * 1e6;
-  state.counters["MiB_moved"] = r.bytes / (1024.0 * 1024.0);
-  state.counters["overflow_pairs"] = static_cast<double>(r.overflow);
-  state.counters["checked"] = r.checked ? 1 : 0;
-  state.counters["tokens"] = static_cast<double>(g_shape.tokens);
-  state.counters["hidden"] = static_cast<double>(g_shape.hidden);
-  state.counters["cap"] = bounded ? static_cast<double>(g_shape.cap) : 0.0;
-  state.SetLabel(std::string("threads ep=") + std::to_string(g_shape.ep) + " bf16 " +
-                 (bounded ? "bounded" : "normal") + " route=" + (direct ? "direct" : "staged"));
 }
 
 // Identity experts for FP8 rows: out = float(q) * scale, rounded to T (the library's
@@ -315,14 +201,17 @@ std::string check_fp8_forward(const epx::bf16* x, const float* w, const epx::bf1
   return {};
 }
 
-// The decode step with FP8 dispatch: normal mode, staged route (the one FP8 takes).
-result run_decode_fp8() {
+// One decode measurement: bounded or normal mode, direct or staged route, bf16 rows or
+// (fp8: normal mode, staged route) E4M3 rows with experts that dequantise.
+result run_decode(bool bounded, bool direct, bool fp8 = false) {
   using T = epx::bf16;
   const shape s = g_shape;
   const int P = s.ep;
   result res;
   std::vector<double> wait_sum(static_cast<std::size_t>(P), 0.0);
   std::vector<std::string> failures(static_cast<std::size_t>(P));
+  std::vector<std::int64_t> overflow(static_cast<std::size_t>(P), 0);
+  std::vector<double> floors;
   epx::threads::run(P, [&](epx::threads::communicator& world) {
     const int r = world.rank();
     auto waited = std::make_shared<double>(0.0);
@@ -335,35 +224,76 @@ result run_decode_fp8() {
     epx::layer_options o;
     o.hidden = s.hidden;
     o.top_k = s.top_k;
-    o.fp8_dispatch = true;
-    const std::size_t n = s.tokens, H = s.hidden;
+    o.peer_access = direct && !fp8;
+    o.fp8_dispatch = fp8;
+    epx::layer_options ob = o;
+    ob.counts = epx::count_exchange::device;
+    ob.bound.cap = s.cap;
+    const std::size_t n = s.tokens, H = s.hidden, k = static_cast<std::size_t>(s.top_k);
     const auto x = epx::bench::make_rows<T>(n, H, r);
     const auto ids = epx::bench::make_ids(n, s.top_k, s.experts, epx::bench::balanced, r);
     const auto w = epx::bench::make_weights(n, s.top_k, r);
-    std::vector<T> out(n * H);
-    fp8_identity_experts experts;
-    epx::moe_layer<timed_comm, T, epx::impl::all_to_all> layer(m, comm, o);
-    auto call = [&] {
-      (void)layer.forward(epx::span<const T>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
-                          epx::span<T>(out), experts, epx::mode::inference);
+    std::vector<T> out(n * H), ref(n * H);
+    epx::bench::identity_experts<T> experts;
+    fp8_identity_experts experts8;
+    epx::moe_layer<timed_comm, T, epx::impl::all_to_all> layer(m, comm, bounded ? ob : o);
+    auto call = [&](std::vector<T>& y) {
+      if (fp8)
+        (void)layer.forward(epx::span<const T>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                            epx::span<T>(y), experts8, epx::mode::inference);
+      else
+        (void)layer.forward(epx::span<const T>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                            epx::span<T>(y), experts, epx::mode::inference);
     };
-    call();
-    failures[static_cast<std::size_t>(r)] = check_fp8_forward(x.data(), w.data(), out.data(), n, H, s.top_k);
-    for (int i = 0; i < 10; ++i) call();
+    // Check once: against the direct computation (FP8: within the E4M3 bound), and bounded
+    // against the normal mode.
+    call(out);
+    std::string f = fp8 ? check_fp8_forward(x.data(), w.data(), out.data(), n, H, s.top_k)
+                        : epx::bench::check_forward(x.data(), w.data(), out.data(), n, H, s.top_k);
+    if (bounded) {
+      epx::moe_layer<timed_comm, T, epx::impl::all_to_all> normal(m, comm, o);
+      (void)normal.forward(epx::span<const T>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                           epx::span<T>(ref), experts, epx::mode::inference);
+      if (std::memcmp(out.data(), ref.data(), out.size() * sizeof(T)) != 0)
+        f += " bounded output differs bitwise from the normal mode's";
+    }
+    failures[static_cast<std::size_t>(r)] = f;
+    for (int i = 0; i < 10; ++i) call(out);
     std::vector<double> lat;
     double share = 0;
     for (int i = 0; i < g_calls; ++i) {
       world.barrier();
       *waited = 0;
       const auto t0 = clock_type::now();
-      call();
+      call(out);
+      const double mine = seconds_since(t0);
       world.barrier();
       const double total = seconds_since(t0);
       lat.push_back(total);
-      share += total > 0 ? *waited / total : 0;
+      share += mine > 0 ? *waited / total : 0;
     }
     wait_sum[static_cast<std::size_t>(r)] = share / g_calls;
-    if (r == 0) res.latency = lat;
+    if (bounded) overflow[static_cast<std::size_t>(r)] = layer.check().overflow_pairs;
+    // The memcpy floor of the route's bytes.
+    const std::size_t bytes = static_cast<std::size_t>(route_rows(s, bounded, direct && !fp8, fp8) * static_cast<double>(H) *
+                                                       sizeof(T) / 2.0);  // a memcpy of B reads B and writes B
+    const std::size_t chunk = std::min<std::size_t>(bytes, std::size_t{16} << 20);  // copied again until done
+    std::vector<unsigned char> a(chunk, 1), b(chunk);
+    std::vector<double> fl;
+    for (int i = 0; i < 20; ++i) {
+      world.barrier();
+      const auto t0 = clock_type::now();
+      for (std::size_t done = 0; done < bytes; done += chunk)
+        std::memcpy(b.data(), a.data(), std::min(chunk, bytes - done));
+      benchmark::DoNotOptimize(b.data());
+      world.barrier();
+      fl.push_back(seconds_since(t0));
+    }
+    if (r == 0) {
+      res.latency = lat;
+      floors = fl;
+      res.bytes = 2.0 * static_cast<double>(bytes);
+    }
   });
   for (const auto& f : failures)
     if (!f.empty()) {
@@ -371,13 +301,15 @@ result run_decode_fp8() {
       res.failure = f;
     }
   for (double v : wait_sum) res.wait_share += v / P;
+  for (auto v : overflow) res.overflow = std::max(res.overflow, v);
+  res.floor_s = percentile(floors, 0.5);
   return res;
 }
 
-void BM_decode_fp8(benchmark::State& state) {
+void BM_decode(benchmark::State& state, bool bounded, bool direct, bool fp8) {
   result r;
   for (auto _ : state) {
-    r = run_decode_fp8();
+    r = run_decode(bounded, direct, fp8);
     if (!r.checked) {
       state.SkipWithError(("output check failed: " + r.failure).c_str());
       return;
@@ -387,10 +319,15 @@ void BM_decode_fp8(benchmark::State& state) {
   state.counters["median_us"] = percentile(r.latency, 0.5) * 1e6;
   state.counters["p99_us"] = percentile(r.latency, 0.99) * 1e6;
   state.counters["wait_share"] = r.wait_share;
-  state.counters["checked"] = 1;
+  state.counters["floor_us"] = r.floor_s * 1e6;
+  state.counters["MiB_moved"] = r.bytes / (1024.0 * 1024.0);
+  state.counters["overflow_pairs"] = static_cast<double>(r.overflow);
+  state.counters["checked"] = r.checked ? 1 : 0;
   state.counters["tokens"] = static_cast<double>(g_shape.tokens);
   state.counters["hidden"] = static_cast<double>(g_shape.hidden);
-  state.SetLabel(std::string("threads ep=") + std::to_string(g_shape.ep) + " bf16 layer, fp8 rows out, normal route=staged");
+  state.counters["cap"] = bounded ? static_cast<double>(g_shape.cap) : 0.0;
+  state.SetLabel(std::string("threads ep=") + std::to_string(g_shape.ep) + (fp8 ? " bf16 layer, fp8 rows out " : " bf16 ") +
+                 (bounded ? "bounded" : "normal") + " route=" + (direct && !fp8 ? "direct" : "staged"));
 }
 
 std::size_t g_dispatch_tokens = 4096;
@@ -512,12 +449,12 @@ int main(int argc, char** argv) {
     for (bool bounded : {false, true}) {
       const std::string name = std::string("decode/bf16/") + (bounded ? "bounded" : "normal") + "/" +
                                (direct ? "direct" : "staged");
-      benchmark::RegisterBenchmark(name.c_str(), BM_decode, bounded, direct)
+      benchmark::RegisterBenchmark(name.c_str(), BM_decode, bounded, direct, false)
           ->UseManualTime()
           ->Iterations(1)
           ->Unit(benchmark::kMicrosecond);
     }
-  benchmark::RegisterBenchmark("decode/fp8/normal/staged", BM_decode_fp8)
+  benchmark::RegisterBenchmark("decode/fp8/normal/staged", BM_decode, false, false, true)
       ->UseManualTime()
       ->Iterations(1)
       ->Unit(benchmark::kMicrosecond);
