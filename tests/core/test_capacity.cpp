@@ -4,6 +4,7 @@
 // at the layout level (ties, every pair dropped); the statistics; bad options.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <array>
 #include <string>
 #include <vector>
@@ -221,6 +222,34 @@ TEST_CASE("capacity: layout level, ties by score go to the lower position, every
           for (auto v : lim.dropped) dropped += v;
           CHECK(dropped == static_cast<std::int64_t>(ids.size()) - at);
           CHECK(plan.host_offset.back() == at);
+
+          // The all-to-all path (one sender): the plan's scatter cuts (scatter_with_capacity).
+          // Kept pairs at the front of their expert's block in (row, slot) order, the block's
+          // dropped positions src_row = -1 holes at its end; every chunking of the plan.
+          const auto one = epx::ref::capacity_keep({ids}, {std::vector<double>(w.begin(), w.end())}, E, k, p)[0];
+          auto p1 = epx::layout::build_plan_counts(ex, ids.data(), w.data(), N, k, E, 1 + seed % 3);
+          epx::detail::group_records rec;
+          rec.size = 1;
+          rec.stride = epx::detail::record_header + static_cast<std::size_t>(E);
+          rec.data.assign(rec.stride, 0);
+          rec.data[1] = static_cast<std::int64_t>(N);
+          std::copy(p1.host_counts.begin(), p1.host_counts.end(), rec.data.begin() + epx::detail::record_header);
+          epx::detail::call_limits l1;
+          epx::detail::scatter_with_capacity(c, ex, rec, 0, 1, E, k, ids.data(), w.data(), p1, l1);
+          std::vector<std::int64_t> want1(ids.size(), -1), row1(ids.size(), -1);
+          for (int e = 0; e < E; ++e) {
+            std::int64_t q = p1.host_offset[static_cast<std::size_t>(e)];
+            for (std::size_t i = 0; i < ids.size(); ++i)
+              if (ids[i] == e && one[i]) {
+                want1[i] = q;
+                row1[static_cast<std::size_t>(q++)] = static_cast<std::int64_t>(i / k);
+              }
+          }
+          CHECK(std::vector<std::int64_t>(p1.pos.data(), p1.pos.data() + ids.size()) == want1);
+          CHECK(std::vector<std::int64_t>(p1.src_row.data(), p1.src_row.data() + ids.size()) == row1);
+          std::int64_t dropped1 = 0;
+          for (auto v : l1.dropped) dropped1 += v;
+          CHECK(dropped1 == static_cast<std::int64_t>(std::count(one.begin(), one.end(), 0)));
         }
   }
 }

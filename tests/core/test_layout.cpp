@@ -191,11 +191,11 @@ TEST_CASE("layout: the emulated device's plan is bitwise the host's, bad pairs a
       rec.data[1] = static_cast<std::int64_t>(N);
       std::copy(plan.host_counts.begin(), plan.host_counts.end(), rec.data.begin() + epx::detail::record_header);
       epx::detail::call_limits lim;
-      epx::detail::apply_capacity(cap, ex, rec, 0, 1, E, k, ids.data(), w.data(), plan, lim);
+      epx::detail::scatter_with_capacity(cap, ex, rec, 0, 1, E, k, ids.data(), w.data(), plan, lim);
       return lim.dropped;
     };
-    auto h2 = epx::layout::build_plan(epx::exec::serial{}, ids.data(), w.data(), N, k, E, 3);
-    auto d2 = epx::layout::build_plan(epx::exec::emulated_device{}, ids.data(), w.data(), N, k, E);
+    auto h2 = epx::layout::build_plan_counts(epx::exec::serial{}, ids.data(), w.data(), N, k, E, 3);
+    auto d2 = epx::layout::build_plan_counts(epx::exec::emulated_device{}, ids.data(), w.data(), N, k, E);
     CHECK(drop(epx::exec::serial{}, h2) == drop(epx::exec::emulated_device{}, d2));
     CHECK(std::memcmp(d2.pos.data(), h2.pos.data(), h2.pairs * sizeof(std::int64_t)) == 0);
     CHECK(std::memcmp(d2.src_row.data(), h2.src_row.data(), h2.pairs * sizeof(std::int64_t)) == 0);

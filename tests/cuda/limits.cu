@@ -76,12 +76,12 @@ TEST_CASE("capacity on the device: the same send positions as the host policy") 
       r.stride = epx::detail::record_header + static_cast<std::size_t>(E);
       r.data.assign(r.stride, 0);
       r.data[1] = static_cast<std::int64_t>(n);
-      auto h1 = epx::layout::build_plan(host, ids.data(), w.data(), n, k, E);
-      auto d1 = epx::layout::build_plan(dev, d_ids.data(), d_w.data(), n, k, E);
+      auto h1 = epx::layout::build_plan_counts(host, ids.data(), w.data(), n, k, E);
+      auto d1 = epx::layout::build_plan_counts(dev, d_ids.data(), d_w.data(), n, k, E);
       std::copy(h1.host_counts.begin(), h1.host_counts.end(), r.data.begin() + epx::detail::record_header);
       epx::detail::call_limits hl1, dl1;
-      epx::detail::apply_capacity(c, host, r, 0, 1, E, k, ids.data(), w.data(), h1, hl1);
-      epx::detail::apply_capacity(c, dev, r, 0, 1, E, k, d_ids.data(), d_w.data(), d1, dl1);
+      epx::detail::scatter_with_capacity(c, host, r, 0, 1, E, k, ids.data(), w.data(), h1, hl1);
+      epx::detail::scatter_with_capacity(c, dev, r, 0, 1, E, k, d_ids.data(), d_w.data(), d1, dl1);
       CHECK(std::vector<std::int64_t>(h1.pos.data(), h1.pos.data() + ids.size()) == to_host(dev, d1.pos.data(), ids.size()));
       CHECK(std::vector<std::int64_t>(h1.src_row.data(), h1.src_row.data() + ids.size()) ==
             to_host(dev, d1.src_row.data(), ids.size()));

@@ -127,8 +127,9 @@ void check_capacity(reader& in) {
   // All-to-all path with one sender (S = 1): kept pairs keep their plan positions.
   if (S == 1 || c.mode == epx::capacity_mode::local) {
     const auto one = model_keep(c, ids, w, n, k, E, 1);
-    auto p1 = epx::layout::build_plan(ex, ids.data(), w.data(), n, k, E);
-    const auto before = std::vector<std::int64_t>(p1.pos.data(), p1.pos.data() + ids.size());
+    const auto p0 = epx::layout::build_plan(ex, ids.data(), w.data(), n, k, E);
+    const auto before = std::vector<std::int64_t>(p0.pos.data(), p0.pos.data() + ids.size());
+    auto p1 = epx::layout::build_plan_counts(ex, ids.data(), w.data(), n, k, E, 1 + in.byte() % 3);
     epx::detail::group_records g;
     g.size = 1;
     g.stride = epx::detail::record_header + static_cast<std::size_t>(E);
@@ -136,7 +137,7 @@ void check_capacity(reader& in) {
     g.data[1] = static_cast<std::int64_t>(n);
     std::copy(p1.host_counts.begin(), p1.host_counts.end(), g.data.begin() + epx::detail::record_header);
     epx::detail::call_limits l1;
-    epx::detail::apply_capacity(c, ex, g, 0, 1, E, k, ids.data(), w.data(), p1, l1);
+    epx::detail::scatter_with_capacity(c, ex, g, 0, 1, E, k, ids.data(), w.data(), p1, l1);
     for (int e = 0; e < E; ++e) {
       std::int64_t r = 0;  // rank of the kept pair inside its expert's block
       for (std::size_t i = 0; i < ids.size(); ++i) {

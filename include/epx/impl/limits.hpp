@@ -5,13 +5,16 @@
 //      call dispatches (routing::token_nodes), reduced to {tokens, sum, max}; on the
 //      all-to-all path they travel after the counts in this rank's record of the count
 //      exchange, so every rank learns the EP group's figures without another collective;
-//   2. apply_capacity: with layer_options::capacity, the pairs each source keeps per expert
+//   2. with layer_options::capacity, the pairs each source keeps per expert
 //      (layout::keep_counts, from the gathered counts: no other communication), and the
-//      plan loses the dropped pairs (layout::drop_pairs): on the all-to-all path they leave
-//      holes at the end of their expert's block of the send order (the receive layout
-//      skips them, layout/receive.hpp); on the masked path the call's rows are split into
-//      the ep slices the all-to-all path would dispatch (so both paths drop the same
-//      pairs), and the plan is compacted (layout::compact_pairs);
+//      plan loses the dropped pairs: on the all-to-all path (scatter_with_capacity) the
+//      plan's scatter waits for the count exchange and cuts them as it places the pairs
+//      (layout::plan_cut; by score with layout::drop_pairs after it); they leave holes at
+//      the end of their expert's block of the send order (the receive layout skips them,
+//      layout/receive.hpp); on the masked path (apply_capacity_masked) the call's rows are
+//      split into the ep slices the all-to-all path would dispatch (so both paths drop the
+//      same pairs), layout::drop_pairs drops them from the scattered plan, and the plan is
+//      compacted (layout::compact_pairs);
 //   3. record_limits: dropped pairs per expert and nodes per token into layer_stats.
 // validate_limits checks the options at construction.
 #pragma once
@@ -112,7 +115,7 @@ exec::buffer<std::int64_t, Exec> launch_node_tally(const mesh& m, const layer_op
   if (ids == nullptr) n = 0;
   const int E = m.experts(), per_node = E / (m.ep() / o.ranks_per_node);
   auto nodes = exec::make_buffer<std::int32_t>(ex, n);
-  exec::for_each_n(ex, n, routing::token_nodes{ids, nodes.data(), k, E, per_node, 1.0 / per_node});
+  exec::for_each_n(ex, n, routing::token_nodes{ids, nodes.data(), k, E, per_node, routing::token_nodes::magic_for(E, per_node)});
   exec::for_each_n(ex, 1, node_tally_sum{nodes.data(), n, tally.data()});
   return tally;
 }
@@ -176,11 +179,20 @@ exec::buffer<layout::drop_segment, Exec> run_drop_pairs(const capacity_policy& c
 }
 
 // Step 2, all-to-all path: sources are the ep ranks (records), this rank is `me`; its plan
-// covers its TP slice (ids, weights at the slice's first row).
+// covers its TP slice (ids, weights at the slice's first row) and is counted but not yet
+// scattered (layout::launch_plan_counts). This launches the scatter, with the cut of this
+// rank's kept counts (layout::plan_cut): by position the dropped pairs get no position in
+// the scatter itself; by score the scatter also lays the pairs of each overflowing expert
+// out for layout::drop_pairs, which then keeps the best. Without a capacity, or when
+// nothing is dropped, the plain scatter.
 template <class Exec>
-void apply_capacity(const capacity_policy& cap, const Exec& ex, const group_records& g, int me, int tp, int E, int k,
-                    const std::int32_t* ids, const float* weights, layout::send_plan<Exec>& plan, call_limits& c) {
-  if (!cap.enabled()) return;
+void scatter_with_capacity(const capacity_policy& cap, const Exec& ex, const group_records& g, int me, int tp, int E,
+                           int k, const std::int32_t* ids, const float* weights, layout::send_plan<Exec>& plan,
+                           call_limits& c) {
+  if (!cap.enabled()) {
+    layout::launch_scatter(ex, plan, ids, weights);
+    return;
+  }
   const int S = g.size;
   const auto Es = static_cast<std::size_t>(E);
   std::vector<std::int64_t> pairs(static_cast<std::size_t>(S));
@@ -191,13 +203,49 @@ void apply_capacity(const capacity_policy& cap, const Exec& ex, const group_reco
   c.dropped.resize(Es);
   c.kept = layout::keep_counts(cap, S, E, [&](int s) { return g.counts(s); }, pairs.data(), c.dropped.data());
   // This rank's segments: one per expert, its plan block.
+  const bool by_score = cap.priority == drop_priority::score;
   std::vector<layout::drop_segment> seg(Es);
   bool drops = false;
+  std::int64_t scratch = 0;
   for (std::size_t e = 0; e < Es; ++e) {
-    seg[e] = {plan.host_offset[e], plan.host_counts[e], c.kept[static_cast<std::size_t>(me) * Es + e], 0, -1};
-    drops = drops || seg[e].keep < seg[e].count;
+    const std::int64_t n = plan.host_counts[e], keep = c.kept[static_cast<std::size_t>(me) * Es + e];
+    seg[e] = {plan.host_offset[e], n, keep, 0, -1};
+    if (keep >= n) continue;
+    drops = true;
+    if (by_score) {
+      seg[e].scratch = scratch;
+      scratch += n;
+    }
   }
-  if (drops) run_drop_pairs(cap, ex, seg, ids, weights, k, 1, plan);
+  if (!drops) {
+    layout::launch_scatter(ex, plan, ids, weights);
+    return;
+  }
+  if (!by_score) {
+    // By position: the last position each expert keeps is all the scatter needs.
+    std::vector<std::int64_t> last(Es);
+    for (std::size_t e = 0; e < Es; ++e) last[e] = seg[e].begin + seg[e].keep - 1;
+    auto d_last = exec::make_buffer<std::int64_t>(ex, Es);
+    exec::copy_n(ex, static_cast<const std::int64_t*>(last.data()), Es, d_last.data());
+    layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{d_last.data(), nullptr, nullptr, nullptr});
+    return;
+  }
+  // By score: the segments (their scratch offsets first) and the scratch, with a sink
+  // entry at its end for the experts that keep every pair when more than a quarter of
+  // the pairs have scratch (layout::plan_cut).
+  const bool sink = static_cast<std::size_t>(scratch) * 4 > plan.pairs;
+  std::vector<std::int64_t> at(Es);
+  for (std::size_t e = 0; e < Es; ++e) at[e] = seg[e].scratch >= 0 ? seg[e].scratch : sink ? -1 - scratch : -1;
+  auto scratch_at = exec::make_buffer<std::int64_t>(ex, Es);
+  exec::copy_n(ex, static_cast<const std::int64_t*>(at.data()), Es, scratch_at.data());
+  auto table = exec::make_buffer<layout::drop_segment>(ex, Es);
+  exec::copy_n(ex, static_cast<const layout::drop_segment*>(seg.data()), Es, table.data());
+  auto pair_of = exec::make_buffer<std::int64_t>(ex, static_cast<std::size_t>(scratch) + 1);
+  auto key = exec::make_buffer<std::uint32_t>(ex, static_cast<std::size_t>(scratch) + 1);
+  layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{nullptr, scratch_at.data(), pair_of.data(), key.data(), sink});
+  exec::for_each_n(ex, Es,
+                   layout::drop_pairs{ids, weights, plan.pos.data(), plan.src_row.data(), table.data(), pair_of.data(),
+                                      key.data(), k, 1, true, true});
 }
 
 // Step 2, masked path: the plan covers all N rows of the group, split into the ep slices

@@ -1,9 +1,10 @@
 // epx/impl/prologue.hpp: what every forward call of the built-in implementations does
 // before rows move.
 //
-//   1. the counting-sort send plan of the call's (row, slot) pairs (epx/layout/plan.hpp),
+//   1. the counts of the send plan of the call's (row, slot) pairs (epx/layout/plan.hpp),
 //      queued with nothing read back; its pass 1 also flags the first bad expert id or
-//      non-finite weight;
+//      non-finite weight; the plan's scatter waits until after the exchange, where the
+//      capacity can cut it;
 //   2. this rank's record of the exchange, built on the policy from the plan's summary
 //      (layout plan_record: status with the bad-pair flag, shapes, the per-expert counts,
 //      node figures), and the record exchange over the EP group
@@ -63,7 +64,8 @@ routed<Exec> route_forward(const layer_context<Comm>& ctx, const Exec& ex, const
   routed<Exec> r;
   // Queued, nothing read back: the plan, the node figures, this rank's record of the
   // exchange built from them on the device ([status, N, H, k, rank | counts[E] | nodes]).
-  r.plan = layout::launch_plan(ex, ids, weights, ok ? q.n : 0, a.top_k, E, ctx.options.chunks);
+  // The plan's counts; its scatter waits for the exchange (capacity cuts it).
+  r.plan = layout::launch_plan_counts(ex, ids, weights, ok ? q.n : 0, a.top_k, E, ctx.options.chunks);
   const auto tally = launch_node_tally(*ctx.topology, ctx.options, ex, ids, ok ? q.n : 0, a.top_k);
   call_limits lim;
   lim.nodes = ctx.options.ranks_per_node > 0;
@@ -89,13 +91,14 @@ routed<Exec> route_forward(const layer_context<Comm>& ctx, const Exec& ex, const
   if (lim.nodes) std::copy(own + Es, own + Es + node_tally_size, lim.tally);
   // Limits (epx/impl/limits.hpp): capacity drops pairs.
   if (q.gather_counts) {
-    apply_capacity(ctx.options.capacity, ex, r.records, ctx.ep_rank(), ctx.tp_size(), E, a.top_k, ids, weights,
-                   r.plan, lim);
+    scatter_with_capacity(ctx.options.capacity, ex, r.records, ctx.ep_rank(), ctx.tp_size(), E, a.top_k, ids,
+                          weights, r.plan, lim);
     const auto kept = [&](int s) {
       return lim.kept.empty() ? r.records.counts(s) : lim.kept.data() + static_cast<std::size_t>(s) * E;
     };
     r.layout = make_receive_layout(ep, ep, L, ctx.options.pad, kept, [&](int s) { return r.records.counts(s); });
   } else {
+    layout::launch_scatter(ex, r.plan, ids, weights);
     apply_capacity_masked(ctx.options.capacity, ex, ep, E, a.top_k, q.n, ids, weights, r.plan, lim);
     r.layout = make_receive_layout(1, ep, L, ctx.options.pad, [&](int) { return r.plan.host_counts.data(); });
   }

@@ -12,7 +12,11 @@
 //
 // Both modes need nothing but the counts of the count exchange (keep_counts, on the host).
 // The device side works on the send plan (epx/layout/plan.hpp), whose send order holds the
-// pairs of expert e of each source as one segment in (row, slot) order:
+// pairs of expert e of each source as one segment in (row, slot) order. On the all-to-all
+// path (one source) the plan's scatter applies the cut as it places the pairs
+// (layout::plan_cut): by position the dropped pairs never get a position; by score the
+// pairs of an overflowing segment are also written to drop_pairs' scratch in position
+// order. The functors here:
 //   drop_pairs (one call per segment) keeps `keep` of its `count` pairs: the kept ones stay
 //     at the front of the segment in (row, slot) order (with their pos and src_row), the
 //     dropped ones get pos = -1 and leave src_row = -1 holes at the segment's end. Segments
@@ -133,6 +137,14 @@ inline std::vector<std::int64_t> keep_counts(const capacity_policy& c, int sourc
       dropped);
 }
 
+// A float's bits as an unsigned key that orders like the float (-0 as +0): the weight
+// order of capacity by score.
+EPX_HOST_DEVICE inline std::uint32_t order_key(float w) noexcept {
+  std::uint32_t u = epx::detail::float_bits(w);
+  if ((u & 0x7fffffffu) == 0) u = 0;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
 // One segment of the send order: `count` pairs of one source for one expert from position
 // `begin`, of which `keep` stay; `shift` = pairs dropped in all earlier segments (for
 // compact_pairs); `scratch` = where the segment's `count` entries start in drop_pairs'
@@ -172,13 +184,6 @@ struct drop_pairs {
   // Scratch entries a segment of `count` pairs keeping `keep` needs (score priority).
   static std::int64_t scratch_size(std::int64_t count, std::int64_t keep) noexcept {
     return keep < count ? count : 0;
-  }
-
-  // A float's bits as an unsigned key that orders like the float (-0 as +0).
-  EPX_HOST_DEVICE static std::uint32_t order_key(float w) noexcept {
-    std::uint32_t u = epx::detail::float_bits(w);
-    if ((u & 0x7fffffffu) == 0) u = 0;
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
   }
 
   // The pair at position p of expert e.
@@ -316,7 +321,7 @@ struct fill_scratch {
     if (seg[s].scratch < 0) return;
     const std::int64_t at = seg[s].scratch + (p - seg[s].begin);
     pair_of[at] = static_cast<std::int64_t>(i);
-    key[at] = drop_pairs::order_key(weights[i]);
+    key[at] = order_key(weights[i]);
   }
 };
 

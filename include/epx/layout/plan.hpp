@@ -14,6 +14,13 @@
 // The number of chunks C is a parameter: 1 for exec::serial, the thread count for
 // exec::openmp, a few hundred on a device.
 //
+// Passes 1 and 2 (launch_plan_counts) give the counts that the count exchange carries;
+// pass 3 (launch_scatter) may wait until the exchange is done, so that it can apply the
+// capacity (spec section 8) as it places the pairs: a plan_cut drops every pair beyond an
+// expert's kept count (by position) or writes the pairs of an overflowing expert, with
+// their weights as sort keys, contiguously for layout::drop_pairs to choose from (by
+// score). Capacity by position then costs one comparison per pair.
+//
 // Because ep rank d owns experts [d*L, (d+1)*L), expert_counts[E] read as [ep][L] is the
 // count matrix of the count exchange, and the send block for peer d is the positions
 // [expert_offset[d*L], expert_offset[(d+1)*L]).
@@ -31,6 +38,7 @@
 #include "epx/exec/host.hpp"
 #include "epx/exec/host_copy.hpp"
 #include "epx/exec/thrust.hpp"
+#include "epx/layout/capacity.hpp"
 
 #if EPX_HAS_CCCL
 #include <thrust/binary_search.h>
@@ -116,10 +124,65 @@ struct expert_offsets {
   }
 };
 
+// What the scatter pass cuts from the plan (capacity, spec section 8), for a one-source
+// plan; arrays in the policy's memory, all null: no cut. The r-th pair of expert e in the
+// send order (r from 0) goes to position p = expert_offset[e] + r, and:
+//   last ([E], by position): the last position expert e keeps, expert_offset[e] + keep[e]
+//     - 1; a pair with p > last[e] (r >= keep[e]) is dropped there and then (pos = -1, and
+//     its position a src_row = -1 hole at the block's end, what drop_pairs leaves);
+//   scratch_at ([E], by score): every pair is placed; a pair of an expert with
+//     scratch_at[e] >= 0 also writes its pair index and weight key at scratch_at[e] + r,
+//     so that layout::drop_pairs (prefilled) finds them in position order with no lookup;
+//     with `sink` (worth it when many experts overflow and the branch would be a coin
+//     toss), the other experts have scratch_at[e] = -1 - sink, a last entry that every
+//     pair of theirs overwrites, so that the loop has no branch; else they have -1.
+struct plan_cut {
+  const std::int64_t* last = nullptr;
+  const std::int64_t* scratch_at = nullptr;
+  std::int64_t* pair_of = nullptr;  // by score: [scratch]
+  std::uint32_t* key = nullptr;     // by score: [scratch]
+  bool sink = false;
+
+  // Pair i (row t) of expert e, its rank r in the expert's block, position p.
+  EPX_HOST_DEVICE void place_by_position(std::int64_t i, int e, std::int64_t p, std::int64_t t, std::int64_t* pos,
+                                         std::int64_t* src_row) const {
+    const bool stays = p <= last[e];
+    pos[i] = stays ? p : -1;
+    src_row[p] = stays ? t : -1;
+  }
+  EPX_HOST_DEVICE void place_by_score(const float* weights, std::int64_t i, int e, std::int64_t r, std::int64_t p,
+                                      std::int64_t t, std::int64_t* pos, std::int64_t* src_row) const {
+    pos[i] = p;
+    src_row[p] = t;
+    const std::int64_t s = scratch_at[e];
+    if (sink) {
+      // Every pair writes, those of an expert without scratch to the sink entry
+      // (scratch_at[e] = -1 - sink): no branch to mispredict.
+      const std::int64_t at = s >= 0 ? s + r : -1 - s;
+      pair_of[at] = i;
+      key[at] = order_key(weights[i]);
+    } else if (s >= 0) {
+      pair_of[s + r] = i;
+      key[s + r] = order_key(weights[i]);
+    }
+  }
+  EPX_HOST_DEVICE void place(const float* weights, std::int64_t i, int e, std::int64_t r, std::int64_t p,
+                             std::int64_t t, std::int64_t* pos, std::int64_t* src_row) const {
+    if (last != nullptr) {
+      place_by_position(i, e, p, t, pos, src_row);
+    } else if (scratch_at != nullptr) {
+      place_by_score(weights, i, e, r, p, t, pos, src_row);
+    } else {
+      pos[i] = p;
+      src_row[p] = t;
+    }
+  }
+};
+
 // Pass 3. Call with c in [0, C). Uses the scanned chunk_counts row of chunk c as its cursor
 // (so they are consumed). pos[i] is the send position of pair i = t*k+j; src_row[p] = t for
 // every send position p. Bad pairs (not counted by pass 1) get no position: the call that
-// found them raises before anything reads the plan.
+// found them raises before anything reads the plan. `cut`: see plan_cut.
 struct scatter_pairs {
   const std::int32_t* ids;             // [pairs]
   const float* weights;                // [pairs], or null
@@ -131,8 +194,57 @@ struct scatter_pairs {
   std::int64_t* chunk_counts;          // [C, E] cursors
   std::int64_t* pos;                   // [pairs]
   std::int64_t* src_row;               // [pairs]
+  plan_cut cut;
 
   EPX_HOST_DEVICE void operator()(std::size_t c) const {
+    // One loop per kind of cut, so that no loop tests the kind per pair.
+    if (cut.last != nullptr) {
+      run_by_position(c);
+    } else if (cut.scratch_at != nullptr) {
+      const plan_cut k = cut;
+      run(c, [&](std::int64_t i, int e, std::int64_t r, std::int64_t p, std::int64_t t) {
+        k.place_by_score(weights, i, e, r, p, t, pos, src_row);
+      });
+    } else {
+      run(c, [&](std::int64_t i, int, std::int64_t r, std::int64_t p, std::int64_t t) {
+        (void)r;
+        pos[i] = p;
+        src_row[p] = t;
+      });
+    }
+  }
+
+  // The cut by position, in as few instructions per pair as the plain loop allows (it is
+  // bound by their number on a CPU): the cursor of expert e counts down from keep[e] - 1 -
+  // (its pairs in earlier chunks), the position is last[e] - cursor, and a negative cursor
+  // (r >= keep[e]) turns both writes into -1 by an OR with its sign, with no comparison.
+  EPX_HOST_DEVICE void run_by_position(std::size_t c) const {
+    std::int64_t* cursor = chunk_counts + c * static_cast<std::size_t>(num_experts);
+    const std::int64_t* last = cut.last;
+    for (int e = 0; e < num_experts; ++e) cursor[e] = last[e] - expert_offset[e] - cursor[e];
+    const std::size_t begin = c * chunk_pairs;
+    const std::size_t end = begin + chunk_pairs < pairs ? begin + chunk_pairs : pairs;
+    const auto k = static_cast<std::size_t>(top_k);
+    std::int64_t t = static_cast<std::int64_t>(begin / k);
+    std::size_t j = begin % k;
+    for (std::size_t i = begin; i < end; ++i) {
+      const std::int32_t e = ids[i];
+      if (e >= 0 && e < num_experts && (weights == nullptr || is_finite_bits(weights[i]))) {
+        const std::int64_t down = cursor[e]--;
+        const std::int64_t p = last[e] - down;
+        const std::int64_t dropped = -static_cast<std::int64_t>(down < 0);  // all ones, or 0
+        pos[i] = p | dropped;
+        src_row[p] = t | dropped;
+      }
+      if (++j == k) {
+        j = 0;
+        ++t;
+      }
+    }
+  }
+
+  template <class Place>
+  EPX_HOST_DEVICE void run(std::size_t c, const Place& place) const {
     std::int64_t* cursor = chunk_counts + c * static_cast<std::size_t>(num_experts);
     const std::size_t begin = c * chunk_pairs;
     const std::size_t end = begin + chunk_pairs < pairs ? begin + chunk_pairs : pairs;
@@ -143,9 +255,8 @@ struct scatter_pairs {
     for (std::size_t i = begin; i < end; ++i) {
       const std::int32_t e = ids[i];
       if (e >= 0 && e < num_experts && (weights == nullptr || is_finite_bits(weights[i]))) {
-        const std::int64_t p = expert_offset[e] + cursor[e]++;
-        pos[i] = p;
-        src_row[p] = t;
+        const std::int64_t r = cursor[e]++;
+        place(static_cast<std::int64_t>(i), e, r, expert_offset[e] + r, t);
       }
       if (++j == k) {
         j = 0;
@@ -181,7 +292,9 @@ struct input_check {
 };
 
 // The send layout of one slice. Buffers live in the policy's memory space; the small
-// per-chunk and per-expert arrays sit in one `summary` buffer. The host copies
+// per-chunk and per-expert arrays sit in one `summary` buffer. pos and src_row are written
+// by the scatter (launch_scatter; `scattered`); until then the plan holds what the
+// scatter needs (the counting sort's cursors, or the sorted keys and pair indices). The host copies
 // (host_counts, host_offset, check) come either from one read-back of the summary
 // (read_plan: one copy, one synchronisation) or, inside a layer call, from the count
 // exchange, whose record this rank builds on the device from the summary (so the plan
@@ -192,7 +305,12 @@ struct send_plan {
   int num_experts = 0;
   int top_k = 0;
   std::size_t chunks = 0;
-  exec::buffer<std::int64_t, Exec> chunk_counts;   // [C, E]
+  std::size_t chunk_pairs = 0;                     // pairs per chunk (counting sort)
+  bool sorted = false;                             // the plan of a stable sort (Thrust)
+  bool scattered = false;                          // pos and src_row are written
+  exec::buffer<std::int64_t, Exec> chunk_counts;   // [C, E] (counting sort) cursors of the scatter
+  exec::buffer<std::int32_t, Exec> sorted_keys;    // [n*k] (stable sort) expert id of send position p, E if bad
+  exec::buffer<std::int64_t, Exec> sorted_perm;    // [n*k] (stable sort) pair at send position p
   exec::buffer<std::int64_t, Exec> summary;        // [C] chunk_bad | [E] expert_counts | [E+1] expert_offset
   exec::buffer<std::int64_t, Exec> pos;            // [n*k] send position of pair (t, j)
   exec::buffer<std::int64_t, Exec> src_row;        // [n*k] slice row of send position p
@@ -234,21 +352,26 @@ struct sort_keys {
   }
 };
 
-// Call with p in [0, pairs) after the sort: pos[perm[p]] = p and src_row[p] = its row, for
-// the good pairs (keys[p] < E).
+// Call with p in [0, pairs) after the sort and the summary: pos[perm[p]] = p and
+// src_row[p] = its row, for the good pairs (keys[p] < E); `cut` as for scatter_pairs (the
+// pair's rank in its expert's block is p - expert_offset[e]).
 struct sorted_positions {
   const std::int32_t* keys;  // sorted
   const std::int64_t* perm;  // pair index of sorted position p
+  const float* weights;      // [pairs] (score cut), or null
+  const std::int64_t* expert_offset;  // [E+1]
   int num_experts;
   int top_k;
   std::int64_t* pos;
   std::int64_t* src_row;
+  plan_cut cut;
 
   EPX_HOST_DEVICE void operator()(std::size_t p) const {
-    if (keys[p] >= num_experts) return;
+    const std::int32_t e = keys[p];
+    if (e >= num_experts) return;
     const std::int64_t i = perm[p];
-    pos[i] = static_cast<std::int64_t>(p);
-    src_row[p] = i / top_k;
+    const auto sp = static_cast<std::int64_t>(p);
+    cut.place(weights, i, e, sp - expert_offset[e], sp, i / top_k, pos, src_row);
   }
 };
 
@@ -275,10 +398,10 @@ struct sorted_summary {
 };
 
 #if EPX_HAS_CCCL
-// The sorted plan (see above); same contract as launch_plan.
+// The sorted plan's counts (see above); same contract as launch_plan_counts.
 template <class Exec>
-send_plan<Exec> launch_sorted_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
-                                   int k, int E) {
+send_plan<Exec> launch_sorted_counts(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
+                                     int k, int E) {
   EPX_REQUIRE(E >= 1 && k >= 1, errc::input, "build_plan: num_experts (", E, ") and top_k (", k,
               ") must be at least 1");
   send_plan<Exec> p;
@@ -286,25 +409,24 @@ send_plan<Exec> launch_sorted_plan(const Exec& ex, const std::int32_t* ids, cons
   p.num_experts = E;
   p.top_k = k;
   p.chunks = 1;
+  p.sorted = true;
   const auto Es = static_cast<std::size_t>(E);
   p.summary = exec::make_buffer<std::int64_t>(ex, 1 + 2 * Es + 1);
-  p.pos = exec::make_buffer<std::int64_t>(ex, p.pairs);
-  p.src_row = exec::make_buffer<std::int64_t>(ex, p.pairs);
-  auto keys = exec::make_buffer<std::int32_t>(ex, p.pairs);
-  auto perm = exec::make_buffer<std::int64_t>(ex, p.pairs);
-  exec::for_each_n(ex, p.pairs, sort_keys{ids, weights, E, keys.data(), perm.data()});
+  p.sorted_keys = exec::make_buffer<std::int32_t>(ex, p.pairs);
+  p.sorted_perm = exec::make_buffer<std::int64_t>(ex, p.pairs);
+  exec::for_each_n(ex, p.pairs, sort_keys{ids, weights, E, p.sorted_keys.data(), p.sorted_perm.data()});
   const auto tp = thrust_policy(ex);
   if (p.pairs > 0) {
-    thrust::stable_sort_by_key(tp, keys.data(), keys.data() + p.pairs, perm.data());
-    thrust::upper_bound(tp, keys.data(), keys.data() + p.pairs, thrust::counting_iterator<std::int32_t>(0),
-                        thrust::counting_iterator<std::int32_t>(E), p.expert_offset() + 1);
+    thrust::stable_sort_by_key(tp, p.sorted_keys.data(), p.sorted_keys.data() + p.pairs, p.sorted_perm.data());
+    thrust::upper_bound(tp, p.sorted_keys.data(), p.sorted_keys.data() + p.pairs,
+                        thrust::counting_iterator<std::int32_t>(0), thrust::counting_iterator<std::int32_t>(E),
+                        p.expert_offset() + 1);
   } else {
     exec::fill_zero(ex, p.expert_offset(), Es + 1);
   }
-  exec::for_each_n(ex, p.pairs,
-                   sorted_positions{keys.data(), perm.data(), E, k, p.pos.data(), p.src_row.data()});
   exec::for_each_n(ex, Es + 1,
-                   sorted_summary{perm.data(), p.pairs, E, p.chunk_bad(), p.expert_counts(), p.expert_offset()});
+                   sorted_summary{p.sorted_perm.data(), p.pairs, E, p.chunk_bad(), p.expert_counts(),
+                                  p.expert_offset()});
   return p;
 }
 #endif
@@ -315,14 +437,14 @@ constexpr const char* plan_algorithm() {
   return exec::has_thrust_policy_v<Exec> && EPX_HAS_CCCL ? "stable sort (Thrust)" : "counting sort";
 }
 
-// Queues the three passes for `n` rows of `k` pairs and returns at once: nothing is read
-// back, host_counts, host_offset and check stay empty. ids, weights: [n, k] in the policy's
-// memory (weights may be null). The passes run whatever pass 1 finds (bad pairs are left
-// out), so the bad-pair flags, counts and offsets are read back together, by read_plan or
-// inside the count exchange's record.
+// Passes 1 and 2 of the counting sort for `n` rows of `k` pairs, queued, nothing read back:
+// the summary (bad-pair flags, counts, offsets) and the scatter's cursors. ids, weights:
+// [n, k] in the policy's memory (weights may be null). The passes run whatever pass 1
+// finds (bad pairs are left out), so the bad-pair flags, counts and offsets are read back
+// together, by read_plan or inside the count exchange's record.
 template <class Exec>
-send_plan<Exec> launch_counting_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
-                                     int k, int E, std::size_t chunks = 0) {
+send_plan<Exec> launch_counting_counts(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
+                                       int k, int E, std::size_t chunks = 0) {
   EPX_REQUIRE(E >= 1 && k >= 1, errc::input, "build_plan: num_experts (", E, ") and top_k (", k,
               ") must be at least 1");
   send_plan<Exec> p;
@@ -334,36 +456,84 @@ send_plan<Exec> launch_counting_plan(const Exec& ex, const std::int32_t* ids, co
   const std::size_t per = p.pairs ? (p.pairs + C - 1) / C : 1;
   C = p.pairs ? (p.pairs + per - 1) / per : 1;
   p.chunks = C;
+  p.chunk_pairs = per;
   const auto Es = static_cast<std::size_t>(E);
   p.chunk_counts = exec::make_buffer<std::int64_t>(ex, C * Es);
   p.summary = exec::make_buffer<std::int64_t>(ex, C + 2 * Es + 1);
-  p.pos = exec::make_buffer<std::int64_t>(ex, p.pairs);
-  p.src_row = exec::make_buffer<std::int64_t>(ex, p.pairs);
-
   exec::for_each_n(ex, C, histogram_chunks{ids, weights, p.pairs, per, E, p.chunk_counts.data(), p.chunk_bad()});
   exec::for_each_n(ex, Es, scan_chunks{p.chunk_counts.data(), p.expert_counts(), C, E});
   exec::for_each_n(ex, 1, expert_offsets{p.expert_counts(), p.expert_offset(), E});
-  exec::for_each_n(ex, C,
-                   scatter_pairs{ids, weights, p.pairs, per, E, k, p.expert_offset(), p.chunk_counts.data(),
-                                 p.pos.data(), p.src_row.data()});
   return p;
 }
 
-// The plan of policy Exec: the sorted plan where it has a Thrust execution policy, the
-// counting sort (in `chunks` chunks, 0: the policy's default) otherwise.
+// The counts of policy Exec's plan, queued: the sorted plan where it has a Thrust
+// execution policy, the counting sort (in `chunks` chunks, 0: the policy's default)
+// otherwise. pos and src_row come with launch_scatter.
 template <class Exec>
-send_plan<Exec> launch_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n, int k,
-                            int E, std::size_t chunks = 0) {
+send_plan<Exec> launch_plan_counts(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
+                                   int k, int E, std::size_t chunks = 0) {
 #if EPX_HAS_CCCL
   if constexpr (exec::has_thrust_policy_v<Exec>) {
     (void)chunks;
-    return launch_sorted_plan(ex, ids, weights, n, k, E);
+    return launch_sorted_counts(ex, ids, weights, n, k, E);
   } else {
-    return launch_counting_plan(ex, ids, weights, n, k, E, chunks);
+    return launch_counting_counts(ex, ids, weights, n, k, E, chunks);
   }
 #else
-  return launch_counting_plan(ex, ids, weights, n, k, E, chunks);
+  return launch_counting_counts(ex, ids, weights, n, k, E, chunks);
 #endif
+}
+
+// The scatter of a counted plan, queued: pos and src_row, with an optional cut (plan_cut;
+// its buffers in the policy's memory, alive until the scatter has run). ids and weights
+// are those the plan was counted from. Once per plan.
+template <class Exec>
+void launch_scatter(const Exec& ex, send_plan<Exec>& p, const std::int32_t* ids, const float* weights,
+                    const plan_cut& cut = {}) {
+  EPX_REQUIRE(!p.scattered, errc::internal, "launch_scatter: the plan is already scattered");
+  p.pos = exec::make_buffer<std::int64_t>(ex, p.pairs);
+  p.src_row = exec::make_buffer<std::int64_t>(ex, p.pairs);
+  p.scattered = true;
+  if (p.pairs == 0) return;
+  if (p.sorted) {
+    exec::for_each_n(ex, p.pairs,
+                     sorted_positions{p.sorted_keys.data(), p.sorted_perm.data(), weights, p.expert_offset(),
+                                      p.num_experts, p.top_k, p.pos.data(), p.src_row.data(), cut});
+    return;
+  }
+  exec::for_each_n(ex, p.chunks,
+                   scatter_pairs{ids, weights, p.pairs, p.chunk_pairs, p.num_experts, p.top_k, p.expert_offset(),
+                                 p.chunk_counts.data(), p.pos.data(), p.src_row.data(), cut});
+}
+
+// The whole plan of the counting sort, queued (launch_counting_counts + launch_scatter).
+template <class Exec>
+send_plan<Exec> launch_counting_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
+                                     int k, int E, std::size_t chunks = 0) {
+  send_plan<Exec> p = launch_counting_counts(ex, ids, weights, n, k, E, chunks);
+  launch_scatter(ex, p, ids, weights);
+  return p;
+}
+
+#if EPX_HAS_CCCL
+// The whole sorted plan, queued (launch_sorted_counts + launch_scatter).
+template <class Exec>
+send_plan<Exec> launch_sorted_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
+                                   int k, int E) {
+  send_plan<Exec> p = launch_sorted_counts(ex, ids, weights, n, k, E);
+  launch_scatter(ex, p, ids, weights);
+  return p;
+}
+#endif
+
+// The whole plan of policy Exec, queued: launch_plan_counts, then launch_scatter with no
+// cut. Nothing is read back: host_counts, host_offset and check stay empty.
+template <class Exec>
+send_plan<Exec> launch_plan(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n, int k,
+                            int E, std::size_t chunks = 0) {
+  send_plan<Exec> p = launch_plan_counts(ex, ids, weights, n, k, E, chunks);
+  launch_scatter(ex, p, ids, weights);
+  return p;
 }
 
 // The first bad pair of the plan, from the per-chunk flags `bad` (host memory, [chunks]):
@@ -420,6 +590,17 @@ void read_plan(const Exec& ex, send_plan<Exec>& p, const std::int32_t* ids, cons
   }
   p.host_counts.assign(host.begin() + static_cast<std::ptrdiff_t>(C), host.begin() + static_cast<std::ptrdiff_t>(C + Es));
   p.host_offset.assign(host.begin() + static_cast<std::ptrdiff_t>(C + Es), host.end());
+}
+
+// launch_plan_counts and read_plan: the counted plan with its host copies (one
+// synchronisation), its scatter still to come (launch_scatter, or with capacity
+// detail::scatter_with_capacity).
+template <class Exec>
+send_plan<Exec> build_plan_counts(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
+                                  int k, int E, std::size_t chunks = 0) {
+  send_plan<Exec> p = launch_plan_counts(ex, ids, weights, n, k, E, chunks);
+  read_plan(ex, p, ids, weights);
+  return p;
 }
 
 // launch_plan and read_plan: the plan with its host copies (one synchronisation).
