@@ -127,15 +127,51 @@ struct token_nodes {
   int top_k;
   int num_experts;
   int experts_per_node;
-  double inv_per_node;  // 1 / experts_per_node: e / experts_per_node without a division
+  std::uint64_t magic;      // magic_for(E, experts_per_node): e / experts_per_node without a division; 0: divide
+
+  // ceil(2^32 / d) when E * d <= 2^32, else 0. For 0 <= e < E, (e * magic) >> 32 == e / d:
+  // the error e * (magic * d - 2^32) / (d * 2^32) < e / 2^32 < 1 / d stays below the gap
+  // to the next multiple of 1 / d.
+  static std::uint64_t magic_for(int E, int d) noexcept {
+    const auto Eu = static_cast<std::uint64_t>(E), du = static_cast<std::uint64_t>(d);
+    if (d < 1 || Eu * du > (std::uint64_t{1} << 32)) return 0;
+    return ((std::uint64_t{1} << 32) + du - 1) / du;
+  }
 
   EPX_HOST_DEVICE int node_of(std::int32_t e) const noexcept {
-    // (e + 0.5) / per is at least 0.5 / per away from an integer: the product rounds right.
-    return static_cast<int>((static_cast<double>(e) + 0.5) * inv_per_node);
+    const auto u = static_cast<std::uint64_t>(static_cast<std::uint32_t>(e));
+    return magic != 0 ? static_cast<int>((u * magic) >> 32) : static_cast<int>(u / static_cast<std::uint64_t>(experts_per_node));
+  }
+
+  EPX_HOST_DEVICE static int popcount(std::uint64_t m) noexcept {
+#if defined(__CUDA_ARCH__)
+    return __popcll(m);
+#elif defined(__POPCNT__)
+    return __builtin_popcountll(m);
+#else
+    // Without the instruction, the bit-parallel sum (the builtin would call a library
+    // function per token).
+    m = m - ((m >> 1) & 0x5555555555555555ull);
+    m = (m & 0x3333333333333333ull) + ((m >> 2) & 0x3333333333333333ull);
+    m = (m + (m >> 4)) & 0x0f0f0f0f0f0f0f0full;
+    return static_cast<int>((m * 0x0101010101010101ull) >> 56);
+#endif
   }
 
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
     const std::int32_t* id = ids + t * static_cast<std::size_t>(top_k);
+    if (num_experts <= 64 * experts_per_node) {
+      // At most 64 nodes (the usual case): one mask, no branch per id (an id outside
+      // [0, E) adds no bit).
+      std::uint64_t mask = 0;
+      for (int j = 0; j < top_k; ++j) {
+        const std::int32_t e = id[j];
+        const bool ok = static_cast<std::uint32_t>(e) < static_cast<std::uint32_t>(num_experts);
+        mask |= static_cast<std::uint64_t>(ok) << node_of(ok ? e : 0);
+      }
+      nodes[t] = popcount(mask);
+      return;
+    }
     std::uint64_t mask = 0;  // nodes below 64
     std::int32_t beyond = 0;  // distinct nodes from 64 on, pairwise (rare)
     for (int j = 0; j < top_k; ++j) {
