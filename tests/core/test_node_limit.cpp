@@ -5,6 +5,8 @@
 // statistics after routing with it.
 #include <doctest/doctest.h>
 
+#include <cstdint>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -247,4 +249,49 @@ TEST_CASE("node limit: the layer's limit routes every token onto at most M nodes
     }
   });
   for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+}
+
+TEST_CASE("node limit: token_nodes counts the distinct nodes of every token, up to and beyond 64 nodes") {
+  // (E, experts per node): few nodes, exactly 64, beyond 64 (the pairwise path), one
+  // expert per node, and a shape where the multiply-shift does not apply (magic 0).
+  struct shape { int E, per; };
+  std::mt19937 gen(11);
+  for (const shape s : {shape{256, 32}, shape{256, 4}, shape{96, 1}, shape{384, 3}, shape{1 << 20, 1 << 13},
+                        shape{65536, 65537}}) {
+    CAPTURE(s.E);
+    CAPTURE(s.per);
+    const auto magic = routing::token_nodes::magic_for(s.E, s.per);
+    if (static_cast<std::uint64_t>(s.E) * static_cast<std::uint64_t>(s.per) <= (std::uint64_t{1} << 32)) {
+      CHECK(magic != 0);
+      // The multiply-shift is the division for every id of the shape.
+      const routing::token_nodes tn{nullptr, nullptr, 1, s.E, s.per, magic};
+      int wrong = 0;
+      for (int e = 0; e < s.E; ++e) wrong += tn.node_of(e) != e / s.per ? 1 : 0;
+      CHECK(wrong == 0);
+    } else {
+      CHECK(magic == 0);
+    }
+    for (const int k : {1, 4, 8, 13}) {
+      const std::size_t n = 300;
+      std::vector<std::int32_t> ids(n * static_cast<std::size_t>(k));
+      std::uniform_int_distribution<std::int32_t> any(0, s.E - 1);
+      std::uniform_int_distribution<int> pick(0, 15);
+      for (auto& id : ids) {
+        const int r = pick(gen);
+        id = r == 0 ? -1 - pick(gen) : r == 1 ? s.E + pick(gen) : any(gen);  // some ids outside [0, E)
+      }
+      std::vector<std::int32_t> nodes(n, -7);
+      epx::exec::for_each_n(epx::exec::serial{}, n, routing::token_nodes{ids.data(), nodes.data(), k, s.E, s.per, magic});
+      int wrong = 0;
+      for (std::size_t t = 0; t < n; ++t) {
+        std::set<int> want;
+        for (int j = 0; j < k; ++j) {
+          const std::int32_t e = ids[t * static_cast<std::size_t>(k) + static_cast<std::size_t>(j)];
+          if (e >= 0 && e < s.E) want.insert(e / s.per);
+        }
+        wrong += nodes[t] != static_cast<std::int32_t>(want.size()) ? 1 : 0;
+      }
+      CHECK_MESSAGE(wrong == 0, "k = ", k);
+    }
+  }
 }
