@@ -165,6 +165,42 @@ TEST_CASE("capacity: statistics (dropped per expert, routed load, delivered rows
   });
 }
 
+namespace {
+
+// The all-to-all path (one sender): the plan's scatter cuts (scatter_with_capacity). Kept
+// pairs at the front of their expert's block in (row, slot) order, the block's dropped
+// positions src_row = -1 holes at its end, against the reference's kept pairs.
+void check_one_sender(const exec_t& ex, const std::vector<std::int32_t>& ids, const std::vector<float>& w,
+                      std::size_t N, int E, int k, const epx::capacity_policy& c, const epx::ref::capacity_params& p,
+                      std::size_t chunks) {
+  const auto one = epx::ref::capacity_keep({ids}, {std::vector<double>(w.begin(), w.end())}, E, k, p)[0];
+  auto p1 = epx::layout::build_plan_counts(ex, ids.data(), w.data(), N, k, E, chunks);
+  epx::detail::group_records rec;
+  rec.size = 1;
+  rec.stride = epx::detail::record_header + static_cast<std::size_t>(E);
+  rec.data.assign(rec.stride, 0);
+  rec.data[1] = static_cast<std::int64_t>(N);
+  std::copy(p1.host_counts.begin(), p1.host_counts.end(), rec.data.begin() + epx::detail::record_header);
+  epx::detail::call_limits l1;
+  epx::detail::scatter_with_capacity(c, ex, rec, 0, 1, E, k, ids.data(), w.data(), p1, l1);
+  std::vector<std::int64_t> want1(ids.size(), -1), row1(ids.size(), -1);
+  for (int e = 0; e < E; ++e) {
+    std::int64_t q = p1.host_offset[static_cast<std::size_t>(e)];
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      if (ids[i] == e && one[i]) {
+        want1[i] = q;
+        row1[static_cast<std::size_t>(q++)] = static_cast<std::int64_t>(i / static_cast<std::size_t>(k));
+      }
+  }
+  CHECK(std::vector<std::int64_t>(p1.pos.data(), p1.pos.data() + ids.size()) == want1);
+  CHECK(std::vector<std::int64_t>(p1.src_row.data(), p1.src_row.data() + ids.size()) == row1);
+  std::int64_t dropped1 = 0;
+  for (auto v : l1.dropped) dropped1 += v;
+  CHECK(dropped1 == static_cast<std::int64_t>(std::count(one.begin(), one.end(), 0)));
+}
+
+}  // namespace
+
 TEST_CASE("capacity: layout level, ties by score go to the lower position, every pair dropped") {
   // One sender (the all-to-all path) and four senders (the masked path), weights with many
   // ties, on the test's execution policy.
@@ -223,33 +259,8 @@ TEST_CASE("capacity: layout level, ties by score go to the lower position, every
           CHECK(dropped == static_cast<std::int64_t>(ids.size()) - at);
           CHECK(plan.host_offset.back() == at);
 
-          // The all-to-all path (one sender): the plan's scatter cuts (scatter_with_capacity).
-          // Kept pairs at the front of their expert's block in (row, slot) order, the block's
-          // dropped positions src_row = -1 holes at its end; every chunking of the plan.
-          const auto one = epx::ref::capacity_keep({ids}, {std::vector<double>(w.begin(), w.end())}, E, k, p)[0];
-          auto p1 = epx::layout::build_plan_counts(ex, ids.data(), w.data(), N, k, E, 1 + seed % 3);
-          epx::detail::group_records rec;
-          rec.size = 1;
-          rec.stride = epx::detail::record_header + static_cast<std::size_t>(E);
-          rec.data.assign(rec.stride, 0);
-          rec.data[1] = static_cast<std::int64_t>(N);
-          std::copy(p1.host_counts.begin(), p1.host_counts.end(), rec.data.begin() + epx::detail::record_header);
-          epx::detail::call_limits l1;
-          epx::detail::scatter_with_capacity(c, ex, rec, 0, 1, E, k, ids.data(), w.data(), p1, l1);
-          std::vector<std::int64_t> want1(ids.size(), -1), row1(ids.size(), -1);
-          for (int e = 0; e < E; ++e) {
-            std::int64_t q = p1.host_offset[static_cast<std::size_t>(e)];
-            for (std::size_t i = 0; i < ids.size(); ++i)
-              if (ids[i] == e && one[i]) {
-                want1[i] = q;
-                row1[static_cast<std::size_t>(q++)] = static_cast<std::int64_t>(i / k);
-              }
-          }
-          CHECK(std::vector<std::int64_t>(p1.pos.data(), p1.pos.data() + ids.size()) == want1);
-          CHECK(std::vector<std::int64_t>(p1.src_row.data(), p1.src_row.data() + ids.size()) == row1);
-          std::int64_t dropped1 = 0;
-          for (auto v : l1.dropped) dropped1 += v;
-          CHECK(dropped1 == static_cast<std::int64_t>(std::count(one.begin(), one.end(), 0)));
+          // The all-to-all path (one sender), every chunking of the plan.
+          check_one_sender(ex, ids, w, N, E, k, c, p, 1 + seed % 3);
         }
   }
 }
@@ -352,5 +363,38 @@ TEST_CASE("nodes: nodes per token in the statistics (all-to-all and masked paths
     masked.capacity = cap(epx::capacity_mode::global, 1.0);
     check_case<float, epx::impl::all_reduce>(masked);
     check_case<float>(masked);
+  }
+}
+
+TEST_CASE("capacity: one sender at the sizes people run, one hot expert or many overflowing") {
+  // 2048 tokens, top-4 of 64 experts: with one hot expert few pairs are in overflowing
+  // experts (by score, drop_pairs then finds them from their rows); with a tight capacity
+  // most are (the scatter writes every pair's weight key in send order). Weights from a
+  // few values, so that ties by score occur.
+  const exec_t ex{};
+  const std::size_t N = 2048;
+  const int E = 64, k = 4;
+  for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+    epx::ref::rng g(seed);
+    std::vector<std::int32_t> ids = epx::ref::random_routing(N, E, k, seed + 100);
+    for (std::size_t t = 0; t < N; t += 3) {  // expert 0 in a third of the tokens
+      bool has = false;
+      for (int j = 0; j < k; ++j) has = has || ids[t * k + static_cast<std::size_t>(j)] == 0;
+      if (!has) ids[t * k] = 0;
+    }
+    std::vector<float> w(ids.size());
+    for (auto& v : w) v = static_cast<float>(g.below(64)) / 64.0f;
+    for (auto prio : kPriorities)
+      for (std::int64_t rows : {std::int64_t{300}, std::int64_t{100}, std::int64_t{40}}) {
+        CAPTURE(seed);
+        CAPTURE(rows);
+        const auto c = cap(epx::capacity_mode::local, 1.0, rows, prio);
+        epx::ref::capacity_params p;
+        p.mode = static_cast<int>(c.mode);
+        p.factor = c.factor;
+        p.rows = c.rows;
+        p.by_score = prio == epx::drop_priority::score;
+        check_one_sender(ex, ids, w, N, E, k, c, p, 1 + seed % 4);
+      }
   }
 }

@@ -182,9 +182,10 @@ exec::buffer<layout::drop_segment, Exec> run_drop_pairs(const capacity_policy& c
 // covers its TP slice (ids, weights at the slice's first row) and is counted but not yet
 // scattered (layout::launch_plan_counts). This launches the scatter, with the cut of this
 // rank's kept counts (layout::plan_cut): by position the dropped pairs get no position in
-// the scatter itself; by score the scatter also lays the pairs of each overflowing expert
-// out for layout::drop_pairs, which then keeps the best. Without a capacity, or when
-// nothing is dropped, the plain scatter.
+// the scatter itself; by score layout::drop_pairs keeps the best of each overflowing
+// expert, from its pairs' index and weight key, which the scatter also writes in send
+// order when many pairs are in overflowing experts. Without a capacity, or when nothing
+// is dropped, the plain scatter.
 template <class Exec>
 void scatter_with_capacity(const capacity_policy& cap, const Exec& ex, const group_records& g, int me, int tp, int E,
                            int k, const std::int32_t* ids, const float* weights, layout::send_plan<Exec>& plan,
@@ -206,16 +207,13 @@ void scatter_with_capacity(const capacity_policy& cap, const Exec& ex, const gro
   const bool by_score = cap.priority == drop_priority::score;
   std::vector<layout::drop_segment> seg(Es);
   bool drops = false;
-  std::int64_t scratch = 0;
+  std::int64_t overflowing = 0;  // pairs in the segments that drop
   for (std::size_t e = 0; e < Es; ++e) {
     const std::int64_t n = plan.host_counts[e], keep = c.kept[static_cast<std::size_t>(me) * Es + e];
     seg[e] = {plan.host_offset[e], n, keep, 0, -1};
     if (keep >= n) continue;
     drops = true;
-    if (by_score) {
-      seg[e].scratch = scratch;
-      scratch += n;
-    }
+    overflowing += n;
   }
   if (!drops) {
     layout::launch_scatter(ex, plan, ids, weights);
@@ -227,25 +225,31 @@ void scatter_with_capacity(const capacity_policy& cap, const Exec& ex, const gro
     for (std::size_t e = 0; e < Es; ++e) last[e] = seg[e].begin + seg[e].keep - 1;
     auto d_last = exec::make_buffer<std::int64_t>(ex, Es);
     exec::copy_n(ex, static_cast<const std::int64_t*>(last.data()), Es, d_last.data());
-    layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{d_last.data(), nullptr, nullptr, nullptr});
+    layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{d_last.data(), nullptr, nullptr});
     return;
   }
-  // By score: the segments (their scratch offsets first) and the scratch, with a sink
-  // entry at its end for the experts that keep every pair when more than a quarter of
-  // the pairs have scratch (layout::plan_cut).
-  const bool sink = static_cast<std::size_t>(scratch) * 4 > plan.pairs;
-  std::vector<std::int64_t> at(Es);
-  for (std::size_t e = 0; e < Es; ++e) at[e] = seg[e].scratch >= 0 ? seg[e].scratch : sink ? -1 - scratch : -1;
-  auto scratch_at = exec::make_buffer<std::int64_t>(ex, Es);
-  exec::copy_n(ex, static_cast<const std::int64_t*>(at.data()), Es, scratch_at.data());
+  EPX_REQUIRE(weights != nullptr, errc::internal, "capacity by score needs the routing weights");
+  // By score. Few pairs in the segments that drop (at most an eighth): the plain scatter,
+  // and drop_pairs finds each of their pairs from its row (a scratch of their size). Else
+  // the scatter also writes every pair's index and weight key at its send position, and
+  // each dropping segment's scratch is its own positions.
+  const bool fused = overflowing * 8 > static_cast<std::int64_t>(plan.pairs);
+  std::int64_t scratch = 0;
+  for (auto& sg : seg) {
+    if (sg.keep >= sg.count) continue;
+    sg.scratch = fused ? sg.begin : scratch;
+    scratch += sg.count;
+  }
+  const auto size = fused ? plan.pairs : static_cast<std::size_t>(scratch);
   auto table = exec::make_buffer<layout::drop_segment>(ex, Es);
   exec::copy_n(ex, static_cast<const layout::drop_segment*>(seg.data()), Es, table.data());
-  auto pair_of = exec::make_buffer<std::int64_t>(ex, static_cast<std::size_t>(scratch) + 1);
-  auto key = exec::make_buffer<std::uint32_t>(ex, static_cast<std::size_t>(scratch) + 1);
-  layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{nullptr, scratch_at.data(), pair_of.data(), key.data(), sink});
+  auto pair_of = exec::make_buffer<std::int64_t>(ex, size);
+  auto key = exec::make_buffer<std::uint32_t>(ex, size);
+  layout::launch_scatter(ex, plan, ids, weights,
+                         fused ? layout::plan_cut{nullptr, pair_of.data(), key.data()} : layout::plan_cut{});
   exec::for_each_n(ex, Es,
                    layout::drop_pairs{ids, weights, plan.pos.data(), plan.src_row.data(), table.data(), pair_of.data(),
-                                      key.data(), k, 1, true, true});
+                                      key.data(), k, 1, true, fused});
 }
 
 // Step 2, masked path: the plan covers all N rows of the group, split into the ep slices

@@ -14,9 +14,9 @@
 // The device side works on the send plan (epx/layout/plan.hpp), whose send order holds the
 // pairs of expert e of each source as one segment in (row, slot) order. On the all-to-all
 // path (one source) the plan's scatter applies the cut as it places the pairs
-// (layout::plan_cut): by position the dropped pairs never get a position; by score the
-// pairs of an overflowing segment are also written to drop_pairs' scratch in position
-// order. The functors here:
+// (layout::plan_cut): by position the dropped pairs never get a position; by score, when
+// many pairs are in overflowing segments, every pair's index and weight key are also
+// written at its send position, drop_pairs' scratch. The functors here:
 //   drop_pairs (one call per segment) keeps `keep` of its `count` pairs: the kept ones stay
 //     at the front of the segment in (row, slot) order (with their pos and src_row), the
 //     dropped ones get pos = -1 and leave src_row = -1 holes at the segment's end. Segments
@@ -263,8 +263,10 @@ struct drop_pairs {
       pair_of[p + o] = i;
       key[p + o] = order_key(weights[i]);
     }
-    // The keep-th largest key, 8 bits at a time; `need` ends as the number of pairs with
-    // exactly that key that stay (the first ones in position order).
+    // The keep-th largest key, 8 bits at a time, on the bits under `mask`; `need` ends as
+    // the number of pairs whose masked key is `prefix` that stay (the first ones in
+    // position order). When every pair of the chosen bucket stays, the lower bits do not
+    // matter and the selection stops there.
     std::uint32_t prefix = 0, mask = 0;
     std::int64_t need = s.keep;
     if (need > 0) {
@@ -277,12 +279,13 @@ struct drop_pairs {
         for (; h > 0 && need > hist[h]; --h) need -= hist[h];
         prefix |= static_cast<std::uint32_t>(h) << shift;
         mask |= 0xffu << shift;
+        if (need == hist[h]) break;
       }
     }
     std::int64_t at = b;
     for (std::int64_t p = b; p < end; ++p) {
       const std::int64_t i = pair_of[p + o];
-      const std::uint32_t kp = key[p + o];
+      const std::uint32_t kp = key[p + o] & mask;
       bool stay = s.keep > 0 && kp > prefix;
       if (s.keep > 0 && kp == prefix && need > 0) {
         stay = true;

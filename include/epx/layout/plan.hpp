@@ -130,51 +130,29 @@ struct expert_offsets {
 //   last ([E], by position): the last position expert e keeps, expert_offset[e] + keep[e]
 //     - 1; a pair with p > last[e] (r >= keep[e]) is dropped there and then (pos = -1, and
 //     its position a src_row = -1 hole at the block's end, what drop_pairs leaves);
-//   scratch_at ([E], by score): every pair is placed; a pair of an expert with
-//     scratch_at[e] >= 0 also writes its pair index and weight key at scratch_at[e] + r,
-//     so that layout::drop_pairs (prefilled) finds them in position order with no lookup;
-//     with `sink` (worth it when many experts overflow and the branch would be a coin
-//     toss), the other experts have scratch_at[e] = -1 - sink, a last entry that every
-//     pair of theirs overwrites, so that the loop has no branch; else they have -1.
+//   pair_of, key ([pairs], by score): every pair is placed, and also writes its pair index
+//     and weight key (order_key) at its send position, so that layout::drop_pairs
+//     (prefilled, each segment's scratch at its begin) reads the pairs of an overflowing
+//     expert in position order with no lookup. Every pair writes: no branch per pair.
 struct plan_cut {
   const std::int64_t* last = nullptr;
-  const std::int64_t* scratch_at = nullptr;
-  std::int64_t* pair_of = nullptr;  // by score: [scratch]
-  std::uint32_t* key = nullptr;     // by score: [scratch]
-  bool sink = false;
+  std::int64_t* pair_of = nullptr;
+  std::uint32_t* key = nullptr;
 
-  // Pair i (row t) of expert e, its rank r in the expert's block, position p.
-  EPX_HOST_DEVICE void place_by_position(std::int64_t i, int e, std::int64_t p, std::int64_t t, std::int64_t* pos,
-                                         std::int64_t* src_row) const {
-    const bool stays = p <= last[e];
-    pos[i] = stays ? p : -1;
-    src_row[p] = stays ? t : -1;
-  }
-  EPX_HOST_DEVICE void place_by_score(const float* weights, std::int64_t i, int e, std::int64_t r, std::int64_t p,
-                                      std::int64_t t, std::int64_t* pos, std::int64_t* src_row) const {
+  // Pair i (row t) of expert e at position p (one thread per pair: the sorted plan).
+  EPX_HOST_DEVICE void place(const float* weights, std::int64_t i, int e, std::int64_t p, std::int64_t t,
+                             std::int64_t* pos, std::int64_t* src_row) const {
+    if (last != nullptr) {
+      const bool stays = p <= last[e];
+      pos[i] = stays ? p : -1;
+      src_row[p] = stays ? t : -1;
+      return;
+    }
     pos[i] = p;
     src_row[p] = t;
-    const std::int64_t s = scratch_at[e];
-    if (sink) {
-      // Every pair writes, those of an expert without scratch to the sink entry
-      // (scratch_at[e] = -1 - sink): no branch to mispredict.
-      const std::int64_t at = s >= 0 ? s + r : -1 - s;
-      pair_of[at] = i;
-      key[at] = order_key(weights[i]);
-    } else if (s >= 0) {
-      pair_of[s + r] = i;
-      key[s + r] = order_key(weights[i]);
-    }
-  }
-  EPX_HOST_DEVICE void place(const float* weights, std::int64_t i, int e, std::int64_t r, std::int64_t p,
-                             std::int64_t t, std::int64_t* pos, std::int64_t* src_row) const {
-    if (last != nullptr) {
-      place_by_position(i, e, p, t, pos, src_row);
-    } else if (scratch_at != nullptr) {
-      place_by_score(weights, i, e, r, p, t, pos, src_row);
-    } else {
-      pos[i] = p;
-      src_row[p] = t;
+    if (key != nullptr) {
+      pair_of[p] = i;
+      key[p] = order_key(weights[i]);
     }
   }
 };
@@ -196,56 +174,37 @@ struct scatter_pairs {
   std::int64_t* src_row;               // [pairs]
   plan_cut cut;
 
+  enum kind : int { plain, by_position, by_score };
+
   EPX_HOST_DEVICE void operator()(std::size_t c) const {
     // One loop per kind of cut, so that no loop tests the kind per pair.
     if (cut.last != nullptr) {
-      run_by_position(c);
-    } else if (cut.scratch_at != nullptr) {
-      const plan_cut k = cut;
-      run(c, [&](std::int64_t i, int e, std::int64_t r, std::int64_t p, std::int64_t t) {
-        k.place_by_score(weights, i, e, r, p, t, pos, src_row);
-      });
+      run<by_position>(c);
+    } else if (cut.key != nullptr) {
+      run<by_score>(c);
     } else {
-      run(c, [&](std::int64_t i, int, std::int64_t r, std::int64_t p, std::int64_t t) {
-        (void)r;
-        pos[i] = p;
-        src_row[p] = t;
-      });
+      run<plain>(c);
     }
   }
 
-  // The cut by position, in as few instructions per pair as the plain loop allows (it is
-  // bound by their number on a CPU): the cursor of expert e counts down from keep[e] - 1 -
-  // (its pairs in earlier chunks), the position is last[e] - cursor, and a negative cursor
-  // (r >= keep[e]) turns both writes into -1 by an OR with its sign, with no comparison.
-  EPX_HOST_DEVICE void run_by_position(std::size_t c) const {
-    std::int64_t* cursor = chunk_counts + c * static_cast<std::size_t>(num_experts);
-    const std::int64_t* last = cut.last;
-    for (int e = 0; e < num_experts; ++e) cursor[e] = last[e] - expert_offset[e] - cursor[e];
-    const std::size_t begin = c * chunk_pairs;
-    const std::size_t end = begin + chunk_pairs < pairs ? begin + chunk_pairs : pairs;
-    const auto k = static_cast<std::size_t>(top_k);
-    std::int64_t t = static_cast<std::int64_t>(begin / k);
-    std::size_t j = begin % k;
-    for (std::size_t i = begin; i < end; ++i) {
-      const std::int32_t e = ids[i];
-      if (e >= 0 && e < num_experts && (weights == nullptr || is_finite_bits(weights[i]))) {
-        const std::int64_t down = cursor[e]--;
-        const std::int64_t p = last[e] - down;
-        const std::int64_t dropped = -static_cast<std::int64_t>(down < 0);  // all ones, or 0
-        pos[i] = p | dropped;
-        src_row[p] = t | dropped;
-      }
-      if (++j == k) {
-        j = 0;
-        ++t;
-      }
-    }
-  }
-
-  template <class Place>
-  EPX_HOST_DEVICE void run(std::size_t c, const Place& place) const {
-    std::int64_t* cursor = chunk_counts + c * static_cast<std::size_t>(num_experts);
+  // On a CPU the loop is bound by its instructions per pair; everything it reads is a
+  // local (kept in a register). By position, the cursor of expert e counts down from
+  // keep[e] - 1 - (its pairs in earlier chunks) and the position is last[e] - cursor: a
+  // negative cursor (r >= keep[e]) turns both writes into -1 by an OR with its sign, with
+  // no comparison.
+  template <int Kind>
+  EPX_HOST_DEVICE void run(std::size_t c) const {
+    const std::int32_t* const id = ids;
+    const float* const w = weights;
+    const int E = num_experts;
+    std::int64_t* const to_pos = pos;
+    std::int64_t* const to_row = src_row;
+    std::int64_t* const pair_of = cut.pair_of;
+    std::uint32_t* const key = cut.key;
+    std::int64_t* const cursor = chunk_counts + c * static_cast<std::size_t>(E);
+    const std::int64_t* const base = Kind == by_position ? cut.last : expert_offset;
+    if (Kind == by_position)
+      for (int e = 0; e < E; ++e) cursor[e] = base[e] - expert_offset[e] - cursor[e];
     const std::size_t begin = c * chunk_pairs;
     const std::size_t end = begin + chunk_pairs < pairs ? begin + chunk_pairs : pairs;
     // Row and slot of pair i kept as counters: no integer division per pair.
@@ -253,10 +212,23 @@ struct scatter_pairs {
     std::int64_t t = static_cast<std::int64_t>(begin / k);
     std::size_t j = begin % k;
     for (std::size_t i = begin; i < end; ++i) {
-      const std::int32_t e = ids[i];
-      if (e >= 0 && e < num_experts && (weights == nullptr || is_finite_bits(weights[i]))) {
-        const std::int64_t r = cursor[e]++;
-        place(static_cast<std::int64_t>(i), e, r, expert_offset[e] + r, t);
+      const std::int32_t e = id[i];
+      if (e >= 0 && e < E && (w == nullptr || is_finite_bits(w[i]))) {
+        if constexpr (Kind == by_position) {
+          const std::int64_t down = cursor[e]--;
+          const std::int64_t p = base[e] - down;
+          const std::int64_t dropped = -static_cast<std::int64_t>(down < 0);  // all ones, or 0
+          to_pos[i] = p | dropped;
+          to_row[p] = t | dropped;
+        } else {
+          const std::int64_t p = base[e] + cursor[e]++;
+          to_pos[i] = p;
+          to_row[p] = t;
+          if constexpr (Kind == by_score) {
+            pair_of[p] = static_cast<std::int64_t>(i);
+            key[p] = order_key(w[i]);
+          }
+        }
       }
       if (++j == k) {
         j = 0;
@@ -352,14 +324,12 @@ struct sort_keys {
   }
 };
 
-// Call with p in [0, pairs) after the sort and the summary: pos[perm[p]] = p and
-// src_row[p] = its row, for the good pairs (keys[p] < E); `cut` as for scatter_pairs (the
-// pair's rank in its expert's block is p - expert_offset[e]).
+// Call with p in [0, pairs) after the sort: pos[perm[p]] = p and
+// src_row[p] = its row, for the good pairs (keys[p] < E); `cut` as for scatter_pairs.
 struct sorted_positions {
   const std::int32_t* keys;  // sorted
   const std::int64_t* perm;  // pair index of sorted position p
   const float* weights;      // [pairs] (score cut), or null
-  const std::int64_t* expert_offset;  // [E+1]
   int num_experts;
   int top_k;
   std::int64_t* pos;
@@ -370,8 +340,7 @@ struct sorted_positions {
     const std::int32_t e = keys[p];
     if (e >= num_experts) return;
     const std::int64_t i = perm[p];
-    const auto sp = static_cast<std::int64_t>(p);
-    cut.place(weights, i, e, sp - expert_offset[e], sp, i / top_k, pos, src_row);
+    cut.place(weights, i, e, static_cast<std::int64_t>(p), i / top_k, pos, src_row);
   }
 };
 
@@ -497,7 +466,7 @@ void launch_scatter(const Exec& ex, send_plan<Exec>& p, const std::int32_t* ids,
   if (p.pairs == 0) return;
   if (p.sorted) {
     exec::for_each_n(ex, p.pairs,
-                     sorted_positions{p.sorted_keys.data(), p.sorted_perm.data(), weights, p.expert_offset(),
+                     sorted_positions{p.sorted_keys.data(), p.sorted_perm.data(), weights,
                                       p.num_experts, p.top_k, p.pos.data(), p.src_row.data(), cut});
     return;
   }
