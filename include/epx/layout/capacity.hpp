@@ -212,35 +212,37 @@ struct drop_pairs {
     // a second one moves the others. Else a radix selection over the segment's scratch.
     const std::int64_t d = s.count - s.keep;
     const std::int64_t o = s.scratch - b;  // scratch entry of position p: p + o
-    if (d <= few) {
-      std::uint32_t wk[few];
-      std::int64_t wp[few];
+    if (d <= few && s.count <= 0xffffffff) {
+      // How bad pair p is, as one number: its key's complement above its offset in the
+      // segment (a smaller key, or the same key at a higher position, is worse). The list
+      // holds the d worst so far, worst first; most pairs are better than its last entry.
+      std::uint64_t wv[few];
       int n = 0;
+      std::uint64_t last = 0;  // wv[n - 1] once the list is full
       for (std::int64_t p = b; p < end; ++p) {
         if (!prefilled) {
           const std::int64_t i = pair_at(p, e);
           pair_of[p + o] = i;
           key[p + o] = order_key(weights[i]);
         }
-        const std::uint32_t kp = key[p + o];
-        // Worse than the list's best entry: smaller key, or the same key at a higher position.
-        if (n == d && !(kp < wk[n - 1] || (kp == wk[n - 1] && p > wp[n - 1]))) continue;
+        const std::uint64_t v = static_cast<std::uint64_t>(~key[p + o]) << 32 | static_cast<std::uint64_t>(p - b);
+        if (n == d && v < last) continue;
         int at = n < d ? n : n - 1;
-        while (at > 0 && (kp < wk[at - 1] || (kp == wk[at - 1] && p > wp[at - 1]))) {
-          wk[at] = wk[at - 1];
-          wp[at] = wp[at - 1];
+        while (at > 0 && v > wv[at - 1]) {
+          wv[at] = wv[at - 1];
           --at;
         }
-        wk[at] = kp;
-        wp[at] = p;
+        wv[at] = v;
         if (n < d) ++n;
+        last = wv[n - 1];
       }
-      for (int r = 1; r < n; ++r)  // the dropped positions, ascending
-        for (int q = r; q > 0 && wp[q - 1] > wp[q]; --q) {
-          const std::int64_t t = wp[q];
-          wp[q] = wp[q - 1];
-          wp[q - 1] = t;
-        }
+      std::int64_t wp[few];  // the dropped positions, ascending
+      for (int r = 0; r < n; ++r) {
+        const std::int64_t q = b + static_cast<std::int64_t>(wv[r] & 0xffffffffu);
+        int at = r;
+        for (; at > 0 && wp[at - 1] > q; --at) wp[at] = wp[at - 1];
+        wp[at] = q;
+      }
       // Positions before the first dropped one keep their pairs.
       std::int64_t at = wp[0];
       int next = 0;
