@@ -5,6 +5,7 @@
 // statistics after routing with it.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <set>
@@ -292,6 +293,34 @@ TEST_CASE("node limit: token_nodes counts the distinct nodes of every token, up 
         wrong += nodes[t] != static_cast<std::int32_t>(want.size()) ? 1 : 0;
       }
       CHECK_MESSAGE(wrong == 0, "k = ", k);
+
+      // The send plan's count of the same figures (nodes_per_token): in the counting
+      // sort's pass 1 with any chunking (at most 64 nodes), else one token_nodes pass; on
+      // every host policy and the emulated device. Pairs with a non-finite weight are not
+      // counted (such a call raises); here every weight is finite.
+      std::int64_t sum = 0, most = 0;
+      for (auto v : nodes) {
+        sum += v;
+        most = std::max<std::int64_t>(most, v);
+      }
+      const std::vector<float> w(ids.size(), 0.5f);
+      const auto check_plan = [&](const auto& ex, std::size_t chunks, const char* name) {
+        const auto p = epx::layout::build_plan_counts(ex, ids.data(), w.data(), n, k, s.E, chunks,
+                                                      epx::layout::nodes_per_token{s.per});
+        std::int64_t tally[3] = {-1, -1, -1};
+        epx::exec::copy_n(ex, static_cast<const std::int64_t*>(p.node_tally.data()), std::size_t{3}, tally);
+        epx::exec::synchronize(ex);
+        CHECK_MESSAGE(tally[0] == static_cast<std::int64_t>(n), name, " chunks ", chunks);
+        CHECK_MESSAGE(tally[1] == sum, name, " chunks ", chunks);
+        CHECK_MESSAGE(tally[2] == most, name, " chunks ", chunks);
+        // The counts are those of the plan without nodes.
+        const auto q = epx::layout::build_plan_counts(ex, ids.data(), w.data(), n, k, s.E, chunks);
+        CHECK(p.host_counts == q.host_counts);
+      };
+      for (std::size_t chunks : {std::size_t{1}, std::size_t{3}, std::size_t{7}, std::size_t{64}})
+        check_plan(epx::exec::serial{}, chunks, "serial");
+      check_plan(epx::exec::openmp{2}, 0, "openmp");
+      check_plan(epx::exec::emulated_device{}, 0, "emulated_device");
     }
   }
 }

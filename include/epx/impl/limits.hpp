@@ -1,10 +1,12 @@
 // epx/impl/limits.hpp: capacity and nodes inside a forward call (spec sections 8 and 10).
 //
 // The shared prologue (epx/impl/prologue.hpp) calls these around the count exchange:
-//   1. count_nodes: with layer_options::ranks_per_node, the distinct nodes of every token the
-//      call dispatches (routing::token_nodes), reduced to {tokens, sum, max}; on the
-//      all-to-all path they travel after the counts in this rank's record of the count
-//      exchange, so every rank learns the EP group's figures without another collective;
+//   1. nodes_to_count: with layer_options::ranks_per_node, the send plan also counts the
+//      distinct nodes of every token the call dispatches (layout::nodes_per_token: in the
+//      counting sort's pass 1, else routing::token_nodes), reduced to {tokens, sum, max};
+//      on the all-to-all path they travel after the counts in this rank's record of the
+//      count exchange, so every rank learns the EP group's figures without another
+//      collective (count_nodes: the same figures read back, outside a layer call);
 //   2. with layer_options::capacity, the pairs each source keeps per expert
 //      (layout::keep_counts, from the gathered counts: no other communication), and the
 //      plan loses the dropped pairs: on the all-to-all path (scatter_with_capacity) the
@@ -69,25 +71,7 @@ inline routing::node_limit node_limit_for(const mesh& m, const layer_options& o)
   return routing::node_limit{m.ep() / o.ranks_per_node, o.max_nodes};
 }
 
-// Call once: tally = {tokens, sum, max} of nodes [n].
-struct node_tally_sum {
-  const std::int32_t* nodes;  // [n]
-  std::size_t n;
-  std::int64_t* tally;  // [3]
-
-  EPX_HOST_DEVICE void operator()(std::size_t) const {
-    std::int64_t sum = 0, mx = 0;
-    for (std::size_t t = 0; t < n; ++t) {
-      sum += nodes[t];
-      mx = nodes[t] > mx ? nodes[t] : mx;
-    }
-    tally[0] = static_cast<std::int64_t>(n);
-    tally[1] = sum;
-    tally[2] = mx;
-  }
-};
-
-inline constexpr std::size_t node_tally_size = 3;  // tokens, sum of nodes, max
+using layout::node_tally_size;
 
 // What a call adds to the count exchange and takes from it.
 struct call_limits {
@@ -104,20 +88,11 @@ struct call_limits {
   std::size_t size(std::size_t ncounts) const { return ncounts == 0 ? 0 : record.empty() ? ncounts : record.size(); }
 };
 
-// Step 1, queued: {tokens, sum, max} of the node counts of the n tokens at ids ([n, k],
-// policy memory; null or n == 0: zeros) into a buffer in the policy's memory, nothing read
-// back (the count exchange's record carries it). Empty without ranks_per_node.
-template <class Exec>
-exec::buffer<std::int64_t, Exec> launch_node_tally(const mesh& m, const layer_options& o, const Exec& ex,
-                                                   const std::int32_t* ids, std::size_t n, int k) {
+// Step 1: the plan's count of nodes per token (layout::nodes_per_token) for these
+// options; none without ranks_per_node.
+inline layout::nodes_per_token nodes_to_count(const mesh& m, const layer_options& o) {
   if (o.ranks_per_node <= 0) return {};
-  auto tally = exec::make_buffer<std::int64_t>(ex, node_tally_size);
-  if (ids == nullptr) n = 0;
-  const int E = m.experts(), per_node = E / (m.ep() / o.ranks_per_node);
-  auto nodes = exec::make_buffer<std::int32_t>(ex, n);
-  exec::for_each_n(ex, n, routing::token_nodes{ids, nodes.data(), k, E, per_node, routing::token_nodes::magic_for(E, per_node)});
-  exec::for_each_n(ex, 1, node_tally_sum{nodes.data(), n, tally.data()});
-  return tally;
+  return layout::nodes_per_token{m.experts() / (m.ep() / o.ranks_per_node)};
 }
 
 // Step 1 with a read-back: the node figures of the n tokens at ids ([n, k], policy memory;
@@ -130,7 +105,7 @@ call_limits count_nodes(const mesh& m, const layer_options& o, const Exec& ex, c
   if (o.ranks_per_node <= 0) return c;
   c.nodes = true;
   if (ids != nullptr && n > 0) {
-    const auto tally = launch_node_tally(m, o, ex, ids, n, k);
+    const auto tally = layout::launch_token_nodes(ex, ids, n, k, m.experts(), nodes_to_count(m, o));
     to_host(ex, static_cast<const std::int64_t*>(tally.data()), node_tally_size, c.tally);
   }
   if (gather) {

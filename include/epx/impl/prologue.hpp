@@ -62,11 +62,11 @@ routed<Exec> route_forward(const layer_context<Comm>& ctx, const Exec& ex, const
   const std::int32_t* ids = ok ? a.ids + q.row0 * k : nullptr;
   const float* weights = ok ? a.weights + q.row0 * k : nullptr;
   routed<Exec> r;
-  // Queued, nothing read back: the plan, the node figures, this rank's record of the
-  // exchange built from them on the device ([status, N, H, k, rank | counts[E] | nodes]).
-  // The plan's counts; its scatter waits for the exchange (capacity cuts it).
-  r.plan = layout::launch_plan_counts(ex, ids, weights, ok ? q.n : 0, a.top_k, E, ctx.options.chunks);
-  const auto tally = launch_node_tally(*ctx.topology, ctx.options, ex, ids, ok ? q.n : 0, a.top_k);
+  // Queued, nothing read back: the plan's counts and node figures, this rank's record of
+  // the exchange built from them on the device ([status, N, H, k, rank | counts[E] |
+  // nodes]). The plan's scatter waits for the exchange (capacity cuts it).
+  r.plan = layout::launch_plan_counts(ex, ids, weights, ok ? q.n : 0, a.top_k, E, ctx.options.chunks,
+                                      nodes_to_count(*ctx.topology, ctx.options));
   call_limits lim;
   lim.nodes = ctx.options.ranks_per_node > 0;
   const std::size_t nextra = lim.nodes ? node_tally_size : 0;
@@ -75,7 +75,7 @@ routed<Exec> route_forward(const layer_context<Comm>& ctx, const Exec& ex, const
   exec::for_each_n(ex, stride,
                    plan_record{a.status, static_cast<std::int64_t>(a.rows), static_cast<std::int64_t>(a.hidden),
                                a.top_k, ctx.rank, r.plan.chunk_bad(), r.plan.chunks, r.plan.expert_counts(), Es,
-                               lim.nodes ? static_cast<const std::int64_t*>(tally.data()) : nullptr, nextra,
+                               lim.nodes ? static_cast<const std::int64_t*>(r.plan.node_tally.data()) : nullptr, nextra,
                                record.data()});
   // The call's one host synchronisation: every rank's record (bad-input flag, shapes,
   // counts) reaches the host together; bad input anywhere raises on every rank here.

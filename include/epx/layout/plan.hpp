@@ -39,6 +39,7 @@
 #include "epx/exec/host_copy.hpp"
 #include "epx/exec/thrust.hpp"
 #include "epx/layout/capacity.hpp"
+#include "epx/routing/node_limit.hpp"
 
 #if EPX_HAS_CCCL
 #include <thrust/binary_search.h>
@@ -60,32 +61,122 @@ EPX_HOST_DEVICE inline bool is_finite_bits(float w) noexcept {
 
 // Pass 1. Call with c in [0, C). chunk_counts: [C, E]; chunk_bad: [C], the first pair
 // index of the chunk whose id or weight is bad, -1 if none. Bad pairs are not counted.
+// With chunk_nodes (nodes_per_token; chunks of whole rows): also {sum, max} over the
+// chunk's rows of the distinct nodes among a row's good ids, node_bit[e] the bit of
+// expert e's node (at most 64 nodes), into chunk_nodes[2c, 2c+1].
 struct histogram_chunks {
   const std::int32_t* ids;       // [pairs]
   const float* weights;          // [pairs], or null to skip the weight check
   std::size_t pairs;
-  std::size_t chunk_pairs;       // pairs per chunk (>= 1)
+  std::size_t chunk_pairs;       // pairs per chunk (>= 1; a multiple of top_k with chunk_nodes)
   int num_experts;
   std::int64_t* chunk_counts;    // [C, E]
   std::int64_t* chunk_bad;       // [C]
+  int top_k = 1;                 // with chunk_nodes
+  const std::uint64_t* node_bit = nullptr;  // [E] with chunk_nodes
+  std::int64_t* chunk_nodes = nullptr;      // [C, 2], or null
 
   EPX_HOST_DEVICE void operator()(std::size_t c) const {
-    std::int64_t* row = chunk_counts + c * static_cast<std::size_t>(num_experts);
+    std::int64_t* const row = chunk_counts + c * static_cast<std::size_t>(num_experts);
     for (int e = 0; e < num_experts; ++e) row[e] = 0;
     const std::size_t begin = c * chunk_pairs;
     const std::size_t end = begin + chunk_pairs < pairs ? begin + chunk_pairs : pairs;
+    const std::int32_t* const id = ids;
+    const float* const w = weights;
+    const int E = num_experts;
     std::int64_t bad = -1;
-    for (std::size_t i = begin; i < end; ++i) {
-      const std::int32_t e = ids[i];
-      const bool ok = e >= 0 && e < num_experts && (weights == nullptr || is_finite_bits(weights[i]));
-      if (!ok) {
-        if (bad < 0) bad = static_cast<std::int64_t>(i);
-        continue;
+    if (chunk_nodes == nullptr) {
+      for (std::size_t i = begin; i < end; ++i) {
+        const std::int32_t e = id[i];
+        if (e >= 0 && e < E && (w == nullptr || is_finite_bits(w[i]))) {
+          ++row[e];
+        } else if (bad < 0) {
+          bad = static_cast<std::int64_t>(i);
+        }
       }
-      ++row[e];
+      chunk_bad[c] = bad;
+      return;
+    }
+    // Row by row: one mask of node bits per row, one popcount.
+    const auto k = static_cast<std::size_t>(top_k);
+    const std::uint64_t* const bit = node_bit;
+    std::int64_t sum = 0, most = 0;
+    for (std::size_t r = begin; r < end; r += k) {
+      std::uint64_t mask = 0;
+      for (std::size_t i = r; i < r + k; ++i) {
+        const std::int32_t e = id[i];
+        if (e >= 0 && e < E && (w == nullptr || is_finite_bits(w[i]))) {
+          ++row[e];
+          mask |= bit[e];
+        } else if (bad < 0) {
+          bad = static_cast<std::int64_t>(i);
+        }
+      }
+      const std::int64_t nodes = routing::token_nodes::popcount(mask);
+      sum += nodes;
+      most = nodes > most ? nodes : most;
     }
     chunk_bad[c] = bad;
+    chunk_nodes[2 * c] = sum;
+    chunk_nodes[2 * c + 1] = most;
   }
+};
+
+// Call with e in [0, E): bit[e] = the bit of expert e's node, 1 << (e / experts_per_node).
+struct node_bits {
+  int experts_per_node;
+  std::uint64_t* bit;  // [E]
+
+  EPX_HOST_DEVICE void operator()(std::size_t e) const {
+    bit[e] = std::uint64_t{1} << (static_cast<int>(e) / experts_per_node);
+  }
+};
+
+inline constexpr std::size_t node_tally_size = 3;  // tokens, sum of the nodes per token, max
+
+// Call once: tally = {rows, sum, max} from the chunks' {sum, max} of histogram_chunks.
+struct node_chunk_totals {
+  const std::int64_t* chunk_nodes;  // [C, 2]
+  std::size_t chunks;
+  std::int64_t rows;
+  std::int64_t* tally;  // [node_tally_size]
+
+  EPX_HOST_DEVICE void operator()(std::size_t) const {
+    std::int64_t sum = 0, most = 0;
+    for (std::size_t c = 0; c < chunks; ++c) {
+      sum += chunk_nodes[2 * c];
+      most = chunk_nodes[2 * c + 1] > most ? chunk_nodes[2 * c + 1] : most;
+    }
+    tally[0] = rows;
+    tally[1] = sum;
+    tally[2] = most;
+  }
+};
+
+// Call once: tally = {tokens, sum, max} of nodes [n] (routing::token_nodes).
+struct node_tally_sum {
+  const std::int32_t* nodes;  // [n]
+  std::size_t n;
+  std::int64_t* tally;  // [node_tally_size]
+
+  EPX_HOST_DEVICE void operator()(std::size_t) const {
+    std::int64_t sum = 0, mx = 0;
+    for (std::size_t t = 0; t < n; ++t) {
+      sum += nodes[t];
+      mx = nodes[t] > mx ? nodes[t] : mx;
+    }
+    tally[0] = static_cast<std::int64_t>(n);
+    tally[1] = sum;
+    tally[2] = mx;
+  }
+};
+
+// What the plan counts besides the pairs: with experts_per_node > 0, the distinct nodes
+// of each row's good expert ids (node of e: e / experts_per_node), reduced to {rows, sum,
+// max} in send_plan::node_tally (the layer's nodes-per-token statistics). The counting
+// sort counts them in its pass 1 (at most 64 nodes); else one pass of routing::token_nodes.
+struct nodes_per_token {
+  int experts_per_node = 0;  // 0: none
 };
 
 // Pass 2a. Call with e in [0, E): chunk_counts[c][e] becomes the exclusive prefix over
@@ -284,6 +375,7 @@ struct send_plan {
   exec::buffer<std::int32_t, Exec> sorted_keys;    // [n*k] (stable sort) expert id of send position p, E if bad
   exec::buffer<std::int64_t, Exec> sorted_perm;    // [n*k] (stable sort) pair at send position p
   exec::buffer<std::int64_t, Exec> summary;        // [C] chunk_bad | [E] expert_counts | [E+1] expert_offset
+  exec::buffer<std::int64_t, Exec> node_tally;     // [node_tally_size] rows, sum, max (nodes_per_token), else empty
   exec::buffer<std::int64_t, Exec> pos;            // [n*k] send position of pair (t, j)
   exec::buffer<std::int64_t, Exec> src_row;        // [n*k] slice row of send position p
   std::vector<std::int64_t> host_counts;           // [E]
@@ -366,11 +458,27 @@ struct sorted_summary {
   }
 };
 
+// {rows, sum, max} of the distinct nodes per row (nodes_per_token) by one pass of
+// routing::token_nodes over the n rows at ids ([n, k], policy memory; null: no rows),
+// queued, in a new buffer of the policy's memory; empty without experts_per_node.
+template <class Exec>
+exec::buffer<std::int64_t, Exec> launch_token_nodes(const Exec& ex, const std::int32_t* ids, std::size_t n, int k,
+                                                    int E, nodes_per_token nodes) {
+  const int d = nodes.experts_per_node;
+  if (d <= 0) return {};
+  auto tally = exec::make_buffer<std::int64_t>(ex, node_tally_size);
+  if (ids == nullptr) n = 0;
+  auto per_row = exec::make_buffer<std::int32_t>(ex, n);
+  exec::for_each_n(ex, n, routing::token_nodes{ids, per_row.data(), k, E, d, routing::token_nodes::magic_for(E, d)});
+  exec::for_each_n(ex, 1, node_tally_sum{per_row.data(), n, tally.data()});
+  return tally;
+}
+
 #if EPX_HAS_CCCL
 // The sorted plan's counts (see above); same contract as launch_plan_counts.
 template <class Exec>
 send_plan<Exec> launch_sorted_counts(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
-                                     int k, int E) {
+                                     int k, int E, nodes_per_token nodes = {}) {
   EPX_REQUIRE(E >= 1 && k >= 1, errc::input, "build_plan: num_experts (", E, ") and top_k (", k,
               ") must be at least 1");
   send_plan<Exec> p;
@@ -396,6 +504,7 @@ send_plan<Exec> launch_sorted_counts(const Exec& ex, const std::int32_t* ids, co
   exec::for_each_n(ex, Es + 1,
                    sorted_summary{p.sorted_perm.data(), p.pairs, E, p.chunk_bad(), p.expert_counts(),
                                   p.expert_offset()});
+  p.node_tally = launch_token_nodes(ex, ids, n, k, E, nodes);
   return p;
 }
 #endif
@@ -413,43 +522,65 @@ constexpr const char* plan_algorithm() {
 // together, by read_plan or inside the count exchange's record.
 template <class Exec>
 send_plan<Exec> launch_counting_counts(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
-                                       int k, int E, std::size_t chunks = 0) {
+                                       int k, int E, std::size_t chunks = 0, nodes_per_token nodes = {}) {
   EPX_REQUIRE(E >= 1 && k >= 1, errc::input, "build_plan: num_experts (", E, ") and top_k (", k,
               ") must be at least 1");
   send_plan<Exec> p;
   p.pairs = n * static_cast<std::size_t>(k);
   p.num_experts = E;
   p.top_k = k;
+  // Nodes per token in pass 1 when there are at most 64 nodes (chunks of whole rows
+  // then); else routing::token_nodes after it.
+  const int d = nodes.experts_per_node;
+  const bool fused = d > 0 && E <= 64 * d;
   std::size_t C = chunks ? chunks : default_chunks(ex);
   C = std::max<std::size_t>(1, std::min(C, p.pairs));
-  const std::size_t per = p.pairs ? (p.pairs + C - 1) / C : 1;
+  std::size_t per = p.pairs ? (p.pairs + C - 1) / C : 1;
+  if (fused) per = (per + static_cast<std::size_t>(k) - 1) / static_cast<std::size_t>(k) * static_cast<std::size_t>(k);
   C = p.pairs ? (p.pairs + per - 1) / per : 1;
   p.chunks = C;
   p.chunk_pairs = per;
   const auto Es = static_cast<std::size_t>(E);
   p.chunk_counts = exec::make_buffer<std::int64_t>(ex, C * Es);
   p.summary = exec::make_buffer<std::int64_t>(ex, C + 2 * Es + 1);
-  exec::for_each_n(ex, C, histogram_chunks{ids, weights, p.pairs, per, E, p.chunk_counts.data(), p.chunk_bad()});
+  exec::buffer<std::int64_t, Exec> chunk_nodes;
+  exec::buffer<std::uint64_t, Exec> bit;
+  if (fused) {
+    chunk_nodes = exec::make_buffer<std::int64_t>(ex, 2 * C);
+    bit = exec::make_buffer<std::uint64_t>(ex, Es);
+    p.node_tally = exec::make_buffer<std::int64_t>(ex, node_tally_size);
+    exec::for_each_n(ex, Es, node_bits{d, bit.data()});
+  }
+  exec::for_each_n(ex, C,
+                   histogram_chunks{ids, weights, p.pairs, per, E, p.chunk_counts.data(), p.chunk_bad(), k,
+                                    fused ? static_cast<const std::uint64_t*>(bit.data()) : nullptr,
+                                    fused ? chunk_nodes.data() : nullptr});
   exec::for_each_n(ex, Es, scan_chunks{p.chunk_counts.data(), p.expert_counts(), C, E});
   exec::for_each_n(ex, 1, expert_offsets{p.expert_counts(), p.expert_offset(), E});
+  if (fused) {
+    exec::for_each_n(ex, 1, node_chunk_totals{chunk_nodes.data(), C, static_cast<std::int64_t>(n), p.node_tally.data()});
+  } else {
+    p.node_tally = launch_token_nodes(ex, ids, n, k, E, nodes);
+  }
   return p;
 }
 
 // The counts of policy Exec's plan, queued: the sorted plan where it has a Thrust
 // execution policy, the counting sort (in `chunks` chunks, 0: the policy's default)
-// otherwise. pos and src_row come with launch_scatter.
+// otherwise; with `nodes`, also the nodes per row (send_plan::node_tally). pos and
+// src_row come with launch_scatter.
 template <class Exec>
 send_plan<Exec> launch_plan_counts(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
-                                   int k, int E, std::size_t chunks = 0) {
+                                   int k, int E, std::size_t chunks = 0, nodes_per_token nodes = {}) {
 #if EPX_HAS_CCCL
   if constexpr (exec::has_thrust_policy_v<Exec>) {
     (void)chunks;
-    return launch_sorted_counts(ex, ids, weights, n, k, E);
+    return launch_sorted_counts(ex, ids, weights, n, k, E, nodes);
   } else {
-    return launch_counting_counts(ex, ids, weights, n, k, E, chunks);
+    return launch_counting_counts(ex, ids, weights, n, k, E, chunks, nodes);
   }
 #else
-  return launch_counting_counts(ex, ids, weights, n, k, E, chunks);
+  return launch_counting_counts(ex, ids, weights, n, k, E, chunks, nodes);
 #endif
 }
 
@@ -566,8 +697,8 @@ void read_plan(const Exec& ex, send_plan<Exec>& p, const std::int32_t* ids, cons
 // detail::scatter_with_capacity).
 template <class Exec>
 send_plan<Exec> build_plan_counts(const Exec& ex, const std::int32_t* ids, const float* weights, std::size_t n,
-                                  int k, int E, std::size_t chunks = 0) {
-  send_plan<Exec> p = launch_plan_counts(ex, ids, weights, n, k, E, chunks);
+                                  int k, int E, std::size_t chunks = 0, nodes_per_token nodes = {}) {
+  send_plan<Exec> p = launch_plan_counts(ex, ids, weights, n, k, E, chunks, nodes);
   read_plan(ex, p, ids, weights);
   return p;
 }
