@@ -263,7 +263,7 @@ struct scatter_pairs {
   std::int64_t* chunk_counts;          // [C, E] cursors
   std::int64_t* pos;                   // [pairs]
   std::int64_t* src_row;               // [pairs]
-  plan_cut cut;
+  plan_cut cut = {};
 
   enum kind : int { plain, by_position, by_score };
 
@@ -426,7 +426,7 @@ struct sorted_positions {
   int top_k;
   std::int64_t* pos;
   std::int64_t* src_row;
-  plan_cut cut;
+  plan_cut cut = {};
 
   EPX_HOST_DEVICE void operator()(std::size_t p) const {
     const std::int32_t e = keys[p];
