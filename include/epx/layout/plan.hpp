@@ -7,7 +7,8 @@
 //
 // Three passes, each an EPX_HOST_DEVICE functor launched through exec::for_each_n:
 //   1. histogram_chunks (one call per chunk of pairs): chunk_counts[c][e], and the first
-//      pair of the chunk with a bad id (< 0 or >= E) or a non-finite weight;
+//      pair of the chunk with a bad id (< 0 or >= E) or a non-finite weight; with
+//      nodes_per_token also the distinct nodes of each row (chunks of whole rows then);
 //   2. scan_chunks (one call per expert): exclusive scan over chunks, expert_counts[e];
 //      expert_offsets (one call): exclusive scan over experts, expert_offset[E+1];
 //   3. scatter_pairs (one call per chunk): pos[t*k+j] and src_row[p].
@@ -17,9 +18,9 @@
 // Passes 1 and 2 (launch_plan_counts) give the counts that the count exchange carries;
 // pass 3 (launch_scatter) may wait until the exchange is done, so that it can apply the
 // capacity (spec section 8) as it places the pairs: a plan_cut drops every pair beyond an
-// expert's kept count (by position) or writes the pairs of an overflowing expert, with
-// their weights as sort keys, contiguously for layout::drop_pairs to choose from (by
-// score). Capacity by position then costs one comparison per pair.
+// expert's kept count (by position: the cursor counts down to the last kept position, no
+// comparison per pair) or writes every pair's index and weight key in send order for
+// layout::drop_pairs to choose from (by score).
 //
 // Because ep rank d owns experts [d*L, (d+1)*L), expert_counts[E] read as [ep][L] is the
 // count matrix of the count exchange, and the send block for peer d is the positions
