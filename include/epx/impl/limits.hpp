@@ -181,16 +181,13 @@ void scatter_with_capacity(const capacity_policy& cap, const Exec& ex, const gro
   // This rank's segments: one per expert, its plan block.
   const bool by_score = cap.priority == drop_priority::score;
   std::vector<layout::drop_segment> seg(Es);
-  bool drops = false;
   std::int64_t overflowing = 0;  // pairs in the segments that drop
   for (std::size_t e = 0; e < Es; ++e) {
     const std::int64_t n = plan.host_counts[e], keep = c.kept[static_cast<std::size_t>(me) * Es + e];
     seg[e] = {plan.host_offset[e], n, keep, 0, -1};
-    if (keep >= n) continue;
-    drops = true;
-    overflowing += n;
+    if (keep < n) overflowing += n;
   }
-  if (!drops) {
+  if (overflowing == 0) {
     layout::launch_scatter(ex, plan, ids, weights);
     return;
   }
@@ -204,27 +201,25 @@ void scatter_with_capacity(const capacity_policy& cap, const Exec& ex, const gro
     return;
   }
   EPX_REQUIRE(weights != nullptr, errc::internal, "capacity by score needs the routing weights");
-  // By score. Few pairs in the segments that drop (at most an eighth): the plain scatter,
-  // and drop_pairs finds each of their pairs from its row (a scratch of their size). Else
-  // the scatter also writes every pair's index and weight key at its send position, and
-  // each dropping segment's scratch is its own positions.
-  const bool fused = overflowing * 8 > static_cast<std::int64_t>(plan.pairs);
-  std::int64_t scratch = 0;
-  for (auto& sg : seg) {
-    if (sg.keep >= sg.count) continue;
-    sg.scratch = fused ? sg.begin : scratch;
-    scratch += sg.count;
+  if (overflowing * 8 <= static_cast<std::int64_t>(plan.pairs)) {
+    // By score, few pairs in the segments that drop (at most an eighth): the plain
+    // scatter, and drop_pairs finds each of their pairs from its row.
+    layout::launch_scatter(ex, plan, ids, weights);
+    run_drop_pairs(cap, ex, seg, ids, weights, k, 1, plan);
+    return;
   }
-  const auto size = fused ? plan.pairs : static_cast<std::size_t>(scratch);
+  // By score, many: the scatter also writes every pair's index and weight key at its send
+  // position, and each dropping segment's scratch is its own positions.
+  for (auto& sg : seg)
+    if (sg.keep < sg.count) sg.scratch = sg.begin;
   auto table = exec::make_buffer<layout::drop_segment>(ex, Es);
   exec::copy_n(ex, static_cast<const layout::drop_segment*>(seg.data()), Es, table.data());
-  auto pair_of = exec::make_buffer<std::int64_t>(ex, size);
-  auto key = exec::make_buffer<std::uint32_t>(ex, size);
-  layout::launch_scatter(ex, plan, ids, weights,
-                         fused ? layout::plan_cut{nullptr, pair_of.data(), key.data()} : layout::plan_cut{});
+  auto pair_of = exec::make_buffer<std::int64_t>(ex, plan.pairs);
+  auto key = exec::make_buffer<std::uint32_t>(ex, plan.pairs);
+  layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{nullptr, pair_of.data(), key.data()});
   exec::for_each_n(ex, Es,
                    layout::drop_pairs{ids, weights, plan.pos.data(), plan.src_row.data(), table.data(), pair_of.data(),
-                                      key.data(), k, 1, true, fused});
+                                      key.data(), k, 1, true, true});
 }
 
 // Step 2, masked path: the plan covers all N rows of the group, split into the ep slices
