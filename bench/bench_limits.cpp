@@ -14,7 +14,9 @@
 //   added_vs_layout   with_capacity_us / layout_us - 1 (target: <= 0.10 at 4096 tokens,
 //                     top-8, 256 experts)
 //   dropped           pairs dropped on this rank
-// A global capacity reads the counts of all `ep` ranks (the gathered matrix; the other
+// The last plan is checked once (kept counts, kept pairs at the front of their block,
+// by score no dropped pair heavier than a kept one). A global capacity reads the counts
+// of all `ep` ranks (the gathered matrix; the other
 // ranks' counts are this rank's, shifted).
 //
 // routing/...: routing::route with softmax_topk over n tokens x E experts, without and with
@@ -136,6 +138,36 @@ void bench_capacity(benchmark::State& state, capacity_shape s) {
     state.SetIterationTime(seconds_since(t0, t2));
     dropped = 0;
     for (std::size_t i = 0; i < ids.size(); ++i) dropped += plan.pos.data()[i] < 0 ? 1 : 0;
+  }
+  // Checked once, on the last plan: each expert keeps exactly its kept count, at the front
+  // of its block, each kept position naming its pair's row; by score no dropped pair of an
+  // expert outweighs a kept one.
+  {
+    auto plan = epx::layout::build_plan_counts(ex, ids.data(), w.data(), s.tokens, s.k, s.E, 1);
+    epx::detail::call_limits lim;
+    epx::detail::scatter_with_capacity(cap, ex, g, 0, 1, s.E, s.k, ids.data(), w.data(), plan, lim);
+    const auto Es = static_cast<std::size_t>(s.E);
+    std::vector<std::int64_t> kept(Es, 0);
+    std::vector<float> least_kept(Es, 2.0f), most_dropped(Es, -1.0f);
+    bool ok = true;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const auto e = static_cast<std::size_t>(ids[i]);
+      const std::int64_t p = plan.pos.data()[i];
+      const std::int64_t keep = lim.kept.empty() ? plan.host_counts[e] : lim.kept[e];
+      if (p < 0) {
+        most_dropped[e] = std::max(most_dropped[e], w[i]);
+        continue;
+      }
+      ++kept[e];
+      least_kept[e] = std::min(least_kept[e], w[i]);
+      ok = ok && p >= plan.host_offset[e] && p < plan.host_offset[e] + keep &&
+           plan.src_row.data()[p] == static_cast<std::int64_t>(i / static_cast<std::size_t>(s.k));
+    }
+    for (std::size_t e = 0; e < Es; ++e) {
+      ok = ok && kept[e] == (lim.kept.empty() ? plan.host_counts[e] : std::min(lim.kept[e], plan.host_counts[e]));
+      if (s.priority == epx::drop_priority::score) ok = ok && most_dropped[e] <= least_kept[e];
+    }
+    if (!ok) state.SkipWithError("the plan with the capacity does not keep what the capacity says");
   }
   const double tl = median(t_layout), tc = median(t_cap);
   state.counters["layout_us"] = tl * 1e6;
