@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <set>
@@ -165,6 +166,56 @@ TEST_CASE("node limit: M = 1 keeps every token on its best node; backward follow
   routing::route_backward(p, ex, l.data(), N, E, k, r.ids.data(), r.weights.data(), gw.data(), gl.data());
   const auto want = ref::softmax_topk_backward(ld, N, E, k, false, r.ids, std::vector<double>(gw.begin(), gw.end()));
   ref::check_close(gl, want, 1e-6, 1e-4, "grad_logits");
+}
+
+TEST_CASE("node limit: softmax_topk picks by p among the kept nodes, ties in p to the lower id") {
+  // Logits a few ulps apart share one float32 p, and p far below the maximum underflow to
+  // 0: selecting on the logits would break those ties the other way. The ids must be what
+  // offering every kept expert's p in ascending id gives (the definition), the weights
+  // those p, with the nodes as select_nodes keeps them.
+  const int E = 48, nodes = 4, per = E / nodes;
+  const std::size_t N = 60;
+  std::vector<float> l(N * E);
+  for (std::size_t t = 0; t < N; ++t)
+    for (int e = 0; e < E; ++e) {
+      float v = static_cast<float>((t * 5 + static_cast<std::size_t>(e) * 3) % 4) - 1.5f;
+      for (std::size_t u = 0; u < (t + static_cast<std::size_t>(e) * 7) % 5; ++u) v = std::nextafter(v, 10.0f);
+      if ((t + static_cast<std::size_t>(e)) % 3 == 0) v = -300.0f + static_cast<float>(e);
+      l[t * E + static_cast<std::size_t>(e)] = v;
+    }
+  std::size_t ties = 0;
+  for (int M : {1, 2, 3, 4})
+    for (int k : {1, 2, 5, 8, 12}) {
+      if (k > M * per) continue;
+      CAPTURE(M);
+      CAPTURE(k);
+      const routing::node_limit nl{nodes, M};
+      for (bool renorm : {false, true}) {
+        const auto r = run_route(routing::softmax_topk{renorm, nl}, epx::exec::serial{}, l, N, E, k);
+        for (std::size_t t = 0; t < N; ++t) {
+          CAPTURE(t);
+          const float* lt = l.data() + t * E;
+          const auto x = [&](int e) { return lt[e]; };
+          const auto sm = routing::detail::softmax_of(E, x);
+          const auto p = [&](int e) { return sm.p(lt[e]); };
+          const std::uint64_t mask = routing::detail::select_nodes(nl, E, k, x, p);
+          routing::detail::topk_list<routing::max_top_k> want(k);
+          routing::detail::for_each_allowed(nl, mask, E, [&](int e) { want.offer(p(e), e); });
+          float sum = 0.0f;
+          for (int j = 0; j < k; ++j) sum += want.key[j];
+          for (int j = 0; j < k; ++j) {
+            CHECK(r.ids[t * k + static_cast<std::size_t>(j)] == want.id[j]);
+            CHECK(r.weights[t * k + static_cast<std::size_t>(j)] == (renorm ? want.key[j] / sum : want.key[j]));
+          }
+          // A tie the logits would break the other way: the k-th and the next kept expert by
+          // p share one p while the later one has the larger logit.
+          routing::detail::topk_list<routing::max_top_k + 1> next(k + 1);
+          routing::detail::for_each_allowed(nl, mask, E, [&](int e) { next.offer(p(e), e); });
+          if (next.size > k && next.key[k] == next.key[k - 1] && lt[next.id[k]] > lt[next.id[k - 1]]) ++ties;
+        }
+      }
+    }
+  CHECK(ties > 0);
 }
 
 namespace {
