@@ -267,16 +267,28 @@ struct drop_pairs {
     }
     // The keep-th largest key, 8 bits at a time, on the bits under `mask`; `need` ends as
     // the number of pairs whose masked key is `prefix` that stay (the first ones in
-    // position order). When every pair of the chosen bucket stays, the lower bits do not
-    // matter and the selection stops there.
-    std::uint32_t prefix = 0, mask = 0;
+    // position order). The bits every key shares start the prefix, so the first digit is
+    // the byte that holds the highest differing bit (one expert's weights mostly share
+    // their sign and exponent bits: the top byte would rarely split them). When every pair
+    // of the chosen bucket stays, the lower bits do not matter and the selection stops
+    // there. The histogram adds the match (0 or 1) instead of branching on it.
+    std::uint32_t all_or = 0, all_and = ~std::uint32_t{0};
+    for (std::int64_t p = b; p < end; ++p) {
+      all_or |= key[p + o];
+      all_and &= key[p + o];
+    }
+    const std::uint32_t differ = all_or ^ all_and;
+    int top = 24;
+    while (top > 0 && (differ >> top) == 0) top -= 8;
+    std::uint32_t mask = top >= 24 ? 0u : ~std::uint32_t{0} << (top + 8);
+    std::uint32_t prefix = all_and & mask;
     std::int64_t need = s.keep;
-    if (need > 0) {
-      for (int shift = 24; shift >= 0; shift -= 8) {
+    if (need > 0 && differ != 0) {
+      for (int shift = top; shift >= 0; shift -= 8) {
         std::int64_t hist[256];
         for (int h = 0; h < 256; ++h) hist[h] = 0;
         for (std::int64_t p = b; p < end; ++p)
-          if ((key[p + o] & mask) == prefix) ++hist[(key[p + o] >> shift) & 0xffu];
+          hist[(key[p + o] >> shift) & 0xffu] += static_cast<std::int64_t>((key[p + o] & mask) == prefix);
         int h = 255;
         for (; h > 0 && need > hist[h]; --h) need -= hist[h];
         prefix |= static_cast<std::uint32_t>(h) << shift;
