@@ -304,12 +304,13 @@ TEST_CASE("node limit: the layer's limit routes every token onto at most M nodes
 }
 
 TEST_CASE("node limit: token_nodes counts the distinct nodes of every token, up to and beyond 64 nodes") {
-  // (E, experts per node): few nodes, exactly 64, beyond 64 (the pairwise path), one
+  // (E, experts per node): 8 nodes (the plan counts a byte per node up to 8; 36 / 5: the
+  // last node partial), 9 nodes (a bit per node), exactly 64, beyond 64 (the pairwise path), one
   // expert per node, and a shape where the multiply-shift does not apply (magic 0).
   struct shape { int E, per; };
   std::mt19937 gen(11);
-  for (const shape s : {shape{256, 32}, shape{256, 4}, shape{96, 1}, shape{384, 3}, shape{1 << 20, 1 << 13},
-                        shape{65536, 65537}}) {
+  for (const shape s : {shape{256, 32}, shape{36, 5}, shape{72, 8}, shape{256, 4}, shape{96, 1}, shape{384, 3},
+                        shape{1 << 20, 1 << 13}, shape{65536, 65537}}) {
     CAPTURE(s.E);
     CAPTURE(s.per);
     const auto magic = routing::token_nodes::magic_for(s.E, s.per);

@@ -63,8 +63,8 @@ EPX_HOST_DEVICE inline bool is_finite_bits(float w) noexcept {
 // Pass 1. Call with c in [0, C). chunk_counts: [C, E]; chunk_bad: [C], the first pair
 // index of the chunk whose id or weight is bad, -1 if none. Bad pairs are not counted.
 // With chunk_nodes (nodes_per_token; chunks of whole rows): also {sum, max} over the
-// chunk's rows of the distinct nodes among a row's good ids, node_bit[e] the bit of
-// expert e's node (at most 64 nodes), into chunk_nodes[2c, 2c+1].
+// chunk's rows of the distinct nodes among a row's good ids, node_bit[e] the flag of
+// expert e's node (node_bits), into chunk_nodes[2c, 2c+1].
 struct histogram_chunks {
   const std::int32_t* ids;       // [pairs]
   const float* weights;          // [pairs], or null to skip the weight check
@@ -76,6 +76,7 @@ struct histogram_chunks {
   int top_k = 1;                 // with chunk_nodes
   const std::uint64_t* node_bit = nullptr;  // [E] with chunk_nodes
   std::int64_t* chunk_nodes = nullptr;      // [C, 2], or null
+  bool node_bytes = false;                  // node_bit holds a byte per node (node_bits::stride 8)
 
   EPX_HOST_DEVICE void operator()(std::size_t c) const {
     std::int64_t* const row = chunk_counts + c * static_cast<std::size_t>(num_experts);
@@ -98,7 +99,8 @@ struct histogram_chunks {
       chunk_bad[c] = bad;
       return;
     }
-    // Row by row: one mask of node bits per row, one popcount.
+    // Row by row: one mask of node flags per row, then its count: with a byte per node
+    // (at most 8 nodes) one multiply adds the bytes into the top one; else a popcount.
     const auto k = static_cast<std::size_t>(top_k);
     const std::uint64_t* const bit = node_bit;
     std::int64_t sum = 0, most = 0;
@@ -113,7 +115,8 @@ struct histogram_chunks {
           bad = static_cast<std::int64_t>(i);
         }
       }
-      const std::int64_t nodes = routing::token_nodes::popcount(mask);
+      const std::int64_t nodes =
+          node_bytes ? static_cast<std::int64_t>((mask * 0x0101010101010101ull) >> 56) : routing::token_nodes::popcount(mask);
       sum += nodes;
       most = nodes > most ? nodes : most;
     }
@@ -123,13 +126,16 @@ struct histogram_chunks {
   }
 };
 
-// Call with e in [0, E): bit[e] = the bit of expert e's node, 1 << (e / experts_per_node).
+// Call with e in [0, E): bit[e] = the flag of expert e's node g = e / experts_per_node,
+// 1 << (stride * g): a bit per node (stride 1, at most 64 nodes) or a byte per node
+// (stride 8, at most 8 nodes: a row's distinct nodes are then the sum of its mask's bytes).
 struct node_bits {
   int experts_per_node;
   std::uint64_t* bit;  // [E]
+  int stride = 1;
 
   EPX_HOST_DEVICE void operator()(std::size_t e) const {
-    bit[e] = std::uint64_t{1} << (static_cast<int>(e) / experts_per_node);
+    bit[e] = std::uint64_t{1} << (stride * (static_cast<int>(e) / experts_per_node));
   }
 };
 
@@ -534,6 +540,7 @@ send_plan<Exec> launch_counting_counts(const Exec& ex, const std::int32_t* ids, 
   // then); else routing::token_nodes after it.
   const int d = nodes.experts_per_node;
   const bool fused = d > 0 && E <= 64 * d;
+  const bool bytes = fused && E <= 8 * d;  // at most 8 nodes: a byte per node
   std::size_t C = chunks ? chunks : default_chunks(ex);
   C = std::max<std::size_t>(1, std::min(C, p.pairs));
   std::size_t per = p.pairs ? (p.pairs + C - 1) / C : 1;
@@ -550,12 +557,12 @@ send_plan<Exec> launch_counting_counts(const Exec& ex, const std::int32_t* ids, 
     chunk_nodes = exec::make_buffer<std::int64_t>(ex, 2 * C);
     bit = exec::make_buffer<std::uint64_t>(ex, Es);
     p.node_tally = exec::make_buffer<std::int64_t>(ex, node_tally_size);
-    exec::for_each_n(ex, Es, node_bits{d, bit.data()});
+    exec::for_each_n(ex, Es, node_bits{d, bit.data(), bytes ? 8 : 1});
   }
   exec::for_each_n(ex, C,
                    histogram_chunks{ids, weights, p.pairs, per, E, p.chunk_counts.data(), p.chunk_bad(), k,
                                     fused ? static_cast<const std::uint64_t*>(bit.data()) : nullptr,
-                                    fused ? chunk_nodes.data() : nullptr});
+                                    fused ? chunk_nodes.data() : nullptr, bytes});
   exec::for_each_n(ex, Es, scan_chunks{p.chunk_counts.data(), p.expert_counts(), C, E});
   exec::for_each_n(ex, 1, expert_offsets{p.expert_counts(), p.expert_offset(), E});
   if (fused) {
