@@ -125,8 +125,8 @@ struct bound_buffers {
   exec::buffer<std::int64_t, Exec> summary;            // [chunks + 2E + 1]
   exec::buffer<std::int64_t, Exec> kept;               // [E]
   exec::buffer<layout::drop_segment, Exec> segments;   // [E]
-  exec::buffer<std::int64_t, Exec> pos, src_row, slab_pos, pair_of;  // [pairs]
-  exec::buffer<std::uint32_t, Exec> key;               // [pairs]
+  exec::buffer<std::int64_t, Exec> pos, src_row, slab_pos;  // [pairs]
+  exec::buffer<std::uint64_t, Exec> keyed;             // [pairs] drop_pairs' scratch (by score)
   // Inference: slot rows, arrivals, rows in both shapes.
   exec::buffer<std::int64_t, Exec> slot_row;           // [ep*slab]
   exec::buffer<std::int64_t, Exec> row_off;            // [L*(ep+1)]
@@ -177,8 +177,7 @@ struct bound_buffers {
     pos = exec::make_buffer<std::int64_t>(ex, pairs);
     src_row = exec::make_buffer<std::int64_t>(ex, pairs);
     slab_pos = exec::make_buffer<std::int64_t>(ex, pairs);
-    pair_of = exec::make_buffer<std::int64_t>(ex, pairs);
-    key = exec::make_buffer<std::uint32_t>(ex, pairs);
+    keyed = exec::make_buffer<std::uint64_t>(ex, pairs);
   }
   void staged(const Exec& ex) {
     if (send.data() != nullptr) return;
@@ -256,8 +255,8 @@ class bounded_route {
     exec::for_each_n(ex, Es, layout::bound_keep{counts, offset, sh.cap, b.segments.data(), b.kept.data()});
     if (P > 0)
       exec::for_each_n(ex, Es,
-                       layout::drop_pairs{ids, w, b.pos.data(), b.src_row.data(), b.segments.data(), b.pair_of.data(),
-                                          b.key.data(), k, 1, b.rule.priority == drop_priority::score, false});
+                       layout::drop_pairs{ids, w, b.pos.data(), b.src_row.data(), b.segments.data(), b.keyed.data(), k,
+                                          1, b.rule.priority == drop_priority::score, false});
     exec::for_each_n(ex, 1,
                      layout::bound_tally{counts, b.kept.data(), chunk_bad, C, E, ok ? 0 : 1, b.counters.data()});
 

@@ -134,22 +134,16 @@ exec::buffer<layout::drop_segment, Exec> run_drop_pairs(const capacity_policy& c
     }
   auto table = exec::make_buffer<layout::drop_segment>(ex, seg.size());
   exec::copy_n(ex, static_cast<const layout::drop_segment*>(seg.data()), seg.size(), table.data());
-  exec::buffer<std::int64_t, Exec> pair_of;
-  exec::buffer<std::uint32_t, Exec> key;
-  if (scratch > 0) {
-    pair_of = exec::make_buffer<std::int64_t>(ex, static_cast<std::size_t>(scratch));
-    key = exec::make_buffer<std::uint32_t>(ex, static_cast<std::size_t>(scratch));
-  }
+  exec::buffer<std::uint64_t, Exec> keyed;
+  if (scratch > 0) keyed = exec::make_buffer<std::uint64_t>(ex, static_cast<std::size_t>(scratch));
   // Many positions to look at: one sweep over the pairs reads them in order.
   const bool sweep = scratch > 0 && static_cast<std::size_t>(scratch) * 8 > plan.pairs;
   if (sweep)
     exec::for_each_n(ex, plan.pairs,
-                     layout::fill_scratch{ids, weights, plan.pos.data(), table.data(), pair_of.data(), key.data(),
-                                          sources});
+                     layout::fill_scratch{ids, weights, plan.pos.data(), table.data(), keyed.data(), sources, k});
   exec::for_each_n(ex, seg.size(),
                    layout::drop_pairs{ids, weights, plan.pos.data(), plan.src_row.data(), table.data(),
-                                      scratch > 0 ? pair_of.data() : nullptr, scratch > 0 ? key.data() : nullptr, k,
-                                      sources, by_score, sweep});
+                                      scratch > 0 ? keyed.data() : nullptr, k, sources, by_score, sweep});
   return table;
 }
 
@@ -158,7 +152,7 @@ exec::buffer<layout::drop_segment, Exec> run_drop_pairs(const capacity_policy& c
 // scattered (layout::launch_plan_counts). This launches the scatter, with the cut of this
 // rank's kept counts (layout::plan_cut): by position the dropped pairs get no position in
 // the scatter itself; by score layout::drop_pairs keeps the best of each overflowing
-// expert, from its pairs' index and weight key, which the scatter also writes in send
+// expert, from its pairs' weight key and slot, which the scatter also writes in send
 // order when many pairs are in overflowing experts. Without a capacity, or when nothing
 // is dropped, the plain scatter.
 template <class Exec>
@@ -197,7 +191,7 @@ void scatter_with_capacity(const capacity_policy& cap, const Exec& ex, const gro
     for (std::size_t e = 0; e < Es; ++e) last[e] = seg[e].begin + seg[e].keep - 1;
     auto d_last = exec::make_buffer<std::int64_t>(ex, Es);
     exec::copy_n(ex, static_cast<const std::int64_t*>(last.data()), Es, d_last.data());
-    layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{d_last.data(), nullptr, nullptr});
+    layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{d_last.data(), nullptr});
     return;
   }
   EPX_REQUIRE(weights != nullptr, errc::internal, "capacity by score needs the routing weights");
@@ -208,18 +202,17 @@ void scatter_with_capacity(const capacity_policy& cap, const Exec& ex, const gro
     run_drop_pairs(cap, ex, seg, ids, weights, k, 1, plan);
     return;
   }
-  // By score, many: the scatter also writes every pair's index and weight key at its send
+  // By score, many: the scatter also writes every pair's weight key and slot at its send
   // position, and each dropping segment's scratch is its own positions.
   for (auto& sg : seg)
     if (sg.keep < sg.count) sg.scratch = sg.begin;
   auto table = exec::make_buffer<layout::drop_segment>(ex, Es);
   exec::copy_n(ex, static_cast<const layout::drop_segment*>(seg.data()), Es, table.data());
-  auto pair_of = exec::make_buffer<std::int64_t>(ex, plan.pairs);
-  auto key = exec::make_buffer<std::uint32_t>(ex, plan.pairs);
-  layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{nullptr, pair_of.data(), key.data()});
+  auto keyed = exec::make_buffer<std::uint64_t>(ex, plan.pairs);
+  layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{nullptr, keyed.data()});
   exec::for_each_n(ex, Es,
-                   layout::drop_pairs{ids, weights, plan.pos.data(), plan.src_row.data(), table.data(), pair_of.data(),
-                                      key.data(), k, 1, true, true});
+                   layout::drop_pairs{ids, weights, plan.pos.data(), plan.src_row.data(), table.data(), keyed.data(), k,
+                                      1, true, true});
 }
 
 // Step 2, masked path: the plan covers all N rows of the group, split into the ep slices

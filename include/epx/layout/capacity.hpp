@@ -15,8 +15,8 @@
 // pairs of expert e of each source as one segment in (row, slot) order. On the all-to-all
 // path (one source) the plan's scatter applies the cut as it places the pairs
 // (layout::plan_cut): by position the dropped pairs never get a position; by score, when
-// many pairs are in overflowing segments, every pair's index and weight key are also
-// written at its send position, drop_pairs' scratch. The functors here:
+// many pairs are in overflowing segments, every pair's weight key and slot are also
+// written at its send position, drop_pairs' scratch (keyed_slot). The functors here:
 //   drop_pairs (one call per segment) keeps `keep` of its `count` pairs: the kept ones stay
 //     at the front of the segment in (row, slot) order (with their pos and src_row), the
 //     dropped ones get pos = -1 and leave src_row = -1 holes at the segment's end. Segments
@@ -145,6 +145,13 @@ EPX_HOST_DEVICE inline std::uint32_t order_key(float w) noexcept {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// A pair's entry in drop_pairs' scratch: its weight's order_key above its slot j. With the
+// row at its send position p the entry names the pair, src_row[p] * k + j, so one 64-bit
+// word is all the selection reads and writes per pair.
+EPX_HOST_DEVICE inline std::uint64_t keyed_slot(float w, std::int64_t j) noexcept {
+  return static_cast<std::uint64_t>(order_key(w)) << 32 | static_cast<std::uint64_t>(j);
+}
+
 // One segment of the send order: `count` pairs of one source for one expert from position
 // `begin`, of which `keep` stay; `shift` = pairs dropped in all earlier segments (for
 // compact_pairs); `scratch` = where the segment's `count` entries start in drop_pairs'
@@ -164,8 +171,8 @@ struct drop_segment {
 //   score priority: the keep pairs of largest weight (ties to the lower position) stay,
 //     moved to [begin, begin + keep) in position order;
 // every dropped pair gets pos = -1, every freed position src_row = -1. `by_score` picks
-// the priority; `pair_of` and `key` are the scratch of the segments with a `scratch`
-// offset (score priority, see scratch_size), null when none has one.
+// the priority; `keyed` is the scratch (keyed_slot entries) of the segments with a
+// `scratch` offset (score priority, see scratch_size), null when none has one.
 struct drop_pairs {
   static constexpr int few = 64;  // up to this many dropped pairs a segment selects them in one pass
 
@@ -174,12 +181,11 @@ struct drop_pairs {
   std::int64_t* pos;            // [pairs]
   std::int64_t* src_row;        // [pairs] row of each send position
   const drop_segment* segments; // [segments]
-  std::int64_t* pair_of;        // [scratch_size] or null
-  std::uint32_t* key;           // [scratch_size] or null
+  std::uint64_t* keyed;         // [scratch_size] or null
   int top_k;
   int sources;                  // segments per expert
   bool by_score;
-  bool prefilled;               // score priority: fill_scratch has filled pair_of and key
+  bool prefilled;               // score priority: the scratch is filled (fill_scratch, or the scatter)
 
   // Scratch entries a segment of `count` pairs keeping `keep` needs (score priority).
   static std::int64_t scratch_size(std::int64_t count, std::int64_t keep) noexcept {
@@ -192,6 +198,11 @@ struct drop_pairs {
     for (int j = 0; j < top_k; ++j)
       if (ids[base + j] == e && pos[base + j] == p) return base + j;
     return -1;  // not reached for a consistent plan
+  }
+
+  // The pair of position p from its scratch entry (src_row[p] still the position's row).
+  EPX_HOST_DEVICE std::int64_t pair_of(std::int64_t p, std::uint64_t entry) const noexcept {
+    return src_row[p] * top_k + static_cast<std::int64_t>(entry & 0xffffffffu);
   }
 
   EPX_HOST_DEVICE void operator()(std::size_t g) const {
@@ -222,10 +233,9 @@ struct drop_pairs {
       for (std::int64_t p = b; p < end; ++p) {
         if (!prefilled) {
           const std::int64_t i = pair_at(p, e);
-          pair_of[p + o] = i;
-          key[p + o] = order_key(weights[i]);
+          keyed[p + o] = keyed_slot(weights[i], i - src_row[p] * top_k);
         }
-        const std::uint64_t v = static_cast<std::uint64_t>(~key[p + o]) << 32 | static_cast<std::uint64_t>(p - b);
+        const std::uint64_t v = (~keyed[p + o] & 0xffffffff00000000ull) | static_cast<std::uint64_t>(p - b);
         if (n == d && v < last) continue;
         int at = n < d ? n : n - 1;
         while (at > 0 && v > wv[at - 1]) {
@@ -247,7 +257,7 @@ struct drop_pairs {
       std::int64_t at = wp[0];
       int next = 0;
       for (std::int64_t p = wp[0]; p < end; ++p) {
-        const std::int64_t i = pair_of[p + o];
+        const std::int64_t i = pair_of(p, keyed[p + o]);
         if (next < n && wp[next] == p) {
           ++next;
           pos[i] = -1;
@@ -262,9 +272,9 @@ struct drop_pairs {
     }
     for (std::int64_t p = b; p < end && !prefilled; ++p) {
       const std::int64_t i = pair_at(p, e);
-      pair_of[p + o] = i;
-      key[p + o] = order_key(weights[i]);
+      keyed[p + o] = keyed_slot(weights[i], i - src_row[p] * top_k);
     }
+    const auto key = [&](std::int64_t p) { return static_cast<std::uint32_t>(keyed[p + o] >> 32); };
     // The keep-th largest key, 8 bits at a time, on the bits under `mask`; `need` ends as
     // the number of pairs whose masked key is `prefix` that stay (the first ones in
     // position order). The bits every key shares start the prefix, so the first digit is
@@ -274,8 +284,8 @@ struct drop_pairs {
     // there. The histogram adds the match (0 or 1) instead of branching on it.
     std::uint32_t all_or = 0, all_and = ~std::uint32_t{0};
     for (std::int64_t p = b; p < end; ++p) {
-      all_or |= key[p + o];
-      all_and &= key[p + o];
+      all_or |= key(p);
+      all_and &= key(p);
     }
     const std::uint32_t differ = all_or ^ all_and;
     int top = 24;
@@ -288,7 +298,7 @@ struct drop_pairs {
         std::int64_t hist[256];
         for (int h = 0; h < 256; ++h) hist[h] = 0;
         for (std::int64_t p = b; p < end; ++p)
-          hist[(key[p + o] >> shift) & 0xffu] += static_cast<std::int64_t>((key[p + o] & mask) == prefix);
+          hist[(key(p) >> shift) & 0xffu] += static_cast<std::int64_t>((key(p) & mask) == prefix);
         int h = 255;
         for (; h > 0 && need > hist[h]; --h) need -= hist[h];
         prefix |= static_cast<std::uint32_t>(h) << shift;
@@ -298,8 +308,8 @@ struct drop_pairs {
     }
     std::int64_t at = b;
     for (std::int64_t p = b; p < end; ++p) {
-      const std::int64_t i = pair_of[p + o];
-      const std::uint32_t kp = key[p + o] & mask;
+      const std::int64_t i = pair_of(p, keyed[p + o]);
+      const std::uint32_t kp = key(p) & mask;
       bool stay = s.keep > 0 && kp > prefix;
       if (s.keep > 0 && kp == prefix && need > 0) {
         stay = true;
@@ -318,16 +328,16 @@ struct drop_pairs {
 };
 
 // Call with i in [0, pairs) before drop_pairs (score priority, when many positions are in
-// segments that drop): pair_of and key of every such position, from one sequential sweep
-// over the pairs instead of a lookup per position.
+// segments that drop): the scratch entry (keyed_slot) of every such position, from one
+// sequential sweep over the pairs instead of a lookup per position.
 struct fill_scratch {
   const std::int32_t* ids;       // [pairs]
   const float* weights;          // [pairs]
   const std::int64_t* pos;       // [pairs]
   const drop_segment* segments;  // [E * sources]
-  std::int64_t* pair_of;         // [scratch]
-  std::uint32_t* key;            // [scratch]
+  std::uint64_t* keyed;          // [scratch]
   int sources;
+  int top_k;
 
   EPX_HOST_DEVICE void operator()(std::size_t i) const {
     const std::int64_t p = pos[i];
@@ -337,8 +347,7 @@ struct fill_scratch {
     while (s + 1 < sources && p >= seg[s + 1].begin) ++s;
     if (seg[s].scratch < 0) return;
     const std::int64_t at = seg[s].scratch + (p - seg[s].begin);
-    pair_of[at] = static_cast<std::int64_t>(i);
-    key[at] = order_key(weights[i]);
+    keyed[at] = keyed_slot(weights[i], static_cast<std::int64_t>(i % static_cast<std::size_t>(top_k)));
   }
 };
 

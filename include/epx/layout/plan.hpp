@@ -19,7 +19,7 @@
 // pass 3 (launch_scatter) may wait until the exchange is done, so that it can apply the
 // capacity (spec section 8) as it places the pairs: a plan_cut drops every pair beyond an
 // expert's kept count (by position: the cursor counts down to the last kept position, no
-// comparison per pair) or writes every pair's index and weight key in send order for
+// comparison per pair) or writes every pair's weight key and slot in send order for
 // layout::drop_pairs to choose from (by score).
 //
 // Because ep rank d owns experts [d*L, (d+1)*L), expert_counts[E] read as [ep][L] is the
@@ -228,18 +228,17 @@ struct expert_offsets {
 //   last ([E], by position): the last position expert e keeps, expert_offset[e] + keep[e]
 //     - 1; a pair with p > last[e] (r >= keep[e]) is dropped there and then (pos = -1, and
 //     its position a src_row = -1 hole at the block's end, what drop_pairs leaves);
-//   pair_of, key ([pairs], by score): every pair is placed, and also writes its pair index
-//     and weight key (order_key) at its send position, so that layout::drop_pairs
+//   keyed ([pairs], by score): every pair is placed, and also writes its weight key and
+//     slot (keyed_slot, one 64-bit word) at its send position, so that layout::drop_pairs
 //     (prefilled, each segment's scratch at its begin) reads the pairs of an overflowing
 //     expert in position order with no lookup. Every pair writes: no branch per pair.
 struct plan_cut {
   const std::int64_t* last = nullptr;
-  std::int64_t* pair_of = nullptr;
-  std::uint32_t* key = nullptr;
+  std::uint64_t* keyed = nullptr;
 
-  // Pair i (row t) of expert e at position p (one thread per pair: the sorted plan).
+  // Pair i (row t, slot j) of expert e at position p (one thread per pair: the sorted plan).
   EPX_HOST_DEVICE void place(const float* weights, std::int64_t i, int e, std::int64_t p, std::int64_t t,
-                             std::int64_t* pos, std::int64_t* src_row) const {
+                             std::int64_t j, std::int64_t* pos, std::int64_t* src_row) const {
     if (last != nullptr) {
       const bool stays = p <= last[e];
       pos[i] = stays ? p : -1;
@@ -248,10 +247,7 @@ struct plan_cut {
     }
     pos[i] = p;
     src_row[p] = t;
-    if (key != nullptr) {
-      pair_of[p] = i;
-      key[p] = order_key(weights[i]);
-    }
+    if (keyed != nullptr) keyed[p] = keyed_slot(weights[i], j);
   }
 };
 
@@ -278,7 +274,7 @@ struct scatter_pairs {
     // One loop per kind of cut, so that no loop tests the kind per pair.
     if (cut.last != nullptr) {
       run<by_position>(c);
-    } else if (cut.key != nullptr) {
+    } else if (cut.keyed != nullptr) {
       run<by_score>(c);
     } else {
       run<plain>(c);
@@ -297,8 +293,7 @@ struct scatter_pairs {
     const int E = num_experts;
     std::int64_t* const to_pos = pos;
     std::int64_t* const to_row = src_row;
-    std::int64_t* const pair_of = cut.pair_of;
-    std::uint32_t* const key = cut.key;
+    std::uint64_t* const keyed = cut.keyed;
     std::int64_t* const cursor = chunk_counts + c * static_cast<std::size_t>(E);
     const std::int64_t* const base = Kind == by_position ? cut.last : expert_offset;
     if (Kind == by_position)
@@ -322,10 +317,7 @@ struct scatter_pairs {
           const std::int64_t p = base[e] + cursor[e]++;
           to_pos[i] = p;
           to_row[p] = t;
-          if constexpr (Kind == by_score) {
-            pair_of[p] = static_cast<std::int64_t>(i);
-            key[p] = order_key(w[i]);
-          }
+          if constexpr (Kind == by_score) keyed[p] = keyed_slot(w[i], static_cast<std::int64_t>(j));
         }
       }
       if (++j == k) {
@@ -439,7 +431,8 @@ struct sorted_positions {
     const std::int32_t e = keys[p];
     if (e >= num_experts) return;
     const std::int64_t i = perm[p];
-    cut.place(weights, i, e, static_cast<std::int64_t>(p), i / top_k, pos, src_row);
+    const std::int64_t t = i / top_k;
+    cut.place(weights, i, e, static_cast<std::int64_t>(p), t, i - t * top_k, pos, src_row);
   }
 };
 
