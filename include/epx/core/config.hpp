@@ -22,6 +22,15 @@
 #define EPX_IS_DEVICE_CODE 0
 #endif
 
+// EPX_HOST_NOINLINE keeps a host compiler from inlining a hot loop into its caller, where
+// it would share the registers of the caller's other loops (and keep its pointers on the
+// stack). Nothing on the device, or for compilers without the attribute.
+#if !defined(__CUDA_ARCH__) && (defined(__GNUC__) || defined(__clang__))
+#define EPX_HOST_NOINLINE __attribute__((noinline))
+#else
+#define EPX_HOST_NOINLINE
+#endif
+
 #if defined(_OPENMP)
 #define EPX_HAS_OPENMP 1
 #else
