@@ -57,6 +57,12 @@ void check_plan(const Exec& ex, std::size_t N, int k, int E, std::size_t chunks,
   CHECK(p.host_offset == want.offset);
   CHECK(std::vector<std::int64_t>(p.pos.data(), p.pos.data() + p.pairs) == want.pos);
   CHECK(std::vector<std::int64_t>(p.src_row.data(), p.src_row.data() + p.pairs) == want.src_row);
+  // Without weights (no weight check; its own scatter loop) the same plan.
+  const auto q = epx::layout::build_plan(ex, ids.data(), static_cast<const float*>(nullptr), N, k, E, chunks);
+  REQUIRE(static_cast<bool>(q.check));
+  CHECK(q.host_counts == want.counts);
+  CHECK(std::vector<std::int64_t>(q.pos.data(), q.pos.data() + q.pairs) == want.pos);
+  CHECK(std::vector<std::int64_t>(q.src_row.data(), q.src_row.data() + q.pairs) == want.src_row);
 }
 
 }  // namespace
