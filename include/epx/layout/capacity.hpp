@@ -200,6 +200,13 @@ struct drop_pairs {
     return -1;  // not reached for a consistent plan
   }
 
+  // The scratch entry of position p of expert e found from its row (not prefilled);
+  // returns it after storing it at p + o.
+  EPX_HOST_DEVICE std::uint64_t fill(std::int64_t p, int e, std::int64_t o) const noexcept {
+    const std::int64_t i = pair_at(p, e);
+    return keyed[p + o] = keyed_slot(weights[i], i - src_row[p] * top_k);
+  }
+
   // The pair of position p from its scratch entry (src_row[p] still the position's row).
   EPX_HOST_DEVICE std::int64_t pair_of(std::int64_t p, std::uint64_t entry) const noexcept {
     return src_row[p] * top_k + static_cast<std::int64_t>(entry & 0xffffffffu);
@@ -231,11 +238,8 @@ struct drop_pairs {
       int n = 0;
       std::uint64_t last = 0;  // wv[n - 1] once the list is full
       for (std::int64_t p = b; p < end; ++p) {
-        if (!prefilled) {
-          const std::int64_t i = pair_at(p, e);
-          keyed[p + o] = keyed_slot(weights[i], i - src_row[p] * top_k);
-        }
-        const std::uint64_t v = (~keyed[p + o] & 0xffffffff00000000ull) | static_cast<std::uint64_t>(p - b);
+        const std::uint64_t entry = prefilled ? keyed[p + o] : fill(p, e, o);
+        const std::uint64_t v = (~entry & 0xffffffff00000000ull) | static_cast<std::uint64_t>(p - b);
         if (n == d && v < last) continue;
         int at = n < d ? n : n - 1;
         while (at > 0 && v > wv[at - 1]) {
@@ -270,10 +274,7 @@ struct drop_pairs {
       for (std::int64_t p = at; p < end; ++p) src_row[p] = -1;
       return;
     }
-    for (std::int64_t p = b; p < end && !prefilled; ++p) {
-      const std::int64_t i = pair_at(p, e);
-      keyed[p + o] = keyed_slot(weights[i], i - src_row[p] * top_k);
-    }
+    for (std::int64_t p = b; p < end && !prefilled; ++p) fill(p, e, o);
     const auto key = [&](std::int64_t p) { return static_cast<std::uint32_t>(keyed[p + o] >> 32); };
     // The keep-th largest key, 8 bits at a time, on the bits under `mask`; `need` ends as
     // the number of pairs whose masked key is `prefix` that stay (the first ones in
