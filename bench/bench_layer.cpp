@@ -674,6 +674,7 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
     lo.top_k = s.k;
     lo.chunks = 1;
     lo.peer_access = o.r == route::direct;
+    if (o.r == route::per_rank) lo.sends = epx::row_sends::per_rank;
     epx::mesh_config mc;
     mc.tp = masked ? s.ep : 1;
     mc.fsdp = masked ? 1 : s.ep;
@@ -709,18 +710,20 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
     make_layer();
     d->saved = forward(epx::mode::train);
     d->stats = stats();
-    w.check = check_forward(d->x.data(), d->w.data(), d->out.data(), N, H, s.k, masked ? s.ep : 1);
+    const int partials = masked ? s.ep : o.r == route::per_rank ? std::min(s.k, s.ep) : 1;
+    w.check = check_forward(d->x.data(), d->w.data(), d->out.data(), N, H, s.k, partials);
     backward();
     if (w.check.empty())
       w.check = check_backward(d->x.data(), d->w.data(), d->grad_out.data(), d->grad_x.data(), d->grad_w.data(), N, H,
-                               s.k);
+                               s.k, partials);
     const auto& st = d->stats;
-    std::size_t R = 0, P = 0, S = 0, remote = 0;
+    std::size_t R = 0, P = 0, S = 0, remote = 0, got = 0;
     for (auto c : st.tokens_per_local_expert) R += static_cast<std::size_t>(c);
     for (auto c : st.padding_per_local_expert) P += static_cast<std::size_t>(c);
     R += P;
     for (std::size_t p = 0; p < st.rows_sent.size(); ++p) {
       S += static_cast<std::size_t>(st.rows_sent[p]);
+      got += static_cast<std::size_t>(st.rows_received[p]);
       if (static_cast<int>(p) != me) remote += static_cast<std::size_t>(st.rows_sent[p]);
     }
     // What a per-rank mode (one row per token and owner rank) would send.
@@ -741,7 +744,8 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
     allowance = static_cast<std::int64_t>(static_cast<double>(R) * row_bytes);
     const double n = masked ? static_cast<double>(N) : static_cast<double>(N);
     const auto parts = route_traffic(o.r, o.backward, static_cast<double>(masked ? 0 : S), static_cast<double>(R),
-                                     static_cast<double>(P), n, static_cast<double>(N), masked ? s.ep : 1);
+                                     static_cast<double>(P), n, static_cast<double>(N), masked ? s.ep : 1,
+                                     static_cast<double>(got));
     for (double p : parts) {
       w.traffic += p * row_bytes;
       w.floor_parts.push_back(static_cast<std::size_t>(p * row_bytes / 2));
@@ -938,6 +942,7 @@ void register_shape(const shape& s, bool full, int iters, int min_iters = 10) {
   for (bool bwd : {false, true}) {
     register_route<T>(s, {route::staged, bwd, full, full}, iters, min_iters);
     register_route<T>(s, {route::direct, bwd, full, false}, iters, min_iters);
+    register_route<T>(s, {route::per_rank, bwd, full, false}, iters, min_iters);
   }
 }
 
@@ -969,6 +974,8 @@ void register_all(bool quick) {
   register_route<bf16>(target, {route::direct, false, true, false}, 0);
   register_route<bf16>(target, {route::staged, true, false, false}, 0);
   register_route<bf16>(target, {route::direct, true, false, false}, 0);
+  register_route<bf16>(target, {route::per_rank, false, true, false}, 0);
+  register_route<bf16>(target, {route::per_rank, true, false, false}, 0);
   // The transformers comparison shape (1024 tokens x 1024 per rank, top-8, 64 experts,
   // ep 8), bf16 and float32: every route, both directions, baseline and stages.
   register_shape<bf16>(make_shape(8, 1024, 1024, 8, 64), true, 0, 20);

@@ -77,6 +77,7 @@ void bench_mpi_route(benchmark::State& state, shape s, route rt, bool backward) 
   lo.hidden = H;
   lo.top_k = s.k;
   lo.peer_access = rt == route::direct;
+  if (rt == route::per_rank) lo.sends = epx::row_sends::per_rank;
   epx::mesh_config mc;
   mc.fsdp = ep;
   mc.ep = ep;
@@ -93,15 +94,16 @@ void bench_mpi_route(benchmark::State& state, shape s, route rt, bool backward) 
     layer.backward(std::move(saved), epx::span<const T>(g), epx::span<T>(gx), epx::span<float>(gw), experts);
   };
   // One checked call.
+  const int partials = rt == route::per_rank ? std::min(s.k, ep) : 1;
   saved = fwd(epx::mode::train);
-  std::string bad = check_forward(x.data(), w.data(), out.data(), N, H, s.k);
+  std::string bad = check_forward(x.data(), w.data(), out.data(), N, H, s.k, partials);
   bwd();
-  if (bad.empty()) bad = check_backward(x.data(), w.data(), g.data(), gx.data(), gw.data(), N, H, s.k);
+  if (bad.empty()) bad = check_backward(x.data(), w.data(), g.data(), gx.data(), gw.data(), N, H, s.k, partials);
   // The timed forward is an inference call (on the direct route under MPI its rows and
   // outputs live in the peer memory): checked too.
   std::fill(out.begin(), out.end(), T{});
   (void)fwd(epx::mode::inference);
-  if (bad.empty()) bad = check_forward(x.data(), w.data(), out.data(), N, H, s.k);
+  if (bad.empty()) bad = check_forward(x.data(), w.data(), out.data(), N, H, s.k, partials);
   const double failed = max_over_ranks(bad.empty() ? 0.0 : 1.0);
   if (failed > 0) {
     if (!bad.empty()) std::fprintf(stderr, "rank %d: output check failed: %s\n", me, bad.c_str());
@@ -113,12 +115,13 @@ void bench_mpi_route(benchmark::State& state, shape s, route rt, bool backward) 
     state.SkipWithError("the layer did not take the requested route");
     return;
   }
-  std::size_t R = 0, P = 0, S = 0, remote = 0;
+  std::size_t R = 0, P = 0, S = 0, remote = 0, got = 0;
   for (auto c : st.tokens_per_local_expert) R += static_cast<std::size_t>(c);
   for (auto c : st.padding_per_local_expert) P += static_cast<std::size_t>(c);
   R += P;
   for (std::size_t p = 0; p < st.rows_sent.size(); ++p) {
     S += static_cast<std::size_t>(st.rows_sent[p]);
+    got += static_cast<std::size_t>(st.rows_received[p]);
     if (static_cast<int>(p) != me) remote += static_cast<std::size_t>(st.rows_sent[p]);
   }
   std::size_t per_rank = 0;
@@ -138,7 +141,8 @@ void bench_mpi_route(benchmark::State& state, shape s, route rt, bool backward) 
   double traffic = 0;
   std::vector<std::size_t> parts;
   std::vector<double> route_rows = route_traffic(rt, backward, static_cast<double>(S), static_cast<double>(R),
-                                                 static_cast<double>(P), static_cast<double>(N), static_cast<double>(N), 1);
+                                                 static_cast<double>(P), static_cast<double>(N), static_cast<double>(N), 1,
+                                                 static_cast<double>(got));
   if (rt == route::direct) {
     // The copies into the shared window (a copy reads and writes): forward x (N rows) and
     // the experts' outputs (R); backward grad_out (N), the outputs kept since forward (R)
@@ -233,7 +237,7 @@ int main(int argc, char** argv) {
   }
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
-  for (route rt : {route::direct, route::staged}) {
+  for (route rt : {route::direct, route::staged, route::per_rank}) {
     if (quick) {
       reg<bf16>({128, 1024, 8, 64}, rt, false, 3);
       reg<bf16>({128, 1024, 8, 64}, rt, true, 3);

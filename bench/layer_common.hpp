@@ -86,7 +86,8 @@ struct identity_experts {
 // With identity experts: out[t] = sum_j w_j x[t] (k products summed in accum_t<T>, rounded
 // to T); grad_x[t] = sum_j round_T(w_j g[t]); grad_w[t,j] = <x[t], g[t]> (H products). Each
 // element is checked within the rounding bound of that arithmetic (any summation order);
-// `partials` > 1: the masked path's rounded partial sums over the EP group.
+// `partials` > 1: rounded partial sums, of the masked path over the EP group or of the
+// per-rank route over a token's owners (at most min(k, ep)).
 template <class T>
 std::string check_forward(const T* x, const float* w, const T* out, std::size_t n, std::size_t H, int k,
                           int partials = 1) {
@@ -114,10 +115,11 @@ std::string check_forward(const T* x, const float* w, const T* out, std::size_t 
 
 template <class T>
 std::string check_backward(const T* x, const float* w, const T* g, const T* grad_x, const float* grad_w,
-                           std::size_t n, std::size_t H, int k) {
+                           std::size_t n, std::size_t H, int k, int partials = 1) {
   const double u = sizeof(T) == 2 ? 0x1p-8 : 0x1p-24, ua = 0x1p-24;
   const auto K = static_cast<std::size_t>(k);
-  const double gk = K * ua / (1 - K * ua), gh = static_cast<double>(H) * ua / (1 - static_cast<double>(H) * ua);
+  const double kp = static_cast<double>(K) + (partials > 1 ? partials : 0);
+  const double gk = kp * ua / (1 - kp * ua), gh = static_cast<double>(H) * ua / (1 - static_cast<double>(H) * ua);
   for (std::size_t t = 0; t < n; ++t) {
     double W = 0, Wa = 0;
     for (std::size_t j = 0; j < K; ++j) {
@@ -132,7 +134,9 @@ std::string check_backward(const T* x, const float* w, const T* g, const T* grad
       dot_abs += std::abs(xv * gv);
       const double want = W * gv, S = Wa * std::abs(gv);
       const double got = static_cast<double>(epx::convert<float>(grad_x[t * H + h]));
-      const double bound = u * std::abs(want) + (1 + u) * ((u + 2 * ua) * (1 + u) + gk * (1 + 2 * u)) * S + 1e-30;
+      const double bound = u * std::abs(want) +
+                           (1 + u) * ((u + 2 * ua) * (1 + u) + gk * (1 + 2 * u) + (partials > 1 ? 2 * u : 0.0)) * S +
+                           1e-30;
       if (!(std::abs(got - want) <= bound))
         return epx::detail::concat("grad_x[", t, ", ", h, "] = ", got, ", expected ", want, " (bound ", bound, ")");
     }
@@ -146,22 +150,35 @@ std::string check_backward(const T* x, const float* w, const T* g, const T* grad
   return {};
 }
 
-enum class route { staged, direct, masked };
+// staged, direct, masked: as in bench_layer.cpp's header; per_rank: the staged route with
+// one row per (token, destination rank) (layer_options::sends, spec section 14).
+enum class route { staged, direct, masked, per_rank };
 
 const char* to_string(route r) {
-  return r == route::staged ? "staged" : r == route::direct ? "direct" : "masked";
+  return r == route::staged ? "staged" : r == route::direct ? "direct" : r == route::masked ? "masked" : "per_rank";
 }
 
 // Per rank, in rows: what the epx call of `r` reads plus writes, stage by stage (see the top
-// of the file). n: rows of this rank's slice, N: rows of the call, tp: TP group size.
-std::vector<double> route_traffic(route r, bool backward, double S, double R, double P, double n, double N, int tp) {
+// of the file). S: rows this rank sends (per_rank: its unique rows U), Ur: unique rows it
+// receives (per_rank only), n: rows of this rank's slice, N: rows of the call, tp: TP
+// group size. The per-rank route, with Rr = R - P pair rows at the owner:
+//   forward   gather 2U, dispatch 2Ur, copies into the expert-major rows Rr + R,
+//             the owner's sums Rr + Ur, return 2U, combine U + n
+//   backward  grad rows 2U, dispatch 2Ur, w * grad rows Rr + R, dots 2Rr, experts 2R,
+//             the owner's sums Rr + Ur, return 2U, reduce U + n
+std::vector<double> route_traffic(route r, bool backward, double S, double R, double P, double n, double N, int tp,
+                                  double Ur = 0) {
   const double Rr = R - P;
   std::vector<double> v;
   if (r == route::masked) {
     v = {2 * Rr + P, Rr + N, 3 * N + N / tp};
     return v;
   }
-  if (r == route::staged)
+  if (r == route::per_rank) {
+    const double U = S;
+    v = backward ? std::vector<double>{2 * U, 2 * Ur, Rr + R, 2 * Rr, 2 * R, Rr + Ur, 2 * U, U + n}
+                 : std::vector<double>{2 * U, 2 * Ur, Rr + R, Rr + Ur, 2 * U, U + n};
+  } else if (r == route::staged)
     v = backward ? std::vector<double>{2 * S, 2 * S, P, 2 * Rr, 2 * R, 2 * S, S + n}
                  : std::vector<double>{2 * S, P, 2 * Rr, 2 * S, S + n};
   else

@@ -22,6 +22,7 @@
 #include "epx/layout/capacity.hpp"
 #include "epx/layout/slicing.hpp"
 #include "epx/layout/receive.hpp"
+#include "epx/layout/per_rank.hpp"
 #include "epx/kernels/launch.hpp"
 #include "epx/kernels/fp8.hpp"
 #include "epx/impl/implementation.hpp"

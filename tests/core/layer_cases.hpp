@@ -58,6 +58,7 @@ struct layer_case {
   bool peer_access = true;  // layer_options::peer_access (false: the staged route everywhere)
   capacity_policy capacity = {};  // layer_options::capacity (spec section 8)
   int ranks_per_node = 0;         // layer_options::ranks_per_node (node statistics)
+  row_sends sends = row_sends::per_slot;  // layer_options::sends (spec section 14)
 
   std::size_t rows_of(int b) const { return rows ? rows(b) : 12; }
   std::string describe() const {
@@ -69,7 +70,8 @@ struct layer_case {
                                                               capacity.rows > 0 ? capacity.rows : 0, "/",
                                                               capacity.factor, "/", to_string(capacity.priority))
                                              : std::string(),
-                          ranks_per_node ? detail::concat(" ranks_per_node=", ranks_per_node) : std::string());
+                          ranks_per_node ? detail::concat(" ranks_per_node=", ranks_per_node) : std::string(),
+                          sends == row_sends::per_rank ? " per_rank" : "");
   }
 };
 
@@ -118,6 +120,7 @@ inline layer_options options_for(const layer_case& c) {
   o.peer_access = c.peer_access;
   o.capacity = c.capacity;
   o.ranks_per_node = c.ranks_per_node;
+  o.sends = c.sends;
   return o;
 }
 
@@ -244,6 +247,7 @@ struct rank_expectation {
   std::vector<std::int64_t> dropped_per_expert;  // [E] over the EP group (capacity only)
   std::int64_t max_nodes = 0;                    // nodes per token over the EP group (ranks_per_node only)
   double mean_nodes = 0;
+  std::vector<std::int64_t> rows_sent;           // [ep] rows this rank sends each ep peer (all_to_all)
 };
 
 template <class T>
@@ -293,6 +297,23 @@ rank_expectation expect(const layer_case& c, const ref::linear_experts& global, 
     }
   }
   e.mean_nodes = tokens ? static_cast<double>(nodes_sum) / static_cast<double>(tokens) : 0.0;
+  // Rows this rank sends: its TP slice's kept pairs, or (per-rank sends) its tokens' distinct
+  // owners among their kept pairs.
+  {
+    const batch_data d = make_batch<T>(c, b);
+    const auto& kb = keep[static_cast<std::size_t>(b)];
+    const auto k = static_cast<std::size_t>(c.top_k);
+    const row_slice sl = slice_bounds(c.rows_of(b), m.tp(), m.coords(rank).tp);
+    e.rows_sent.assign(static_cast<std::size_t>(m.ep()), 0);
+    for (std::size_t t = sl.begin; t < sl.end; ++t) {
+      std::set<int> owners;
+      for (std::size_t j = 0; j < k; ++j) {
+        if (!kb[t * k + j]) continue;
+        const int owner = d.ids[t * k + j] / L;
+        if (c.sends == row_sends::per_slot || owners.insert(owner).second) ++e.rows_sent[static_cast<std::size_t>(owner)];
+      }
+    }
+  }
   return e;
 }
 
@@ -323,12 +344,15 @@ std::string check_layer_case(Comm& world, const layer_case& c) {
     } else if (!r.stats.dropped_per_expert.empty() || r.stats.dropped_pairs != 0) {
       f += where + ": dropped pairs reported without a capacity\n";
     }
+    if (std::string(r.stats.path) == "all_to_all" && r.stats.rows_sent != e.rows_sent)
+      f += detail::concat(where, ": stats.rows_sent differs from the rows the routing sends (",
+                          c.sends == row_sends::per_rank ? "per rank" : "per slot", ")\n");
     if (c.ranks_per_node > 0 &&
         (r.stats.max_nodes_per_token != e.max_nodes || std::abs(r.stats.mean_nodes_per_token - e.mean_nodes) > 1e-12))
       f += detail::concat(where, ": nodes per token max ", r.stats.max_nodes_per_token, " mean ",
                           r.stats.mean_nodes_per_token, ", expected ", e.max_nodes, " and ", e.mean_nodes, "\n");
-    const bool direct = std::string(r.stats.path) == "all_to_all" && c.peer_access && has_peer_access_v<Comm> &&
-                        exec::is_host_policy_v<test_exec>;
+    const bool direct = std::string(r.stats.path) == "all_to_all" && c.peer_access &&
+                        c.sends == row_sends::per_slot && has_peer_access_v<Comm> && exec::is_host_policy_v<test_exec>;
     if (r.stats.peer_access != direct)
       f += detail::concat(where, ": stats.peer_access is ", r.stats.peer_access, ", expected ", direct, "\n");
   } catch (const std::exception& ex) {
@@ -569,6 +593,37 @@ std::string check_routes_agree(Comm& world, const layer_case& c) {
     if (a.stats.peer_access != (has_peer_access_v<Comm> && exec::is_host_policy_v<test_exec>))
       f += where + "the direct run did not take the expected route\n";
     if (b.stats.peer_access) f += where + "the staged run took the direct route\n";
+  } catch (const std::exception& ex) {
+    f += detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
+  }
+  return f;
+}
+
+// Per-rank sends (spec section 14) against per-slot sends: the experts see bitwise the same
+// rows and gradient rows, so the expert gradients and grad_weights are bitwise equal; out
+// and grad_x differ by rounding only (each is checked against float64 by check_layer_case).
+// Also: fewer rows sent whenever some token has two slots on one rank.
+template <class Comm, class T>
+std::string check_sends_agree(Comm& world, const layer_case& c) {
+  std::string f;
+  try {
+    const auto global = ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+    layer_case slot = c, rank = c;
+    slot.sends = row_sends::per_slot;
+    rank.sends = row_sends::per_rank;
+    const auto a = run_layer<Comm, T, impl::all_to_all>(world, slot, global);
+    const auto b = run_layer<Comm, T, impl::all_to_all>(world, rank, global);
+    const std::string where = detail::concat(c.describe(), " rank ", world.rank(), " per_slot vs per_rank: ");
+    if (!bitwise_equal(a.grad_w, b.grad_w)) f += where + "grad_weights differ bitwise\n";
+    if (!bitwise_equal(a.expert_grads, b.expert_grads)) f += where + "expert grads differ bitwise\n";
+    const double at = atol_for<T>(), rt = rtol_for<T>();
+    append(f, ref::compare(ref::to_double(b.out), ref::to_double(a.out), at, rt, where + "out"));
+    append(f, ref::compare(ref::to_double(b.grad_x), ref::to_double(a.grad_x), at, rt, where + "grad_x"));
+    if (b.stats.peer_access) f += where + "the per-rank run took the direct route\n";
+    std::int64_t sa = 0, sb = 0;
+    for (auto v : a.stats.rows_sent) sa += v;
+    for (auto v : b.stats.rows_sent) sb += v;
+    if (sb > sa) f += detail::concat(where, "per-rank sent ", sb, " rows, per-slot ", sa, "\n");
   } catch (const std::exception& ex) {
     f += detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
   }

@@ -115,6 +115,28 @@ TEST_CASE("layer (MPI): the direct route (shared memory) and the staged one agre
   CHECK_MESSAGE(ref.empty(), ref);
 }
 
+// Per-rank sends (spec section 14): against float64, and against per-slot sends (expert
+// and weight gradients bitwise, out and grad_x within rounding, no more rows sent).
+TEST_CASE("layer (MPI): per-rank sends against float64 and against per-slot sends") {
+  comm_t world = comm_t::world();
+  const int n = world.size();
+  auto cases = cases_for(n);
+  auto wide = make(1, n, n, 4 * n, std::min(6, 4 * n), routing_kind::random);
+  wide.hidden = 300;
+  wide.rows = [](int b) { return static_cast<std::size_t>(30 + 3 * b); };
+  cases.push_back(wide);
+  for (auto c : cases) {
+    c.sends = epx::row_sends::per_rank;
+    CAPTURE(c.describe());
+    const std::string f32 = epx::test::check_layer_case<comm_t, float>(world, c);
+    CHECK_MESSAGE(f32.empty(), f32);
+    const std::string b16 = epx::test::check_layer_case<comm_t, epx::bf16>(world, c);
+    CHECK_MESSAGE(b16.empty(), b16);
+    const std::string agree = epx::test::check_sends_agree<comm_t, float>(world, c);
+    CHECK_MESSAGE(agree.empty(), agree);
+  }
+}
+
 TEST_CASE("layer (MPI): without shared memory the layer takes the staged route, with the same bits") {
   comm_t world = comm_t::world();
   epx::mpi::options o;

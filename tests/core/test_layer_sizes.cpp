@@ -127,7 +127,8 @@ struct bounds {
   using A = epx::accum_t<T>;
   static constexpr double u = ref::unit_roundoff<T>(), ua = ref::unit_roundoff<A>(), eta = ref::subnormal_half<T>();
   int k = 1;
-  int partials = 1;  // masked path: the EP group's partial sums (each rounded to T), else 1
+  int partials = 1;  // masked path: the EP group's partial sums (each rounded to T); per-rank
+                     // sends: a token's partial sums at up to min(k, ep) owners; else 1
   std::size_t hidden = 1;
 
   // Sum over the slots of terms with relative error c each, then rounded to T.
@@ -234,13 +235,14 @@ std::string check_diag_case(Comm& world, const layer_case& c) {
     bd.k = c.top_k;
     bd.hidden = static_cast<std::size_t>(c.hidden);
     const bool masked = std::string(r.stats.path) == "all_reduce";
-    bd.partials = masked ? c.topology.ep : 1;
+    const bool per_rank = !masked && c.sends == epx::row_sends::per_rank;
+    bd.partials = masked ? c.topology.ep : per_rank ? std::min(c.top_k, c.topology.ep) : 1;
     const std::string where = epx::detail::concat(c.describe(), masked ? " masked" : "", " rank ", world.rank());
     f += within(r.out, e.out, bd.out(e), where + " out");
     f += within(r.grad_x, e.grad_x, bd.grad_x(e), where + " grad_x");
     f += within(r.grad_w, e.grad_w, bd.grad_w(e), where + " grad_weights");
     f += within(r.expert_grads, e.grads, bd.grads(e.grads_mag, e.grads_abs), where + " expert grads after hook");
-    const bool direct = !masked && c.peer_access && epx::has_peer_access_v<Comm> &&
+    const bool direct = !masked && !per_rank && c.peer_access && epx::has_peer_access_v<Comm> &&
                         epx::exec::is_host_policy_v<epx::test::test_exec>;
     if (r.stats.peer_access != direct)
       f += epx::detail::concat(where, ": stats.peer_access is ", r.stats.peer_access, ", expected ", direct, "\n");
@@ -272,13 +274,17 @@ void check_diag(const layer_case& c) {
   on_ranks(world_of(c.topology), [&](comm_t& comm) { return check_diag_case<comm_t, T, Impl>(comm, c); });
 }
 
-// The cases at one hidden size: the all-to-all path on both routes (tp = 1 and tp = 2) and
-// the masked all-reduce path (ep == tp).
+// The cases at one hidden size: the all-to-all path on both routes (tp = 1 and tp = 2),
+// with per-rank sends, and the masked all-reduce path (ep == tp).
 template <class T>
 void check_sizes(int H) {
   for (bool direct : {true, false}) {
     check_diag<T>(make(1, 4, 4, 8, 4, H, 4, direct));
     check_diag<T>(make(2, 2, 2, 4, 2, H, 5, direct, routing_kind::random));
+  }
+  for (auto c : {make(1, 4, 4, 8, 4, H, 4, false), make(2, 2, 2, 4, 3, H, 5, false, routing_kind::random)}) {
+    c.sends = epx::row_sends::per_rank;
+    check_diag<T>(c);
   }
   check_diag<T, epx::impl::all_reduce>(make(4, 1, 4, 8, 4, H, 4, true));
 }

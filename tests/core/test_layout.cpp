@@ -529,3 +529,125 @@ TEST_CASE("receive layout: every member's segments, offsets and row records from
     CHECK(one.rows(me) == off);
   }
 }
+
+// Per-rank sends (spec section 14): each source's plan of unique rows, and the owner's copy
+// table made from what its sources send, against the per-slot layout they replace.
+TEST_CASE("per-rank plan: each token once per owner, every kept pair lands on its per-slot row") {
+  namespace d = epx::detail;
+  rng g(321);
+  for (int trial = 0; trial < 60; ++trial) {
+    const int ep = 1 + g.below(5), L = 1 + g.below(3), E = ep * L, k = 1 + g.below(std::min(E, 6));
+    const epx::padding pad{g.below(3), 1 + g.below(3)};
+    const auto K = static_cast<std::size_t>(k);
+    // Each source: n tokens, k distinct experts each, some pairs dropped; the per-slot plan
+    // is the stable order by expert of its kept pairs (pos -1 for a dropped one).
+    std::vector<std::size_t> n(static_cast<std::size_t>(ep));
+    std::vector<std::vector<std::int32_t>> ids(static_cast<std::size_t>(ep));
+    std::vector<std::vector<float>> w(static_cast<std::size_t>(ep));
+    std::vector<std::vector<std::int64_t>> pos(static_cast<std::size_t>(ep));
+    std::vector<std::vector<std::int64_t>> counts(static_cast<std::size_t>(ep), std::vector<std::int64_t>(static_cast<std::size_t>(E)));
+    std::vector<std::vector<std::size_t>> pair_at(static_cast<std::size_t>(ep));  // send position -> t*k+j
+    for (int s = 0; s < ep; ++s) {
+      const auto si = static_cast<std::size_t>(s);
+      n[si] = static_cast<std::size_t>(g.below(4) == 0 ? 0 : g.below(9));
+      for (std::size_t t = 0; t < n[si]; ++t) {
+        std::vector<int> all(static_cast<std::size_t>(E));
+        for (int e = 0; e < E; ++e) all[static_cast<std::size_t>(e)] = e;
+        for (std::size_t j = 0; j < K; ++j) {
+          std::swap(all[j], all[j + static_cast<std::size_t>(g.below(E - static_cast<int>(j)))]);
+          ids[si].push_back(all[j]);
+          w[si].push_back(static_cast<float>(1 + g.below(100)) / 64.0f);
+        }
+      }
+      pos[si].assign(n[si] * K, -1);
+      std::int64_t at = 0;
+      for (int e = 0; e < E; ++e)
+        for (std::size_t i = 0; i < n[si] * K; ++i)
+          if (ids[si][i] == e && g.below(5) != 0) {
+            pos[si][i] = at++;
+            ++counts[si][static_cast<std::size_t>(e)];
+            pair_at[si].push_back(i);
+          }
+    }
+    const d::receive_layout lay =
+        d::make_receive_layout(ep, ep, L, pad, [&](int s) { return counts[static_cast<std::size_t>(s)].data(); });
+    std::vector<d::per_rank_plan> plans;
+    for (int s = 0; s < ep; ++s) {
+      const auto si = static_cast<std::size_t>(s);
+      plans.push_back(d::make_per_rank_plan(lay, s, n[si], k, pos[si].data(), w[si].data()));
+      const auto& p = plans.back();
+      // Unique rows per owner: the tokens with a kept slot there, in token order; first and
+      // pair name them.
+      for (int o = 0; o < ep; ++o) {
+        std::vector<std::int64_t> want;
+        for (std::size_t t = 0; t < n[si]; ++t) {
+          bool there = false;
+          for (std::size_t j = 0; j < K; ++j)
+            there = there || (pos[si][t * K + j] >= 0 && ids[si][t * K + j] / L == o);
+          if (there) want.push_back(static_cast<std::int64_t>(t));
+        }
+        const auto oi = static_cast<std::size_t>(o);
+        REQUIRE(p.send_rows[oi] == want.size());
+        for (std::size_t u = 0; u < want.size(); ++u) CHECK(p.src_row[p.send_offsets[oi] + u] == want[u]);
+      }
+      for (std::size_t t = 0; t < n[si]; ++t)
+        for (std::size_t j = 0; j < K; ++j) {
+          const std::size_t i = t * K + j;
+          if (pos[si][i] < 0) {
+            CHECK(p.first[i] == -1);
+            CHECK(p.pair[i] == -1);
+            continue;
+          }
+          const int o = ids[si][i] / L;
+          bool earlier = false;
+          for (std::size_t jj = 0; jj < j; ++jj)
+            earlier = earlier || (pos[si][t * K + jj] >= 0 && ids[si][t * K + jj] / L == o);
+          REQUIRE(p.pair[i] >= 0);
+          const auto u = static_cast<std::size_t>(p.pair[i]) / K;
+          CHECK(static_cast<std::size_t>(p.pair[i]) % K == j);
+          CHECK(p.src_row[u] == static_cast<std::int64_t>(t));
+          CHECK(u >= p.send_offsets[static_cast<std::size_t>(o)]);
+          CHECK(u < p.send_offsets[static_cast<std::size_t>(o)] + p.send_rows[static_cast<std::size_t>(o)]);
+          CHECK(p.first[i] == (earlier ? -1 : static_cast<std::int64_t>(u)));
+        }
+    }
+    // Each owner: its sources' entries in source order, then the copy table.
+    for (int o = 0; o < ep; ++o) {
+      const auto oi = static_cast<std::size_t>(o);
+      std::vector<std::int64_t> slot_row;
+      std::vector<float> slot_weight;
+      std::vector<std::size_t> first_of(static_cast<std::size_t>(ep));  // first received row of source s
+      std::size_t received = 0;
+      for (int s = 0; s < ep; ++s) {
+        const auto& p = plans[static_cast<std::size_t>(s)];
+        first_of[static_cast<std::size_t>(s)] = received;
+        const std::size_t b = p.send_offsets[oi] * K, e = b + p.send_rows[oi] * K;
+        slot_row.insert(slot_row.end(), p.slot_row.begin() + static_cast<std::ptrdiff_t>(b),
+                        p.slot_row.begin() + static_cast<std::ptrdiff_t>(e));
+        slot_weight.insert(slot_weight.end(), p.slot_weight.begin() + static_cast<std::ptrdiff_t>(b),
+                           p.slot_weight.begin() + static_cast<std::ptrdiff_t>(e));
+        received += p.send_rows[oi];
+      }
+      const std::size_t R = lay.rows(o);
+      std::vector<std::int64_t> from(R, 99);
+      std::vector<float> weight(R, 99.0f);
+      d::receive_rows(received, k, slot_row.data(), slot_weight.data(), R, from.data(), weight.data());
+      std::vector<int> named(R, 0);
+      d::for_each_received(lay, o, [&](std::size_t r, int s, std::size_t q) {
+        const auto si = static_cast<std::size_t>(s);
+        const std::size_t i = pair_at[si][q];  // the pair (t, j) the per-slot mode sends to row r
+        const auto& p = plans[si];
+        ++named[r];
+        REQUIRE(from[r] >= static_cast<std::int64_t>(first_of[si]));
+        const std::size_t u = static_cast<std::size_t>(from[r]) - first_of[si] + p.send_offsets[oi];
+        CHECK(p.src_row[u] == static_cast<std::int64_t>(i / K));
+        CHECK(weight[r] == w[si][i]);
+      });
+      for (std::size_t r = 0; r < R; ++r)
+        if (named[r] == 0) {
+          CHECK(from[r] == -1);  // padding
+          CHECK(weight[r] == 0.0f);
+        }
+    }
+  }
+}

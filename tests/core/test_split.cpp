@@ -88,6 +88,17 @@ TEST_CASE("split phase: bf16 and double, inference, capacity") {
   check_split<float>(cap);
 }
 
+TEST_CASE("split phase: per-rank sends (spec section 14), bitwise the fused calls") {
+  for (auto c : meshes()) {
+    c.sends = epx::row_sends::per_rank;
+    check_split<float>(c);
+  }
+  auto c = make(1, 4, 2, 8, 8);
+  c.sends = epx::row_sends::per_rank;
+  check_split<epx::bf16>(c);
+  check_split<float>(c, epx::mode::inference);
+}
+
 TEST_CASE("split phase: the masked all-reduce path and impl::automatic (ep == tp)") {
   for (const auto& m : std::vector<std::array<int, 2>>{{2, 2}, {4, 1}, {2, 3}}) {
     auto c = make(m[0], m[1], m[0], 16, 2, routing_kind::uneven);

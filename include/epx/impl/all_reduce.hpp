@@ -51,6 +51,9 @@ class all_reduce_impl {
     if (o.fp8_dispatch)
       return "the all_reduce implementation moves no rows, so it has no FP8 dispatch (layer_options::fp8_dispatch): "
              "use impl::all_to_all or impl::automatic";
+    if (o.sends != row_sends::per_slot)
+      return "the all_reduce implementation moves no rows, so it has no per-rank sends (layer_options::sends == "
+             "row_sends::per_rank): use impl::all_to_all or impl::automatic";
     if (m.ep() == m.tp()) return {};
     return concat("the all_reduce implementation requires ep_size (", m.ep(), ") == tp_size (", m.tp(),
                   "): every rank of an EP group must hold the same rows");

@@ -24,6 +24,14 @@
 //      slot's output row in place at its owner (epx/layout/receive.hpp): two passes, no
 //      send buffer. (On MPI, the buffers published to the peers are first copied into
 //      the communicator's shared window: one more pass over x and the outputs.)
+// With per-rank sends (layer_options::sends == row_sends::per_rank, spec section 14;
+// epx/layout/per_rank.hpp) the staged route moves one row per (token, destination rank):
+//   gather the unique rows, all-to-all them with their slot entries (expert-major row and
+//   weight of each slot at that owner), the owner copies each into its slots' rows; back,
+//   the owner sums w * y over each unique row's slots (float32, slot order, rounded once to
+//   T) and the source adds the returned rows in the order of each owner's first slot.
+//   Expert rows and grad_weights are bitwise the per-slot mode's; out and grad_x differ by
+//   that rounding. It takes the staged route even where peer access is available.
 // Before every communicator call the execution policy is synchronised (a no-op for host
 // policies), so a communicator never reads buffers a device stream is still writing.
 // Backward runs the same route in reverse with the saved layout (no count exchange, only
@@ -53,6 +61,8 @@
 #include "epx/impl/prologue.hpp"
 #include "epx/kernels/fp8.hpp"
 #include "epx/kernels/launch.hpp"
+#include "epx/exec/host_copy.hpp"
+#include "epx/layout/per_rank.hpp"
 #include "epx/layout/receive.hpp"
 #include "epx/layout/slicing.hpp"
 
@@ -107,6 +117,18 @@ class all_to_all_impl {
     exec::buffer<float, Exec> weights;         // [S] routing weight of each send position
     rows_buffer<T, Exec> x_recv;               // [R, H] expert-major input rows (FP8 dispatch: made by backward)
     bool fp8 = false;                          // FP8 dispatch (layer_options::fp8_dispatch; staged route)
+    // Per-rank sends (layer_options::sends; staged route; epx/layout/per_rank.hpp): src_row
+    // holds the U unique rows' slice rows, the send and return buffers U rows, y stays at
+    // its owner (expert-major), and the owner keeps its received rows' slot entries.
+    bool per_rank = false;
+    rank_rows ranks;                           // unique rows to and from every peer
+    exec::buffer<std::int64_t, Exec> first;    // [n*k] unique row at the first slot of its owner, -1
+    exec::buffer<std::int64_t, Exec> pair;     // [n*k] u*k + j of a kept pair, -1
+    exec::buffer<std::int64_t, Exec> slot_row; // owner: [Ur*k] expert-major row of each received slot, -1
+    exec::buffer<float, Exec> slot_weight;     // owner: [Ur*k] its weight
+    exec::buffer<std::int64_t, Exec> recv_from;  // owner: [R] received row of each expert-major row, -1
+    exec::buffer<float, Exec> recv_weight;       // owner: [R] its slot's weight
+    rows_buffer<T, Exec> stage;                // owner: [Ur, H] received rows, then the returned sums
     rows_buffer<fp8_e4m3, Exec> x8;            // FP8: [R, H] expert-major rows as E4M3
     exec::buffer<float, Exec> scales;          // FP8: [R, H/128] their scales
     rows_buffer<T, Exec> y;                    // staged: [S, H] outputs in send order; direct: [R, H] expert-major
@@ -123,7 +145,8 @@ class all_to_all_impl {
     saved_state<T> forward;
     rows_buffer<T, Exec> grad_recv;  // [R, H] gradients of the experts' outputs
     rows_buffer<T, Exec> grad_in;    // [R, H] gradients of their inputs
-    rows_buffer<T, Exec> grad_send;  // staged: [S, H] send order
+    rows_buffer<T, Exec> grad_send;  // staged: [S, H] send order (per-rank: [U, H])
+    rows_buffer<T, Exec> grad_stage;  // per-rank, owner: [Ur, H] grad_out rows, then the summed grad_in
     float* grad_weights = nullptr;   // the call's [N, k], summed over the TP group by backward_combine
   };
 
@@ -165,7 +188,8 @@ class all_to_all_impl {
     s.top_k = a.top_k;
     s.slice = sl;
     s.fp8 = ctx_.options.fp8_dispatch;
-    s.direct = uses_peer_access<Exec>() && !s.fp8;
+    s.per_rank = ctx_.options.sends == row_sends::per_rank;
+    s.direct = uses_peer_access<Exec>() && !s.fp8 && !s.per_rank;
     if (ctx_.stats != nullptr) ctx_.stats->peer_access = s.direct;
     s.layout = std::move(r.layout);
     s.pos = std::move(r.plan.pos);
@@ -193,7 +217,45 @@ class all_to_all_impl {
         });
       }
     }
-    if (!s.direct) {
+    if (s.per_rank) {
+      // 4 (spec section 14): each row once to each owner of its kept slots; the owner copies
+      // it into its slots' rows (padding rows come out zero).
+      std::vector<std::int64_t> pos_h(S);
+      std::vector<float> w_h(S);
+      to_host(ex, static_cast<const std::int64_t*>(s.pos.data()), S, pos_h.data());
+      to_host(ex, static_cast<const float*>(s.slice_weights.data()), S, w_h.data());
+      const per_rank_plan g = make_per_rank_plan(lay, me, n, a.top_k, pos_h.data(), w_h.data());
+      s.ranks = exchange_rank_rows(ex, g.send_rows, g.send_offsets);
+      const std::size_t U = s.ranks.sent(), Ur = s.ranks.received();
+      s.src_row = policy_copy(ex, g.src_row);
+      s.first = policy_copy(ex, g.first);
+      s.pair = policy_copy(ex, g.pair);
+      auto slot_row_out = policy_copy(ex, g.slot_row);
+      auto slot_weight_out = policy_copy(ex, g.slot_weight);
+      s.send = make_rows<T>(ws_, ex, U * H);
+      kernels::gather(ex, U, H, x, static_cast<const std::int64_t*>(s.src_row.data()), s.send.data());
+      s.stage = make_rows<T>(ws_, ex, Ur * H);
+      s.slot_row = exec::make_buffer<std::int64_t>(ex, Ur * k);
+      s.slot_weight = exec::make_buffer<float>(ex, Ur * k);
+      order_before_collective(ex, *ctx_.ep);
+      exchange_unique(s.ranks, static_cast<const T*>(s.send.data()), s.stage.data(), H, false);
+      exchange_unique(s.ranks, static_cast<const std::int64_t*>(slot_row_out.data()), s.slot_row.data(), k, false);
+      exchange_unique(s.ranks, static_cast<const float*>(slot_weight_out.data()), s.slot_weight.data(), k, false);
+      std::vector<std::int64_t> slot_row_h(Ur * k), from_h(R);
+      std::vector<float> slot_weight_h(Ur * k), weight_h(R);
+      to_host(ex, static_cast<const std::int64_t*>(s.slot_row.data()), Ur * k, slot_row_h.data());
+      to_host(ex, static_cast<const float*>(s.slot_weight.data()), Ur * k, slot_weight_h.data());
+      receive_rows(Ur, a.top_k, slot_row_h.data(), slot_weight_h.data(), R, from_h.data(), weight_h.data());
+      s.recv_from = policy_copy(ex, from_h);
+      s.recv_weight = policy_copy(ex, weight_h);
+      kernels::gather(ex, R, H, static_cast<const T*>(s.stage.data()),
+                      static_cast<const std::int64_t*>(s.recv_from.data()), s.x_recv.data());
+      if (ctx_.stats != nullptr)
+        for (std::size_t p = 0; p < s.ranks.send_rows.size(); ++p) {
+          ctx_.stats->rows_sent[p] = static_cast<std::int64_t>(s.ranks.send_rows[p]);
+          ctx_.stats->rows_received[p] = static_cast<std::int64_t>(s.ranks.recv_rows[p]);
+        }
+    } else if (!s.direct) {
       // 4: rows into send order, then the segmented all-to-all lands them expert-major.
       s.seg = segments_of(lay, me);
       s.send = make_rows<T>(ws_, ex, S * H);  // FP8: only for the way back
@@ -267,7 +329,21 @@ class all_to_all_impl {
         s.y = std::move(s.outputs);  // training: the outputs stay at their owner for backward
       }
     }
-    if (!s.direct) {
+    if (s.per_rank) {
+      // 6: the owner sums w * y over each received row's slots (float32, slot order) and
+      // returns one row per (token, rank); 7: the source adds them in the order of each
+      // owner's first slot.
+      const std::size_t Ur = s.ranks.received();
+      kernels::combine(ex, Ur, H, s.top_k, static_cast<const T*>(s.out_rows), static_cast<const float*>(s.slot_weight.data()),
+                       static_cast<const std::int64_t*>(s.slot_row.data()), s.stage.data());
+      order_before_collective(ex, *ctx_.ep);
+      exchange_unique(s.ranks, static_cast<const T*>(s.stage.data()), s.send.data(), H, true);
+      kernels::combine(ex, n, H, s.top_k, static_cast<const T*>(s.send.data()), nullptr,
+                       static_cast<const std::int64_t*>(s.first.data()), out);
+      s.y = std::move(s.outputs);  // training: the outputs stay at their owner for backward
+      s.send = rows_buffer<T, Exec>{};
+      s.stage = rows_buffer<T, Exec>{};
+    } else if (!s.direct) {
       // 6: outputs back into send order (reusing the send buffer); 7: combine.
       order_before_collective(ex, *ctx_.ep);
       exchange_rows(s.seg, static_cast<const T*>(s.out_rows), s.send.data(), L, H, true);
@@ -281,8 +357,9 @@ class all_to_all_impl {
     if (tp > 1) all_reduce(*ctx_.tp, span<T>(out_all, s.rows * H));
 
     if (saved != nullptr) {
-      s.weights = exec::make_buffer<float>(ex, S);  // the weight of each send position
-      kernels::scatter(ex, S, static_cast<const std::int64_t*>(s.pos.data()), w, s.weights.data());
+      s.weights = exec::make_buffer<float>(ex, s.per_rank ? 0 : S);  // the weight of each send position
+      if (!s.per_rank)
+        kernels::scatter(ex, S, static_cast<const std::int64_t*>(s.pos.data()), w, s.weights.data());
       s.slice_weights = exec::buffer<float, Exec>{};
       *saved = std::move(flight);
     }
@@ -350,7 +427,28 @@ class all_to_all_impl {
         });
       }
     }
-    if (!s.direct) {
+    if (s.per_rank) {
+      // One grad_out row per (token, owner) travels; the owner forms every slot's
+      // w * grad_out and the slot's grad_w (from the outputs it kept), and grad_w returns.
+      const std::size_t U = s.ranks.sent(), Ur = s.ranks.received();
+      b.grad_send = make_rows<T>(ws_, ex, U * H);
+      kernels::gather(ex, U, H, grad_out, static_cast<const std::int64_t*>(s.src_row.data()), b.grad_send.data());
+      b.grad_stage = make_rows<T>(ws_, ex, Ur * H);
+      order_before_collective(ex, *ctx_.ep);
+      exchange_unique(s.ranks, static_cast<const T*>(b.grad_send.data()), b.grad_stage.data(), H, false);
+      kernels::gather(ex, R, H, static_cast<const T*>(b.grad_stage.data()),
+                      static_cast<const std::int64_t*>(s.recv_from.data()),
+                      static_cast<const float*>(s.recv_weight.data()), b.grad_recv.data());
+      auto gw_owner = exec::make_buffer<float>(ex, Ur * k);
+      auto gw_back = exec::make_buffer<float>(ex, U * k);
+      kernels::weight_gradients(ex, Ur, H, s.top_k, static_cast<const T*>(s.y.data()),
+                                static_cast<const T*>(b.grad_stage.data()),
+                                static_cast<const std::int64_t*>(s.slot_row.data()), gw_owner.data());
+      order_before_collective(ex, *ctx_.ep);
+      exchange_unique(s.ranks, static_cast<const float*>(gw_owner.data()), gw_back.data(), k, true);
+      kernels::gather(ex, S, 1, static_cast<const float*>(gw_back.data()),
+                      static_cast<const std::int64_t*>(s.pair.data()), grad_w);
+    } else if (!s.direct) {
       // grad_y rows in send order: w * grad_out of the position's row; grad_w from the
       // outputs kept in send order.
       b.grad_send = make_rows<T>(ws_, ex, S * H);
@@ -397,7 +495,17 @@ class all_to_all_impl {
         });
       }
     }
-    if (!s.direct) {
+    if (s.per_rank) {
+      // The owner sums the input gradients of each received row's slots (float32, slot
+      // order); the source adds the returned rows in the order of each owner's first slot.
+      const std::size_t Ur = s.ranks.received();
+      kernels::reduce(ex, Ur, H, s.top_k, static_cast<const T*>(b.grad_in.data()),
+                      static_cast<const std::int64_t*>(s.slot_row.data()), b.grad_stage.data());
+      order_before_collective(ex, *ctx_.ep);
+      exchange_unique(s.ranks, static_cast<const T*>(b.grad_stage.data()), b.grad_send.data(), H, true);
+      kernels::reduce(ex, n, H, s.top_k, static_cast<const T*>(b.grad_send.data()),
+                      static_cast<const std::int64_t*>(s.first.data()), grad_x);
+    } else if (!s.direct) {
       order_before_collective(ex, *ctx_.ep);
       exchange_rows(s.seg, static_cast<const T*>(b.grad_in.data()), b.grad_send.data(), L, H, true);
       kernels::reduce(ex, n, H, s.top_k, static_cast<const T*>(b.grad_send.data()), s.pos.data(), grad_x);
@@ -410,6 +518,52 @@ class all_to_all_impl {
   }
 
  private:
+  // Collective over the EP group: every member learns how many unique rows each peer sends it.
+  template <class Exec>
+  rank_rows exchange_rank_rows(const Exec& ex, const std::vector<std::size_t>& send_rows,
+                               const std::vector<std::size_t>& send_offsets) {
+    const std::size_t P = send_rows.size();
+    rank_rows r;
+    r.send_rows = send_rows;
+    r.send_offsets = send_offsets;
+    std::vector<std::int64_t> h(2 * P);
+    for (std::size_t p = 0; p < P; ++p) h[p] = static_cast<std::int64_t>(send_rows[p]);
+    auto b = exec::make_buffer<std::int64_t>(ex, 2 * P);
+    from_host(ex, h.data(), P, b.data());
+    order_before_collective(ex, *ctx_.ep);
+    all_to_all(*ctx_.ep, span<const std::int64_t>(b.data(), P), span<std::int64_t>(b.data() + P, P));
+    to_host(ex, static_cast<const std::int64_t*>(b.data()) + P, P, h.data() + P);
+    r.recv_rows.resize(P);
+    r.recv_offsets.resize(P);
+    std::size_t at = 0;
+    for (std::size_t p = 0; p < P; ++p) {
+      r.recv_rows[p] = static_cast<std::size_t>(h[P + p]);
+      r.recv_offsets[p] = at;
+      at += r.recv_rows[p];
+    }
+    return r;
+  }
+
+  // A host vector in the policy's memory.
+  template <class Exec, class V>
+  static exec::buffer<V, Exec> policy_copy(const Exec& ex, const std::vector<V>& v) {
+    auto b = exec::make_buffer<V>(ex, v.size());
+    from_host(ex, v.data(), v.size(), b.data());
+    return b;
+  }
+
+  // The all-to-all of per-rank sends, rows of `width` elements: unique rows to their
+  // owners, or back (`back`).
+  template <class V>
+  void exchange_unique(const rank_rows& r, const V* from, V* to, std::size_t width, bool back) {
+    if (!back)
+      all_to_allv_rows(*ctx_.ep, from, make_span(r.send_rows), make_span(r.send_offsets), to, make_span(r.recv_rows),
+                       make_span(r.recv_offsets), width);
+    else
+      all_to_allv_rows(*ctx_.ep, from, make_span(r.recv_rows), make_span(r.recv_offsets), to, make_span(r.send_rows),
+                       make_span(r.send_offsets), width);
+  }
+
   // The segmented all-to-all of the staged route: send order -> expert-major (dispatch),
   // or back (`back`: expert-major -> send order).
   template <class T>

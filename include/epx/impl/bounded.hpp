@@ -89,6 +89,9 @@ inline std::string bound_check(const mesh& m, const layer_options& o) {
   if (o.fp8_dispatch)
     return "layer_options.fp8_dispatch must be off in bounded mode (counts == count_exchange::device): the "
            "bounded slabs carry rows in the layer's element type";
+  if (o.sends != row_sends::per_slot)
+    return "layer_options.sends must be row_sends::per_slot in bounded mode (counts == count_exchange::device): "
+           "the bounded slabs hold one row per (token, slot)";
   const double rows = static_cast<double>(m.ep()) * static_cast<double>(o.bound.cap) *
                       static_cast<double>(m.local_experts()) * static_cast<double>(o.hidden);
   if (rows > 9.0e15)

@@ -30,6 +30,22 @@ struct bound_options {
   bool raise_on_overflow = false;
 };
 
+// How rows travel to the owners of their experts (spec section 14).
+//   per_slot: a token's row travels once per slot (k rows, repeats included) and every
+//             slot's output row comes back on its own;
+//   per_rank: once per distinct ep rank among its slots' owners. The owner copies it into
+//             each of its local experts' segments (the experts see bitwise the per-slot
+//             rows) and returns one row per (token, rank): the float32 sum of w * y over
+//             the token's slots there in slot order, rounded once to T. Backward mirrors it.
+//             Results differ from per_slot by rounding only. It takes the staged route
+//             (rows through the communicator's all-to-all, also where peer access is
+//             available), and is not available with FP8 dispatch, bounded mode or the
+//             all_reduce implementation (errc::configuration at construction).
+// layer_stats::rows_sent / rows_received count the rows of the mode that ran.
+enum class row_sends : int { per_slot = 0, per_rank = 1 };
+
+inline const char* to_string(row_sends s) noexcept { return s == row_sends::per_rank ? "per_rank" : "per_slot"; }
+
 // Forward for training keeps what backward needs; inference keeps nothing.
 enum class mode : int { train = 0, inference = 1 };
 
@@ -60,6 +76,8 @@ struct layer_options {
   // in T, and backward runs in T. Needs hidden % 128 == 0 and the all-to-all path; takes
   // the staged route. Checked at construction (errc::configuration on every rank).
   bool fp8_dispatch = false;
+  // Rows once per slot or once per destination rank (spec section 14; row_sends above).
+  row_sends sends = row_sends::per_slot;
 };
 
 }  // namespace epx

@@ -424,6 +424,12 @@ class moe_layer {
       EPX_REQUIRE(bound.empty(), errc::configuration, bound);
       detail::validate_limits(m, o);  // capacity, ranks_per_node, max_nodes (epx/impl/limits.hpp)
       if (o.fp8_dispatch) kernels::check_fp8_hidden(o.hidden);
+      const int sends = static_cast<int>(o.sends);
+      EPX_REQUIRE(sends == 0 || sends == 1, errc::configuration, "layer_options.sends (", sends,
+                  ") must be row_sends::per_slot or row_sends::per_rank");
+      EPX_REQUIRE(!(o.fp8_dispatch && o.sends == row_sends::per_rank), errc::configuration,
+                  "layer_options.sends == row_sends::per_rank is not available with fp8_dispatch: the FP8 rows "
+                  "travel once per slot");
       return can_implement<impl_type>(m, o);
     } catch (const error& e) {
       return e.message();
