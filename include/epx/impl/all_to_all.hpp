@@ -117,17 +117,18 @@ class all_to_all_impl {
     exec::buffer<float, Exec> weights;         // [S] routing weight of each send position
     rows_buffer<T, Exec> x_recv;               // [R, H] expert-major input rows (FP8 dispatch: made by backward)
     bool fp8 = false;                          // FP8 dispatch (layer_options::fp8_dispatch; staged route)
-    // Per-rank sends (layer_options::sends; staged route; epx/layout/per_rank.hpp): src_row
-    // holds the U unique rows' slice rows, the send and return buffers U rows, y stays at
-    // its owner (expert-major), and the owner keeps its received rows' slot entries.
+    // Per-rank sends (layer_options::sends; staged route; epx/layout/per_rank.hpp): the
+    // send and return buffers hold U unique rows, y stays at its owner (expert-major), and
+    // the owner keeps its received rows' slot entries.
     bool per_rank = false;
     rank_rows ranks;                           // unique rows to and from every peer
-    exec::buffer<std::int64_t, Exec> first;    // [n*k] unique row at the first slot of its owner, -1
-    exec::buffer<std::int64_t, Exec> pair;     // [n*k] u*k + j of a kept pair, -1
-    exec::buffer<std::int64_t, Exec> slot_row; // owner: [Ur*k] expert-major row of each received slot, -1
-    exec::buffer<float, Exec> slot_weight;     // owner: [Ur*k] its weight
-    exec::buffer<std::int64_t, Exec> recv_from;  // owner: [R] received row of each expert-major row, -1
-    exec::buffer<float, Exec> recv_weight;       // owner: [R] its slot's weight
+    rows_buffer<std::int64_t, Exec> unique_src;  // [U] slice row of each unique row
+    rows_buffer<std::int64_t, Exec> first;     // [n*k] unique row at the first slot of its owner, -1
+    rows_buffer<std::int64_t, Exec> pair;      // [n*k] u*k + j of a kept pair, -1
+    rows_buffer<std::int64_t, Exec> slot_row;  // owner: [Ur*k] expert-major row of each received slot, -1
+    rows_buffer<float, Exec> slot_weight;      // owner: [Ur*k] its weight
+    rows_buffer<std::int64_t, Exec> recv_from;   // owner: [R] received row of each expert-major row, -1
+    rows_buffer<float, Exec> recv_weight;        // owner: [R] its slot's weight
     rows_buffer<T, Exec> stage;                // owner: [Ur, H] received rows, then the returned sums
     rows_buffer<fp8_e4m3, Exec> x8;            // FP8: [R, H] expert-major rows as E4M3
     exec::buffer<float, Exec> scales;          // FP8: [R, H/128] their scales
@@ -220,34 +221,42 @@ class all_to_all_impl {
     if (s.per_rank) {
       // 4 (spec section 14): each row once to each owner of its kept slots; the owner copies
       // it into its slots' rows (padding rows come out zero).
-      std::vector<std::int64_t> pos_h(S);
-      std::vector<float> w_h(S);
-      to_host(ex, static_cast<const std::int64_t*>(s.pos.data()), S, pos_h.data());
-      to_host(ex, static_cast<const float*>(s.slice_weights.data()), S, w_h.data());
-      const per_rank_plan g = make_per_rank_plan(lay, me, n, a.top_k, pos_h.data(), w_h.data());
+      // The plan is made on the host (a device policy's send positions and weights are
+      // read back first) in vectors kept between calls.
+      const std::int64_t* pos_h = host_view(ex, static_cast<const std::int64_t*>(s.pos.data()), S, host_i64_);
+      const float* w_h = host_view(ex, static_cast<const float*>(s.slice_weights.data()), S, host_f32_);
+      per_rank_plan& g = plan_;
+      make_per_rank_plan(g, lay, me, n, a.top_k, pos_h, w_h);
       s.ranks = exchange_rank_rows(ex, g.send_rows, g.send_offsets);
       const std::size_t U = s.ranks.sent(), Ur = s.ranks.received();
-      s.src_row = policy_copy(ex, g.src_row);
-      s.first = policy_copy(ex, g.first);
-      s.pair = policy_copy(ex, g.pair);
-      auto slot_row_out = policy_copy(ex, g.slot_row);
-      auto slot_weight_out = policy_copy(ex, g.slot_weight);
+      s.unique_src = to_policy(ex, g.src_row);
+      s.first = to_policy(ex, g.first);
+      s.pair = to_policy(ex, g.pair);
+      auto slot_row_out = to_policy(ex, g.slot_row);
+      auto slot_weight_out = to_policy(ex, g.slot_weight);
       s.send = make_rows<T>(ws_, ex, U * H);
-      kernels::gather(ex, U, H, x, static_cast<const std::int64_t*>(s.src_row.data()), s.send.data());
+      kernels::gather(ex, U, H, x, static_cast<const std::int64_t*>(s.unique_src.data()), s.send.data());
       s.stage = make_rows<T>(ws_, ex, Ur * H);
-      s.slot_row = exec::make_buffer<std::int64_t>(ex, Ur * k);
-      s.slot_weight = exec::make_buffer<float>(ex, Ur * k);
+      s.slot_row = make_rows<std::int64_t>(ws_, ex, Ur * k);
+      s.slot_weight = make_rows<float>(ws_, ex, Ur * k);
       order_before_collective(ex, *ctx_.ep);
       exchange_unique(s.ranks, static_cast<const T*>(s.send.data()), s.stage.data(), H, false);
       exchange_unique(s.ranks, static_cast<const std::int64_t*>(slot_row_out.data()), s.slot_row.data(), k, false);
       exchange_unique(s.ranks, static_cast<const float*>(slot_weight_out.data()), s.slot_weight.data(), k, false);
-      std::vector<std::int64_t> slot_row_h(Ur * k), from_h(R);
-      std::vector<float> slot_weight_h(Ur * k), weight_h(R);
-      to_host(ex, static_cast<const std::int64_t*>(s.slot_row.data()), Ur * k, slot_row_h.data());
-      to_host(ex, static_cast<const float*>(s.slot_weight.data()), Ur * k, slot_weight_h.data());
-      receive_rows(Ur, a.top_k, slot_row_h.data(), slot_weight_h.data(), R, from_h.data(), weight_h.data());
-      s.recv_from = policy_copy(ex, from_h);
-      s.recv_weight = policy_copy(ex, weight_h);
+      s.recv_from = make_rows<std::int64_t>(ws_, ex, R);
+      s.recv_weight = make_rows<float>(ws_, ex, R);
+      if constexpr (exec::is_host_policy_v<Exec>) {
+        receive_rows(Ur, a.top_k, s.slot_row.data(), s.slot_weight.data(), R, s.recv_from.data(),
+                     s.recv_weight.data());
+      } else {
+        std::vector<std::int64_t> slot_row_h(Ur * k), from_h(R);
+        std::vector<float> slot_weight_h(Ur * k), weight_h(R);
+        to_host(ex, static_cast<const std::int64_t*>(s.slot_row.data()), Ur * k, slot_row_h.data());
+        to_host(ex, static_cast<const float*>(s.slot_weight.data()), Ur * k, slot_weight_h.data());
+        receive_rows(Ur, a.top_k, slot_row_h.data(), slot_weight_h.data(), R, from_h.data(), weight_h.data());
+        from_host(ex, from_h.data(), R, s.recv_from.data());
+        from_host(ex, weight_h.data(), R, s.recv_weight.data());
+      }
       kernels::gather(ex, R, H, static_cast<const T*>(s.stage.data()),
                       static_cast<const std::int64_t*>(s.recv_from.data()), s.x_recv.data());
       if (ctx_.stats != nullptr)
@@ -432,15 +441,15 @@ class all_to_all_impl {
       // w * grad_out and the slot's grad_w (from the outputs it kept), and grad_w returns.
       const std::size_t U = s.ranks.sent(), Ur = s.ranks.received();
       b.grad_send = make_rows<T>(ws_, ex, U * H);
-      kernels::gather(ex, U, H, grad_out, static_cast<const std::int64_t*>(s.src_row.data()), b.grad_send.data());
+      kernels::gather(ex, U, H, grad_out, static_cast<const std::int64_t*>(s.unique_src.data()), b.grad_send.data());
       b.grad_stage = make_rows<T>(ws_, ex, Ur * H);
       order_before_collective(ex, *ctx_.ep);
       exchange_unique(s.ranks, static_cast<const T*>(b.grad_send.data()), b.grad_stage.data(), H, false);
       kernels::gather(ex, R, H, static_cast<const T*>(b.grad_stage.data()),
                       static_cast<const std::int64_t*>(s.recv_from.data()),
                       static_cast<const float*>(s.recv_weight.data()), b.grad_recv.data());
-      auto gw_owner = exec::make_buffer<float>(ex, Ur * k);
-      auto gw_back = exec::make_buffer<float>(ex, U * k);
+      auto gw_owner = make_rows<float>(ws_, ex, Ur * k);
+      auto gw_back = make_rows<float>(ws_, ex, U * k);
       kernels::weight_gradients(ex, Ur, H, s.top_k, static_cast<const T*>(s.y.data()),
                                 static_cast<const T*>(b.grad_stage.data()),
                                 static_cast<const std::int64_t*>(s.slot_row.data()), gw_owner.data());
@@ -544,12 +553,26 @@ class all_to_all_impl {
     return r;
   }
 
-  // A host vector in the policy's memory.
+  // A host vector in the policy's memory (host policies: a pooled buffer).
   template <class Exec, class V>
-  static exec::buffer<V, Exec> policy_copy(const Exec& ex, const std::vector<V>& v) {
-    auto b = exec::make_buffer<V>(ex, v.size());
+  rows_buffer<V, Exec> to_policy(const Exec& ex, const std::vector<V>& v) {
+    auto b = make_rows<V>(ws_, ex, v.size());
     from_host(ex, v.data(), v.size(), b.data());
     return b;
+  }
+
+  // n values of the policy's memory readable on the host: `p` itself on host policies, else
+  // a copy in `scratch`.
+  template <class Exec, class V>
+  static const V* host_view(const Exec& ex, const V* p, std::size_t n, std::vector<V>& scratch) {
+    if constexpr (exec::is_host_policy_v<Exec>) {
+      (void)ex, (void)n, (void)scratch;
+      return p;
+    } else {
+      scratch.resize(n);
+      to_host(ex, p, n, scratch.data());
+      return scratch.data();
+    }
   }
 
   // The all-to-all of per-rank sends, rows of `width` elements: unique rows to their
@@ -598,6 +621,11 @@ class all_to_all_impl {
 
   layer_context<Comm> ctx_;
   workspace ws_;  // pooled row buffers (host policies)
+  // Per-rank sends: the plan and the host copies of a device policy's arrays, kept between
+  // calls so that a call allocates nothing once the sizes have been seen.
+  per_rank_plan plan_;
+  std::vector<std::int64_t> host_i64_;
+  std::vector<float> host_f32_;
   bounded_route<Comm> bounded_;  // bounded mode (epx/impl/bounded.hpp)
 };
 

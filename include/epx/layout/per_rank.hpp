@@ -37,6 +37,7 @@ struct per_rank_plan {
   std::vector<float> slot_weight;                    // [U*k] its routing weight, 0
   std::vector<std::int64_t> first;                   // [n*k] u at the first slot of its owner, -1
   std::vector<std::int64_t> pair;                    // [n*k] u*k + j for a kept pair, -1
+  std::vector<std::int64_t> owner_of, row_of;        // scratch: [sent] owner and row of each send position
 
   std::size_t unique() const noexcept { return src_row.size(); }
 };
@@ -49,18 +50,22 @@ struct rank_rows {
   std::size_t received() const noexcept { return recv_rows.empty() ? 0 : recv_offsets.back() + recv_rows.back(); }
 };
 
-// pos and w: host memory, [n*k]; `me` is this rank as a source of `lay`.
-inline per_rank_plan make_per_rank_plan(const receive_layout& lay, int me, std::size_t n, int top_k,
-                                        const std::int64_t* pos, const float* w) {
+// pos and w: host memory, [n*k]; `me` is this rank as a source of `lay`. Fills `g`, whose
+// vectors keep their capacity from one call to the next (a caller that keeps one plan
+// allocates nothing once the sizes have been seen).
+inline void make_per_rank_plan(per_rank_plan& g, const receive_layout& lay, int me, std::size_t n, int top_k,
+                               const std::int64_t* pos, const float* w) {
   const auto k = static_cast<std::size_t>(top_k);
   const auto D = static_cast<std::size_t>(lay.owners);
   // Owner and expert-major row of every send position.
-  std::vector<std::int64_t> owner_of(lay.sent(me), -1), row_of(lay.sent(me), -1);
+  auto& owner_of = g.owner_of;
+  auto& row_of = g.row_of;
+  owner_of.assign(lay.sent(me), -1);
+  row_of.assign(lay.sent(me), -1);
   for_each_returned(lay, me, [&](std::size_t p, int d, std::size_t r) {
     owner_of[p] = d;
     row_of[p] = static_cast<std::int64_t>(r);
   });
-  per_rank_plan g;
   g.send_rows.assign(D, 0);
   g.send_offsets.assign(D, 0);
   constexpr std::size_t none = ~std::size_t(0);
@@ -85,7 +90,7 @@ inline per_rank_plan make_per_rank_plan(const receive_layout& lay, int me, std::
   g.slot_weight.assign(U * k, 0.0f);
   g.first.assign(n * k, -1);
   g.pair.assign(n * k, -1);
-  std::vector<std::size_t> next = g.send_offsets, at(D, 0);
+  std::vector<std::size_t> next = g.send_offsets, at(D, 0);  // [owners]: small
   last.assign(D, none);
   for (std::size_t t = 0; t < n; ++t)
     for (std::size_t j = 0; j < k; ++j) {
@@ -104,6 +109,12 @@ inline per_rank_plan make_per_rank_plan(const receive_layout& lay, int me, std::
       g.slot_row[u * k + j] = row_of[static_cast<std::size_t>(p)];
       g.slot_weight[u * k + j] = w[i];
     }
+}
+
+inline per_rank_plan make_per_rank_plan(const receive_layout& lay, int me, std::size_t n, int top_k,
+                                        const std::int64_t* pos, const float* w) {
+  per_rank_plan g;
+  make_per_rank_plan(g, lay, me, n, top_k, pos, w);
   return g;
 }
 
