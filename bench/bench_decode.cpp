@@ -54,6 +54,7 @@
 #include <string>
 #include <vector>
 
+#include "check_failed.hpp"
 #include "layer_common.hpp"
 #include "epx/comm/threads.hpp"
 #include "epx/epx.hpp"
@@ -311,7 +312,7 @@ void BM_decode(benchmark::State& state, bool bounded, bool direct, bool fp8) {
   for (auto _ : state) {
     r = run_decode(bounded, direct, fp8);
     if (!r.checked) {
-      state.SkipWithError(("output check failed: " + r.failure).c_str());
+      epx::bench::fail_check(state, ("output check failed: " + r.failure));
       return;
     }
     state.SetIterationTime(percentile(r.latency, 0.5));
@@ -403,7 +404,7 @@ void BM_dispatch_fp8_vs_bf16(benchmark::State& state) {
     });
     for (const auto& f : failures)
       if (!f.empty()) {
-        state.SkipWithError(("output check failed: " + f).c_str());
+        epx::bench::fail_check(state, ("output check failed: " + f));
         return;
       }
     state.SetIterationTime(percentile(t8, 0.5));
@@ -467,5 +468,5 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&n, args.data());
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
-  return 0;
+  return epx::bench::check_failed() ? 1 : 0;  // a failed output check fails the run
 }

@@ -63,6 +63,7 @@
 #include <vector>
 
 #include "baseline.hpp"
+#include "check_failed.hpp"
 #include "layer_common.hpp"
 #include "epx/comm/threads.hpp"
 #include "epx/epx.hpp"
@@ -829,7 +830,7 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
     return w;
   });
   if (!res.check.empty()) {
-    state.SkipWithError(("output check failed: " + res.check).c_str());
+    epx::bench::fail_check(state, ("output check failed: " + res.check));
     return;
   }
   summary_row row;
@@ -1031,5 +1032,5 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   print_summary();
-  return 0;
+  return epx::bench::check_failed() ? 1 : 0;  // a failed output check fails the run
 }

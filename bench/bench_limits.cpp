@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "check_failed.hpp"
 #include "epx/epx.hpp"
 
 namespace {
@@ -167,7 +168,7 @@ void bench_capacity(benchmark::State& state, capacity_shape s) {
       ok = ok && kept[e] == (lim.kept.empty() ? plan.host_counts[e] : std::min(lim.kept[e], plan.host_counts[e]));
       if (s.priority == epx::drop_priority::score) ok = ok && most_dropped[e] <= least_kept[e];
     }
-    if (!ok) state.SkipWithError("the plan with the capacity does not keep what the capacity says");
+    if (!ok) epx::bench::fail_check(state, "the plan with the capacity does not keep what the capacity says");
   }
   const double tl = median(t_layout), tc = median(t_cap);
   state.counters["layout_us"] = tl * 1e6;
@@ -251,7 +252,7 @@ void bench_nodes(benchmark::State& state, capacity_shape s) {
     most = std::max(most, c);
   }
   if (tally[0] != static_cast<std::int64_t>(s.tokens) || tally[1] != sum || tally[2] != most)
-    state.SkipWithError("the plan's node tally differs from the count of each token's nodes");
+    epx::bench::fail_check(state, "the plan's node tally differs from the count of each token's nodes");
   const double tl = median(t_layout), tn = median(t_nodes);
   state.counters["layout_us"] = tl * 1e6;
   state.counters["with_nodes_us"] = tn * 1e6;
@@ -301,5 +302,5 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
-  return 0;
+  return epx::bench::check_failed() ? 1 : 0;  // a failed output check fails the run
 }
