@@ -31,6 +31,7 @@
 #include "epx/comm/mpi.hpp"
 #include "epx/epx.hpp"
 #include "layer_common.hpp"
+#include "mpi_common.hpp"
 
 namespace {
 
@@ -38,16 +39,6 @@ using namespace epx::bench;
 using epx::bf16;
 using comm_t = epx::mpi::communicator;
 
-double max_over_ranks(double t) {
-  double m = t;
-  MPI_Allreduce(&t, &m, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return m;
-}
-double sum_over_ranks(double v) {
-  double s = v;
-  MPI_Allreduce(&v, &s, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-  return s;
-}
 double median(std::vector<double> v) {
   if (v.empty()) return 0.0;
   std::sort(v.begin(), v.end());
@@ -215,13 +206,6 @@ void reg(const shape& s, route rt, bool backward, int iters) {
       ->Unit(benchmark::kMillisecond)
       ->Iterations(iters);
 }
-
-// Rank 0 reports; the others run silently.
-class quiet_reporter : public benchmark::BenchmarkReporter {
- public:
-  bool ReportContext(const Context&) override { return true; }
-  void ReportRuns(const std::vector<Run>&) override {}
-};
 
 }  // namespace
 
