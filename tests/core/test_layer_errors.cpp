@@ -78,6 +78,14 @@ TEST_CASE("bad input on any rank raises on every rank of its EP group (all-to-al
     for (int bad = 0; bad < 4; ++bad) expect_everyone_raises(c, kind, bad);
 }
 
+TEST_CASE("bad input with per-rank sends raises on every rank of its EP group") {
+  auto c = small(2, 2, 4, 8, 4);
+  c.sends = epx::row_sends::per_rank;
+  for (auto kind : {bad_input::id_too_large, bad_input::weight_nan, bad_input::ids_size, bad_input::out_size,
+                    bad_input::rows_differ_in_tp_group, bad_input::grad_x_size, bad_input::grad_weights_size})
+    for (int bad : {0, 3}) expect_everyone_raises(c, kind, bad);
+}
+
 TEST_CASE("bad input raises only in the EP group that holds the bad rank") {
   const auto c = small(1, 4, 2);  // two EP groups of two ranks
   for (auto kind : {bad_input::id_too_large, bad_input::weight_nan, bad_input::out_size, bad_input::hidden_differs})

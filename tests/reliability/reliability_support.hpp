@@ -142,6 +142,8 @@ inline step_config random_step(ref::rng& g, const std::vector<mesh_config>& mesh
   s.impl = im == 1 && !masked_ok ? impl_kind::all_to_all : static_cast<impl_kind>(im);
   s.inference = allow_inference && g.below(6) == 0;
   s.c.peer_access = g.below(4) != 0;  // the direct route where the communicator allows it, else staged
+  // One row per destination rank (spec section 14) now and then; the masked path refuses it.
+  if (s.impl != impl_kind::all_reduce && g.below(4) == 0) s.c.sends = row_sends::per_rank;
   return s;
 }
 
