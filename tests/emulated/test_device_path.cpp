@@ -135,6 +135,17 @@ TEST_CASE("device path: one host synchronisation per call with a device communic
     CHECK(s.forward == 1);
     CHECK(s.backward == 1);
   }
+  // Per-rank sends (spec section 14): the plan is made on the host, so forward reads back
+  // the send positions and weights, the unique-row counts and the received slot entries:
+  // three more. Backward makes none of its own.
+  epx::layer_options pr;
+  pr.sends = epx::row_sends::per_rank;
+  for (const auto& s : count_syncs<queued_comm, epx::impl::all_to_all>(mc, as_queued, pr)) {
+    CHECK(s.forward == 4);
+    CHECK(s.backward == 1);
+    CHECK(s.split_forward == 5);
+    CHECK(s.split_backward == 2);
+  }
   // Host communicator: each collective over device buffers waits for the policy first.
   auto as_is = [](epx::threads::communicator c, const emu&) { return c; };
   for (const auto& s : count_syncs<epx::threads::communicator, epx::impl::all_to_all>(mc, as_is)) {

@@ -222,9 +222,10 @@ class all_to_all_impl {
       // 4 (spec section 14): each row once to each owner of its kept slots; the owner copies
       // it into its slots' rows (padding rows come out zero).
       // The plan is made on the host (a device policy's send positions and weights are
-      // read back first) in vectors kept between calls.
+      // read back first: one synchronisation) in vectors kept between calls.
       const std::int64_t* pos_h = host_view(ex, static_cast<const std::int64_t*>(s.pos.data()), S, host_i64_);
       const float* w_h = host_view(ex, static_cast<const float*>(s.slice_weights.data()), S, host_f32_);
+      if (!exec::is_host_policy_v<Exec> && S > 0) host_sync(ex);
       per_rank_plan& g = plan_;
       make_per_rank_plan(g, lay, me, n, a.top_k, pos_h, w_h);
       s.ranks = exchange_rank_rows(ex, g.send_rows, g.send_offsets);
@@ -248,14 +249,15 @@ class all_to_all_impl {
       if constexpr (exec::is_host_policy_v<Exec>) {
         receive_rows(Ur, a.top_k, s.slot_row.data(), s.slot_weight.data(), R, s.recv_from.data(),
                      s.recv_weight.data());
-      } else {
+      } else {  // one synchronisation: the received slot entries read back
         std::vector<std::int64_t> slot_row_h(Ur * k), from_h(R);
         std::vector<float> slot_weight_h(Ur * k), weight_h(R);
-        to_host(ex, static_cast<const std::int64_t*>(s.slot_row.data()), Ur * k, slot_row_h.data());
-        to_host(ex, static_cast<const float*>(s.slot_weight.data()), Ur * k, slot_weight_h.data());
+        exec::copy_n(ex, static_cast<const std::int64_t*>(s.slot_row.data()), Ur * k, slot_row_h.data());
+        exec::copy_n(ex, static_cast<const float*>(s.slot_weight.data()), Ur * k, slot_weight_h.data());
+        if (Ur > 0) host_sync(ex);
         receive_rows(Ur, a.top_k, slot_row_h.data(), slot_weight_h.data(), R, from_h.data(), weight_h.data());
-        from_host(ex, from_h.data(), R, s.recv_from.data());
-        from_host(ex, weight_h.data(), R, s.recv_weight.data());
+        exec::copy_n(ex, static_cast<const std::int64_t*>(from_h.data()), R, s.recv_from.data());
+        exec::copy_n(ex, static_cast<const float*>(weight_h.data()), R, s.recv_weight.data());
       }
       kernels::gather(ex, R, H, static_cast<const T*>(s.stage.data()),
                       static_cast<const std::int64_t*>(s.recv_from.data()), s.x_recv.data());
@@ -538,7 +540,7 @@ class all_to_all_impl {
     std::vector<std::int64_t> h(2 * P);
     for (std::size_t p = 0; p < P; ++p) h[p] = static_cast<std::int64_t>(send_rows[p]);
     auto b = exec::make_buffer<std::int64_t>(ex, 2 * P);
-    from_host(ex, h.data(), P, b.data());
+    exec::copy_n(ex, static_cast<const std::int64_t*>(h.data()), P, b.data());
     order_before_collective(ex, *ctx_.ep);
     all_to_all(*ctx_.ep, span<const std::int64_t>(b.data(), P), span<std::int64_t>(b.data() + P, P));
     to_host(ex, static_cast<const std::int64_t*>(b.data()) + P, P, h.data() + P);
@@ -553,16 +555,18 @@ class all_to_all_impl {
     return r;
   }
 
-  // A host vector in the policy's memory (host policies: a pooled buffer).
+  // A host vector in the policy's memory (host policies: a pooled buffer). Queued on a
+  // device policy without a wait: the copy of pageable host memory is taken before the call
+  // returns, and the policy's later work is ordered after it.
   template <class Exec, class V>
   rows_buffer<V, Exec> to_policy(const Exec& ex, const std::vector<V>& v) {
     auto b = make_rows<V>(ws_, ex, v.size());
-    from_host(ex, v.data(), v.size(), b.data());
+    if (!v.empty()) exec::copy_n(ex, v.data(), v.size(), b.data());
     return b;
   }
 
   // n values of the policy's memory readable on the host: `p` itself on host policies, else
-  // a copy in `scratch`.
+  // a copy in `scratch`, readable after the caller's host_sync.
   template <class Exec, class V>
   static const V* host_view(const Exec& ex, const V* p, std::size_t n, std::vector<V>& scratch) {
     if constexpr (exec::is_host_policy_v<Exec>) {
@@ -570,7 +574,7 @@ class all_to_all_impl {
       return p;
     } else {
       scratch.resize(n);
-      to_host(ex, p, n, scratch.data());
+      if (n > 0) exec::copy_n(ex, p, n, scratch.data());
       return scratch.data();
     }
   }
