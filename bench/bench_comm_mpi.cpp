@@ -32,6 +32,7 @@
 
 #include "epx/comm/collectives.hpp"
 #include "epx/comm/mpi.hpp"
+#include "mpi_common.hpp"
 
 namespace {
 
@@ -130,13 +131,6 @@ void args(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(mpi_all_to_allv_rows)->Apply(args)->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 
-// Reports nothing: used on every rank but 0.
-class null_reporter : public benchmark::BenchmarkReporter {
- public:
-  bool ReportContext(const Context&) override { return true; }
-  void ReportRuns(const std::vector<Run>&) override {}
-};
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -144,18 +138,7 @@ int main(int argc, char** argv) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   benchmark::Initialize(&argc, argv);
-  bool has_out = false;
-  for (int i = 1; i < argc; ++i) has_out = has_out || std::string(argv[i]).rfind("--benchmark_out=", 0) == 0;
-  try {
-    if (rank == 0) {
-      benchmark::RunSpecifiedBenchmarks();
-    } else {
-      null_reporter display, file;
-      benchmark::RunSpecifiedBenchmarks(&display, has_out ? &file : nullptr);
-    }
-  } catch (const std::exception& e) {
-    epx::mpi::abort_job(MPI_COMM_WORLD, e.what());
-  }
+  epx::bench::run_on_every_rank(rank, argc, argv);
   benchmark::Shutdown();
   return 0;
 }

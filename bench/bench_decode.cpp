@@ -129,11 +129,7 @@ void BM_dispatch_fp8_vs_bf16(benchmark::State& state) {
     t8.clear();
     epx::threads::run(P, [&](epx::threads::communicator& comm) {
       const int r = comm.rank();
-      epx::mesh_config mc;
-      mc.fsdp = P;
-      mc.ep = P;
-      mc.experts = s.experts;
-      const epx::mesh m(mc);
+      const epx::mesh m = epx::bench::ep_mesh(P, s.experts);
       epx::layer_options o;
       o.hidden = s.hidden;
       o.top_k = s.top_k;

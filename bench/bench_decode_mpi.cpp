@@ -113,18 +113,7 @@ int main(int argc, char** argv) {
       ->Unit(benchmark::kMicrosecond);
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
-  bool has_out = false;
-  for (int i = 1; i < n; ++i) has_out = has_out || std::string(args[static_cast<std::size_t>(i)]).rfind("--benchmark_out=", 0) == 0;
-  try {
-    if (rank == 0) {
-      benchmark::RunSpecifiedBenchmarks();
-    } else {
-      quiet_reporter display, file;
-      benchmark::RunSpecifiedBenchmarks(&display, has_out ? &file : nullptr);
-    }
-  } catch (const std::exception& e) {
-    epx::mpi::abort_job(MPI_COMM_WORLD, e.what());
-  }
+  run_on_every_rank(rank, n, args.data());
   benchmark::Shutdown();
   MPI_Finalize();
   return check_failed() ? 1 : 0;  // a failed output check fails the run

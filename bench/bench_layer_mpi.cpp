@@ -70,11 +70,7 @@ void bench_mpi_route(benchmark::State& state, shape s, route rt, bool backward) 
   lo.top_k = s.k;
   lo.peer_access = rt == route::direct;
   if (rt == route::per_rank) lo.sends = epx::row_sends::per_rank;
-  epx::mesh_config mc;
-  mc.fsdp = ep;
-  mc.ep = ep;
-  mc.experts = s.experts;
-  const epx::mesh m(mc);
+  const epx::mesh m = ep_mesh(ep, s.experts);
   epx::moe_layer<comm_t, T> layer(m, world, lo);
   identity_experts<T> experts;
   epx::saved_state<T> saved;
@@ -236,18 +232,7 @@ int main(int argc, char** argv) {
       reg<bf16>({4096, 4096, 8, 64}, rt, true, 10);
     }
   }
-  bool has_out = false;
-  for (int i = 1; i < n; ++i) has_out = has_out || std::string(args[static_cast<std::size_t>(i)]).rfind("--benchmark_out=", 0) == 0;
-  try {
-    if (rank == 0) {
-      benchmark::RunSpecifiedBenchmarks();
-    } else {
-      quiet_reporter display, file;
-      benchmark::RunSpecifiedBenchmarks(&display, has_out ? &file : nullptr);
-    }
-  } catch (const std::exception& e) {
-    epx::mpi::abort_job(MPI_COMM_WORLD, e.what());
-  }
+  epx::bench::run_on_every_rank(rank, n, args.data());
   benchmark::Shutdown();
   MPI_Finalize();
   return epx::bench::check_failed() ? 1 : 0;  // a failed output check fails the run

@@ -179,11 +179,7 @@ rank_result decode_rank(C& world, const shape& s, int calls, bool bounded, bool 
   const int P = s.ep, r = world.rank();
   auto waited = std::make_shared<double>(0.0);
   timed_comm<C> comm(world.split(0, r), waited);
-  epx::mesh_config mc;
-  mc.fsdp = P;
-  mc.ep = P;
-  mc.experts = s.experts;
-  const epx::mesh m(mc);
+  const epx::mesh m = ep_mesh(P, s.experts);
   epx::layer_options o;
   o.hidden = s.hidden;
   o.top_k = s.top_k;

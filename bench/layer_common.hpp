@@ -191,4 +191,13 @@ std::vector<double> baseline_traffic(bool backward, double S, double Rr, double 
                   : std::vector<double>{2 * S, 2 * Rr, 2 * S, 2 * S, S + n};
 }
 
+// One EP group of `ep` ranks (fsdp = ep, tp = 1) over `experts` experts.
+inline epx::mesh ep_mesh(int ep, int experts) {
+  epx::mesh_config mc;
+  mc.fsdp = ep;
+  mc.ep = ep;
+  mc.experts = experts;
+  return epx::mesh(mc);
+}
+
 }  // namespace epx::bench

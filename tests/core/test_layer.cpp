@@ -43,6 +43,16 @@ layer_case make(int tp, int fsdp, int ep, int E, int k, routing_kind r = routing
   return c;
 }
 
+// Two edge cases: odd batches empty, and padding {2, 4} with every token on rank 0's
+// experts (top-`padded_k`).
+std::vector<layer_case> edge_cases(int padded_k) {
+  auto some_empty = make(1, 4, 4, 8, 2);
+  some_empty.rows = [](int b) { return b % 2 ? std::size_t{0} : std::size_t{10}; };
+  auto padded = make(2, 2, 4, 8, padded_k, routing_kind::first_rank_only);
+  padded.pad = {2, 4};
+  return {some_empty, padded};
+}
+
 }  // namespace
 
 TEST_CASE("layer: the seed's eight-rank table and the picture's ep sizes (float32)") {
@@ -145,12 +155,7 @@ TEST_CASE("layer: the direct route (peer access) and the staged one agree bitwis
                                    make(1, 2, 2, 4, 2, routing_kind::random, 2), make(3, 2, 3, 12, 2),
                                    make(2, 2, 4, 16, 8, routing_kind::first_rank_only),
                                    make(1, 4, 1, 4, 2), make(2, 3, 6, 12, 1)};
-  auto some_empty = make(1, 4, 4, 8, 2);
-  some_empty.rows = [](int b) { return b % 2 ? std::size_t{0} : std::size_t{10}; };
-  cases.push_back(some_empty);
-  auto padded = make(2, 2, 4, 8, 2, routing_kind::first_rank_only);
-  padded.pad = {2, 4};
-  cases.push_back(padded);
+  for (const auto& e : edge_cases(2)) cases.push_back(e);
   for (auto c : cases) {
     on_ranks(world_of(c.topology), [&](comm_t& comm) { return epx::test::check_routes_agree<comm_t, float>(comm, c); });
     c.peer_access = false;
@@ -167,12 +172,7 @@ TEST_CASE("layer: per-rank sends (spec section 14) against float64 and against p
                                    make(1, 2, 2, 4, 4, routing_kind::random, 2), make(3, 2, 3, 12, 2),
                                    make(2, 2, 4, 16, 8, routing_kind::first_rank_only), make(1, 4, 1, 4, 2),
                                    make(2, 3, 6, 12, 1), make(1, 8, 8, 64, 8), make(1, 4, 4, 8, 3, routing_kind::one_expert)};
-  auto some_empty = make(1, 4, 4, 8, 2);
-  some_empty.rows = [](int b) { return b % 2 ? std::size_t{0} : std::size_t{10}; };
-  cases.push_back(some_empty);
-  auto padded = make(2, 2, 4, 8, 4, routing_kind::first_rank_only);
-  padded.pad = {2, 4};
-  cases.push_back(padded);
+  for (const auto& e : edge_cases(4)) cases.push_back(e);
   auto capped = make(1, 4, 4, 16, 4, routing_kind::uneven);
   capped.capacity.mode = epx::capacity_mode::local;
   capped.capacity.factor = 0.5;
