@@ -194,58 +194,6 @@ TEST_CASE("layer: per-rank sends (spec section 14) against float64 and against p
   }
 }
 
-namespace {
-// Builds a layer over a 4-rank mesh (tp 2 x fsdp 2, ep 2, 4 experts) with the options
-// `options_of(rank)` gives; returns what each rank raised.
-template <class Impl, class OptionsOf>
-std::vector<epx::test::raised> construct_on_four(OptionsOf options_of) {
-  std::vector<epx::test::raised> r(4);
-  epx::threads::run(4, [&](comm_t& comm) {
-    const epx::mesh m(epx::mesh_config{2, 2, 1, 1, 2, 4, 0});
-    r[static_cast<std::size_t>(comm.rank())] = epx::test::capture(
-        [&] { epx::moe_layer<comm_t, float, Impl, epx::test::test_exec> layer(m, comm, options_of(comm.rank())); });
-  });
-  return r;
-}
-
-template <class Impl = epx::impl::all_to_all, class OptionsOf>
-void expect_configuration_error(OptionsOf options_of, const std::string& words) {
-  for (const auto& r : construct_on_four<Impl>(options_of)) {
-    CAPTURE(words);
-    CAPTURE(r.message);
-    REQUIRE(r.thrown);
-    CHECK(r.category == epx::errc::configuration);
-    CHECK(r.message.find(words) != std::string::npos);
-  }
-}
-}  // namespace
-
-TEST_CASE("layer: per-rank sends refused with FP8, bounded mode, the all_reduce path, a bad value or a disagreeing rank") {
-  epx::layer_options o;
-  o.hidden = 128;
-  o.top_k = 2;
-  o.sends = epx::row_sends::per_rank;
-  auto fp8 = o;
-  fp8.fp8_dispatch = true;
-  expect_configuration_error([&](int) { return fp8; }, "row_sends::per_rank is not available with fp8_dispatch");
-  auto bounded = o;
-  bounded.counts = epx::count_exchange::device;
-  bounded.bound.cap = 4;
-  expect_configuration_error([&](int) { return bounded; }, "layer_options.sends must be row_sends::per_slot in bounded mode");
-  expect_configuration_error<epx::impl::all_reduce>([&](int) { return o; }, "has no per-rank sends");
-  auto bad = o;
-  bad.sends = static_cast<epx::row_sends>(7);
-  expect_configuration_error([&](int) { return bad; }, "layer_options.sends (7) must be");
-  auto slot = o;
-  slot.sends = epx::row_sends::per_slot;
-  expect_configuration_error([&](int rank) { return rank == 3 ? slot : o; }, "sends");
-  // impl::automatic builds no masked path with per-rank sends: it constructs, and runs all_to_all.
-  for (const auto& r : construct_on_four<epx::impl::automatic>([&](int) { return o; })) {
-    CAPTURE(r.message);
-    CHECK(!r.thrown);
-  }
-}
-
 TEST_CASE("layer: experts that allow it run in place in inference (both routes, and the masked path)") {
   for (bool direct : {true, false}) {
     for (auto c : {make(2, 4, 4, 16, 2, routing_kind::uneven), make(1, 4, 4, 8, 8, routing_kind::first_rank_only)}) {

@@ -203,6 +203,52 @@ std::vector<raised> construct_each(int world, const std::function<epx::mesh_conf
 }
 }  // namespace
 
+TEST_CASE("per-rank sends refused with FP8, bounded mode, the all_reduce path, a bad value or a disagreeing rank") {
+  const epx::mesh_config mc{2, 2, 1, 1, 2, 4, 0};  // tp 2 x fsdp 2, ep 2 == tp
+  epx::layer_options o;
+  o.hidden = 128;
+  o.top_k = 2;
+  o.sends = epx::row_sends::per_rank;
+  auto fp8 = o;
+  fp8.fp8_dispatch = true;
+  expect_configuration_error(4, mc, fp8, "row_sends::per_rank is not available with fp8_dispatch");
+  auto bounded = o;
+  bounded.counts = epx::count_exchange::device;
+  bounded.bound.cap = 4;
+  expect_configuration_error(4, mc, bounded, "layer_options.sends must be row_sends::per_slot in bounded mode");
+  expect_configuration_error<epx::impl::all_reduce>(4, mc, o, "has no per-rank sends");
+  auto bad = o;
+  bad.sends = static_cast<epx::row_sends>(7);
+  expect_configuration_error(4, mc, bad, "layer_options.sends (7) must be");
+  // One rank sends per slot, the others per rank: every rank raises, naming the field.
+  std::vector<raised> seen(4);
+  epx::threads::run(4, [&](comm_t& comm) {
+    seen[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
+      const epx::mesh m(mc);
+      epx::layer_options mine = o;
+      if (comm.rank() == 3) mine.sends = epx::row_sends::per_slot;
+      epx::moe_layer<comm_t, float> layer(m, comm, mine);
+    });
+  });
+  for (const auto& x : seen) {
+    CAPTURE(x.message);
+    REQUIRE(x.thrown);
+    CHECK(x.category == epx::errc::configuration);
+    CHECK(x.message.find("rank 3 has sends=0 but rank 0 has sends=1") != std::string::npos);
+  }
+  // impl::automatic builds no masked path with per-rank sends: it constructs.
+  epx::threads::run(4, [&](comm_t& comm) {
+    seen[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
+      const epx::mesh m(mc);
+      epx::moe_layer<comm_t, float, epx::impl::automatic> layer(m, comm, o);
+    });
+  });
+  for (const auto& x : seen) {
+    CAPTURE(x.message);
+    CHECK(!x.thrown);
+  }
+}
+
 TEST_CASE("ranks that built different meshes or options raise errc::configuration on every rank") {
   epx::layer_options o;
   o.hidden = 4;
