@@ -7,6 +7,7 @@
 //   ./bench_decode --benchmark_out=decode.json --benchmark_out_format=json
 //   ./bench_decode --calls=50 --benchmark_filter=bounded     # fewer calls, one mode
 //   ./bench_decode --quick                                   # seconds (bench-smoke): 8 tokens, H = 256
+//   ./bench_decode --host-isa=baseline                       # the FP8 loops at the build's flags
 //
 // One benchmark iteration is one measurement of `--calls` calls (default 300) after 10
 // warm-up calls; each call runs between two barriers of all ranks, so its latency is that
@@ -26,7 +27,9 @@
 //   checked                1: the first call's output matched the direct computation
 //                          (identity experts: out[t] = sum_j w[t,j] x[t], within the rounding
 //                          bound) and, in bounded mode, the normal mode's output bitwise
-// The label names the backend, element type, mode and route.
+// The label names the backend, element type, mode and route, and for FP8 the host vector
+// instructions its quantisation ran (exec::active_host_isa: the widest the CPU supports,
+// or `--host-isa=baseline|avx2|avx512`).
 //
 // FP8 dispatch (spec section 12, layer_options::fp8_dispatch; the staged route, normal
 // mode: bounded mode carries rows in the layer's type):
@@ -58,6 +61,7 @@
 #include "decode_common.hpp"
 #include "layer_common.hpp"
 #include "epx/comm/threads.hpp"
+#include "epx/exec/host_isa.hpp"
 #include "epx/epx.hpp"
 
 namespace {
@@ -111,7 +115,8 @@ void BM_decode(benchmark::State& state, bool bounded, bool direct, bool fp8) {
   state.counters["hidden"] = static_cast<double>(g_shape.hidden);
   state.counters["cap"] = bounded ? static_cast<double>(g_shape.cap) : 0.0;
   state.SetLabel(std::string("threads ep=") + std::to_string(g_shape.ep) + (fp8 ? " bf16 layer, fp8 rows out " : " bf16 ") +
-                 (bounded ? "bounded" : "normal") + " route=" + (direct && !fp8 ? "direct" : "staged"));
+                 (bounded ? "bounded" : "normal") + " route=" + (direct && !fp8 ? "direct" : "staged") +
+                 (fp8 ? std::string(" (") + epx::exec::to_string(epx::exec::active_host_isa()) + ")" : std::string()));
 }
 
 std::size_t g_dispatch_tokens = 4096;
@@ -195,7 +200,8 @@ void BM_dispatch_fp8_vs_bf16(benchmark::State& state) {
   state.counters["checked"] = 1;
   state.counters["tokens"] = static_cast<double>(g_dispatch_tokens);
   state.counters["hidden"] = static_cast<double>(s.hidden);
-  state.SetLabel(std::string("threads ep=") + std::to_string(s.ep) + " dispatch phase, staged route, bf16 vs fp8 rows");
+  state.SetLabel(std::string("threads ep=") + std::to_string(s.ep) + " dispatch phase, staged route, bf16 vs fp8 rows (" +
+                 epx::exec::to_string(epx::exec::active_host_isa()) + ")");
 }
 
 }  // namespace
@@ -209,6 +215,11 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (a.rfind("--calls=", 0) == 0) {
       g_calls = std::max(1, std::atoi(a.c_str() + 8));
+    } else if (a.rfind("--host-isa=", 0) == 0) {
+      const std::string v = a.substr(11);
+      using epx::exec::host_isa;
+      const host_isa isa = v == "avx512" ? host_isa::avx512 : v == "avx2" ? host_isa::avx2 : v == "baseline" ? host_isa::baseline : static_cast<host_isa>(-1);
+      epx::exec::use_host_isa(isa);  // errc::input for an unknown or unsupported one
     } else if (a.rfind("--dispatch-calls=", 0) == 0) {
       g_dispatch_calls = std::max(1, std::atoi(a.c_str() + 17));
     } else {

@@ -17,6 +17,7 @@
 #include "epx/core/numeric.hpp"
 #include "epx/exec/emulated.hpp"
 #include "epx/exec/host.hpp"
+#include "epx/exec/host_isa.hpp"
 #include "epx/kernels/fp8.hpp"
 #include "support/fp8_cases.hpp"
 #include "support/reference.hpp"
@@ -25,6 +26,26 @@ namespace {
 
 namespace model = epx::test::fp8;
 using epx::fp8_e4m3;
+
+// Runs f once for every vector instruction set this CPU supports (epx/exec/host_isa.hpp),
+// with that one active; the previous choice comes back afterwards.
+template <class F>
+void for_each_host_isa(F&& f) {
+  using epx::exec::host_isa;
+  for (host_isa isa : {host_isa::baseline, host_isa::avx2, host_isa::avx512}) {
+    if (!epx::exec::host_isa_supported(isa)) continue;
+    const host_isa previous = epx::exec::use_host_isa(isa);
+    const std::string isa_name = epx::exec::to_string(isa);
+    CAPTURE(isa_name);
+    try {
+      f();
+    } catch (...) {
+      epx::exec::use_host_isa(previous);
+      throw;
+    }
+    epx::exec::use_host_isa(previous);
+  }
+}
 
 std::string hex(std::uint64_t v) {
   static const char* d = "0123456789abcdef";
@@ -306,56 +327,112 @@ void check_quantisation(std::size_t rows, std::size_t H) {
 
 TEST_CASE_TEMPLATE("quantise_e4m3: bits of the float32 model, error of E4M3 against float64", T, float, double, epx::bf16,
                    epx::fp16) {
-  check_quantisation<T>(1, 128);
-  check_quantisation<T>(5, 256);
-  check_quantisation<T>(33, 7 * 128);
+  for_each_host_isa([] {
+    check_quantisation<T>(1, 128);
+    check_quantisation<T>(5, 256);
+    check_quantisation<T>(33, 7 * 128);
+  });
+}
+
+// The vectorised block loop (every host version) over every float class: each block holds
+// 448 first, so its scale is 1 and its bytes are the E4M3 codes of the elements themselves;
+// the other 127 are float cases of magnitude at most 448, or NaN (which does not count
+// towards the scale).
+TEST_CASE("quantise_e4m3: the block loop encodes every float class as the model does") {
+  std::vector<float> x;
+  for (std::uint32_t u : model::float_cases(3, std::size_t{1} << 20)) {
+    const float f = model::float_of(u);
+    if (!(std::fabs(f) <= 448.0f) && !std::isnan(f)) continue;
+    if (x.size() % 128 == 0) x.push_back(448.0f);
+    x.push_back(f);
+  }
+  while (x.size() % 128) x.push_back(-0.0f);
+  const std::size_t H = 128, rows = x.size() / H;
+  for_each_host_isa([&] {
+    std::vector<fp8_e4m3> q(x.size());
+    std::vector<float> s(rows);
+    epx::kernels::quantise_e4m3(epx::exec::serial{}, rows, H, x.data(), q.data(), s.data());
+    std::size_t bad = 0;
+    for (std::size_t r = 0; r < rows; ++r) CHECK(s[r] == 1.0f);
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const std::uint8_t want = model::encode(static_cast<double>(x[i]));
+      if (q[i].bits != want && ++bad <= 10)
+        FAIL_CHECK("float " << hex(model::bits_of(x[i])) << " (" << x[i] << "): " << hex(q[i].bits) << " != " << hex(want));
+    }
+    CHECK(bad == 0);
+  });
+  MESSAGE(x.size() << " elements");
+}
+
+TEST_CASE("host_isa: the widest supported version is active, an unsupported one is refused") {
+  using epx::exec::host_isa;
+  const host_isa active = epx::exec::active_host_isa();
+  CHECK(epx::exec::host_isa_supported(host_isa::baseline));
+  CHECK(epx::exec::host_isa_supported(active));
+  if (epx::exec::host_isa_supported(host_isa::avx512)) CHECK(active == host_isa::avx512);
+  else if (epx::exec::host_isa_supported(host_isa::avx2)) CHECK(active == host_isa::avx2);
+  else CHECK(active == host_isa::baseline);
+  MESSAGE("host vector instructions: " << std::string(epx::exec::to_string(active)));
+  try {
+    epx::exec::use_host_isa(static_cast<host_isa>(7));
+    FAIL("an unknown instruction set was accepted");
+  } catch (const epx::error& e) {
+    CHECK(e.category() == epx::errc::input);
+    CHECK(e.message().find("does not support unknown (7)") != std::string::npos);
+  }
+  CHECK(epx::exec::active_host_isa() == active);
+  CHECK(epx::exec::use_host_isa(host_isa::baseline) == active);
+  CHECK(epx::exec::active_host_isa() == host_isa::baseline);
+  epx::exec::use_host_isa(active);
 }
 
 TEST_CASE("quantise_e4m3: NaN, infinity, underflowing scales and rows that are not there") {
-  const std::size_t H = 256;
-  std::vector<float> x(2 * H, 0.25f);
-  x[3] = std::numeric_limits<float>::quiet_NaN();
-  x[128 + 5] = std::numeric_limits<float>::infinity();
-  // row 1: block 0 is tiny (amax / 448 underflows to 0), block 1 has float-subnormal scale
-  for (std::size_t h = 0; h < 128; ++h) x[H + h] = h == 9 ? 0x1p-149f : 0.0f;
-  for (std::size_t h = 128; h < 256; ++h) x[H + h] = (h % 2 ? -1.0f : 1.0f) * 0x1p-130f;
-  std::vector<fp8_e4m3> q(2 * H);
-  std::vector<float> s(4);
-  epx::kernels::quantise_e4m3(epx::exec::serial{}, 2, H, x.data(), q.data(), s.data());
-  // NaN stays NaN, alone in its block
-  CHECK(s[0] == 0.25f / 448.0f);
-  CHECK(q[3].bits == 0x7f);
-  CHECK(q[4].bits == 0x7e);
-  // an infinity makes its block's scale infinite, and the block comes back as NaN
-  CHECK(std::isinf(s[1]));
-  std::vector<float> out(2 * H);
-  epx::kernels::dequantise_e4m3(epx::exec::serial{}, 2, H, q.data(), s.data(), out.data());
-  CHECK(std::isnan(out[3]));
-  CHECK(out[4] == x[4]);
-  for (std::size_t h = 128; h < 256; ++h) CHECK(std::isnan(out[h]));
-  // amax / 448 == 0: scale 1 (the elements round to zero)
-  CHECK(s[2] == 1.0f);
-  CHECK(q[H + 9].bits == 0x00);
-  CHECK(out[H + 9] == 0.0f);
-  // a subnormal scale: the block still comes back within the bound of its amax
-  CHECK(s[3] == 0x1p-130f / 448.0f);
-  CHECK(s[3] > 0.0f);
-  for (std::size_t h = 128; h < 256; ++h) CHECK(std::fabs(out[H + h] - x[H + h]) <= 0x1p-130f * 0x1p-4f);
+  for_each_host_isa([] {
+    const std::size_t H = 256;
+    std::vector<float> x(2 * H, 0.25f);
+    x[3] = std::numeric_limits<float>::quiet_NaN();
+    x[128 + 5] = std::numeric_limits<float>::infinity();
+    // row 1: block 0 is tiny (amax / 448 underflows to 0), block 1 has float-subnormal scale
+    for (std::size_t h = 0; h < 128; ++h) x[H + h] = h == 9 ? 0x1p-149f : 0.0f;
+    for (std::size_t h = 128; h < 256; ++h) x[H + h] = (h % 2 ? -1.0f : 1.0f) * 0x1p-130f;
+    std::vector<fp8_e4m3> q(2 * H);
+    std::vector<float> s(4);
+    epx::kernels::quantise_e4m3(epx::exec::serial{}, 2, H, x.data(), q.data(), s.data());
+    // NaN stays NaN, alone in its block
+    CHECK(s[0] == 0.25f / 448.0f);
+    CHECK(q[3].bits == 0x7f);
+    CHECK(q[4].bits == 0x7e);
+    // an infinity makes its block's scale infinite, and the block comes back as NaN
+    CHECK(std::isinf(s[1]));
+    std::vector<float> out(2 * H);
+    epx::kernels::dequantise_e4m3(epx::exec::serial{}, 2, H, q.data(), s.data(), out.data());
+    CHECK(std::isnan(out[3]));
+    CHECK(out[4] == x[4]);
+    for (std::size_t h = 128; h < 256; ++h) CHECK(std::isnan(out[h]));
+    // amax / 448 == 0: scale 1 (the elements round to zero)
+    CHECK(s[2] == 1.0f);
+    CHECK(q[H + 9].bits == 0x00);
+    CHECK(out[H + 9] == 0.0f);
+    // a subnormal scale: the block still comes back within the bound of its amax
+    CHECK(s[3] == 0x1p-130f / 448.0f);
+    CHECK(s[3] > 0.0f);
+    for (std::size_t h = 128; h < 256; ++h) CHECK(std::fabs(out[H + h] - x[H + h]) <= 0x1p-130f * 0x1p-4f);
 
-  // rows that are not there: zero bytes, scale 1
-  const std::vector<std::int64_t> index{1, -1, 0};
-  std::vector<fp8_e4m3> g(3 * H, fp8_e4m3::from_bits(0x55));
-  std::vector<float> gs(6, -1.0f);
-  epx::kernels::quantise_e4m3(epx::exec::serial{}, 3, H, x.data(), index.data(), g.data(), gs.data());
-  for (std::size_t h = 0; h < H; ++h) {
-    CHECK(g[h].bits == q[H + h].bits);
-    CHECK(g[H + h].bits == 0);
-    CHECK(g[2 * H + h].bits == q[h].bits);
-  }
-  CHECK(gs[2] == 1.0f);
-  CHECK(gs[3] == 1.0f);
-  CHECK(gs[0] == s[2]);
-  CHECK(std::isinf(gs[5]));
+    // rows that are not there: zero bytes, scale 1
+    const std::vector<std::int64_t> index{1, -1, 0};
+    std::vector<fp8_e4m3> g(3 * H, fp8_e4m3::from_bits(0x55));
+    std::vector<float> gs(6, -1.0f);
+    epx::kernels::quantise_e4m3(epx::exec::serial{}, 3, H, x.data(), index.data(), g.data(), gs.data());
+    for (std::size_t h = 0; h < H; ++h) {
+      CHECK(g[h].bits == q[H + h].bits);
+      CHECK(g[H + h].bits == 0);
+      CHECK(g[2 * H + h].bits == q[h].bits);
+    }
+    CHECK(gs[2] == 1.0f);
+    CHECK(gs[3] == 1.0f);
+    CHECK(gs[0] == s[2]);
+    CHECK(std::isinf(gs[5]));
+  });
 }
 
 // The same bytes from every policy, for every source of rows.
@@ -372,6 +449,12 @@ void run_all(const Exec& ex, std::size_t rows, std::size_t H, const std::vector<
   epx::kernels::quantise_e4m3(ex, rows, H, table.data(), q.data() + 2 * rows * H, s.data() + 2 * S);
   std::vector<T> out(3 * rows * H);
   epx::kernels::dequantise_e4m3(ex, 3 * rows, H, q.data(), s.data(), out.data());
+  // Gathering the quantised rows by index gives the bytes of quantising the indexed rows.
+  std::vector<fp8_e4m3> g(rows * H, fp8_e4m3::from_bits(0x55));
+  std::vector<float> gs(S, -1.0f);
+  epx::kernels::gather_e4m3(ex, rows, H, q.data(), s.data(), index.data(), g.data(), gs.data());
+  CHECK(std::memcmp(g.data(), q.data() + rows * H, rows * H) == 0);
+  CHECK(std::memcmp(gs.data(), s.data() + S, S * sizeof(float)) == 0);
   const auto* qb = reinterpret_cast<const std::uint8_t*>(q.data());
   const auto* sb = reinterpret_cast<const std::uint8_t*>(s.data());
   const auto* ob = reinterpret_cast<const std::uint8_t*>(out.data());
@@ -386,14 +469,18 @@ TEST_CASE_TEMPLATE("quantise_e4m3 and dequantise_e4m3: the same bits on serial, 
   const std::vector<T> x = from_double<T>(test_rows(rows, H, 5));
   std::vector<std::int64_t> index(rows);
   for (std::size_t r = 0; r < rows; ++r) index[r] = r % 5 == 2 ? -1 : static_cast<std::int64_t>((r * 11) % rows);
-  std::vector<std::uint8_t> a, b, c;
-  run_all(epx::exec::serial{}, rows, H, x, index, a);
+  std::vector<std::uint8_t> a, b, c, d;
+  for_each_host_isa([&] {  // every version of the host loops, the same bytes
+    run_all(epx::exec::serial{}, rows, H, x, index, d);
+    if (!a.empty()) CHECK(d == a);
+    a = d;
+  });
   run_all(epx::exec::openmp{}, rows, H, x, index, b);
   epx::exec::emulated_device dev;
   run_all(dev, rows, H, x, index, c);
   CHECK(a == b);
   CHECK(a == c);
-  CHECK(dev.counters->launches == 4);  // three quantisations and one dequantisation
+  CHECK(dev.counters->launches == 5);  // three quantisations, one gather and one dequantisation
   // the serial results are those of the model
   std::vector<std::uint8_t> mq;
   std::vector<float> ms;

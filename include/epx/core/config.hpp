@@ -31,6 +31,25 @@
 #define EPX_HOST_NOINLINE
 #endif
 
+// EPX_HOST_INLINE makes a host compiler inline a small function into its caller (a loop body
+// into a loop compiled for wider vector instructions, epx/kernels/fp8.hpp). Plain `inline`
+// on the device and for other compilers.
+#if !defined(__CUDA_ARCH__) && (defined(__GNUC__) || defined(__clang__))
+#define EPX_HOST_INLINE inline __attribute__((always_inline))
+#else
+#define EPX_HOST_INLINE inline
+#endif
+
+// EPX_HOST_ISA_DISPATCH is 1 where the host code may hold loops compiled for AVX2 and
+// AVX-512 besides the build's baseline, chosen at run time by what the CPU supports
+// (x86-64 with GCC or Clang, nvcc's host pass included). Define EPX_NO_ISA_DISPATCH to
+// keep every loop at the build's flags.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(EPX_NO_ISA_DISPATCH)
+#define EPX_HOST_ISA_DISPATCH 1
+#else
+#define EPX_HOST_ISA_DISPATCH 0
+#endif
+
 #if defined(_OPENMP)
 #define EPX_HAS_OPENMP 1
 #else

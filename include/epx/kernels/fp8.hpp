@@ -19,13 +19,18 @@
 //
 // Every operation is one EPX_HOST_DEVICE functor run by every policy, host and device
 // alike, with the same bits: quantisation by exec::for_each_n, one call per (row, block);
-// dequantisation by exec::for_each_row<T>. Divisions and products are rounded to nearest
-// on every compiler (no contraction into a fused multiply-add, no approximate division).
+// the gather and the dequantisation by exec::for_each_row. Divisions and products are
+// rounded to nearest on every compiler (no contraction into a fused multiply-add, no
+// approximate division). On x86-64 hosts the block's quantisation runs the widest of its
+// baseline, AVX2 and AVX-512 versions that the CPU supports (epx/exec/host_isa.hpp), the
+// same bits from each.
 //
 //   check_fp8_hidden(H)                                  errc::configuration unless H % 128 == 0
 //   quantise_e4m3(ex, rows, H, x, q, scale)              q[r], scale[r] from x[r]
 //   quantise_e4m3(ex, rows, H, x, index, q, scale)       ... from x[index[r]]   (zero for index < 0)
 //   quantise_e4m3(ex, rows, H, table, q, scale)          ... from *table[r]     (zero for null)
+//   gather_e4m3(ex, rows, H, q, scale, index, dst, dst_scale)
+//                                                        dst[r] = q[index[r]] with its scales
 //   dequantise_e4m3(ex, rows, H, q, scale, out)          out[r] = q[r] * scale[r]
 #pragma once
 
@@ -39,6 +44,7 @@
 #include "epx/core/fp8.hpp"
 #include "epx/core/numeric.hpp"
 #include "epx/exec/host.hpp"
+#include "epx/exec/host_isa.hpp"
 #include "epx/kernels/rows.hpp"
 
 namespace epx::kernels {
@@ -90,6 +96,53 @@ EPX_HOST_DEVICE inline float fp8_block_scale(float amax) noexcept {
   return s > 0.0f ? s : 1.0f;
 }
 
+namespace detail {
+
+// One block of 128 elements from s: its scale, and its bytes into d.
+template <class T>
+EPX_HOST_DEVICE EPX_HOST_INLINE void quantise_block(const T* s, fp8_e4m3* d, float* scale) noexcept {
+  // The largest magnitude, NaN left out, as the largest bits of |x| (non-negative floats
+  // order as their bits; an integer max reduction vectorises on the host).
+  std::uint32_t amax_bits = 0;
+  for (std::size_t h = 0; h < fp8_block; ++h) {
+    std::uint32_t a = epx::detail::float_bits(convert<float>(s[h])) & 0x7fffffffu;
+    a &= 0u - static_cast<std::uint32_t>(a <= 0x7f800000u);  // NaN: 0
+    amax_bits = a > amax_bits ? a : amax_bits;
+  }
+  const float sc = fp8_block_scale(epx::detail::bits_float(amax_bits));
+  for (std::size_t h = 0; h < fp8_block; ++h) d[h] = fp8_e4m3(div_rn(convert<float>(s[h]), sc));
+  *scale = sc;
+}
+
+#if EPX_HOST_ISA_DISPATCH && !defined(__CUDA_ARCH__)
+// The same block compiled for wider vectors (exec/host_isa.hpp). The selections by masks
+// and the one product that meets an addition (the subnormal code: a product by 2^9, exact)
+// round the same with or without fused multiply-adds, so every version gives the same bits.
+template <class T>
+__attribute__((noinline, target("avx2"))) void quantise_block_avx2(const T* s, fp8_e4m3* d, float* scale) noexcept {
+  quantise_block(s, d, scale);
+}
+template <class T>
+__attribute__((noinline, target("avx512f,avx512bw,avx512vl"))) void quantise_block_avx512(const T* s, fp8_e4m3* d,
+                                                                                           float* scale) noexcept {
+  quantise_block(s, d, scale);
+}
+template <class T>
+__attribute__((noinline)) void quantise_block_baseline(const T* s, fp8_e4m3* d, float* scale) noexcept {
+  quantise_block(s, d, scale);
+}
+template <class T>
+inline void quantise_block_host(const T* s, fp8_e4m3* d, float* scale) noexcept {
+  switch (exec::active_host_isa()) {
+    case exec::host_isa::avx512: quantise_block_avx512(s, d, scale); break;
+    case exec::host_isa::avx2: quantise_block_avx2(s, d, scale); break;
+    default: quantise_block_baseline(s, d, scale); break;
+  }
+}
+#endif
+
+}  // namespace detail
+
 // Block i = r * H/128 + b: q[r, 128b : 128b+128] and scale[i] from src(r).
 template <class T, class Src>
 struct fp8_quantise {
@@ -109,26 +162,20 @@ struct fp8_quantise {
       scale[i] = 1.0f;
       return;
     }
-    s += h0;
-    // The largest magnitude, NaN left out, as the largest bits of |x| (non-negative floats
-    // order as their bits; an integer max reduction vectorises on the host).
-    std::uint32_t amax_bits = 0;
-    for (std::size_t h = 0; h < fp8_block; ++h) {
-      std::uint32_t a = epx::detail::float_bits(convert<float>(s[h])) & 0x7fffffffu;
-      a &= 0u - static_cast<std::uint32_t>(a <= 0x7f800000u);  // NaN: 0
-      amax_bits = a > amax_bits ? a : amax_bits;
-    }
-    const float sc = fp8_block_scale(epx::detail::bits_float(amax_bits));
-    for (std::size_t h = 0; h < fp8_block; ++h) d[h] = fp8_e4m3(detail::div_rn(convert<float>(s[h]), sc));
-    scale[i] = sc;
+#if EPX_HOST_ISA_DISPATCH && !defined(__CUDA_ARCH__)
+    detail::quantise_block_host(s + h0, d, scale + i);
+#else
+    detail::quantise_block(s + h0, d, scale + i);
+#endif
   }
 };
 
-// Block i = r * H/128 + b: row index[r] of rows quantised once per token (q [., H], scale
-// [., H/128]) into dst row r and its scale; index -1 gives zero bytes and scale 1, as
-// fp8_quantise of a missing row. Quantising the n token rows once and gathering their
-// bytes gives the bytes of quantising every send row (the quantisation of a row depends on
-// the row alone), at 1/k of the conversions.
+// dst row r = row index[r] of rows quantised once per token (q [., H], scale [., H/128]),
+// bytes and scales; index -1 gives zero bytes and scales 1, as fp8_quantise of a missing
+// row. Quantising the n token rows once and gathering their bytes gives the bytes of
+// quantising every send row (the quantisation of a row depends on the row alone), at 1/k
+// of the conversions. A row operation (exec::for_each_row): the call for dst[r, h0:h1]
+// copies those bytes and the scales of the blocks that start in [h0, h1).
 struct fp8_gather {
   const fp8_e4m3* q;
   const float* scale;
@@ -137,24 +184,20 @@ struct fp8_gather {
   float* dst_scale;           // [rows, H / 128]
   std::size_t hidden;
 
-  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+  EPX_HOST_DEVICE void operator()(std::size_t r, std::size_t h0, std::size_t h1) const {
     const std::size_t blocks = hidden / fp8_block;
-    const std::size_t r = i / blocks;
-    const std::size_t b = i - r * blocks;
-    fp8_e4m3* d = dst + r * hidden + b * fp8_block;
+    fp8_e4m3* d = dst + r * hidden;
+    float* ds = dst_scale + r * blocks;
+    const std::size_t b0 = (h0 + fp8_block - 1) / fp8_block, b1 = (h1 + fp8_block - 1) / fp8_block;
     const std::int64_t src = index[r];
     if (src < 0) {
-      for (std::size_t h = 0; h < fp8_block; ++h) d[h] = fp8_e4m3::from_bits(0);
-      dst_scale[i] = 1.0f;
+      for (std::size_t h = h0; h < h1; ++h) d[h] = fp8_e4m3::from_bits(0);
+      for (std::size_t b = b0; b < b1; ++b) ds[b] = 1.0f;
       return;
     }
-    const fp8_e4m3* s = q + static_cast<std::size_t>(src) * hidden + b * fp8_block;
-#if defined(__CUDA_ARCH__)
-    for (std::size_t c = 0; c < fp8_block; c += 16) detail::copy_elements(d + c, s + c, 16);  // 16-byte vectors
-#else
-    detail::copy_elements(d, s, fp8_block);
-#endif
-    dst_scale[i] = scale[static_cast<std::size_t>(src) * blocks + b];
+    detail::copy_elements(d + h0, q + static_cast<std::size_t>(src) * hidden + h0, h1 - h0);
+    const float* ss = scale + static_cast<std::size_t>(src) * blocks;
+    for (std::size_t b = b0; b < b1; ++b) ds[b] = ss[b];
   }
 };
 
@@ -173,7 +216,8 @@ struct fp8_dequantise {
     T* d = dst + r * hidden;
     // Block by block, the block's scale loaded once (a loop without divisions vectorises).
     for (std::size_t b0 = h0; b0 < h1;) {
-      const std::size_t b1 = std::min(h1, (b0 / fp8_block + 1) * fp8_block);
+      const std::size_t end = (b0 / fp8_block + 1) * fp8_block;  // (not std::min: host-only in device code)
+      const std::size_t b1 = h1 < end ? h1 : end;
       const A s = static_cast<A>(sc[b0 / fp8_block]);
       for (std::size_t h = b0; h < b1; ++h) d[h] = convert<T>(detail::mul_rn(static_cast<A>(static_cast<float>(q[h])), s));
       b0 = b1;
@@ -210,8 +254,7 @@ void quantise_e4m3(const Exec& ex, std::size_t rows, std::size_t H, const T* con
 template <class Exec>
 void gather_e4m3(const Exec& ex, std::size_t rows, std::size_t H, const fp8_e4m3* q, const float* scale,
                  const std::int64_t* index, fp8_e4m3* dst, float* dst_scale) {
-  const std::size_t n = rows * (H / fp8_block);
-  if (n) exec::for_each_n(ex, n, fp8_gather{q, scale, index, dst, dst_scale, H});
+  exec::for_each_row<fp8_e4m3>(ex, rows, H, fp8_gather{q, scale, index, dst, dst_scale, H});
 }
 
 template <class Exec, class T>
