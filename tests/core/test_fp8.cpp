@@ -364,28 +364,6 @@ TEST_CASE("quantise_e4m3: the block loop encodes every float class as the model 
   MESSAGE(x.size() << " elements");
 }
 
-TEST_CASE("host_isa: the widest supported version is active, an unsupported one is refused") {
-  using epx::exec::host_isa;
-  const host_isa active = epx::exec::active_host_isa();
-  CHECK(epx::exec::host_isa_supported(host_isa::baseline));
-  CHECK(epx::exec::host_isa_supported(active));
-  if (epx::exec::host_isa_supported(host_isa::avx512)) CHECK(active == host_isa::avx512);
-  else if (epx::exec::host_isa_supported(host_isa::avx2)) CHECK(active == host_isa::avx2);
-  else CHECK(active == host_isa::baseline);
-  MESSAGE("host vector instructions: " << std::string(epx::exec::to_string(active)));
-  try {
-    epx::exec::use_host_isa(static_cast<host_isa>(7));
-    FAIL("an unknown instruction set was accepted");
-  } catch (const epx::error& e) {
-    CHECK(e.category() == epx::errc::input);
-    CHECK(e.message().find("does not support unknown (7)") != std::string::npos);
-  }
-  CHECK(epx::exec::active_host_isa() == active);
-  CHECK(epx::exec::use_host_isa(host_isa::baseline) == active);
-  CHECK(epx::exec::active_host_isa() == host_isa::baseline);
-  epx::exec::use_host_isa(active);
-}
-
 TEST_CASE("quantise_e4m3: NaN, infinity, underflowing scales and rows that are not there") {
   for_each_host_isa([] {
     const std::size_t H = 256;

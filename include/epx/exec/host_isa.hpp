@@ -1,12 +1,16 @@
 // epx/exec/host_isa.hpp: the host CPU's vector instructions for the loops that have
 // versions for them.
 //
-// A few host loops (the FP8 quantisation, epx/kernels/fp8.hpp) are compiled three times on
-// x86-64 with GCC or Clang (EPX_HOST_ISA_DISPATCH, epx/core/config.hpp): at the build's
-// flags, for AVX2 and for AVX-512 (F, BW, VL), and run the widest one the CPU supports, so a
-// build with the default flags vectorises as a -march=native one does. Every version gives
-// the same bits (the loops are written without branches and without fused multiply-adds
-// that could round differently); tests run each one the CPU supports.
+// The host's hot row loops (the weighted sum of combine, the scaled row copies, the
+// weight-gradient dot products, the FP8 quantisation and dequantisation: epx/kernels/) are
+// compiled three times on x86-64 with GCC or Clang (EPX_HOST_ISA_DISPATCH,
+// epx/core/config.hpp): at the build's flags, for AVX2 and for AVX-512 (F, BW, VL), and run
+// the widest one the CPU supports, so a build with the default flags vectorises as a
+// -march=native one does. Every version gives the same bits: the loops are written without
+// branches, and no version contracts a product and a sum into a fused multiply-add
+// (AVX-512 brings FMA instructions; GCC's versions are compiled with fp-contract=off, and
+// kernels::detail::mul_add forbids it to Clang), so each operation rounds as on the device
+// (kernels::detail::mul_add). Tests run each version the CPU supports.
 //
 //   exec::host_isa                    baseline, avx2, avx512
 //   exec::host_isa_supported(isa)     this CPU (and OS) runs it; baseline always
@@ -14,6 +18,9 @@
 //   exec::use_host_isa(isa)           choose it for every thread (tests, benchmarks); returns
 //                                     the previous one; errc::input if not supported
 //   to_string(isa)                    "baseline", "avx2", "avx512"
+//   exec::run_widest(f, args...)      f.body(args...) in the active version (f.body inlined
+//                                     into it: EPX_HOST_INLINE); f.body(args...) where
+//                                     EPX_HOST_ISA_DISPATCH is 0
 #pragma once
 
 #include <atomic>
@@ -68,6 +75,53 @@ inline host_isa use_host_isa(host_isa isa) {
   EPX_REQUIRE(host_isa_supported(isa), errc::input, "use_host_isa: this CPU or build does not support ",
               to_string(isa), " (", static_cast<int>(isa), ")");
   return detail::host_isa_choice().exchange(isa, std::memory_order_relaxed);
+}
+
+#if EPX_HOST_ISA_DISPATCH
+#if defined(__clang__)
+#define EPX_ISA_VERSION(isa) __attribute__((noinline, target(isa)))
+#define EPX_ISA_VERSION_BASELINE __attribute__((noinline))
+#else
+#define EPX_ISA_VERSION(isa) __attribute__((noinline, target(isa), optimize("fp-contract=off")))
+#define EPX_ISA_VERSION_BASELINE __attribute__((noinline, optimize("fp-contract=off")))
+#endif
+namespace detail {
+template <class F, class... A>
+EPX_ISA_VERSION("avx512f,avx512bw,avx512vl") void run_avx512(const F& f, A... a) {
+  f.body(a...);
+}
+template <class F, class... A>
+EPX_ISA_VERSION("avx2") void run_avx2(const F& f, A... a) {
+  f.body(a...);
+}
+template <class F, class... A>
+EPX_ISA_VERSION_BASELINE void run_baseline(const F& f, A... a) {
+  f.body(a...);
+}
+}  // namespace detail
+#undef EPX_ISA_VERSION
+#undef EPX_ISA_VERSION_BASELINE
+#endif
+
+// In an EPX_HOST_DEVICE functor's operator(): its body(...) in the widest host version on
+// the host, the plain body on a device.
+#if EPX_HOST_ISA_DISPATCH && !defined(__CUDA_ARCH__)
+#define EPX_RUN_WIDEST(...) ::epx::exec::run_widest(*this, __VA_ARGS__)
+#else
+#define EPX_RUN_WIDEST(...) this->body(__VA_ARGS__)
+#endif
+
+template <class F, class... A>
+inline void run_widest(const F& f, A... a) {
+#if EPX_HOST_ISA_DISPATCH
+  switch (active_host_isa()) {
+    case host_isa::avx512: detail::run_avx512(f, a...); break;
+    case host_isa::avx2: detail::run_avx2(f, a...); break;
+    default: detail::run_baseline(f, a...); break;
+  }
+#else
+  f.body(a...);
+#endif
 }
 
 }  // namespace epx::exec

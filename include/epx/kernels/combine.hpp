@@ -10,7 +10,7 @@
 // Each column sums its slots in slot order from A(0) whatever the launch shape: the host
 // runs whole rows in blocks of column_block accumulators (every slot's row streamed into
 // them), a device 16-byte chunks; the operations per column are the same, so every policy
-// gives the same bits.
+// gives the same bits. On the host the loop runs its widest version (epx/exec/host_isa.hpp).
 #pragma once
 
 #include <cstddef>
@@ -18,6 +18,7 @@
 
 #include "epx/core/config.hpp"
 #include "epx/core/numeric.hpp"
+#include "epx/exec/host_isa.hpp"
 #include "epx/kernels/rows.hpp"
 
 namespace epx::kernels {
@@ -39,7 +40,9 @@ struct row_combine {
   std::size_t hidden;
   int top_k;
 
-  EPX_HOST_DEVICE void operator()(std::size_t t, std::size_t h0, std::size_t h1) const {
+  EPX_HOST_DEVICE void operator()(std::size_t t, std::size_t h0, std::size_t h1) const { EPX_RUN_WIDEST(t, h0, h1); }
+
+  EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t t, std::size_t h0, std::size_t h1) const {
     using A = accum_t<T>;
     constexpr std::size_t B = detail::column_block;
     const std::size_t k = static_cast<std::size_t>(top_k);

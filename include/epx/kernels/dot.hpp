@@ -5,7 +5,7 @@
 // The sum runs in dot_lanes interleaved lanes: lane w holds the terms h = w, w + dot_lanes,
 // ... in h order, and the lanes are added in lane order at the end. A fixed order, the same
 // on every policy (bitwise reproducible), that a host compiler vectorises without
-// reassociating anything.
+// reassociating anything; on the host in its widest version (epx/exec/host_isa.hpp).
 #pragma once
 
 #include <cstddef>
@@ -13,6 +13,7 @@
 
 #include "epx/core/config.hpp"
 #include "epx/core/numeric.hpp"
+#include "epx/exec/host_isa.hpp"
 #include "epx/kernels/rows.hpp"
 
 namespace epx::kernels {
@@ -21,7 +22,7 @@ namespace detail {
 inline constexpr std::size_t dot_lanes = 16;
 
 template <class A, class T, class U>
-EPX_HOST_DEVICE inline A dot_in_lanes(const T* a, const U* b, std::size_t n) noexcept {
+EPX_HOST_DEVICE EPX_HOST_INLINE A dot_in_lanes(const T* a, const U* b, std::size_t n) noexcept {
   A lane[dot_lanes];
   for (std::size_t w = 0; w < dot_lanes; ++w) lane[w] = A(0);
   std::size_t h = 0;
@@ -44,7 +45,9 @@ struct pair_dot {
   std::size_t hidden;
   int top_k;
 
-  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+  EPX_HOST_DEVICE void operator()(std::size_t i) const { EPX_RUN_WIDEST(i); }
+
+  EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t i) const {
     using A = accum_t<T>;
     const std::int64_t p = pos[i];
     if (p < 0) {

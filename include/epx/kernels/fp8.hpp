@@ -21,9 +21,9 @@
 // alike, with the same bits: quantisation by exec::for_each_n, one call per (row, block);
 // the gather and the dequantisation by exec::for_each_row. Divisions and products are
 // rounded to nearest on every compiler (no contraction into a fused multiply-add, no
-// approximate division). On x86-64 hosts the block's quantisation runs the widest of its
-// baseline, AVX2 and AVX-512 versions that the CPU supports (epx/exec/host_isa.hpp), the
-// same bits from each.
+// approximate division). On x86-64 hosts the quantisation and the dequantisation run the
+// widest of their baseline, AVX2 and AVX-512 versions that the CPU supports
+// (epx/exec/host_isa.hpp), the same bits from each.
 //
 //   check_fp8_hidden(H)                                  errc::configuration unless H % 128 == 0
 //   quantise_e4m3(ex, rows, H, x, q, scale)              q[r], scale[r] from x[r]
@@ -96,53 +96,6 @@ EPX_HOST_DEVICE inline float fp8_block_scale(float amax) noexcept {
   return s > 0.0f ? s : 1.0f;
 }
 
-namespace detail {
-
-// One block of 128 elements from s: its scale, and its bytes into d.
-template <class T>
-EPX_HOST_DEVICE EPX_HOST_INLINE void quantise_block(const T* s, fp8_e4m3* d, float* scale) noexcept {
-  // The largest magnitude, NaN left out, as the largest bits of |x| (non-negative floats
-  // order as their bits; an integer max reduction vectorises on the host).
-  std::uint32_t amax_bits = 0;
-  for (std::size_t h = 0; h < fp8_block; ++h) {
-    std::uint32_t a = epx::detail::float_bits(convert<float>(s[h])) & 0x7fffffffu;
-    a &= 0u - static_cast<std::uint32_t>(a <= 0x7f800000u);  // NaN: 0
-    amax_bits = a > amax_bits ? a : amax_bits;
-  }
-  const float sc = fp8_block_scale(epx::detail::bits_float(amax_bits));
-  for (std::size_t h = 0; h < fp8_block; ++h) d[h] = fp8_e4m3(div_rn(convert<float>(s[h]), sc));
-  *scale = sc;
-}
-
-#if EPX_HOST_ISA_DISPATCH && !defined(__CUDA_ARCH__)
-// The same block compiled for wider vectors (exec/host_isa.hpp). The selections by masks
-// and the one product that meets an addition (the subnormal code: a product by 2^9, exact)
-// round the same with or without fused multiply-adds, so every version gives the same bits.
-template <class T>
-__attribute__((noinline, target("avx2"))) void quantise_block_avx2(const T* s, fp8_e4m3* d, float* scale) noexcept {
-  quantise_block(s, d, scale);
-}
-template <class T>
-__attribute__((noinline, target("avx512f,avx512bw,avx512vl"))) void quantise_block_avx512(const T* s, fp8_e4m3* d,
-                                                                                           float* scale) noexcept {
-  quantise_block(s, d, scale);
-}
-template <class T>
-__attribute__((noinline)) void quantise_block_baseline(const T* s, fp8_e4m3* d, float* scale) noexcept {
-  quantise_block(s, d, scale);
-}
-template <class T>
-inline void quantise_block_host(const T* s, fp8_e4m3* d, float* scale) noexcept {
-  switch (exec::active_host_isa()) {
-    case exec::host_isa::avx512: quantise_block_avx512(s, d, scale); break;
-    case exec::host_isa::avx2: quantise_block_avx2(s, d, scale); break;
-    default: quantise_block_baseline(s, d, scale); break;
-  }
-}
-#endif
-
-}  // namespace detail
-
 // Block i = r * H/128 + b: q[r, 128b : 128b+128] and scale[i] from src(r).
 template <class T, class Src>
 struct fp8_quantise {
@@ -151,7 +104,10 @@ struct fp8_quantise {
   float* scale;       // [rows, H / 128]
   std::size_t hidden;
 
-  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+  EPX_HOST_DEVICE void operator()(std::size_t i) const { EPX_RUN_WIDEST(i); }
+
+  // The block's loops, written without branches so that they vectorise on the host.
+  EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t i) const {
     const std::size_t blocks = hidden / fp8_block;
     const std::size_t r = i / blocks;
     const std::size_t h0 = (i - r * blocks) * fp8_block;
@@ -162,11 +118,18 @@ struct fp8_quantise {
       scale[i] = 1.0f;
       return;
     }
-#if EPX_HOST_ISA_DISPATCH && !defined(__CUDA_ARCH__)
-    detail::quantise_block_host(s + h0, d, scale + i);
-#else
-    detail::quantise_block(s + h0, d, scale + i);
-#endif
+    s += h0;
+    // The largest magnitude, NaN left out, as the largest bits of |x| (non-negative floats
+    // order as their bits; an integer max reduction vectorises on the host).
+    std::uint32_t amax_bits = 0;
+    for (std::size_t h = 0; h < fp8_block; ++h) {
+      std::uint32_t a = epx::detail::float_bits(convert<float>(s[h])) & 0x7fffffffu;
+      a &= 0u - static_cast<std::uint32_t>(a <= 0x7f800000u);  // NaN: 0
+      amax_bits = a > amax_bits ? a : amax_bits;
+    }
+    const float sc = fp8_block_scale(epx::detail::bits_float(amax_bits));
+    for (std::size_t h = 0; h < fp8_block; ++h) d[h] = fp8_e4m3(detail::div_rn(convert<float>(s[h]), sc));
+    scale[i] = sc;
   }
 };
 
@@ -209,7 +172,9 @@ struct fp8_dequantise {
   T* dst;               // [rows, H]
   std::size_t hidden;
 
-  EPX_HOST_DEVICE void operator()(std::size_t r, std::size_t h0, std::size_t h1) const {
+  EPX_HOST_DEVICE void operator()(std::size_t r, std::size_t h0, std::size_t h1) const { EPX_RUN_WIDEST(r, h0, h1); }
+
+  EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t r, std::size_t h0, std::size_t h1) const {
     using A = accum_t<T>;
     const fp8_e4m3* q = src + r * hidden;
     const float* sc = scale + r * (hidden / fp8_block);

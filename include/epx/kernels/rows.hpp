@@ -10,7 +10,8 @@
 // (in accum_t<T>) when a scale is given. It is every row movement of the layer: gather into
 // send order, the direct route's pull from the peers, the gradient rows w * grad_out.
 // Launched through exec::for_each_row (epx/kernels/launch.hpp), so the policy chooses the
-// shape: whole rows on the host, 16-byte chunks on a device.
+// shape: whole rows on the host, 16-byte chunks on a device. The scaled copy runs the
+// widest host version of its loop (epx/exec/host_isa.hpp).
 #pragma once
 
 #include <cstddef>
@@ -20,6 +21,7 @@
 
 #include "epx/core/config.hpp"
 #include "epx/core/numeric.hpp"
+#include "epx/exec/host_isa.hpp"
 
 namespace epx::kernels {
 
@@ -58,6 +60,9 @@ namespace detail {
 // compilers contract a*b+c into one fused multiply-add by default, host compilers do not
 // (for x86-64 without -mfma, or with -ffp-contract=off), and a fused one rounds once. The
 // kernels accumulate through this, so every policy computes the same bits.
+// On the host: GCC contracts only where the target has FMA instructions (the AVX-512 and
+// -march=native builds), and the loops of epx/exec/host_isa.hpp's versions are compiled
+// with fp-contract=off; Clang contracts within one expression, which the pragma forbids.
 template <class A>
 EPX_HOST_DEVICE inline A mul_add(A acc, A a, A b) noexcept {
 #if defined(__CUDA_ARCH__)
@@ -66,6 +71,9 @@ EPX_HOST_DEVICE inline A mul_add(A acc, A a, A b) noexcept {
   else
     return __dadd_rn(acc, __dmul_rn(a, b));
 #else
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
   return acc + a * b;
 #endif
 }
@@ -97,13 +105,30 @@ struct row_copy {
   std::size_t hidden;
 
   EPX_HOST_DEVICE void operator()(std::size_t r, std::size_t h0, std::size_t h1) const {
+    if (scale == nullptr) {  // a copy: libc's on the host
+      copy_or_zero(r, h0, h1);
+      return;
+    }
+    EPX_RUN_WIDEST(r, h0, h1);
+  }
+
+  EPX_HOST_DEVICE void copy_or_zero(std::size_t r, std::size_t h0, std::size_t h1) const {
+    T* d = dst + r * hidden;
+    const T* s = row_at(src, r, hidden);
+    if (s == nullptr) {
+      for (std::size_t h = h0; h < h1; ++h) d[h] = convert<T>(0.0f);
+    } else {
+      detail::copy_elements(d + h0, s + h0, h1 - h0);
+    }
+  }
+
+  // The scaled copy (scale not null).
+  EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t r, std::size_t h0, std::size_t h1) const {
     using A = accum_t<T>;
     T* d = dst + r * hidden;
     const T* s = row_at(src, r, hidden);
     if (s == nullptr) {
       for (std::size_t h = h0; h < h1; ++h) d[h] = convert<T>(0.0f);
-    } else if (scale == nullptr) {
-      detail::copy_elements(d + h0, s + h0, h1 - h0);
     } else {
       const A w = static_cast<A>(scale[r]);
       for (std::size_t h = h0; h < h1; ++h) d[h] = convert<T>(w * convert<A>(s[h]));
