@@ -215,11 +215,7 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (a.rfind("--calls=", 0) == 0) {
       g_calls = std::max(1, std::atoi(a.c_str() + 8));
-    } else if (a.rfind("--host-isa=", 0) == 0) {
-      const std::string v = a.substr(11);
-      using epx::exec::host_isa;
-      const host_isa isa = v == "avx512" ? host_isa::avx512 : v == "avx2" ? host_isa::avx2 : v == "baseline" ? host_isa::baseline : static_cast<host_isa>(-1);
-      epx::exec::use_host_isa(isa);  // errc::input for an unknown or unsupported one
+    } else if (epx::bench::host_isa_flag(a)) {
     } else if (a.rfind("--dispatch-calls=", 0) == 0) {
       g_dispatch_calls = std::max(1, std::atoi(a.c_str() + 17));
     } else {

@@ -1010,7 +1010,8 @@ void print_summary() {
 }  // namespace
 
 // --quick: the small set (seconds), used by the bench-smoke ctest. --heap=cache (default) or
-// --heap=system: see the heap namespace above. Any Google Benchmark flag
+// --heap=system: see the heap namespace above. --host-isa=baseline|avx2|avx512: the version
+// of the host row loops (default the widest the CPU supports; the context says which). Any Google Benchmark flag
 // (--benchmark_filter, --benchmark_out, ...) works as usual.
 int main(int argc, char** argv) {
   bool quick = false;
@@ -1022,12 +1023,15 @@ int main(int argc, char** argv) {
       heap::caching = false;
     else if (std::strcmp(argv[i], "--heap=cache") == 0)
       heap::caching = true;
+    else if (epx::bench::host_isa_flag(argv[i]))
+      continue;
     else
       args.push_back(argv[i]);
   }
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
   if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
+  benchmark::AddCustomContext("host_isa", epx::exec::to_string(epx::exec::active_host_isa()));
   register_all(quick);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

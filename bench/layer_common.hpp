@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "epx/epx.hpp"
+#include "epx/exec/host_isa.hpp"
 
 namespace epx::bench {
 
@@ -192,6 +193,20 @@ std::vector<double> baseline_traffic(bool backward, double S, double Rr, double 
 }
 
 // One EP group of `ep` ranks (fsdp = ep, tp = 1) over `experts` experts.
+// `--host-isa=baseline|avx2|avx512`: the version of the host row loops to run
+// (epx/exec/host_isa.hpp; default the widest the CPU supports). True when `arg` was that
+// flag; an unknown or unsupported name is errc::input.
+inline bool host_isa_flag(const std::string& arg) {
+  if (arg.rfind("--host-isa=", 0) != 0) return false;
+  const std::string v = arg.substr(11);
+  using epx::exec::host_isa;
+  host_isa isa = static_cast<host_isa>(-1);
+  for (host_isa i : {host_isa::baseline, host_isa::avx2, host_isa::avx512})
+    if (v == epx::exec::to_string(i)) isa = i;
+  epx::exec::use_host_isa(isa);
+  return true;
+}
+
 inline epx::mesh ep_mesh(int ep, int experts) {
   epx::mesh_config mc;
   mc.fsdp = ep;
