@@ -130,8 +130,8 @@ class all_to_all_impl {
     rows_buffer<std::int64_t, Exec> recv_from;   // owner: [R] received row of each expert-major row, -1
     rows_buffer<float, Exec> recv_weight;        // owner: [R] its slot's weight
     rows_buffer<T, Exec> stage;                // owner: [Ur, H] received rows, then the returned sums
-    rows_buffer<fp8_e4m3, Exec> x8;            // FP8: [R, H] expert-major rows as E4M3
-    exec::buffer<float, Exec> scales;          // FP8: [R, H/128] their scales
+    rows_buffer<fp8_e4m3, Exec> x8;            // FP8: [R, H] expert-major rows as E4M3, then their scales
+    float* scales = nullptr;                   // FP8: [R, H/128] the scales, in x8 after the R*H bytes
     rows_buffer<T, Exec> y;                    // staged: [S, H] outputs in send order; direct: [R, H] expert-major
     // Between dispatch and combine only.
     exec::buffer<float, Exec> slice_weights;  // [n*k] the slice's routing weights (the caller's may change)
@@ -271,26 +271,24 @@ class all_to_all_impl {
       s.seg = segments_of(lay, me);
       s.send = make_rows<T>(ws_, ex, S * H);  // FP8: only for the way back
       if (s.fp8) {
-        // FP8 (spec section 12): each send row as E4M3 with one scale per 128 elements;
-        // bytes and scales travel by the same segments.
+        // FP8 (spec section 12): each send row as E4M3 with one scale per 128 elements.
+        // Bytes and scales share one buffer on each side ([rows, H] bytes, then [rows, B]
+        // scales) and travel in one collective.
         const std::size_t B = kernels::fp8_scales_per_row(H);
         // The n rows are quantised once, then their bytes and scales gathered into send order.
-        auto rows8 = make_rows<fp8_e4m3>(ws_, ex, n * H);
-        auto row_scales = exec::make_buffer<float>(ex, n * B);
-        kernels::quantise_e4m3(ex, n, H, x, rows8.data(), row_scales.data());
-        auto send8 = make_rows<fp8_e4m3>(ws_, ex, S * H);
-        auto send_scales = exec::make_buffer<float>(ex, S * B);
-        kernels::gather_e4m3(ex, S, H, static_cast<const fp8_e4m3*>(rows8.data()),
-                             static_cast<const float*>(row_scales.data()),
-                             static_cast<const std::int64_t*>(s.src_row.data()), send8.data(), send_scales.data());
-        s.x8 = make_rows<fp8_e4m3>(ws_, ex, R * H);
-        s.scales = exec::make_buffer<float>(ex, R * B);
+        auto rows8 = make_rows<fp8_e4m3>(ws_, ex, n * H + n * B * sizeof(float));
+        float* const row_scales = reinterpret_cast<float*>(rows8.data() + n * H);
+        kernels::quantise_e4m3(ex, n, H, x, rows8.data(), row_scales);
+        auto send8 = make_rows<fp8_e4m3>(ws_, ex, S * H + S * B * sizeof(float));
+        float* const send_scales = reinterpret_cast<float*>(send8.data() + S * H);
+        kernels::gather_e4m3(ex, S, H, static_cast<const fp8_e4m3*>(rows8.data()), row_scales,
+                             static_cast<const std::int64_t*>(s.src_row.data()), send8.data(), send_scales);
+        s.x8 = make_rows<fp8_e4m3>(ws_, ex, R * H + R * B * sizeof(float));
+        s.scales = reinterpret_cast<float*>(s.x8.data() + R * H);
         zero_padding(ex, s.x8.data(), lay, me, H);
-        unit_padding_scales(ex, s.scales.data(), lay, me, B);
+        unit_padding_scales(ex, s.scales, lay, me, B);
         order_before_collective(ex, *ctx_.ep);
-        exchange_rows(s.seg, reinterpret_cast<const unsigned char*>(send8.data()),
-                      reinterpret_cast<unsigned char*>(s.x8.data()), L, H, false);
-        exchange_rows(s.seg, static_cast<const float*>(send_scales.data()), s.scales.data(), L, B, false);
+        exchange_fp8_rows(s.seg, send8.data(), S, s.x8.data(), R, L, H);
       } else {
         kernels::gather(ex, S, H, x, static_cast<const std::int64_t*>(s.src_row.data()), s.send.data());
         zero_padding(ex, s.x_recv.data(), lay, me, H);
@@ -306,7 +304,7 @@ class all_to_all_impl {
     if (s.fp8) {
       b.fp8 = true;
       b.in8 = expert_rows<const fp8_e4m3>{s.x8.data(), R, H, lay.offsets(me), L, ctx_.first_expert()};
-      b.scales = s.scales.data();
+      b.scales = s.scales;
     }
     return b;
   }
@@ -402,7 +400,7 @@ class all_to_all_impl {
       // The experts' backward reads the rows they saw, in T: the FP8 rows dequantised.
       s.x_recv = make_rows<T>(ws_, ex, R * H);
       kernels::dequantise_e4m3(ex, R, H, static_cast<const fp8_e4m3*>(s.x8.data()),
-                               static_cast<const float*>(s.scales.data()), s.x_recv.data());
+                               static_cast<const float*>(s.scales), s.x_recv.data());
     }
     b.grad_recv = make_rows<T>(ws_, ex, R * H);
     b.grad_in = make_rows<T>(ws_, ex, R * H);
@@ -601,6 +599,36 @@ class all_to_all_impl {
     else
       all_to_allv_segments(*ctx_.ep, from, make_span(g.recv_counts), make_span(g.recv_displs), to,
                            make_span(g.send_counts), make_span(g.send_displs), static_cast<std::size_t>(L), H);
+  }
+
+  // The FP8 dispatch's one collective: S send rows of H E4M3 bytes followed by their S*B
+  // scales (B = H/128) land as the R expert-major rows' bytes followed by their scales. Each
+  // segment of the row exchange becomes two segments in bytes, one of bytes, one of scales.
+  void exchange_fp8_rows(const segments& g, const fp8_e4m3* from, std::size_t S, fp8_e4m3* to, std::size_t R, int L,
+                         std::size_t H) {
+    const std::size_t B = kernels::fp8_scales_per_row(H) * sizeof(float), nseg = 2 * static_cast<std::size_t>(L);
+    const std::size_t m = g.send_counts.size(), peers = m / static_cast<std::size_t>(L);
+    std::vector<std::size_t> v(4 * peers * nseg);
+    std::size_t* sc = v.data();
+    std::size_t* sd = sc + peers * nseg;
+    std::size_t* rc = sd + peers * nseg;
+    std::size_t* rd = rc + peers * nseg;
+    for (std::size_t p = 0; p < peers; ++p)
+      for (std::size_t l = 0; l < static_cast<std::size_t>(L); ++l) {
+        const std::size_t i = p * static_cast<std::size_t>(L) + l, a = p * nseg + l, b = a + static_cast<std::size_t>(L);
+        sc[a] = g.send_counts[i] * H;
+        sd[a] = g.send_displs[i] * H;
+        sc[b] = g.send_counts[i] * B;
+        sd[b] = S * H + g.send_displs[i] * B;
+        rc[a] = g.recv_counts[i] * H;
+        rd[a] = g.recv_displs[i] * H;
+        rc[b] = g.recv_counts[i] * B;
+        rd[b] = R * H + g.recv_displs[i] * B;
+      }
+    const std::size_t n = peers * nseg;
+    all_to_allv_segments(*ctx_.ep, reinterpret_cast<const unsigned char*>(from), span<const std::size_t>(sc, n),
+                         span<const std::size_t>(sd, n), reinterpret_cast<unsigned char*>(to),
+                         span<const std::size_t>(rc, n), span<const std::size_t>(rd, n), nseg, 1);
   }
 
   // The split-phase stages have no bounded-mode form: bounded mode's calls are fused (spec
