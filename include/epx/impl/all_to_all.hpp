@@ -125,8 +125,9 @@ class all_to_all_impl {
     rows_buffer<std::int64_t, Exec> unique_src;  // [U] slice row of each unique row
     rows_buffer<std::int64_t, Exec> first;     // [n*k] unique row at the first slot of its owner, -1
     rows_buffer<std::int64_t, Exec> pair;      // [n*k] u*k + j of a kept pair, -1
-    rows_buffer<std::int64_t, Exec> slot_row;  // owner: [Ur*k] expert-major row of each received slot, -1
-    rows_buffer<float, Exec> slot_weight;      // owner: [Ur*k] its weight
+    rows_buffer<std::int64_t, Exec> slot_row;  // owner: [Ur*k] expert-major row of each received slot, -1;
+                                               // then (as floats) slot_weight
+    float* slot_weight = nullptr;              // owner: [Ur*k] its weight, inside slot_row's buffer
     rows_buffer<std::int64_t, Exec> recv_from;   // owner: [R] received row of each expert-major row, -1
     rows_buffer<float, Exec> recv_weight;        // owner: [R] its slot's weight
     rows_buffer<T, Exec> stage;                // owner: [Ur, H] received rows, then the returned sums
@@ -233,27 +234,31 @@ class all_to_all_impl {
       s.unique_src = to_policy(ex, g.src_row);
       s.first = to_policy(ex, g.first);
       s.pair = to_policy(ex, g.pair);
-      auto slot_row_out = to_policy(ex, g.slot_row);
-      auto slot_weight_out = to_policy(ex, g.slot_weight);
+      // Each row's k slot entries (expert-major row, weight) travel in one collective: the
+      // rows' k int64 entries, then their k float weights, in one buffer on each side.
+      auto slots_out = make_rows<std::int64_t>(ws_, ex, slot_words(U * k));
+      if (U > 0) {
+        exec::copy_n(ex, g.slot_row.data(), U * k, slots_out.data());
+        exec::copy_n(ex, g.slot_weight.data(), U * k, reinterpret_cast<float*>(slots_out.data() + U * k));
+      }
       s.send = make_rows<T>(ws_, ex, U * H);
       kernels::gather(ex, U, H, x, static_cast<const std::int64_t*>(s.unique_src.data()), s.send.data());
       s.stage = make_rows<T>(ws_, ex, Ur * H);
-      s.slot_row = make_rows<std::int64_t>(ws_, ex, Ur * k);
-      s.slot_weight = make_rows<float>(ws_, ex, Ur * k);
+      s.slot_row = make_rows<std::int64_t>(ws_, ex, slot_words(Ur * k));
+      s.slot_weight = reinterpret_cast<float*>(s.slot_row.data() + Ur * k);
       order_before_collective(ex, *ctx_.ep);
       exchange_unique(s.ranks, static_cast<const T*>(s.send.data()), s.stage.data(), H, false);
-      exchange_unique(s.ranks, static_cast<const std::int64_t*>(slot_row_out.data()), s.slot_row.data(), k, false);
-      exchange_unique(s.ranks, static_cast<const float*>(slot_weight_out.data()), s.slot_weight.data(), k, false);
+      exchange_slots(s.ranks, slots_out.data(), s.slot_row.data(), k);
       s.recv_from = make_rows<std::int64_t>(ws_, ex, R);
       s.recv_weight = make_rows<float>(ws_, ex, R);
       if constexpr (exec::is_host_policy_v<Exec>) {
-        receive_rows(Ur, a.top_k, s.slot_row.data(), s.slot_weight.data(), R, s.recv_from.data(),
+        receive_rows(Ur, a.top_k, s.slot_row.data(), s.slot_weight, R, s.recv_from.data(),
                      s.recv_weight.data());
       } else {  // one synchronisation: the received slot entries read back
         std::vector<std::int64_t> slot_row_h(Ur * k), from_h(R);
         std::vector<float> slot_weight_h(Ur * k), weight_h(R);
         exec::copy_n(ex, static_cast<const std::int64_t*>(s.slot_row.data()), Ur * k, slot_row_h.data());
-        exec::copy_n(ex, static_cast<const float*>(s.slot_weight.data()), Ur * k, slot_weight_h.data());
+        exec::copy_n(ex, static_cast<const float*>(s.slot_weight), Ur * k, slot_weight_h.data());
         if (Ur > 0) host_sync(ex);
         receive_rows(Ur, a.top_k, slot_row_h.data(), slot_weight_h.data(), R, from_h.data(), weight_h.data());
         exec::copy_n(ex, static_cast<const std::int64_t*>(from_h.data()), R, s.recv_from.data());
@@ -343,7 +348,7 @@ class all_to_all_impl {
       // returns one row per (token, rank); 7: the source adds them in the order of each
       // owner's first slot.
       const std::size_t Ur = s.ranks.received();
-      kernels::combine(ex, Ur, H, s.top_k, static_cast<const T*>(s.out_rows), static_cast<const float*>(s.slot_weight.data()),
+      kernels::combine(ex, Ur, H, s.top_k, static_cast<const T*>(s.out_rows), static_cast<const float*>(s.slot_weight),
                        static_cast<const std::int64_t*>(s.slot_row.data()), s.stage.data());
       order_before_collective(ex, *ctx_.ep);
       exchange_unique(s.ranks, static_cast<const T*>(s.stage.data()), s.send.data(), H, true);
@@ -587,6 +592,36 @@ class all_to_all_impl {
     else
       all_to_allv_rows(*ctx_.ep, from, make_span(r.recv_rows), make_span(r.recv_offsets), to, make_span(r.send_rows),
                        make_span(r.send_offsets), width);
+  }
+
+  // int64 words for m slot entries and m float weights after them.
+  static std::size_t slot_words(std::size_t m) noexcept { return m + (m * sizeof(float) + 7) / 8; }
+
+  // The per-rank slot entries, one collective: `from` holds U*k int64 rows then U*k float
+  // weights (U unique rows sent), `to` the same for the Ur rows received. Two segments per
+  // peer, in bytes.
+  void exchange_slots(const rank_rows& r, const std::int64_t* from, std::int64_t* to, std::size_t k) {
+    const std::size_t peers = r.send_rows.size(), U = r.sent(), Ur = r.received();
+    const std::size_t a = k * sizeof(std::int64_t), b = k * sizeof(float);
+    std::vector<std::size_t> v(8 * peers);
+    std::size_t* sc = v.data();
+    std::size_t* sd = sc + 2 * peers;
+    std::size_t* rc = sd + 2 * peers;
+    std::size_t* rd = rc + 2 * peers;
+    for (std::size_t p = 0; p < peers; ++p) {
+      sc[2 * p] = r.send_rows[p] * a;
+      sd[2 * p] = r.send_offsets[p] * a;
+      sc[2 * p + 1] = r.send_rows[p] * b;
+      sd[2 * p + 1] = U * a + r.send_offsets[p] * b;
+      rc[2 * p] = r.recv_rows[p] * a;
+      rd[2 * p] = r.recv_offsets[p] * a;
+      rc[2 * p + 1] = r.recv_rows[p] * b;
+      rd[2 * p + 1] = Ur * a + r.recv_offsets[p] * b;
+    }
+    const std::size_t n = 2 * peers;
+    all_to_allv_segments(*ctx_.ep, reinterpret_cast<const unsigned char*>(from), span<const std::size_t>(sc, n),
+                         span<const std::size_t>(sd, n), reinterpret_cast<unsigned char*>(to),
+                         span<const std::size_t>(rc, n), span<const std::size_t>(rd, n), 2, 1);
   }
 
   // The segmented all-to-all of the staged route: send order -> expert-major (dispatch),
