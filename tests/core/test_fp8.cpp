@@ -20,32 +20,15 @@
 #include "epx/exec/host_isa.hpp"
 #include "epx/kernels/fp8.hpp"
 #include "support/fp8_cases.hpp"
+#include "support/host_isa.hpp"
 #include "support/reference.hpp"
 
 namespace {
 
+using epx::test::for_each_host_isa;
+
 namespace model = epx::test::fp8;
 using epx::fp8_e4m3;
-
-// Runs f once for every vector instruction set this CPU supports (epx/exec/host_isa.hpp),
-// with that one active; the previous choice comes back afterwards.
-template <class F>
-void for_each_host_isa(F&& f) {
-  using epx::exec::host_isa;
-  for (host_isa isa : {host_isa::baseline, host_isa::avx2, host_isa::avx512}) {
-    if (!epx::exec::host_isa_supported(isa)) continue;
-    const host_isa previous = epx::exec::use_host_isa(isa);
-    const std::string isa_name = epx::exec::to_string(isa);
-    CAPTURE(isa_name);
-    try {
-      f();
-    } catch (...) {
-      epx::exec::use_host_isa(previous);
-      throw;
-    }
-    epx::exec::use_host_isa(previous);
-  }
-}
 
 std::string hex(std::uint64_t v) {
   static const char* d = "0123456789abcdef";

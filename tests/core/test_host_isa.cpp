@@ -15,29 +15,14 @@
 #include "epx/exec/host_isa.hpp"
 #include "epx/kernels/fp8.hpp"
 #include "epx/kernels/launch.hpp"
+#include "support/host_isa.hpp"
 #include "support/reference.hpp"
 
 namespace {
 
-using epx::exec::host_isa;
+using epx::test::for_each_host_isa;
 
-// Runs f once for every version this CPU supports, with that one active.
-template <class F>
-void for_each_host_isa(F&& f) {
-  for (host_isa isa : {host_isa::baseline, host_isa::avx2, host_isa::avx512}) {
-    if (!epx::exec::host_isa_supported(isa)) continue;
-    const host_isa previous = epx::exec::use_host_isa(isa);
-    const std::string isa_name = epx::exec::to_string(isa);
-    CAPTURE(isa_name);
-    try {
-      f();
-    } catch (...) {
-      epx::exec::use_host_isa(previous);
-      throw;
-    }
-    epx::exec::use_host_isa(previous);
-  }
-}
+using epx::exec::host_isa;
 
 template <class T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
