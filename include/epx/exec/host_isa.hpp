@@ -6,11 +6,12 @@
 // compiled three times on x86-64 with GCC or Clang (EPX_HOST_ISA_DISPATCH,
 // epx/core/config.hpp): at the build's flags, for AVX2 and for AVX-512 (F, BW, VL), and run
 // the widest one the CPU supports, so a build with the default flags vectorises as a
-// -march=native one does. Every version gives the same bits: the loops are written without
-// branches, and no version contracts a product and a sum into a fused multiply-add
-// (AVX-512 brings FMA instructions; GCC's versions are compiled with fp-contract=off, and
-// kernels::detail::mul_add forbids it to Clang), so each operation rounds as on the device
-// (kernels::detail::mul_add). Tests run each version the CPU supports.
+// -march=native one does. Every version gives the same bits: each runs the same operations
+// in the same order (only the instructions differ), and no version contracts a product and
+// a sum into a fused multiply-add (AVX-512 brings FMA instructions; GCC's versions are
+// compiled with fp-contract=off, and kernels::detail::mul_add forbids it to Clang), so each
+// operation rounds as on the device. Tests run each version the CPU supports
+// (tests/core/test_host_isa.cpp).
 //
 //   exec::host_isa                    baseline, avx2, avx512
 //   exec::host_isa_supported(isa)     this CPU (and OS) runs it; baseline always
