@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <set>
 #include <string>
 #include <vector>
@@ -59,6 +60,7 @@ struct layer_case {
   capacity_policy capacity = {};  // layer_options::capacity (spec section 8)
   int ranks_per_node = 0;         // layer_options::ranks_per_node (node statistics)
   row_sends sends = row_sends::per_slot;  // layer_options::sends (spec section 14)
+  std::size_t stage_bytes = 0;            // layer_options::stage_bytes (staged rounds)
 
   std::size_t rows_of(int b) const { return rows ? rows(b) : 12; }
   std::string describe() const {
@@ -71,7 +73,8 @@ struct layer_case {
                                                               capacity.factor, "/", to_string(capacity.priority))
                                              : std::string(),
                           ranks_per_node ? detail::concat(" ranks_per_node=", ranks_per_node) : std::string(),
-                          sends == row_sends::per_rank ? " per_rank" : "");
+                          sends == row_sends::per_rank ? " per_rank" : "",
+                          stage_bytes ? detail::concat(" stage_bytes=", stage_bytes) : std::string());
   }
 };
 
@@ -121,6 +124,7 @@ inline layer_options options_for(const layer_case& c) {
   o.capacity = c.capacity;
   o.ranks_per_node = c.ranks_per_node;
   o.sends = c.sends;
+  o.stage_bytes = c.stage_bytes;
   return o;
 }
 
@@ -207,6 +211,7 @@ struct layer_outputs {
   std::vector<float> grad_w;
   std::vector<double> expert_grads;  // [L, P] after the hook
   layer_stats stats;
+  std::int64_t backward_stage_rounds = 0;  // layer_stats::stage_rounds after backward
 };
 
 // Runs forward (train), backward and the expert hook on this rank's batch.
@@ -229,6 +234,7 @@ layer_outputs<T> run_layer(Comm& world, const layer_case& c, const ref::linear_e
                              experts, mode::train);
   r.stats = layer.stats();
   layer.backward(std::move(saved), span<const T>(go), span<T>(r.grad_x), span<float>(r.grad_w), experts);
+  r.backward_stage_rounds = layer.stats().stage_rounds;
   gradient_hooks<Comm> hooks(m, world);
   r.expert_grads = experts.grads();
   hooks.reduce_expert(span<double>(r.expert_grads));
@@ -593,6 +599,65 @@ std::string check_routes_agree(Comm& world, const layer_case& c) {
     if (a.stats.peer_access != (has_peer_access_v<Comm> && exec::is_host_policy_v<test_exec>))
       f += where + "the direct run did not take the expected route\n";
     if (b.stats.peer_access) f += where + "the staged run took the direct route\n";
+  } catch (const std::exception& ex) {
+    f += detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
+  }
+  return f;
+}
+
+// The rounds the staged route makes with stage_bytes `B` (epx/layout/rounds.hpp), worked
+// out from the case: the EP group's largest TP slice over the rows a round holds.
+template <class T>
+std::int64_t expected_stage_rounds(const layer_case& c, int rank, std::size_t B) {
+  const mesh m(c.topology);
+  std::size_t widest = 0;
+  for (int member : m.group_members(group_kind::ep, rank))
+    widest = std::max(widest, slice_bounds(c.rows_of(m.batch(member)), m.tp(), m.coords(member).tp).size());
+  const std::size_t per_row = static_cast<std::size_t>(c.top_k) * static_cast<std::size_t>(c.hidden) * sizeof(T);
+  const std::size_t rows = std::max<std::size_t>(1, B / per_row);
+  const std::size_t rounds = widest == 0 ? 0 : (widest + rows - 1) / rows;
+  return rounds > 1 ? static_cast<std::int64_t>(rounds) : 0;
+}
+
+// The staged route in rounds (c.stage_bytes) against one round: training and inference
+// give bitwise the same outputs and gradients, and the layer reports the rounds the case
+// needs (an inference forward and every backward run in rounds; a training forward keeps
+// its send buffer for backward and moves it at once).
+template <class Comm, class T>
+std::string check_rounds_agree(Comm& world, const layer_case& c) {
+  std::string f;
+  try {
+    const auto global = ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+    layer_case once = c, rounds = c;
+    once.peer_access = rounds.peer_access = false;
+    once.stage_bytes = std::numeric_limits<std::size_t>::max();
+    const std::string where = detail::concat(c.describe(), " rank ", world.rank(), " rounds vs one round: ");
+    const std::int64_t want = expected_stage_rounds<T>(c, world.rank(), c.stage_bytes);
+    const auto a = run_layer<Comm, T, impl::all_to_all>(world, once, global);
+    const auto b = run_layer<Comm, T, impl::all_to_all>(world, rounds, global);
+    if (!bitwise_equal(a.out, b.out)) f += where + "out differs bitwise\n";
+    if (!bitwise_equal(a.grad_x, b.grad_x)) f += where + "grad_x differs bitwise\n";
+    if (!bitwise_equal(a.grad_w, b.grad_w)) f += where + "grad_weights differ bitwise\n";
+    if (!bitwise_equal(a.expert_grads, b.expert_grads)) f += where + "expert grads differ bitwise\n";
+    if (a.backward_stage_rounds != 0 || b.stats.stage_rounds != 0 || b.backward_stage_rounds != want)
+      f += detail::concat(where, "stage_rounds: one round's backward ", a.backward_stage_rounds, ", training forward ",
+                          b.stats.stage_rounds, ", backward ", b.backward_stage_rounds, "; expected 0, 0, ", want, "\n");
+    // Inference: rounds against one round, and against the training output.
+    const rank_inputs<T> in(c, world.rank());
+    ref::test_linear_experts<T> experts(in.global, in.m.ep_rank(in.rank), in.m.local_experts());
+    std::vector<std::vector<T>> outs;
+    for (const layer_case* k : {&once, &rounds}) {
+      moe_layer<Comm, T, impl::all_to_all, test_exec> layer(in.m, world, options_for(*k));
+      outs.emplace_back(in.N * in.H, convert<T>(7.0f));
+      auto saved = layer.forward(span<const T>(in.x), span<const std::int32_t>(in.d.ids), span<const float>(in.w),
+                                 span<T>(outs.back()), experts, mode::inference);
+      const std::int64_t expect_rounds = k == &once ? 0 : want;
+      if (layer.stats().stage_rounds != expect_rounds)
+        f += detail::concat(where, "inference stage_rounds ", layer.stats().stage_rounds, ", expected ", expect_rounds,
+                            "\n");
+    }
+    if (!bitwise_equal(outs[0], outs[1])) f += where + "inference out differs bitwise\n";
+    if (!bitwise_equal(outs[1], b.out)) f += where + "inference out differs bitwise from the training out\n";
   } catch (const std::exception& ex) {
     f += detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
   }

@@ -167,6 +167,41 @@ TEST_CASE("layer: the direct route (peer access) and the staged one agree bitwis
   check_case<epx::bf16>(c);
 }
 
+TEST_CASE("layer: the staged route in rounds (layer_options::stage_bytes) against float64 and against one round") {
+  std::vector<layer_case> cases = {make(2, 4, 4, 16, 2, routing_kind::uneven), make(1, 4, 4, 8, 8),
+                                   make(1, 2, 2, 4, 2, routing_kind::random, 2), make(3, 2, 3, 12, 2),
+                                   make(2, 2, 4, 16, 8, routing_kind::first_rank_only), make(1, 4, 1, 4, 2),
+                                   make(1, 8, 8, 64, 8), make(1, 4, 4, 8, 3, routing_kind::one_expert)};
+  for (const auto& e : edge_cases(4)) cases.push_back(e);
+  for (auto priority : {epx::drop_priority::position, epx::drop_priority::score}) {
+    auto capped = make(1, 4, 4, 16, 4, routing_kind::uneven);
+    capped.capacity.mode = epx::capacity_mode::local;
+    capped.capacity.factor = 0.5;
+    capped.capacity.priority = priority;
+    cases.push_back(capped);
+  }
+  auto wide = make(2, 4, 4, 16, 6);
+  wide.hidden = 300;
+  wide.rows = [](int b) { return static_cast<std::size_t>(37 + 3 * b); };
+  cases.push_back(wide);
+  for (auto c : cases) {
+    c.peer_access = false;
+    // One slice row a round, then a few rows a round (a last round part full).
+    for (std::size_t per_round : {std::size_t{1}, std::size_t{5}}) {
+      c.stage_bytes = per_round * static_cast<std::size_t>(c.top_k) * static_cast<std::size_t>(c.hidden) * sizeof(float);
+      check_case<float>(c);
+      on_ranks(world_of(c.topology), [&](comm_t& comm) { return epx::test::check_rounds_agree<comm_t, float>(comm, c); });
+    }
+  }
+  for (auto c : {make(2, 4, 4, 16, 4, routing_kind::uneven), make(1, 4, 2, 8, 8)}) {
+    c.peer_access = false;
+    c.stage_bytes = 1;
+    check_case<epx::bf16>(c);
+    check_case<double>(c);
+    on_ranks(world_of(c.topology), [&](comm_t& comm) { return epx::test::check_rounds_agree<comm_t, epx::bf16>(comm, c); });
+  }
+}
+
 TEST_CASE("layer: per-rank sends (spec section 14) against float64 and against per-slot sends") {
   std::vector<layer_case> cases = {make(2, 4, 4, 16, 2, routing_kind::uneven), make(1, 4, 4, 8, 8),
                                    make(1, 2, 2, 4, 4, routing_kind::random, 2), make(3, 2, 3, 12, 2),

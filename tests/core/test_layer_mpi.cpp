@@ -137,6 +137,29 @@ TEST_CASE("layer (MPI): per-rank sends against float64 and against per-slot send
   }
 }
 
+// The staged route in rounds (layer_options::stage_bytes, one and a few slice rows a
+// round): against float64, and bitwise against one round.
+TEST_CASE("layer (MPI): the staged route in rounds against float64 and against one round") {
+  comm_t world = comm_t::world();
+  const int n = world.size();
+  auto cases = cases_for(n);
+  auto wide = make(1, n, n, 4 * n, std::min(6, 4 * n), routing_kind::random);
+  wide.hidden = 300;
+  wide.rows = [](int b) { return static_cast<std::size_t>(30 + 3 * b); };
+  cases.push_back(wide);
+  for (auto c : cases) {
+    c.peer_access = false;
+    for (std::size_t per_round : {std::size_t{1}, std::size_t{4}}) {
+      c.stage_bytes = per_round * static_cast<std::size_t>(c.top_k) * static_cast<std::size_t>(c.hidden) * sizeof(float);
+      CAPTURE(c.describe());
+      const std::string f32 = epx::test::check_layer_case<comm_t, float>(world, c);
+      CHECK_MESSAGE(f32.empty(), f32);
+      const std::string agree = epx::test::check_rounds_agree<comm_t, float>(world, c);
+      CHECK_MESSAGE(agree.empty(), agree);
+    }
+  }
+}
+
 TEST_CASE("layer (MPI): without shared memory the layer takes the staged route, with the same bits") {
   comm_t world = comm_t::world();
   epx::mpi::options o;

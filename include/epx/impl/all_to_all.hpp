@@ -17,7 +17,10 @@
 // Steps 4 and 6-7 take one of two routes, with bitwise the same results:
 //   staged (any communicator): gather into a send-order buffer, segmented all-to-all;
 //      then the mirrored all-to-all back into send order, and combine: four passes over
-//      the routed rows;
+//      the routed rows. An inference forward and every backward make them in rounds
+//      through a stage of at most layer_options::stage_bytes instead of a buffer of all
+//      n*k rows (epx/layout/rounds.hpp); a training forward keeps its send-order outputs
+//      for backward and moves them in one round;
 //   direct (communicators with peer access, epx::has_peer_access_v, whose ranks can use it
 //      now, epx::peer_access_available, and host policies; layer_options::peer_access):
 //      each owner copies its rows straight out of the senders' x, and combine reads every
@@ -64,6 +67,7 @@
 #include "epx/exec/host_copy.hpp"
 #include "epx/layout/per_rank.hpp"
 #include "epx/layout/receive.hpp"
+#include "epx/layout/rounds.hpp"
 #include "epx/layout/slicing.hpp"
 
 namespace epx {
@@ -111,6 +115,14 @@ class all_to_all_impl {
     row_slice slice;
     receive_layout layout;
     segments seg;                              // staged: this rank's segments
+    std::size_t widest = 0;                    // staged: the EP group's largest slice (rows)
+    // Staged route in rounds (epx/layout/rounds.hpp; inference forwards and backward, when
+    // a stage of layer_options::stage_bytes holds fewer rows than the largest slice sends):
+    // rounds.count > 1, `send` is the stage.
+    staged_rounds rounds;
+    rows_buffer<std::int64_t, Exec> round_src;  // [stage rows] slice row of each stage row
+    rows_buffer<std::int64_t, Exec> round_pos;  // [stage rows] its send position
+    rows_buffer<std::int64_t, Exec> round_at;   // [n*k] each pair's row in its round's stage, -1
     bool direct = false;                       // made by the direct route (y stays at the owners)
     exec::buffer<std::int64_t, Exec> pos;      // [n*k] send position of pair (t, j)
     exec::buffer<std::int64_t, Exec> src_row;  // [S] the slice row of each send position
@@ -136,7 +148,7 @@ class all_to_all_impl {
     rows_buffer<T, Exec> y;                    // staged: [S, H] outputs in send order; direct: [R, H] expert-major
     // Between dispatch and combine only.
     exec::buffer<float, Exec> slice_weights;  // [n*k] the slice's routing weights (the caller's may change)
-    rows_buffer<T, Exec> send;                 // staged: [S, H] send order, reused for the return
+    rows_buffer<T, Exec> send;                 // staged: [S, H] send order, reused for the return (rounds: the stage)
     rows_buffer<T, Exec> outputs;              // [R, H] the experts' outputs (unless over x_recv)
     T* out_rows = nullptr;                     // where the experts write
   };
@@ -147,7 +159,7 @@ class all_to_all_impl {
     saved_state<T> forward;
     rows_buffer<T, Exec> grad_recv;  // [R, H] gradients of the experts' outputs
     rows_buffer<T, Exec> grad_in;    // [R, H] gradients of their inputs
-    rows_buffer<T, Exec> grad_send;  // staged: [S, H] send order (per-rank: [U, H])
+    rows_buffer<T, Exec> grad_send;  // staged: [S, H] send order (per-rank: [U, H]; rounds: the stage)
     rows_buffer<T, Exec> grad_stage;  // per-rank, owner: [Ur, H] grad_out rows, then the summed grad_in
     float* grad_weights = nullptr;   // the call's [N, k], summed over the TP group by backward_combine
   };
@@ -194,6 +206,7 @@ class all_to_all_impl {
     s.direct = uses_peer_access<Exec>() && !s.fp8 && !s.per_rank;
     if (ctx_.stats != nullptr) ctx_.stats->peer_access = s.direct;
     s.layout = std::move(r.layout);
+    s.widest = widest_slice(r.records, ctx_.ep_size(), ctx_.num_experts(), k);
     s.pos = std::move(r.plan.pos);
     s.src_row = std::move(r.plan.src_row);
     const receive_layout& lay = s.layout;
@@ -274,8 +287,19 @@ class all_to_all_impl {
     } else if (!s.direct) {
       // 4: rows into send order, then the segmented all-to-all lands them expert-major.
       s.seg = segments_of(lay, me);
-      s.send = make_rows<T>(ws_, ex, S * H);  // FP8: only for the way back
-      if (s.fp8) {
+      if (!s.fp8 && !training && plan_staged_rounds(ex, s)) {
+        // In rounds: each round's rows through the stage (epx/layout/rounds.hpp).
+        const staged_rounds& o = s.rounds;
+        s.send = make_rows<T>(ws_, ex, o.stage_rows() * H);
+        zero_padding(ex, s.x_recv.data(), lay, me, H);
+        for (std::size_t rd = 0; rd < o.count; ++rd) {
+          kernels::gather(ex, o.sent(rd), H, x, static_cast<const std::int64_t*>(s.round_src.data()) + o.stage_at[rd],
+                          s.send.data());
+          order_before_collective(ex, *ctx_.ep);
+          exchange_rows(round_segments(o, rd), static_cast<const T*>(s.send.data()), s.x_recv.data(), L, H, false);
+        }
+      } else if (s.fp8) {
+        s.send = make_rows<T>(ws_, ex, S * H);  // only for the way back
         // FP8 (spec section 12): each send row as E4M3 with one scale per 128 elements.
         // Bytes and scales share one buffer on each side ([rows, H] bytes, then [rows, B]
         // scales) and travel in one collective.
@@ -295,6 +319,7 @@ class all_to_all_impl {
         order_before_collective(ex, *ctx_.ep);
         exchange_fp8_rows(s.seg, send8.data(), S, s.x8.data(), R, L, H);
       } else {
+        s.send = make_rows<T>(ws_, ex, S * H);
         kernels::gather(ex, S, H, x, static_cast<const std::int64_t*>(s.src_row.data()), s.send.data());
         zero_padding(ex, s.x_recv.data(), lay, me, H);
         order_before_collective(ex, *ctx_.ep);
@@ -357,6 +382,15 @@ class all_to_all_impl {
       s.y = std::move(s.outputs);  // training: the outputs stay at their owner for backward
       s.send = rows_buffer<T, Exec>{};
       s.stage = rows_buffer<T, Exec>{};
+    } else if (!s.direct && s.rounds.count > 1) {
+      // 6-7 in rounds: each round's outputs back into the stage, then combined.
+      EPX_REQUIRE(saved == nullptr, errc::internal, "moe_layer combine: a training call has no staged rounds");
+      return_in_rounds(ex, s.rounds, static_cast<const T*>(s.out_rows), s.send.data(), L, H,
+                       [&](std::size_t t0, std::size_t t1, const T* stage) {
+                         kernels::combine(ex, t1 - t0, H, s.top_k, stage, w + t0 * k,
+                                          static_cast<const std::int64_t*>(s.round_at.data()) + t0 * k, out + t0 * H);
+                       });
+      s.send = rows_buffer<T, Exec>{};
     } else if (!s.direct) {
       // 6: outputs back into send order (reusing the send buffer); 7: combine.
       order_before_collective(ex, *ctx_.ep);
@@ -462,6 +496,22 @@ class all_to_all_impl {
       exchange_unique(s.ranks, static_cast<const float*>(gw_owner.data()), gw_back.data(), k, true);
       kernels::gather(ex, S, 1, static_cast<const float*>(gw_back.data()),
                       static_cast<const std::int64_t*>(s.pair.data()), grad_w);
+    } else if (!s.direct && plan_staged_rounds(ex, s)) {
+      // In rounds: each round's w * grad_out rows through the stage; grad_w from the
+      // outputs kept in send order.
+      const staged_rounds& o = s.rounds;
+      b.grad_send = make_rows<T>(ws_, ex, o.stage_rows() * H);
+      auto w_stage = make_rows<float>(ws_, ex, o.stage_at[o.count]);
+      kernels::gather(ex, o.stage_at[o.count], 1, w_send, static_cast<const std::int64_t*>(s.round_pos.data()),
+                      w_stage.data());
+      kernels::weight_gradients(ex, n, H, s.top_k, static_cast<const T*>(s.y.data()), grad_out, s.pos.data(), grad_w);
+      zero_padding(ex, b.grad_recv.data(), lay, me, H);
+      for (std::size_t rd = 0; rd < o.count; ++rd) {
+        kernels::gather(ex, o.sent(rd), H, grad_out, static_cast<const std::int64_t*>(s.round_src.data()) + o.stage_at[rd],
+                        static_cast<const float*>(w_stage.data()) + o.stage_at[rd], b.grad_send.data());
+        order_before_collective(ex, *ctx_.ep);
+        exchange_rows(round_segments(o, rd), static_cast<const T*>(b.grad_send.data()), b.grad_recv.data(), L, H, false);
+      }
     } else if (!s.direct) {
       // grad_y rows in send order: w * grad_out of the position's row; grad_w from the
       // outputs kept in send order.
@@ -519,6 +569,12 @@ class all_to_all_impl {
       exchange_unique(s.ranks, static_cast<const T*>(b.grad_stage.data()), b.grad_send.data(), H, true);
       kernels::reduce(ex, n, H, s.top_k, static_cast<const T*>(b.grad_send.data()),
                       static_cast<const std::int64_t*>(s.first.data()), grad_x);
+    } else if (!s.direct && s.rounds.count > 1) {
+      return_in_rounds(ex, s.rounds, static_cast<const T*>(b.grad_in.data()), b.grad_send.data(), L, H,
+                       [&](std::size_t t0, std::size_t t1, const T* stage) {
+                         kernels::reduce(ex, t1 - t0, H, s.top_k, stage,
+                                         static_cast<const std::int64_t*>(s.round_at.data()) + t0 * k, grad_x + t0 * H);
+                       });
     } else if (!s.direct) {
       order_before_collective(ex, *ctx_.ep);
       exchange_rows(s.seg, static_cast<const T*>(b.grad_in.data()), b.grad_send.data(), L, H, true);
@@ -532,6 +588,78 @@ class all_to_all_impl {
   }
 
  private:
+  // The largest slice (rows) of the EP group, from the counts of the count exchange (every
+  // rank sends k pairs per row).
+  static std::size_t widest_slice(const group_records& rec, int ep, int E, std::size_t k) {
+    std::size_t most = 0;
+    for (int r = 0; r < ep; ++r) {
+      std::int64_t pairs = 0;
+      for (int e = 0; e < E; ++e) pairs += rec.counts(r)[e];
+      most = std::max(most, static_cast<std::size_t>(pairs) / std::max<std::size_t>(k, 1));
+    }
+    return most;
+  }
+
+  // The stage of the staged route (layer_options::stage_bytes; 0: automatic).
+  template <class Exec>
+  std::size_t stage_bytes() const {
+    if (ctx_.options.stage_bytes != 0) return ctx_.options.stage_bytes;
+    return exec::is_host_policy_v<Exec> ? default_host_stage_bytes : static_cast<std::size_t>(-1);
+  }
+
+  // Whether the staged route of this call runs in rounds (epx/layout/rounds.hpp): when the
+  // stage holds fewer slice rows than the EP group's largest slice (the same answer on
+  // every rank). Then plans this rank's rounds and exchanges their counts (collective over
+  // the EP group; once per forward, kept for backward).
+  template <class T, class Exec>
+  bool plan_staged_rounds(const Exec& ex, state<T, Exec>& s) {
+    if (s.rounds.count > 1) return true;
+    const auto k = static_cast<std::size_t>(s.top_k);
+    const std::size_t T_rows = round_tokens(stage_bytes<Exec>(), k, s.hidden * sizeof(T));
+    const std::size_t count = rounds_for(s.widest, T_rows);
+    if (count <= 1) return false;
+    const std::size_t n = s.slice.size(), S = n * k;
+    const auto L = static_cast<std::size_t>(ctx_.local_experts());
+    const auto P = static_cast<std::size_t>(ctx_.ep_size());
+    const std::int64_t* src_h = host_view(ex, static_cast<const std::int64_t*>(s.src_row.data()), S, host_i64_);
+    const std::int64_t* pos_h = host_view(ex, static_cast<const std::int64_t*>(s.pos.data()), S, host_pos_);
+    if (!exec::is_host_policy_v<Exec> && S > 0) host_sync(ex);
+    plan_rounds(s.rounds, s.seg, T_rows, count, src_h, pos_h, n, k, round_scratch_);
+    // Every owner learns how many rows each source sends it in each round: [peers][count][L].
+    const std::size_t per = count * L;
+    std::vector<std::int64_t> h(2 * P * per);
+    for (std::size_t p = 0; p < P; ++p)
+      for (std::size_t rd = 0; rd < count; ++rd)
+        for (std::size_t l = 0; l < L; ++l)
+          h[(p * count + rd) * L + l] = static_cast<std::int64_t>(s.rounds.send_count(rd, p * L + l));
+    auto b = exec::make_buffer<std::int64_t>(ex, 2 * P * per);
+    exec::copy_n(ex, static_cast<const std::int64_t*>(h.data()), P * per, b.data());
+    order_before_collective(ex, *ctx_.ep);
+    all_to_all(*ctx_.ep, span<const std::int64_t>(b.data(), P * per), span<std::int64_t>(b.data() + P * per, P * per));
+    to_host(ex, static_cast<const std::int64_t*>(b.data()) + P * per, P * per, h.data() + P * per);
+    std::vector<std::size_t> from(P * per);
+    for (std::size_t i = 0; i < P * per; ++i) from[i] = static_cast<std::size_t>(h[P * per + i]);
+    set_received(s.rounds, s.seg, L, from.data());
+    s.round_src = to_policy(ex, s.rounds.src);
+    s.round_pos = to_policy(ex, s.rounds.send_pos);
+    s.round_at = to_policy(ex, s.rounds.at);
+    if (ctx_.stats != nullptr) ctx_.stats->stage_rounds = static_cast<std::int64_t>(count);
+    return true;
+  }
+
+  // The return of the staged route in rounds: round after round, the owners send the
+  // round's rows of their expert-major buffer `from` into the stage, and `use(t0, t1,
+  // stage)` takes in the round's slice rows [t0, t1) before the next round reuses it.
+  template <class Exec, class T, class Use>
+  void return_in_rounds(const Exec& ex, const staged_rounds& o, const T* from, T* stage, int L, std::size_t H, Use&& use) {
+    for (std::size_t rd = 0; rd < o.count; ++rd) {
+      order_before_collective(ex, *ctx_.ep);
+      exchange_rows(round_segments(o, rd), from, stage, L, H, true);
+      const std::size_t t0 = rd * o.tokens, t1 = std::min(o.rows, t0 + o.tokens);
+      if (t1 > t0) use(t0, t1, static_cast<const T*>(stage));
+    }
+  }
+
   // Collective over the EP group: every member learns how many unique rows each peer sends it.
   template <class Exec>
   rank_rows exchange_rank_rows(const Exec& ex, const std::vector<std::size_t>& send_rows,
@@ -692,6 +820,7 @@ class all_to_all_impl {
   // calls so that a call allocates nothing once the sizes have been seen.
   per_rank_plan plan_;
   std::vector<std::int64_t> host_i64_;
+  std::vector<std::int64_t> host_pos_, round_scratch_;  // staged rounds (host copies, scratch)
   std::vector<float> host_f32_;
   bounded_route<Comm> bounded_;  // bounded mode (epx/impl/bounded.hpp)
 };

@@ -78,6 +78,15 @@ struct layer_options {
   bool fp8_dispatch = false;
   // Rows once per slot or once per destination rank (spec section 14; row_sends above).
   row_sends sends = row_sends::per_slot;
+  // The staged route's stage (epx/layout/rounds.hpp): an inference forward and every
+  // backward move their rows in rounds through a stage of at most this many bytes (rounds
+  // of whole slice rows, at least one row a round) instead of a send buffer of all n*k
+  // rows. Results are bitwise the same. 0: automatic, default_host_stage_bytes on host
+  // policies and one round on device policies. Must agree on every rank.
+  std::size_t stage_bytes = 0;
 };
+
+// The automatic stage of host policies (layer_options::stage_bytes = 0).
+inline constexpr std::size_t default_host_stage_bytes = std::size_t{16} << 20;
 
 }  // namespace epx

@@ -40,6 +40,9 @@ struct layer_stats {
   // The all-to-all path read rows straight out of the peers' buffers (layer_options::peer_access)
   // instead of moving them through the communicator's all-to-all.
   bool peer_access = false;
+  // Rounds of the staged route in the last call that ran it in rounds
+  // (layer_options::stage_bytes, epx/layout/rounds.hpp); 0 when it moved all rows at once.
+  std::int64_t stage_rounds = 0;
   // Bounded mode (layer_options::counts == count_exchange::device) ran the last call: no
   // count reaches the host, so the load figures above stay empty (moe_layer::check()
   // reports the dropped pairs).
@@ -67,6 +70,7 @@ inline void record_stats(layer_stats& st, const char* path, const receive_layout
   const std::size_t E = lay.E();
   st.path = path;
   st.peer_access = false;
+  st.stage_rounds = 0;
   st.bounded = false;
   st.tokens_per_local_expert.assign(Ls, 0);
   st.padding_per_local_expert.assign(Ls, 0);

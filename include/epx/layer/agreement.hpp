@@ -58,7 +58,8 @@ inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_o
           {"ranks_per_node", o.ranks_per_node},
           {"max_nodes", o.max_nodes},
           {"fp8_dispatch", o.fp8_dispatch ? 1 : 0},
-          {"sends", static_cast<std::int64_t>(o.sends)}};
+          {"sends", static_cast<std::int64_t>(o.sends)},
+          {"stage_bytes", static_cast<std::int64_t>(o.stage_bytes)}};
 }
 
 // Collective over `comm`: raises errc::configuration on every rank of comm when a rank
