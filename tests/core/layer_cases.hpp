@@ -615,7 +615,7 @@ std::int64_t expected_stage_rounds(const layer_case& c, int rank, std::size_t B)
     widest = std::max(widest, slice_bounds(c.rows_of(m.batch(member)), m.tp(), m.coords(member).tp).size());
   const std::size_t per_row = static_cast<std::size_t>(c.top_k) * static_cast<std::size_t>(c.hidden) * sizeof(T);
   const std::size_t rows = std::max<std::size_t>(1, B / per_row);
-  const std::size_t rounds = widest == 0 ? 0 : (widest + rows - 1) / rows;
+  const std::size_t rounds = widest == 0 ? 0 : 1 + (widest - 1) / rows;
   return rounds > 1 ? static_cast<std::int64_t>(rounds) : 0;
 }
 

@@ -99,6 +99,15 @@ TEST_CASE("split phase: per-rank sends (spec section 14), bitwise the fused call
   check_split<float>(c, epx::mode::inference);
 }
 
+TEST_CASE("split phase: the staged route in rounds (one slice row a round), bitwise the fused calls") {
+  for (auto c : meshes()) {
+    c.peer_access = false;
+    c.stage_bytes = 1;
+    check_split<float>(c);
+    check_split<float>(c, epx::mode::inference);
+  }
+}
+
 TEST_CASE("split phase: the masked all-reduce path and impl::automatic (ep == tp)") {
   for (const auto& m : std::vector<std::array<int, 2>>{{2, 2}, {4, 1}, {2, 3}}) {
     auto c = make(m[0], m[1], m[0], 16, 2, routing_kind::uneven);

@@ -287,19 +287,19 @@ class all_to_all_impl {
     } else if (!s.direct) {
       // 4: rows into send order, then the segmented all-to-all lands them expert-major.
       s.seg = segments_of(lay, me);
-      if (!s.fp8 && !training && plan_staged_rounds(ex, s)) {
-        // In rounds: each round's rows through the stage (epx/layout/rounds.hpp).
-        const staged_rounds& o = s.rounds;
-        s.send = make_rows<T>(ws_, ex, o.stage_rows() * H);
-        zero_padding(ex, s.x_recv.data(), lay, me, H);
-        for (std::size_t rd = 0; rd < o.count; ++rd) {
-          kernels::gather(ex, o.sent(rd), H, x, static_cast<const std::int64_t*>(s.round_src.data()) + o.stage_at[rd],
-                          s.send.data());
-          order_before_collective(ex, *ctx_.ep);
-          exchange_rows(round_segments(o, rd), static_cast<const T*>(s.send.data()), s.x_recv.data(), L, H, false);
-        }
-      } else if (s.fp8) {
-        s.send = make_rows<T>(ws_, ex, S * H);  // only for the way back
+      // In rounds (epx/layout/rounds.hpp) each round's rows go through the stage; in one
+      // round through a send buffer of all S rows, which a training call keeps as the
+      // outputs in send order.
+      const bool in_rounds = !training && plan_staged_rounds(ex, s);
+      const staged_rounds& o = s.rounds;
+      const std::size_t cap = in_rounds ? o.stage_rows() : S;
+      const auto each_round = [&](auto&& step) {
+        if (!in_rounds) return step(S, static_cast<const std::int64_t*>(s.src_row.data()), s.seg);
+        for (std::size_t rd = 0; rd < o.count; ++rd)
+          step(o.sent(rd), static_cast<const std::int64_t*>(s.round_src.data()) + o.stage_at[rd], round_segments(o, rd));
+      };
+      s.send = make_rows<T>(ws_, ex, cap * H);  // FP8: only for the way back
+      if (s.fp8) {
         // FP8 (spec section 12): each send row as E4M3 with one scale per 128 elements.
         // Bytes and scales share one buffer on each side ([rows, H] bytes, then [rows, B]
         // scales) and travel in one collective.
@@ -308,22 +308,25 @@ class all_to_all_impl {
         auto rows8 = make_rows<fp8_e4m3>(ws_, ex, n * H + n * B * sizeof(float));
         float* const row_scales = reinterpret_cast<float*>(rows8.data() + n * H);
         kernels::quantise_e4m3(ex, n, H, x, rows8.data(), row_scales);
-        auto send8 = make_rows<fp8_e4m3>(ws_, ex, S * H + S * B * sizeof(float));
-        float* const send_scales = reinterpret_cast<float*>(send8.data() + S * H);
-        kernels::gather_e4m3(ex, S, H, static_cast<const fp8_e4m3*>(rows8.data()), row_scales,
-                             static_cast<const std::int64_t*>(s.src_row.data()), send8.data(), send_scales);
+        auto send8 = make_rows<fp8_e4m3>(ws_, ex, cap * H + cap * B * sizeof(float));
+        float* const send_scales = reinterpret_cast<float*>(send8.data() + cap * H);
         s.x8 = make_rows<fp8_e4m3>(ws_, ex, R * H + R * B * sizeof(float));
         s.scales = reinterpret_cast<float*>(s.x8.data() + R * H);
         zero_padding(ex, s.x8.data(), lay, me, H);
         unit_padding_scales(ex, s.scales, lay, me, B);
-        order_before_collective(ex, *ctx_.ep);
-        exchange_fp8_rows(s.seg, send8.data(), S, s.x8.data(), R, L, H);
+        each_round([&](std::size_t rows, const std::int64_t* src, const segments& g) {
+          kernels::gather_e4m3(ex, rows, H, static_cast<const fp8_e4m3*>(rows8.data()), row_scales, src,
+                               send8.data(), send_scales);
+          order_before_collective(ex, *ctx_.ep);
+          exchange_fp8_rows(g, send8.data(), cap, s.x8.data(), R, L, H);
+        });
       } else {
-        s.send = make_rows<T>(ws_, ex, S * H);
-        kernels::gather(ex, S, H, x, static_cast<const std::int64_t*>(s.src_row.data()), s.send.data());
         zero_padding(ex, s.x_recv.data(), lay, me, H);
-        order_before_collective(ex, *ctx_.ep);
-        exchange_rows(s.seg, static_cast<const T*>(s.send.data()), s.x_recv.data(), L, H, false);
+        each_round([&](std::size_t rows, const std::int64_t* src, const segments& g) {
+          kernels::gather(ex, rows, H, x, src, s.send.data());
+          order_before_collective(ex, *ctx_.ep);
+          exchange_rows(g, static_cast<const T*>(s.send.data()), s.x_recv.data(), L, H, false);
+        });
       }
     }
     // 5 is the caller's: the experts read x_recv (FP8: x8 and scales) and write out_rows.

@@ -87,6 +87,6 @@ struct layer_options {
 };
 
 // The automatic stage of host policies (layer_options::stage_bytes = 0).
-inline constexpr std::size_t default_host_stage_bytes = std::size_t{16} << 20;
+inline constexpr std::size_t default_host_stage_bytes = std::size_t{4} << 20;
 
 }  // namespace epx
