@@ -318,7 +318,7 @@ class all_to_all_impl {
           kernels::gather_e4m3(ex, rows, H, static_cast<const fp8_e4m3*>(rows8.data()), row_scales, src,
                                send8.data(), send_scales);
           order_before_collective(ex, *ctx_.ep);
-          exchange_fp8_rows(g, send8.data(), cap, s.x8.data(), R, L, H);
+          exchange_fp8_rows(g, send8.data(), cap, s.x8.data(), R, H);
         });
       } else {
         zero_padding(ex, s.x_recv.data(), lay, me, H);
@@ -729,30 +729,45 @@ class all_to_all_impl {
   static std::size_t slot_words(std::size_t m) noexcept { return m + (m * sizeof(float) + 7) / 8; }
 
   // The per-rank slot entries, one collective: `from` holds U*k int64 rows then U*k float
-  // weights (U unique rows sent), `to` the same for the Ur rows received. Two segments per
-  // peer, in bytes.
+  // weights (U unique rows sent), `to` the same for the Ur rows received.
   void exchange_slots(const rank_rows& r, const std::int64_t* from, std::int64_t* to, std::size_t k) {
-    const std::size_t peers = r.send_rows.size(), U = r.sent(), Ur = r.received();
-    const std::size_t a = k * sizeof(std::int64_t), b = k * sizeof(float);
-    std::vector<std::size_t> v(8 * peers);
+    segments g;
+    g.send_counts = r.send_rows;
+    g.send_displs = r.send_offsets;
+    g.recv_counts = r.recv_rows;
+    g.recv_displs = r.recv_offsets;
+    exchange_two_parts(g, from, r.sent(), to, r.received(), k * sizeof(std::int64_t), k * sizeof(float));
+  }
+
+  // One segmented all-to-all of rows in two parts, in bytes: on each side a buffer of
+  // `rows` rows holds every row's first part ([rows, a] bytes), then its second part
+  // ([rows, b] bytes, from byte rows * a). `g` gives the segments in rows ([peers][m]);
+  // segment i to or from peer p travels as two byte segments, i and m + i of p.
+  void exchange_two_parts(const segments& g, const void* from, std::size_t send_rows, void* to, std::size_t recv_rows,
+                          std::size_t a, std::size_t b) {
+    const std::size_t total = g.send_counts.size(), peers = static_cast<std::size_t>(ctx_.ep_size());
+    const std::size_t m = total / peers, nseg = 2 * m;
+    std::vector<std::size_t> v(4 * peers * nseg);
     std::size_t* sc = v.data();
-    std::size_t* sd = sc + 2 * peers;
-    std::size_t* rc = sd + 2 * peers;
-    std::size_t* rd = rc + 2 * peers;
-    for (std::size_t p = 0; p < peers; ++p) {
-      sc[2 * p] = r.send_rows[p] * a;
-      sd[2 * p] = r.send_offsets[p] * a;
-      sc[2 * p + 1] = r.send_rows[p] * b;
-      sd[2 * p + 1] = U * a + r.send_offsets[p] * b;
-      rc[2 * p] = r.recv_rows[p] * a;
-      rd[2 * p] = r.recv_offsets[p] * a;
-      rc[2 * p + 1] = r.recv_rows[p] * b;
-      rd[2 * p + 1] = Ur * a + r.recv_offsets[p] * b;
-    }
-    const std::size_t n = 2 * peers;
-    all_to_allv_segments(*ctx_.ep, reinterpret_cast<const unsigned char*>(from), span<const std::size_t>(sc, n),
-                         span<const std::size_t>(sd, n), reinterpret_cast<unsigned char*>(to),
-                         span<const std::size_t>(rc, n), span<const std::size_t>(rd, n), 2, 1);
+    std::size_t* sd = sc + peers * nseg;
+    std::size_t* rc = sd + peers * nseg;
+    std::size_t* rd = rc + peers * nseg;
+    for (std::size_t p = 0; p < peers; ++p)
+      for (std::size_t i = 0; i < m; ++i) {
+        const std::size_t s = p * m + i, first = p * nseg + i, second = first + m;
+        sc[first] = g.send_counts[s] * a;
+        sd[first] = g.send_displs[s] * a;
+        sc[second] = g.send_counts[s] * b;
+        sd[second] = send_rows * a + g.send_displs[s] * b;
+        rc[first] = g.recv_counts[s] * a;
+        rd[first] = g.recv_displs[s] * a;
+        rc[second] = g.recv_counts[s] * b;
+        rd[second] = recv_rows * a + g.recv_displs[s] * b;
+      }
+    const std::size_t n = peers * nseg;
+    all_to_allv_segments(*ctx_.ep, static_cast<const unsigned char*>(from), span<const std::size_t>(sc, n),
+                         span<const std::size_t>(sd, n), static_cast<unsigned char*>(to), span<const std::size_t>(rc, n),
+                         span<const std::size_t>(rd, n), nseg, 1);
   }
 
   // The segmented all-to-all of the staged route: send order -> expert-major (dispatch),
@@ -768,33 +783,10 @@ class all_to_all_impl {
   }
 
   // The FP8 dispatch's one collective: S send rows of H E4M3 bytes followed by their S*B
-  // scales (B = H/128) land as the R expert-major rows' bytes followed by their scales. Each
-  // segment of the row exchange becomes two segments in bytes, one of bytes, one of scales.
-  void exchange_fp8_rows(const segments& g, const fp8_e4m3* from, std::size_t S, fp8_e4m3* to, std::size_t R, int L,
+  // scales (B = H/128) land as the R expert-major rows' bytes followed by their scales.
+  void exchange_fp8_rows(const segments& g, const fp8_e4m3* from, std::size_t S, fp8_e4m3* to, std::size_t R,
                          std::size_t H) {
-    const std::size_t B = kernels::fp8_scales_per_row(H) * sizeof(float), nseg = 2 * static_cast<std::size_t>(L);
-    const std::size_t m = g.send_counts.size(), peers = m / static_cast<std::size_t>(L);
-    std::vector<std::size_t> v(4 * peers * nseg);
-    std::size_t* sc = v.data();
-    std::size_t* sd = sc + peers * nseg;
-    std::size_t* rc = sd + peers * nseg;
-    std::size_t* rd = rc + peers * nseg;
-    for (std::size_t p = 0; p < peers; ++p)
-      for (std::size_t l = 0; l < static_cast<std::size_t>(L); ++l) {
-        const std::size_t i = p * static_cast<std::size_t>(L) + l, a = p * nseg + l, b = a + static_cast<std::size_t>(L);
-        sc[a] = g.send_counts[i] * H;
-        sd[a] = g.send_displs[i] * H;
-        sc[b] = g.send_counts[i] * B;
-        sd[b] = S * H + g.send_displs[i] * B;
-        rc[a] = g.recv_counts[i] * H;
-        rd[a] = g.recv_displs[i] * H;
-        rc[b] = g.recv_counts[i] * B;
-        rd[b] = R * H + g.recv_displs[i] * B;
-      }
-    const std::size_t n = peers * nseg;
-    all_to_allv_segments(*ctx_.ep, reinterpret_cast<const unsigned char*>(from), span<const std::size_t>(sc, n),
-                         span<const std::size_t>(sd, n), reinterpret_cast<unsigned char*>(to),
-                         span<const std::size_t>(rc, n), span<const std::size_t>(rd, n), nseg, 1);
+    exchange_two_parts(g, from, S, to, R, H, kernels::fp8_scales_per_row(H) * sizeof(float));
   }
 
   // The split-phase stages have no bounded-mode form: bounded mode's calls are fused (spec

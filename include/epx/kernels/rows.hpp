@@ -125,14 +125,11 @@ struct row_copy {
   // The scaled copy (scale not null).
   EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t r, std::size_t h0, std::size_t h1) const {
     using A = accum_t<T>;
-    T* d = dst + r * hidden;
     const T* s = row_at(src, r, hidden);
-    if (s == nullptr) {
-      for (std::size_t h = h0; h < h1; ++h) d[h] = convert<T>(0.0f);
-    } else {
-      const A w = static_cast<A>(scale[r]);
-      for (std::size_t h = h0; h < h1; ++h) d[h] = convert<T>(w * convert<A>(s[h]));
-    }
+    if (s == nullptr) return copy_or_zero(r, h0, h1);  // a zero row
+    T* d = dst + r * hidden;
+    const A w = static_cast<A>(scale[r]);
+    for (std::size_t h = h0; h < h1; ++h) d[h] = convert<T>(w * convert<A>(s[h]));
   }
 };
 
