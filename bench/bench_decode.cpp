@@ -8,6 +8,7 @@
 //   ./bench_decode --calls=50 --benchmark_filter=bounded     # fewer calls, one mode
 //   ./bench_decode --quick                                   # seconds (bench-smoke): 8 tokens, H = 256
 //   ./bench_decode --host-isa=baseline                       # the FP8 loops at the build's flags
+//   ./bench_decode --stage-bytes=all                         # the staged route in one round
 //
 // One benchmark iteration is one measurement of `--calls` calls (default 300) after 10
 // warm-up calls; each call runs between two barriers of all ranks, so its latency is that
@@ -139,6 +140,7 @@ void BM_dispatch_fp8_vs_bf16(benchmark::State& state) {
       o.hidden = s.hidden;
       o.top_k = s.top_k;
       o.peer_access = false;  // the staged route, the one FP8 takes
+      o.stage_bytes = epx::bench::stage_bytes();
       epx::layer_options o8 = o;
       o8.fp8_dispatch = true;
       const std::size_t n = g_dispatch_tokens, H = s.hidden;
@@ -216,6 +218,7 @@ int main(int argc, char** argv) {
     } else if (a.rfind("--calls=", 0) == 0) {
       g_calls = std::max(1, std::atoi(a.c_str() + 8));
     } else if (epx::bench::host_isa_flag(a)) {
+    } else if (epx::bench::stage_bytes_flag(a)) {
     } else if (a.rfind("--dispatch-calls=", 0) == 0) {
       g_dispatch_calls = std::max(1, std::atoi(a.c_str() + 17));
     } else {

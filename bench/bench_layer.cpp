@@ -632,9 +632,6 @@ void bench_stage(benchmark::State& state, shape s, stage which) {
 }
 
 // --- routes -------------------------------------------------------------------------------------
-// layer_options::stage_bytes of every route benchmark (--stage-bytes).
-std::size_t stage_bytes = 0;
-
 // Options of one route benchmark.
 struct route_setup {
   route r = route::staged;
@@ -680,7 +677,7 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
     lo.chunks = 1;
     lo.peer_access = o.r == route::direct;
     if (o.r == route::per_rank) lo.sends = epx::row_sends::per_rank;
-    lo.stage_bytes = stage_bytes;
+    lo.stage_bytes = epx::bench::stage_bytes();
     epx::mesh_config mc;
     mc.tp = masked ? s.ep : 1;
     mc.fsdp = masked ? 1 : s.ep;
@@ -1032,9 +1029,8 @@ int main(int argc, char** argv) {
       heap::caching = true;
     else if (epx::bench::host_isa_flag(argv[i]))
       continue;
-    else if (std::strncmp(argv[i], "--stage-bytes=", 14) == 0)
-      stage_bytes = std::strcmp(argv[i] + 14, "all") == 0 ? std::numeric_limits<std::size_t>::max()
-                                                           : static_cast<std::size_t>(std::strtoull(argv[i] + 14, nullptr, 10));
+    else if (epx::bench::stage_bytes_flag(argv[i]))
+      continue;
     else
       args.push_back(argv[i]);
   }
@@ -1042,10 +1038,7 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&n, args.data());
   if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
   benchmark::AddCustomContext("host_isa", epx::exec::to_string(epx::exec::active_host_isa()));
-  benchmark::AddCustomContext("stage_bytes", stage_bytes == 0 ? "automatic"
-                                             : stage_bytes == std::numeric_limits<std::size_t>::max()
-                                                 ? "all (one round)"
-                                                 : std::to_string(stage_bytes));
+  benchmark::AddCustomContext("stage_bytes", epx::bench::stage_bytes_context());
   register_all(quick);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

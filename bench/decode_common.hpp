@@ -184,6 +184,7 @@ rank_result decode_rank(C& world, const shape& s, int calls, bool bounded, bool 
   o.hidden = s.hidden;
   o.top_k = s.top_k;
   o.peer_access = direct && !fp8;
+  o.stage_bytes = epx::bench::stage_bytes();
   o.fp8_dispatch = fp8;
   epx::layer_options ob = o;
   ob.counts = epx::count_exchange::device;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -205,6 +206,24 @@ inline bool host_isa_flag(const std::string& arg) {
     if (v == epx::exec::to_string(i)) isa = i;
   epx::exec::use_host_isa(isa);
   return true;
+}
+
+// --stage-bytes=B|all: layer_options::stage_bytes of the layers a benchmark makes (0, the
+// default: automatic; `all`: one round). Returns whether `arg` was that flag.
+inline std::size_t& stage_bytes() {
+  static std::size_t v = 0;
+  return v;
+}
+inline bool stage_bytes_flag(const std::string& arg) {
+  if (arg.rfind("--stage-bytes=", 0) != 0) return false;
+  const std::string v = arg.substr(14);
+  stage_bytes() = v == "all" ? std::numeric_limits<std::size_t>::max() : static_cast<std::size_t>(std::stoull(v));
+  return true;
+}
+// The context line for it.
+inline std::string stage_bytes_context() {
+  const std::size_t b = stage_bytes();
+  return b == 0 ? "automatic" : b == std::numeric_limits<std::size_t>::max() ? "all (one round)" : std::to_string(b);
 }
 
 inline epx::mesh ep_mesh(int ep, int experts) {

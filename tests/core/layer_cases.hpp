@@ -606,14 +606,19 @@ std::string check_routes_agree(Comm& world, const layer_case& c) {
 }
 
 // The rounds the staged route makes with stage_bytes `B` (epx/layout/rounds.hpp), worked
-// out from the case: the EP group's largest TP slice over the rows a round holds.
-template <class T>
+// out from the case: the EP group's largest TP slice over the rows a round holds (B = 0,
+// automatic: 4 MiB rounds on host policies once one round would send over 64 MiB).
+template <class T, class Exec = test_exec>
 std::int64_t expected_stage_rounds(const layer_case& c, int rank, std::size_t B) {
   const mesh m(c.topology);
   std::size_t widest = 0;
   for (int member : m.group_members(group_kind::ep, rank))
     widest = std::max(widest, slice_bounds(c.rows_of(m.batch(member)), m.tp(), m.coords(member).tp).size());
   const std::size_t per_row = static_cast<std::size_t>(c.top_k) * static_cast<std::size_t>(c.hidden) * sizeof(T);
+  if (B == 0) {
+    if (!exec::is_host_policy_v<Exec> || widest * per_row <= default_host_one_round_bytes) return 0;
+    B = default_host_stage_bytes;
+  }
   const std::size_t rows = std::max<std::size_t>(1, B / per_row);
   const std::size_t rounds = widest == 0 ? 0 : 1 + (widest - 1) / rows;
   return rounds > 1 ? static_cast<std::int64_t>(rounds) : 0;

@@ -57,8 +57,8 @@ TEST_CASE_TEMPLATE("fp8 dispatch: against float64 and the E4M3 bound, split phas
   auto big = make(1, 4, 4, 8, 2, 4096, routing_kind::uneven);
   big.rows = [](int) { return std::size_t{24}; };
   check<T>(big);
-  // The inference forward in rounds: one and five slice rows a round, over slices of
-  // different lengths (last rounds part full or empty).
+  // A stage of one and five slice rows: the inference forward still moves in one round,
+  // and backward (in T) takes rounds, over slices of different lengths.
   for (std::size_t per_round : {std::size_t{1}, std::size_t{5}}) {
     for (auto c : {make(2, 4, 4, 16, 8, 256), make(4, 2, 4, 8, 2, 384, routing_kind::first_rank_only), big}) {
       c.rows = [](int b) { return static_cast<std::size_t>(13 + 3 * b); };

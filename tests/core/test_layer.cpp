@@ -2,6 +2,9 @@
 #include <doctest/doctest.h>
 
 #include <array>
+#include <limits>
+#include <cstring>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -199,6 +202,68 @@ TEST_CASE("layer: the staged route in rounds (layer_options::stage_bytes) agains
     check_case<epx::bf16>(c);
     check_case<double>(c);
     on_ranks(world_of(c.topology), [&](comm_t& comm) { return epx::test::check_rounds_agree<comm_t, epx::bf16>(comm, c); });
+  }
+}
+
+namespace {
+// Experts that double their rows (forward only), for the sizes where the automatic stage
+// takes rounds.
+struct doubling_experts {
+  template <class Exec>
+  void forward(const Exec&, const epx::expert_rows<const float>& in, float* out) {
+    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i) out[i] = 2.0f * in.rows[i];
+  }
+};
+}  // namespace
+
+TEST_CASE("layer: the automatic stage takes rounds once one round would send more than 64 MiB") {
+  // ep = 2, H = 8192, top-8 of 8 experts, float: a row's k rows are 256 KiB, so 256 rows
+  // send 64 MiB. Slices of 300 rows (and 200 on the other rank) take 4 MiB rounds of 16
+  // rows: ceil(300 / 16) = 19; slices of 200 and 100 rows take one round.
+  const std::size_t H = 8192;
+  const int k = 8, E = 8;
+  for (std::size_t big : {std::size_t{300}, std::size_t{200}}) {
+    epx::threads::run(2, [&](comm_t& comm) {
+      const std::size_t n = comm.rank() == 0 ? big : big - 100;
+      epx::mesh_config mc;
+      mc.fsdp = 2;
+      mc.ep = 2;
+      mc.experts = E;
+      const epx::mesh m(mc);
+      std::vector<float> x(n * H), w(n * k), out(n * H), once(n * H);
+      std::vector<std::int32_t> ids(n * k);
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 2654435761u) % 1000) / 997.0f - 0.5f;
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        ids[i] = static_cast<std::int32_t>((i + i / k + static_cast<std::size_t>(comm.rank())) % E);
+        w[i] = 0.125f + 0.01f * static_cast<float>(i % 7);
+      }
+      epx::layer_options o;
+      o.hidden = H;
+      o.top_k = k;
+      o.peer_access = false;
+      doubling_experts ex;
+      epx::moe_layer<comm_t, float> automatic(m, comm, o);
+      (void)automatic.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                              epx::span<float>(out), ex, epx::mode::inference);
+      const std::int64_t rounds = automatic.stats().stage_rounds;
+      o.stage_bytes = std::numeric_limits<std::size_t>::max();
+      epx::moe_layer<comm_t, float> one(m, comm, o);
+      (void)one.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                        epx::span<float>(once), ex, epx::mode::inference);
+      // out[t] = sum_j w[t, j] * 2 x[t], in slot order in float.
+      std::size_t wrong = 0;
+      for (std::size_t t = 0; t < n; ++t)
+        for (std::size_t h = 0; h < H; ++h) {
+          float acc = 0.0f;
+          for (int j = 0; j < k; ++j) acc += w[t * k + static_cast<std::size_t>(j)] * (2.0f * x[t * H + h]);
+          wrong += std::abs(acc - out[t * H + h]) > 1e-6f * (1.0f + std::abs(acc));
+        }
+      CHECK_MESSAGE(rounds == (big == 300 ? 19 : 0), "rank ", comm.rank(), " slice ", n, ": stage_rounds ", rounds);
+      CHECK(one.stats().stage_rounds == 0);
+      CHECK_MESSAGE(std::memcmp(out.data(), once.data(), out.size() * sizeof(float)) == 0,
+                    "rank ", comm.rank(), ": rounds differ bitwise from one round");
+      CHECK_MESSAGE(wrong == 0, "rank ", comm.rank(), ": ", wrong, " elements off the direct sum");
+    });
   }
 }
 

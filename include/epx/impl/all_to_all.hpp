@@ -17,10 +17,10 @@
 // Steps 4 and 6-7 take one of two routes, with bitwise the same results:
 //   staged (any communicator): gather into a send-order buffer, segmented all-to-all;
 //      then the mirrored all-to-all back into send order, and combine: four passes over
-//      the routed rows. An inference forward and every backward make them in rounds
-//      through a stage of at most layer_options::stage_bytes instead of a buffer of all
-//      n*k rows (epx/layout/rounds.hpp); a training forward keeps its send-order outputs
-//      for backward and moves them in one round;
+//      the routed rows. An inference forward (not FP8) and every backward make them in
+//      rounds through a stage of at most layer_options::stage_bytes instead of a buffer of
+//      all n*k rows (epx/layout/rounds.hpp); a training forward keeps its send-order
+//      outputs for backward and moves them in one round;
 //   direct (communicators with peer access, epx::has_peer_access_v, whose ranks can use it
 //      now, epx::peer_access_available, and host policies; layer_options::peer_access):
 //      each owner copies its rows straight out of the senders' x, and combine reads every
@@ -289,8 +289,10 @@ class all_to_all_impl {
       s.seg = segments_of(lay, me);
       // In rounds (epx/layout/rounds.hpp) each round's rows go through the stage; in one
       // round through a send buffer of all S rows, which a training call keeps as the
-      // outputs in send order.
-      const bool in_rounds = !training && plan_staged_rounds(ex, s);
+      // outputs in send order. FP8 dispatch moves in one round: its rows are half as many
+      // bytes, and each round's collective cost it more than the stage saved (measured:
+      // the dispatch phase at 0.65-0.76x bf16's in rounds, 0.51-0.57x in one).
+      const bool in_rounds = !training && !s.fp8 && plan_staged_rounds(ex, s);
       const staged_rounds& o = s.rounds;
       const std::size_t cap = in_rounds ? o.stage_rows() : S;
       const auto each_round = [&](auto&& step) {
@@ -603,11 +605,12 @@ class all_to_all_impl {
     return most;
   }
 
-  // The stage of the staged route (layer_options::stage_bytes; 0: automatic).
+  // The stage of the staged route (layer_options::stage_bytes; 0: automatic) for a call
+  // whose largest slice sends `whole` bytes; 0: one round.
   template <class Exec>
-  std::size_t stage_bytes() const {
+  std::size_t stage_bytes(std::size_t whole) const {
     if (ctx_.options.stage_bytes != 0) return ctx_.options.stage_bytes;
-    return exec::is_host_policy_v<Exec> ? default_host_stage_bytes : static_cast<std::size_t>(-1);
+    return exec::is_host_policy_v<Exec> && whole > default_host_one_round_bytes ? default_host_stage_bytes : 0;
   }
 
   // Whether the staged route of this call runs in rounds (epx/layout/rounds.hpp): when the
@@ -618,7 +621,9 @@ class all_to_all_impl {
   bool plan_staged_rounds(const Exec& ex, state<T, Exec>& s) {
     if (s.rounds.count > 1) return true;
     const auto k = static_cast<std::size_t>(s.top_k);
-    const std::size_t T_rows = round_tokens(stage_bytes<Exec>(), k, s.hidden * sizeof(T));
+    const std::size_t stage = stage_bytes<Exec>(s.widest * k * s.hidden * sizeof(T));
+    if (stage == 0) return false;
+    const std::size_t T_rows = round_tokens(stage, k, s.hidden * sizeof(T));
     const std::size_t count = rounds_for(s.widest, T_rows);
     if (count <= 1) return false;
     const std::size_t n = s.slice.size(), S = n * k;

@@ -81,12 +81,16 @@ struct layer_options {
   // The staged route's stage (epx/layout/rounds.hpp): an inference forward and every
   // backward move their rows in rounds through a stage of at most this many bytes (rounds
   // of whole slice rows, at least one row a round) instead of a send buffer of all n*k
-  // rows. Results are bitwise the same. 0: automatic, default_host_stage_bytes on host
-  // policies and one round on device policies. Must agree on every rank.
+  // rows. Results are bitwise the same; each round costs one collective's latency.
+  // 0: automatic: on host policies rounds of default_host_stage_bytes when the EP group's
+  // largest slice would send more than default_host_one_round_bytes at once, one round
+  // otherwise; one round on device policies. Must agree on every rank.
   std::size_t stage_bytes = 0;
 };
 
-// The automatic stage of host policies (layer_options::stage_bytes = 0).
+// The automatic stage of host policies (layer_options::stage_bytes = 0): rounds of 4 MiB
+// once one round would need a send buffer of more than 64 MiB.
 inline constexpr std::size_t default_host_stage_bytes = std::size_t{4} << 20;
+inline constexpr std::size_t default_host_one_round_bytes = std::size_t{64} << 20;
 
 }  // namespace epx
