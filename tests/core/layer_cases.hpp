@@ -578,6 +578,17 @@ raised run_bad_input(Comm& world, const layer_case& c, bad_input kind, int bad_r
 
 namespace epx::test {
 
+// What differs bitwise between two runs' outputs and gradients ("" when nothing).
+template <class T>
+std::string bitwise_differences(const layer_outputs<T>& a, const layer_outputs<T>& b, const std::string& where) {
+  std::string f;
+  if (!bitwise_equal(a.out, b.out)) f += where + "out differs bitwise\n";
+  if (!bitwise_equal(a.grad_x, b.grad_x)) f += where + "grad_x differs bitwise\n";
+  if (!bitwise_equal(a.grad_w, b.grad_w)) f += where + "grad_weights differ bitwise\n";
+  if (!bitwise_equal(a.expert_grads, b.expert_grads)) f += where + "expert grads differ bitwise\n";
+  return f;
+}
+
 // The staged route and the direct one (peer access) give bitwise the same outputs and
 // gradients (on communicators without peer access both runs take the staged route).
 template <class Comm, class T>
@@ -591,10 +602,7 @@ std::string check_routes_agree(Comm& world, const layer_case& c) {
     const auto a = run_layer<Comm, T, impl::all_to_all>(world, direct, global);
     const auto b = run_layer<Comm, T, impl::all_to_all>(world, staged, global);
     const std::string where = detail::concat(c.describe(), " rank ", world.rank(), " direct vs staged: ");
-    if (!bitwise_equal(a.out, b.out)) f += where + "out differs bitwise\n";
-    if (!bitwise_equal(a.grad_x, b.grad_x)) f += where + "grad_x differs bitwise\n";
-    if (!bitwise_equal(a.grad_w, b.grad_w)) f += where + "grad_weights differ bitwise\n";
-    if (!bitwise_equal(a.expert_grads, b.expert_grads)) f += where + "expert grads differ bitwise\n";
+    f += bitwise_differences(a, b, where);
     // Device policies (exec::emulated_device here) always take the staged route.
     if (a.stats.peer_access != (has_peer_access_v<Comm> && exec::is_host_policy_v<test_exec>))
       f += where + "the direct run did not take the expected route\n";
@@ -640,10 +648,7 @@ std::string check_rounds_agree(Comm& world, const layer_case& c) {
     const std::int64_t want = expected_stage_rounds<T>(c, world.rank(), c.stage_bytes);
     const auto a = run_layer<Comm, T, impl::all_to_all>(world, once, global);
     const auto b = run_layer<Comm, T, impl::all_to_all>(world, rounds, global);
-    if (!bitwise_equal(a.out, b.out)) f += where + "out differs bitwise\n";
-    if (!bitwise_equal(a.grad_x, b.grad_x)) f += where + "grad_x differs bitwise\n";
-    if (!bitwise_equal(a.grad_w, b.grad_w)) f += where + "grad_weights differ bitwise\n";
-    if (!bitwise_equal(a.expert_grads, b.expert_grads)) f += where + "expert grads differ bitwise\n";
+    f += bitwise_differences(a, b, where);
     if (a.backward_stage_rounds != 0 || b.stats.stage_rounds != 0 || b.backward_stage_rounds != want)
       f += detail::concat(where, "stage_rounds: one round's backward ", a.backward_stage_rounds, ", training forward ",
                           b.stats.stage_rounds, ", backward ", b.backward_stage_rounds, "; expected 0, 0, ", want, "\n");

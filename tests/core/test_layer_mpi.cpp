@@ -39,6 +39,16 @@ std::vector<layer_case> cases_for(int n) {
   return v;
 }
 
+// cases_for(n) and one at H = 300 with slices of different lengths.
+std::vector<layer_case> with_wide_case(int n) {
+  auto cases = cases_for(n);
+  auto wide = make(1, n, n, 4 * n, std::min(6, 4 * n), routing_kind::random);
+  wide.hidden = 300;
+  wide.rows = [](int b) { return static_cast<std::size_t>(30 + 3 * b); };
+  cases.push_back(wide);
+  return cases;
+}
+
 }  // namespace
 
 TEST_CASE("layer (MPI): forward, backward and hook against the float64 reference") {
@@ -120,11 +130,7 @@ TEST_CASE("layer (MPI): the direct route (shared memory) and the staged one agre
 TEST_CASE("layer (MPI): per-rank sends against float64 and against per-slot sends") {
   comm_t world = comm_t::world();
   const int n = world.size();
-  auto cases = cases_for(n);
-  auto wide = make(1, n, n, 4 * n, std::min(6, 4 * n), routing_kind::random);
-  wide.hidden = 300;
-  wide.rows = [](int b) { return static_cast<std::size_t>(30 + 3 * b); };
-  cases.push_back(wide);
+  const auto cases = with_wide_case(n);
   for (auto c : cases) {
     c.sends = epx::row_sends::per_rank;
     CAPTURE(c.describe());
@@ -142,11 +148,7 @@ TEST_CASE("layer (MPI): per-rank sends against float64 and against per-slot send
 TEST_CASE("layer (MPI): the staged route in rounds against float64 and against one round") {
   comm_t world = comm_t::world();
   const int n = world.size();
-  auto cases = cases_for(n);
-  auto wide = make(1, n, n, 4 * n, std::min(6, 4 * n), routing_kind::random);
-  wide.hidden = 300;
-  wide.rows = [](int b) { return static_cast<std::size_t>(30 + 3 * b); };
-  cases.push_back(wide);
+  const auto cases = with_wide_case(n);
   for (auto c : cases) {
     c.peer_access = false;
     for (std::size_t per_round : {std::size_t{1}, std::size_t{4}}) {

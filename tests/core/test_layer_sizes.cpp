@@ -275,7 +275,7 @@ void check_diag(const layer_case& c) {
 }
 
 // The cases at one hidden size: the all-to-all path on both routes (tp = 1 and tp = 2),
-// with per-rank sends, and the masked all-reduce path (ep == tp).
+// with per-rank sends, the staged route in rounds, and the masked all-reduce path (ep == tp).
 template <class T>
 void check_sizes(int H) {
   for (bool direct : {true, false}) {
@@ -286,6 +286,11 @@ void check_sizes(int H) {
     c.sends = epx::row_sends::per_rank;
     check_diag<T>(c);
   }
+  // The staged route in rounds of two slice rows (backward; a training forward moves its
+  // rows at once).
+  auto rounds = make(2, 2, 2, 4, 3, H, 5, false, routing_kind::random);
+  rounds.stage_bytes = 2 * 3 * static_cast<std::size_t>(H) * sizeof(T);
+  check_diag<T>(rounds);
   check_diag<T, epx::impl::all_reduce>(make(4, 1, 4, 8, 4, H, 4, true));
 }
 
