@@ -250,13 +250,13 @@ TEST_CASE("layer: the automatic stage takes rounds once one round would send mor
       epx::moe_layer<comm_t, float> one(m, comm, o);
       (void)one.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
                         epx::span<float>(once), ex, epx::mode::inference);
-      // out[t] = sum_j w[t, j] * 2 x[t], in slot order in float.
+      // out[t] = sum_j w[t, j] * 2 x[t] in float64; k = 8 float32 terms round within 1e-6.
       std::size_t wrong = 0;
       for (std::size_t t = 0; t < n; ++t)
         for (std::size_t h = 0; h < H; ++h) {
-          float acc = 0.0f;
-          for (int j = 0; j < k; ++j) acc += w[t * k + static_cast<std::size_t>(j)] * (2.0f * x[t * H + h]);
-          wrong += std::abs(acc - out[t * H + h]) > 1e-6f * (1.0f + std::abs(acc));
+          double acc = 0.0;
+          for (int j = 0; j < k; ++j) acc += double{w[t * k + static_cast<std::size_t>(j)]} * (2.0 * x[t * H + h]);
+          wrong += std::abs(acc - double{out[t * H + h]}) > 1e-6 * (1.0 + std::abs(acc));
         }
       CHECK_MESSAGE(rounds == (big == 300 ? 19 : 0), "rank ", comm.rank(), " slice ", n, ": stage_rounds ", rounds);
       CHECK(one.stats().stage_rounds == 0);

@@ -120,9 +120,19 @@ class all_to_all_impl {
     // a stage of layer_options::stage_bytes holds fewer rows than the largest slice sends):
     // rounds.count > 1, `send` is the stage.
     staged_rounds rounds;
-    rows_buffer<std::int64_t, Exec> round_src;  // [stage rows] slice row of each stage row
-    rows_buffer<std::int64_t, Exec> round_pos;  // [stage rows] its send position
-    rows_buffer<std::int64_t, Exec> round_at;   // [n*k] each pair's row in its round's stage, -1
+    // The plan's index vectors on device policies, copied to the policy's memory (host
+    // policies read rounds.src, send_pos and at themselves): in_policy picks.
+    rows_buffer<std::int64_t, Exec> round_src, round_pos, round_at;
+    const std::int64_t* in_policy(const std::vector<std::int64_t>& planned,
+                                  const rows_buffer<std::int64_t, Exec>& copy) const {
+      if constexpr (exec::is_host_policy_v<Exec>) {
+        (void)copy;
+        return planned.data();
+      } else {
+        (void)planned;
+        return copy.data();
+      }
+    }
     bool direct = false;                       // made by the direct route (y stays at the owners)
     exec::buffer<std::int64_t, Exec> pos;      // [n*k] send position of pair (t, j)
     exec::buffer<std::int64_t, Exec> src_row;  // [S] the slice row of each send position
@@ -295,11 +305,6 @@ class all_to_all_impl {
       const bool in_rounds = !training && !s.fp8 && plan_staged_rounds(ex, s);
       const staged_rounds& o = s.rounds;
       const std::size_t cap = in_rounds ? o.stage_rows() : S;
-      const auto each_round = [&](auto&& step) {
-        if (!in_rounds) return step(S, static_cast<const std::int64_t*>(s.src_row.data()), s.seg);
-        for (std::size_t rd = 0; rd < o.count; ++rd)
-          step(o.sent(rd), static_cast<const std::int64_t*>(s.round_src.data()) + o.stage_at[rd], round_segments(o, rd));
-      };
       s.send = make_rows<T>(ws_, ex, cap * H);  // FP8: only for the way back
       if (s.fp8) {
         // FP8 (spec section 12): each send row as E4M3 with one scale per 128 elements.
@@ -310,25 +315,26 @@ class all_to_all_impl {
         auto rows8 = make_rows<fp8_e4m3>(ws_, ex, n * H + n * B * sizeof(float));
         float* const row_scales = reinterpret_cast<float*>(rows8.data() + n * H);
         kernels::quantise_e4m3(ex, n, H, x, rows8.data(), row_scales);
-        auto send8 = make_rows<fp8_e4m3>(ws_, ex, cap * H + cap * B * sizeof(float));
-        float* const send_scales = reinterpret_cast<float*>(send8.data() + cap * H);
+        auto send8 = make_rows<fp8_e4m3>(ws_, ex, S * H + S * B * sizeof(float));
+        float* const send_scales = reinterpret_cast<float*>(send8.data() + S * H);
         s.x8 = make_rows<fp8_e4m3>(ws_, ex, R * H + R * B * sizeof(float));
         s.scales = reinterpret_cast<float*>(s.x8.data() + R * H);
         zero_padding(ex, s.x8.data(), lay, me, H);
         unit_padding_scales(ex, s.scales, lay, me, B);
-        each_round([&](std::size_t rows, const std::int64_t* src, const segments& g) {
-          kernels::gather_e4m3(ex, rows, H, static_cast<const fp8_e4m3*>(rows8.data()), row_scales, src,
-                               send8.data(), send_scales);
-          order_before_collective(ex, *ctx_.ep);
-          exchange_fp8_rows(g, send8.data(), cap, s.x8.data(), R, H);
-        });
+        kernels::gather_e4m3(ex, S, H, static_cast<const fp8_e4m3*>(rows8.data()), row_scales,
+                             static_cast<const std::int64_t*>(s.src_row.data()), send8.data(), send_scales);
+        order_before_collective(ex, *ctx_.ep);
+        exchange_fp8_rows(s.seg, send8.data(), S, s.x8.data(), R, H);
       } else {
         zero_padding(ex, s.x_recv.data(), lay, me, H);
-        each_round([&](std::size_t rows, const std::int64_t* src, const segments& g) {
+        const auto send = [&](std::size_t rows, const std::int64_t* src, const segments& g) {
           kernels::gather(ex, rows, H, x, src, s.send.data());
           order_before_collective(ex, *ctx_.ep);
           exchange_rows(g, static_cast<const T*>(s.send.data()), s.x_recv.data(), L, H, false);
-        });
+        };
+        if (!in_rounds) send(S, static_cast<const std::int64_t*>(s.src_row.data()), s.seg);
+        for (std::size_t rd = 0; in_rounds && rd < o.count; ++rd)
+          send(o.sent(rd), s.in_policy(o.src, s.round_src) + o.stage_at[rd], round_segments(o, rd));
       }
     }
     // 5 is the caller's: the experts read x_recv (FP8: x8 and scales) and write out_rows.
@@ -393,7 +399,7 @@ class all_to_all_impl {
       return_in_rounds(ex, s.rounds, static_cast<const T*>(s.out_rows), s.send.data(), L, H,
                        [&](std::size_t t0, std::size_t t1, const T* stage) {
                          kernels::combine(ex, t1 - t0, H, s.top_k, stage, w + t0 * k,
-                                          static_cast<const std::int64_t*>(s.round_at.data()) + t0 * k, out + t0 * H);
+                                          s.in_policy(s.rounds.at, s.round_at) + t0 * k, out + t0 * H);
                        });
       s.send = rows_buffer<T, Exec>{};
     } else if (!s.direct) {
@@ -507,12 +513,12 @@ class all_to_all_impl {
       const staged_rounds& o = s.rounds;
       b.grad_send = make_rows<T>(ws_, ex, o.stage_rows() * H);
       auto w_stage = make_rows<float>(ws_, ex, o.stage_at[o.count]);
-      kernels::gather(ex, o.stage_at[o.count], 1, w_send, static_cast<const std::int64_t*>(s.round_pos.data()),
+      kernels::gather(ex, o.stage_at[o.count], 1, w_send, s.in_policy(o.send_pos, s.round_pos),
                       w_stage.data());
       kernels::weight_gradients(ex, n, H, s.top_k, static_cast<const T*>(s.y.data()), grad_out, s.pos.data(), grad_w);
       zero_padding(ex, b.grad_recv.data(), lay, me, H);
       for (std::size_t rd = 0; rd < o.count; ++rd) {
-        kernels::gather(ex, o.sent(rd), H, grad_out, static_cast<const std::int64_t*>(s.round_src.data()) + o.stage_at[rd],
+        kernels::gather(ex, o.sent(rd), H, grad_out, s.in_policy(o.src, s.round_src) + o.stage_at[rd],
                         static_cast<const float*>(w_stage.data()) + o.stage_at[rd], b.grad_send.data());
         order_before_collective(ex, *ctx_.ep);
         exchange_rows(round_segments(o, rd), static_cast<const T*>(b.grad_send.data()), b.grad_recv.data(), L, H, false);
@@ -578,7 +584,7 @@ class all_to_all_impl {
       return_in_rounds(ex, s.rounds, static_cast<const T*>(b.grad_in.data()), b.grad_send.data(), L, H,
                        [&](std::size_t t0, std::size_t t1, const T* stage) {
                          kernels::reduce(ex, t1 - t0, H, s.top_k, stage,
-                                         static_cast<const std::int64_t*>(s.round_at.data()) + t0 * k, grad_x + t0 * H);
+                                         s.in_policy(s.rounds.at, s.round_at) + t0 * k, grad_x + t0 * H);
                        });
     } else if (!s.direct) {
       order_before_collective(ex, *ctx_.ep);
@@ -648,9 +654,11 @@ class all_to_all_impl {
     std::vector<std::size_t> from(P * per);
     for (std::size_t i = 0; i < P * per; ++i) from[i] = static_cast<std::size_t>(h[P * per + i]);
     set_received(s.rounds, s.seg, L, from.data());
-    s.round_src = to_policy(ex, s.rounds.src);
-    s.round_pos = to_policy(ex, s.rounds.send_pos);
-    s.round_at = to_policy(ex, s.rounds.at);
+    if constexpr (!exec::is_host_policy_v<Exec>) {
+      s.round_src = to_policy(ex, s.rounds.src);
+      s.round_pos = to_policy(ex, s.rounds.send_pos);
+      s.round_at = to_policy(ex, s.rounds.at);
+    }
     if (ctx_.stats != nullptr) ctx_.stats->stage_rounds = static_cast<std::int64_t>(count);
     return true;
   }

@@ -87,11 +87,11 @@ inline void plan_rounds(staged_rounds& o, const segments& g, std::size_t T, std:
   for (std::size_t i = 0; i < m; ++i) {
     const std::int64_t* b = src_row + g.send_displs[i];
     const std::int64_t* e = b + g.send_counts[i];
-    for (std::size_t r = 0; r <= count; ++r) {
+    for (std::size_t r = 0; r < count; ++r) {
       const auto row = static_cast<std::int64_t>(std::min(r * T, n));
       o.first[r * m + i] = g.send_displs[i] + static_cast<std::size_t>(std::lower_bound(b, e, row) - b);
     }
-    o.first[count * m + i] = g.send_displs[i] + g.send_counts[i];
+    o.first[count * m + i] = g.send_displs[i] + g.send_counts[i];  // every row is below n
     S = std::max(S, g.send_displs[i] + g.send_counts[i]);
   }
   // Stage order: round, then segment; `scratch` maps a send position to its stage row.
