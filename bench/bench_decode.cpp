@@ -32,18 +32,20 @@
 // instructions its quantisation ran (exec::active_host_isa: the widest the CPU supports,
 // or `--host-isa=baseline|avx2|avx512`).
 //
-// FP8 dispatch (spec section 12, layer_options::fp8_dispatch; the staged route, normal
-// mode: bounded mode carries rows in the layer's type):
-//   decode/fp8/normal/staged   the decode step above with E4M3 rows and per-128 scales on
+// FP8 dispatch (spec section 12, layer_options::fp8_dispatch; normal mode: bounded mode
+// carries rows in the layer's type), on the direct and the staged route:
+//   decode/fp8/normal/{direct,staged}
+//                              the decode step above with E4M3 rows and per-128 scales on
 //                              the way out (experts dequantise), checked against the
 //                              unquantised output within the E4M3 bound; its floor counts
 //                              the FP8 route's bytes (route_rows)
-//   dispatch/bf16-vs-fp8/staged/tokens:4096
+//   dispatch/bf16-vs-fp8/{direct,staged}/tokens:4096
 //                              the dispatch phase alone (moe_layer::dispatch: plan, count
 //                              exchange, rows to the experts' owners) at 4096 tokens, bf16
-//                              rows against FP8 rows, alternating in one loop (`--dispatch-calls`,
-//                              default 20); counters bf16_median_us, fp8_median_us and
-//                              fp8_over_bf16 (target 0.65); each layer's full forward checked once
+//                              rows against FP8 rows on the same route, alternating in one
+//                              loop (`--dispatch-calls`, default 20); counters bf16_median_us,
+//                              fp8_median_us and fp8_over_bf16 (target 0.65); each layer's
+//                              full forward checked once
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -116,7 +118,7 @@ void BM_decode(benchmark::State& state, bool bounded, bool direct, bool fp8) {
   state.counters["hidden"] = static_cast<double>(g_shape.hidden);
   state.counters["cap"] = bounded ? static_cast<double>(g_shape.cap) : 0.0;
   state.SetLabel(std::string("threads ep=") + std::to_string(g_shape.ep) + (fp8 ? " bf16 layer, fp8 rows out " : " bf16 ") +
-                 (bounded ? "bounded" : "normal") + " route=" + (direct && !fp8 ? "direct" : "staged") +
+                 (bounded ? "bounded" : "normal") + " route=" + (direct ? "direct" : "staged") +
                  (fp8 ? std::string(" (") + epx::exec::to_string(epx::exec::active_host_isa()) + ")" : std::string()));
 }
 
@@ -124,7 +126,7 @@ std::size_t g_dispatch_tokens = 4096;
 int g_dispatch_calls = 20;
 
 // The dispatch phase alone, bf16 rows against FP8 rows, alternating in one loop.
-void BM_dispatch_fp8_vs_bf16(benchmark::State& state) {
+void BM_dispatch_fp8_vs_bf16(benchmark::State& state, bool direct) {
   using T = epx::bf16;
   const shape s = g_shape;
   const int P = s.ep;
@@ -139,7 +141,7 @@ void BM_dispatch_fp8_vs_bf16(benchmark::State& state) {
       epx::layer_options o;
       o.hidden = s.hidden;
       o.top_k = s.top_k;
-      o.peer_access = false;  // the staged route, the one FP8 takes
+      o.peer_access = direct;
       o.stage_bytes = epx::bench::stage_bytes();
       epx::layer_options o8 = o;
       o8.fp8_dispatch = true;
@@ -202,7 +204,7 @@ void BM_dispatch_fp8_vs_bf16(benchmark::State& state) {
   state.counters["checked"] = 1;
   state.counters["tokens"] = static_cast<double>(g_dispatch_tokens);
   state.counters["hidden"] = static_cast<double>(s.hidden);
-  state.SetLabel(std::string("threads ep=") + std::to_string(s.ep) + " dispatch phase, staged route, bf16 vs fp8 rows (" +
+  state.SetLabel(std::string("threads ep=") + std::to_string(s.ep) + " dispatch phase, route=" + (direct ? "direct" : "staged") + ", bf16 vs fp8 rows (" +
                  epx::exec::to_string(epx::exec::active_host_isa()) + ")");
 }
 
@@ -244,15 +246,20 @@ int main(int argc, char** argv) {
           ->Iterations(1)
           ->Unit(benchmark::kMicrosecond);
     }
-  benchmark::RegisterBenchmark("decode/fp8/normal/staged", BM_decode, false, false, true)
-      ->UseManualTime()
-      ->Iterations(1)
-      ->Unit(benchmark::kMicrosecond);
-  benchmark::RegisterBenchmark(("dispatch/bf16-vs-fp8/staged/tokens:" + std::to_string(g_dispatch_tokens)).c_str(),
-                               BM_dispatch_fp8_vs_bf16)
-      ->UseManualTime()
-      ->Iterations(1)
-      ->Unit(benchmark::kMicrosecond);
+  for (bool direct : {true, false})
+    benchmark::RegisterBenchmark((std::string("decode/fp8/normal/") + (direct ? "direct" : "staged")).c_str(), BM_decode,
+                                 false, direct, true)
+        ->UseManualTime()
+        ->Iterations(1)
+        ->Unit(benchmark::kMicrosecond);
+  for (bool direct : {true, false})
+    benchmark::RegisterBenchmark((std::string("dispatch/bf16-vs-fp8/") + (direct ? "direct" : "staged") +
+                                  "/tokens:" + std::to_string(g_dispatch_tokens))
+                                     .c_str(),
+                                 BM_dispatch_fp8_vs_bf16, direct)
+        ->UseManualTime()
+        ->Iterations(1)
+        ->Unit(benchmark::kMicrosecond);
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
   benchmark::RunSpecifiedBenchmarks();

@@ -43,7 +43,7 @@ void BM_decode_mpi(benchmark::State& state, bool bounded, bool direct, bool fp8)
   comm_t world = comm_t::world();
   rank_result r;
   for (auto _ : state) {
-    r = decode_rank(world, g_shape, g_calls, bounded, direct, fp8, direct && !fp8);
+    r = decode_rank(world, g_shape, g_calls, bounded, direct, fp8, direct);
     const bool failed = max_over_ranks(r.failure.empty() ? 0.0 : 1.0) > 0;
     if (failed) {
       if (!r.failure.empty()) std::fprintf(stderr, "rank %d: %s\n", world.rank(), r.failure.c_str());
@@ -65,7 +65,7 @@ void BM_decode_mpi(benchmark::State& state, bool bounded, bool direct, bool fp8)
   state.counters["cap"] = bounded ? static_cast<double>(g_shape.cap) : 0.0;
   state.SetLabel(std::string("mpi np=") + std::to_string(world.size()) +
                  (fp8 ? " bf16 layer, fp8 rows out " : " bf16 ") + (bounded ? "bounded" : "normal") +
-                 " route=" + (direct && !fp8 ? "direct (shared window)" : "staged"));
+                 " route=" + (direct ? "direct (shared window)" : "staged"));
 }
 
 }  // namespace
@@ -107,10 +107,12 @@ int main(int argc, char** argv) {
           ->Iterations(1)
           ->Unit(benchmark::kMicrosecond);
     }
-  benchmark::RegisterBenchmark("decode_mpi/fp8/normal/staged", BM_decode_mpi, false, false, true)
-      ->UseManualTime()
-      ->Iterations(1)
-      ->Unit(benchmark::kMicrosecond);
+  for (bool direct : {true, false})
+    benchmark::RegisterBenchmark((std::string("decode_mpi/fp8/normal/") + (direct ? "direct" : "staged")).c_str(),
+                                 BM_decode_mpi, false, direct, true)
+        ->UseManualTime()
+        ->Iterations(1)
+        ->Unit(benchmark::kMicrosecond);
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
   run_on_every_rank(rank, n, args.data());

@@ -104,12 +104,17 @@ inline double percentile(std::vector<double> v, double q) {
 //   staged  gather 2S, all-to-all out (the threads all-to-all copies what each rank
 //           receives: normal 2R, bounded the fixed slabs 2*ep*slab), unpack 2R (bounded)
 //           or padding P (normal), pack 2R (bounded), all-to-all back (as out), combine S + n
-//   fp8     (staged, normal) quantise n rows (read n, write n/2), gather S/2 + S/2, all-to-all
-//           out R/2 + R/2, padding P/2, experts dequantise (read R/2, write R), all-to-all
-//           back 2R, combine S + n (in rows of T; E4M3 rows are half as wide; scales left out)
+//   fp8     (normal) quantise n rows (read n, write n/2), experts dequantise (read R/2,
+//           write R), and by route:
+//           direct  pull R/2 + R/2, combine S + n; on MPI also the copies of the quantised
+//                   rows and of the outputs into the shared window, n + 2R
+//           staged  gather S/2 + S/2, all-to-all out R/2 + R/2, padding P/2, all-to-all
+//                   back 2R, combine S + n
+//           (in rows of T; E4M3 rows are half as wide; scales left out)
 // S = n*k pairs sent, R = rows received (mean over ranks: S), slab = hdr + L*cap.
 inline double route_rows(const shape& s, bool bounded, bool direct, bool fp8 = false, bool window = false) {
   const double n = static_cast<double>(s.tokens), S = n * s.top_k, R = S;
+  if (fp8 && direct) return 1.5 * n + 1.5 * R + R + S + n + (window ? n + 2 * R : 0.0);
   if (fp8) return 1.5 * n + S + R + 0.5 * (s.experts / s.ep) + 1.5 * R + 2 * R + S + n;
   if (direct) return 2 * R + S + n + (window ? 2 * n + 2 * R : 0.0);
   const int L = s.experts / s.ep;
@@ -183,7 +188,7 @@ rank_result decode_rank(C& world, const shape& s, int calls, bool bounded, bool 
   epx::layer_options o;
   o.hidden = s.hidden;
   o.top_k = s.top_k;
-  o.peer_access = direct && !fp8;
+  o.peer_access = direct;
   o.stage_bytes = epx::bench::stage_bytes();
   o.fp8_dispatch = fp8;
   epx::layer_options ob = o;
@@ -236,7 +241,7 @@ rank_result decode_rank(C& world, const shape& s, int calls, bool bounded, bool 
   res.wait_share = share / calls;
   if (bounded) res.overflow = layer.check().overflow_pairs;
   // The memcpy floor of the route's bytes.
-  const std::size_t bytes = static_cast<std::size_t>(route_rows(s, bounded, direct && !fp8, fp8, window) *
+  const std::size_t bytes = static_cast<std::size_t>(route_rows(s, bounded, direct, fp8, window) *
                                                      static_cast<double>(H) * sizeof(T) / 2.0);  // a memcpy of B reads B and writes B
   const std::size_t chunk = std::min<std::size_t>(bytes, std::size_t{16} << 20);  // copied again until done
   std::vector<unsigned char> a(chunk, 1), b(chunk);

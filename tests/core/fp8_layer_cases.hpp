@@ -14,7 +14,8 @@
 //     sum_j |w_j| s_e max(|x| / 16, scale / 1024) (3 mantissa bits: half a step is 2^-4 of
 //     the value for normals, 2^-10 of the scale for subnormals) plus the tolerance of T;
 //     and the quantisation is visible (the largest error is above a tenth of the bound's);
-//   - the split-phase calls give bitwise the fused results.
+//   - the split-phase calls give bitwise the fused results, and the staged route the direct
+//     route's (where the case takes the direct one: threads and MPI, host policies).
 #pragma once
 
 #include <algorithm>
@@ -32,6 +33,7 @@ struct fp8_scale_experts {
   int first = 0;
   std::vector<T> seen;      // T(x') of the last forward, [rows, H]
   long long backward_mismatch = 0;
+  long long zero_block_scale = 0;  // all-zero blocks (padding rows) whose scale is not 1
 
   static float scale_of(int e) { return 1.0f + static_cast<float>(e) / 8.0f; }
 
@@ -39,6 +41,12 @@ struct fp8_scale_experts {
   void forward(const Exec&, const expert_rows<const fp8_e4m3>& in, const float* scales, T* out) {
     const std::size_t H = in.hidden, B = H / 128;
     seen.assign(in.num_rows * H, convert<T>(0.0f));
+    // A zero block has scale 1, as the quantiser makes it (the padding rows).
+    for (std::size_t blk = 0; blk < in.num_rows * B; ++blk) {
+      bool zero = true;
+      for (std::size_t h = 0; h < 128; ++h) zero = zero && in.rows[blk * 128 + h].bits == 0;
+      zero_block_scale += zero && scales[blk] != 1.0f;
+    }
     for (int l = 0; l < in.num_local; ++l) {
       const float s = scale_of(in.first_global_expert + l);
       for (std::size_t r = in.begin(l); r < in.begin(l) + in.count(l); ++r)
@@ -97,9 +105,28 @@ std::string check_fp8_layer(Comm& world, const layer_case& c, Exec policy = {}) 
     fp8_scale_experts<T> experts{m.expert_begin(rank)};
     auto saved = layer.forward(span<const T>(mb.x), span<const std::int32_t>(mb.d.ids), span<const float>(mb.w),
                                span<T>(mb.out), experts, mode::train);
-    if (layer.stats().peer_access) f += where + "took the direct route\n";
+    const bool direct = c.peer_access && has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>;
+    if (layer.stats().peer_access != direct)
+      f += detail::concat(where, "stats.peer_access is ", layer.stats().peer_access, ", expected ", direct, "\n");
     layer.backward(std::move(saved), span<const T>(mb.go), span<T>(mb.gx), span<float>(mb.gw), experts);
     if (experts.backward_mismatch != 0) f += where + "backward's rows are not the dequantised rows forward saw\n";
+    if (experts.zero_block_scale != 0)
+      f += detail::concat(where, experts.zero_block_scale, " all-zero blocks (padding) have a scale other than 1\n");
+
+    // The staged route (where the case took the direct one): bitwise the same.
+    if (direct) {
+      micro_batch<T> st(c, b);
+      layer_options so = o;
+      so.peer_access = false;
+      moe_layer<Comm, T, impl::all_to_all, Exec> staged(m, world, so, policy);
+      fp8_scale_experts<T> staged_experts{m.expert_begin(rank)};
+      auto ss = staged.forward(span<const T>(st.x), span<const std::int32_t>(st.d.ids), span<const float>(st.w),
+                               span<T>(st.out), staged_experts, mode::train);
+      if (staged.stats().peer_access) f += where + "peer_access = false took the direct route\n";
+      staged.backward(std::move(ss), span<const T>(st.go), span<T>(st.gx), span<float>(st.gw), staged_experts);
+      if (!bitwise_equal(st.out, mb.out) || !bitwise_equal(st.gx, mb.gx) || !bitwise_equal(st.gw, mb.gw))
+        f += where + "the direct and staged routes differ bitwise\n";
+    }
 
     // The references.
     std::vector<float> xq, sc;

@@ -23,9 +23,9 @@
 //      outputs for backward and moves them in one round;
 //   direct (communicators with peer access, epx::has_peer_access_v, whose ranks can use it
 //      now, epx::peer_access_available, and host policies; layer_options::peer_access):
-//      each owner copies its rows straight out of the senders' x, and combine reads every
-//      slot's output row in place at its owner (epx/layout/receive.hpp): two passes, no
-//      send buffer. (On MPI, the buffers published to the peers are first copied into
+//      each owner copies its rows straight out of the senders' x (FP8: out of their
+//      quantised rows and scales), and combine reads every slot's output row in place at
+//      its owner (epx/layout/receive.hpp): two passes, no send buffer. (On MPI, the buffers published to the peers are first copied into
 //      the communicator's shared window: one more pass over x and the outputs.)
 // With per-rank sends (layer_options::sends == row_sends::per_rank, spec section 14;
 // epx/layout/per_rank.hpp) the staged route moves one row per (token, destination rank):
@@ -138,7 +138,7 @@ class all_to_all_impl {
     exec::buffer<std::int64_t, Exec> src_row;  // [S] the slice row of each send position
     exec::buffer<float, Exec> weights;         // [S] routing weight of each send position
     rows_buffer<T, Exec> x_recv;               // [R, H] expert-major input rows (FP8 dispatch: made by backward)
-    bool fp8 = false;                          // FP8 dispatch (layer_options::fp8_dispatch; staged route)
+    bool fp8 = false;                          // FP8 dispatch (layer_options::fp8_dispatch)
     // Per-rank sends (layer_options::sends; staged route; epx/layout/per_rank.hpp): the
     // send and return buffers hold U unique rows, y stays at its owner (expert-major), and
     // the owner keeps its received rows' slot entries.
@@ -213,7 +213,7 @@ class all_to_all_impl {
     s.slice = sl;
     s.fp8 = ctx_.options.fp8_dispatch;
     s.per_rank = ctx_.options.sends == row_sends::per_rank;
-    s.direct = uses_peer_access<Exec>() && !s.fp8 && !s.per_rank;
+    s.direct = uses_peer_access<Exec>() && !s.per_rank;
     if (ctx_.stats != nullptr) ctx_.stats->peer_access = s.direct;
     s.layout = std::move(r.layout);
     s.widest = widest_slice(r.records, ctx_.ep_size(), ctx_.num_experts(), k);
@@ -224,10 +224,47 @@ class all_to_all_impl {
     const T* x = a.x + sl.begin * H;
     s.slice_weights = exec::make_buffer<float>(ex, S);
     if (S > 0) exec::copy_n(ex, a.weights + sl.begin * k, S, s.slice_weights.data());
-    if (!s.fp8) s.x_recv = make_rows<T>(ws_, ex, R * H);
+    // FP8 (spec section 12): each row as E4M3 with one scale per 128 elements, quantised
+    // once here; the owners receive bytes and scales in one buffer ([R, H] bytes, then
+    // [R, B] scales).
+    const std::size_t B = s.fp8 ? kernels::fp8_scales_per_row(H) : 0;
+    rows_buffer<fp8_e4m3, Exec> rows8;  // FP8: [n, H] bytes, then [n, B] scales
+    float* row_scales = nullptr;
+    if (s.fp8) {
+      rows8 = make_rows<fp8_e4m3>(ws_, ex, n * H + n * B * sizeof(float));
+      row_scales = reinterpret_cast<float*>(rows8.data() + n * H);
+      kernels::quantise_e4m3(ex, n, H, x, rows8.data(), row_scales);
+      s.x8 = make_rows<fp8_e4m3>(ws_, ex, R * H + R * B * sizeof(float));
+      s.scales = reinterpret_cast<float*>(s.x8.data() + R * H);
+    } else {
+      s.x_recv = make_rows<T>(ws_, ex, R * H);
+    }
 
     if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
-      if (s.direct) {
+      if (s.direct && s.fp8) {
+        // 4, FP8: every rank pulls its rows' bytes and scales out of the owners' quantised
+        // rows. A row of H bytes is copied as H/4 floats (H is a multiple of 128); padding
+        // rows come out zero with scale 1.
+        auto rows_table = ws_.template acquire<const float*>(R);
+        auto scales_table = ws_.template acquire<const float*>(R);
+        const void* mine[3] = {rows8.data(), row_scales, s.src_row.data()};
+        const std::size_t bytes[3] = {n * H, n * B * sizeof(float), S * sizeof(std::int64_t)};
+        ctx_.ep->access_peers(mine, bytes, 3, [&](const auto& peers) {
+          const auto row_of = [&](int src, std::size_t p) {
+            return static_cast<std::size_t>(static_cast<const std::int64_t*>(peers(src, 2))[p]);
+          };
+          fill_receive_table(lay, me, rows_table.data(), R, [&](int src, std::size_t p) {
+            return reinterpret_cast<const float*>(static_cast<const fp8_e4m3*>(peers(src, 0)) + row_of(src, p) * H);
+          });
+          fill_receive_table(lay, me, scales_table.data(), R, [&](int src, std::size_t p) {
+            return static_cast<const float*>(peers(src, 1)) + row_of(src, p) * B;
+          });
+          kernels::copy(ex, R, H / sizeof(float), static_cast<const float* const*>(rows_table.data()),
+                        reinterpret_cast<float*>(s.x8.data()));
+          kernels::copy(ex, R, B, static_cast<const float* const*>(scales_table.data()), s.scales);
+        });
+        unit_padding_scales(ex, s.scales, lay, me, B);
+      } else if (s.direct) {
         // 4: every rank pulls its expert-major rows straight out of the owners' x (gather
         // and dispatch in one pass; padding rows come out zero).
         auto table = ws_.template acquire<const T*>(R);
@@ -307,18 +344,10 @@ class all_to_all_impl {
       const std::size_t cap = in_rounds ? o.stage_rows() : S;
       s.send = make_rows<T>(ws_, ex, cap * H);  // FP8: only for the way back
       if (s.fp8) {
-        // FP8 (spec section 12): each send row as E4M3 with one scale per 128 elements.
-        // Bytes and scales share one buffer on each side ([rows, H] bytes, then [rows, B]
-        // scales) and travel in one collective.
-        const std::size_t B = kernels::fp8_scales_per_row(H);
-        // The n rows are quantised once, then their bytes and scales gathered into send order.
-        auto rows8 = make_rows<fp8_e4m3>(ws_, ex, n * H + n * B * sizeof(float));
-        float* const row_scales = reinterpret_cast<float*>(rows8.data() + n * H);
-        kernels::quantise_e4m3(ex, n, H, x, rows8.data(), row_scales);
+        // FP8: the quantised rows' bytes and scales gathered into send order (one buffer,
+        // as on the owners' side), then one collective.
         auto send8 = make_rows<fp8_e4m3>(ws_, ex, S * H + S * B * sizeof(float));
         float* const send_scales = reinterpret_cast<float*>(send8.data() + S * H);
-        s.x8 = make_rows<fp8_e4m3>(ws_, ex, R * H + R * B * sizeof(float));
-        s.scales = reinterpret_cast<float*>(s.x8.data() + R * H);
         zero_padding(ex, s.x8.data(), lay, me, H);
         unit_padding_scales(ex, s.scales, lay, me, B);
         kernels::gather_e4m3(ex, S, H, static_cast<const fp8_e4m3*>(rows8.data()), row_scales,

@@ -74,7 +74,8 @@ struct layer_options {
   // one float32 scale per 128 elements (epx/kernels/fp8.hpp); the experts receive the FP8
   // rows and the scales (their fp8 forward, epx/impl/experts.hpp), their outputs come back
   // in T, and backward runs in T. Needs hidden % 128 == 0 and the all-to-all path; takes
-  // the staged route. Checked at construction (errc::configuration on every rank).
+  // either route (direct: the owners copy the senders' quantised rows; staged: in one
+  // round). Checked at construction (errc::configuration on every rank).
   bool fp8_dispatch = false;
   // Rows once per slot or once per destination rank (spec section 14; row_sends above).
   row_sends sends = row_sends::per_slot;
