@@ -160,6 +160,8 @@ void BM_dispatch_fp8_vs_bf16(benchmark::State& state, bool direct) {
         (void)l8.forward(epx::span<const T>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
                          epx::span<T>(out), e8, epx::mode::inference);
         f += check_fp8_forward(x.data(), w.data(), out.data(), n, H, s.top_k);
+        if (l16.stats().peer_access != direct || l8.stats().peer_access != direct)
+          f += " a layer did not take the requested route";
         failures[static_cast<std::size_t>(r)] = f;
       }
       auto timed = [&](auto& layer, std::vector<double>& into) {
