@@ -206,7 +206,8 @@ void BM_dispatch_fp8_vs_bf16(benchmark::State& state, bool direct) {
   state.counters["checked"] = 1;
   state.counters["tokens"] = static_cast<double>(g_dispatch_tokens);
   state.counters["hidden"] = static_cast<double>(s.hidden);
-  state.SetLabel(std::string("threads ep=") + std::to_string(s.ep) + " dispatch phase, route=" + (direct ? "direct" : "staged") + ", bf16 vs fp8 rows (" +
+  state.SetLabel(std::string("threads ep=") + std::to_string(s.ep) + " dispatch phase, route=" +
+                 (direct ? "direct" : "staged") + ", bf16 vs fp8 rows (" +
                  epx::exec::to_string(epx::exec::active_host_isa()) + ")");
 }
 

@@ -3,7 +3,7 @@
 // identity experts in place; the normal mode against bounded mode (spec section 11), each
 // on the direct route (the ranks on one node read each other's buffers through the
 // communicator's MPI-3 shared window) and on the staged route (MPI all-to-all), and the FP8
-// dispatch (spec section 12) on the staged route.
+// dispatch (spec section 12) on both routes.
 //
 //   mpiexec -n 8 ./bench_decode_mpi --benchmark_out=decode_mpi.json --benchmark_out_format=json
 //   mpiexec -n 8 ./bench_decode_mpi --calls=50 --benchmark_filter=bounded

@@ -175,7 +175,7 @@ struct rank_result {
 };
 
 // One rank of a decode measurement over `world` (threads or MPI): bounded or normal mode,
-// direct or staged route, bf16 rows or (fp8: normal mode, staged route) E4M3 rows with
+// direct or staged route, bf16 rows or (fp8: normal mode) E4M3 rows with
 // experts that dequantise; `calls` timed calls after 10 warm-up calls. `window`: the
 // direct route copies x and the outputs into a shared window (MPI), which the floor counts.
 template <class C>
