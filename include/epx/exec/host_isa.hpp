@@ -10,8 +10,10 @@
 // in the same order (only the instructions differ), and no version contracts a product and
 // a sum into a fused multiply-add (AVX-512 brings FMA instructions; GCC's versions are
 // compiled with fp-contract=off, and kernels::detail::mul_add forbids it to Clang), so each
-// operation rounds as on the device. Tests run each version the CPU supports
-// (tests/core/test_host_isa.cpp).
+// operation rounds as on the device. GCC's versions also ask for the loop vectoriser with
+// its dynamic cost model: at -O2 GCC 12 keeps the very cheap one, which leaves these loops
+// scalar (the FP8 quantisation ran 8-10 times slower). Tests run each version the CPU
+// supports (tests/core/test_host_isa.cpp; test_core_test_host_isa_O2 at -O2).
 //
 //   exec::host_isa                    baseline, avx2, avx512
 //   exec::host_isa_supported(isa)     this CPU (and OS) runs it; baseline always
@@ -83,8 +85,9 @@ inline host_isa use_host_isa(host_isa isa) {
 #define EPX_ISA_VERSION(isa) __attribute__((noinline, target(isa)))
 #define EPX_ISA_VERSION_BASELINE __attribute__((noinline))
 #else
-#define EPX_ISA_VERSION(isa) __attribute__((noinline, target(isa), optimize("fp-contract=off")))
-#define EPX_ISA_VERSION_BASELINE __attribute__((noinline, optimize("fp-contract=off")))
+#define EPX_ISA_OPTIMIZE optimize("fp-contract=off", "tree-vectorize", "vect-cost-model=dynamic")
+#define EPX_ISA_VERSION(isa) __attribute__((noinline, target(isa), EPX_ISA_OPTIMIZE))
+#define EPX_ISA_VERSION_BASELINE __attribute__((noinline, EPX_ISA_OPTIMIZE))
 #endif
 namespace detail {
 template <class F, class... A>
@@ -102,6 +105,9 @@ EPX_ISA_VERSION_BASELINE void run_baseline(const F& f, A... a) {
 }  // namespace detail
 #undef EPX_ISA_VERSION
 #undef EPX_ISA_VERSION_BASELINE
+#ifdef EPX_ISA_OPTIMIZE
+#undef EPX_ISA_OPTIMIZE
+#endif
 #endif
 
 // In an EPX_HOST_DEVICE functor's operator(): its body(...) in the widest host version on
