@@ -191,16 +191,17 @@ std::string check_fp8_layer(Comm& world, const layer_case& c, Exec policy = {}) 
     if (!bitwise_equal(sp.out, mb.out) || !bitwise_equal(sp.gx, mb.gx) || !bitwise_equal(sp.gw, mb.gw))
       f += where + "the split-phase calls differ bitwise from the fused ones\n";
 
-    // An inference forward: bitwise the training output, and in one round whatever the
-    // stage (FP8 dispatch does not take rounds).
+    // An inference forward: bitwise the training output; the FP8 rows go out in one round,
+    // the outputs come back in the rounds of the case's stage (staged route).
     micro_batch<T> inf(c, b);
     moe_layer<Comm, T, impl::all_to_all, Exec> inf_layer(m, world, o, policy);
     fp8_scale_experts<T> inf_experts{m.expert_begin(rank)};
     auto none = inf_layer.forward(span<const T>(inf.x), span<const std::int32_t>(inf.d.ids), span<const float>(inf.w),
                                   span<T>(inf.out), inf_experts, mode::inference);
     if (!bitwise_equal(inf.out, mb.out)) f += where + "the inference output differs bitwise from the training one\n";
-    if (inf_layer.stats().stage_rounds != 0)
-      f += detail::concat(where, "inference stage_rounds ", inf_layer.stats().stage_rounds, ", expected 0\n");
+    const std::int64_t rounds = direct ? 0 : expected_stage_rounds<T, Exec>(c, rank, c.stage_bytes);
+    if (inf_layer.stats().stage_rounds != rounds)
+      f += detail::concat(where, "inference stage_rounds ", inf_layer.stats().stage_rounds, ", expected ", rounds, "\n");
   } catch (const std::exception& ex) {
     f += where + "exception: " + ex.what() + "\n";
   }

@@ -57,12 +57,15 @@ TEST_CASE_TEMPLATE("fp8 dispatch: against float64 and the E4M3 bound, split phas
   auto big = make(1, 4, 4, 8, 2, 4096, routing_kind::uneven);
   big.rows = [](int) { return std::size_t{24}; };
   check<T>(big);
-  // A stage of one and five slice rows: the inference forward still moves in one round,
-  // and backward (in T) takes rounds, over slices of different lengths.
+  // A stage of one and five slice rows: the inference forward's FP8 rows go out in one
+  // round and its outputs come back in rounds, backward (in T) takes rounds, over slices of
+  // different lengths; on the staged route, and on the direct route (no rounds).
   for (std::size_t per_round : {std::size_t{1}, std::size_t{5}}) {
     for (auto c : {make(2, 4, 4, 16, 8, 256), make(4, 2, 4, 8, 2, 384, routing_kind::first_rank_only), big}) {
       c.rows = [](int b) { return static_cast<std::size_t>(13 + 3 * b); };
       c.stage_bytes = per_round * static_cast<std::size_t>(c.top_k) * static_cast<std::size_t>(c.hidden) * sizeof(T);
+      check<T>(c);
+      c.peer_access = false;
       check<T>(c);
     }
   }

@@ -17,10 +17,11 @@
 // Steps 4 and 6-7 take one of two routes, with bitwise the same results:
 //   staged (any communicator): gather into a send-order buffer, segmented all-to-all;
 //      then the mirrored all-to-all back into send order, and combine: four passes over
-//      the routed rows. An inference forward (not FP8) and every backward make them in
-//      rounds through a stage of at most layer_options::stage_bytes instead of a buffer of
-//      all n*k rows (epx/layout/rounds.hpp); a training forward keeps its send-order
-//      outputs for backward and moves them in one round;
+//      the routed rows. An inference forward and every backward make them in rounds
+//      through a stage of at most layer_options::stage_bytes instead of a buffer of all
+//      n*k rows (epx/layout/rounds.hpp); a training forward keeps its send-order outputs
+//      for backward and moves them in one round, and the FP8 dispatch's rows go out in one
+//      round (an inference call's outputs still come back in rounds);
 //   direct (communicators with peer access, epx::has_peer_access_v, whose ranks can use it
 //      now, epx::peer_access_available, and host policies; layer_options::peer_access):
 //      each owner copies its rows straight out of the senders' x (FP8: out of their
@@ -338,11 +339,12 @@ class all_to_all_impl {
       // round through a send buffer of all S rows, which a training call keeps as the
       // outputs in send order. FP8 dispatch moves in one round: its rows are half as many
       // bytes, and each round's collective cost it more than the stage saved (measured:
-      // the dispatch phase at 0.65-0.76x bf16's in rounds, 0.51-0.57x in one).
+      // the dispatch phase at 0.65-0.76x bf16's in rounds, 0.51-0.57x in one); its way back
+      // (rows in T) takes rounds like any other, planned by combine.
       const bool in_rounds = !training && !s.fp8 && plan_staged_rounds(ex, s);
       const staged_rounds& o = s.rounds;
       const std::size_t cap = in_rounds ? o.stage_rows() : S;
-      s.send = make_rows<T>(ws_, ex, cap * H);  // FP8: only for the way back
+      if (!s.fp8) s.send = make_rows<T>(ws_, ex, cap * H);  // FP8: made by combine, for the way back
       if (s.fp8) {
         // FP8: the quantised rows' bytes and scales gathered into send order (one buffer,
         // as on the owners' side), then one collective.
@@ -407,6 +409,12 @@ class all_to_all_impl {
         });
         s.y = std::move(s.outputs);  // training: the outputs stay at their owner for backward
       }
+    }
+    if (s.fp8 && !s.direct) {
+      // FP8 dispatch came in one round; the outputs return in T, in rounds where an
+      // inference call's would (plan_staged_rounds: every rank decides alike).
+      const bool in_rounds = saved == nullptr && plan_staged_rounds(ex, s);
+      s.send = make_rows<T>(ws_, ex, (in_rounds ? s.rounds.stage_rows() : S) * H);
     }
     if (s.per_rank) {
       // 6: the owner sums w * y over each received row's slots (float32, slot order) and
