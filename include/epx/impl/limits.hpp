@@ -172,28 +172,30 @@ void scatter_with_capacity(const capacity_policy& cap, const Exec& ex, const gro
   }
   c.dropped.resize(Es);
   c.kept = layout::keep_counts(cap, S, E, [&](int s) { return g.counts(s); }, pairs.data(), c.dropped.data());
-  // This rank's segments: one per expert, its plan block.
-  const bool by_score = cap.priority == drop_priority::score;
-  std::vector<layout::drop_segment> seg(Es);
-  std::int64_t overflowing = 0;  // pairs in the segments that drop
-  for (std::size_t e = 0; e < Es; ++e) {
-    const std::int64_t n = plan.host_counts[e], keep = c.kept[static_cast<std::size_t>(me) * Es + e];
-    seg[e] = {plan.host_offset[e], n, keep, 0, -1};
-    if (keep < n) overflowing += n;
-  }
+  const std::int64_t* const keep = c.kept.data() + static_cast<std::size_t>(me) * Es;
+  std::int64_t overflowing = 0;  // pairs in the experts that drop
+  for (std::size_t e = 0; e < Es; ++e) overflowing += keep[e] < plan.host_counts[e] ? plan.host_counts[e] : 0;
   if (overflowing == 0) {
     layout::launch_scatter(ex, plan, ids, weights);
     return;
   }
-  if (!by_score) {
-    // By position: the last position each expert keeps is all the scatter needs.
+  if (cap.priority != drop_priority::score) {
+    // By position: the last position each expert keeps is all the scatter needs (read
+    // where it is on host policies, copied to the policy's memory otherwise).
     std::vector<std::int64_t> last(Es);
-    for (std::size_t e = 0; e < Es; ++e) last[e] = seg[e].begin + seg[e].keep - 1;
-    auto d_last = exec::make_buffer<std::int64_t>(ex, Es);
-    exec::copy_n(ex, static_cast<const std::int64_t*>(last.data()), Es, d_last.data());
-    layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{d_last.data(), nullptr});
+    for (std::size_t e = 0; e < Es; ++e) last[e] = plan.host_offset[e] + keep[e] - 1;
+    if constexpr (exec::is_host_policy_v<Exec>) {
+      layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{last.data(), nullptr});
+    } else {
+      auto d_last = exec::make_buffer<std::int64_t>(ex, Es);
+      exec::copy_n(ex, static_cast<const std::int64_t*>(last.data()), Es, d_last.data());
+      layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{d_last.data(), nullptr});
+    }
     return;
   }
+  // By score: this rank's segments, one per expert, its plan block.
+  std::vector<layout::drop_segment> seg(Es);
+  for (std::size_t e = 0; e < Es; ++e) seg[e] = {plan.host_offset[e], plan.host_counts[e], keep[e], 0, -1};
   EPX_REQUIRE(weights != nullptr, errc::internal, "capacity by score needs the routing weights");
   if (overflowing * 8 <= static_cast<std::int64_t>(plan.pairs)) {
     // By score, few pairs in the segments that drop (at most an eighth): the plain
