@@ -26,8 +26,9 @@
 //      now, epx::peer_access_available, and host policies; layer_options::peer_access):
 //      each owner copies its rows straight out of the senders' x (FP8: out of their
 //      quantised rows and scales), and combine reads every slot's output row in place at
-//      its owner (epx/layout/receive.hpp): two passes, no send buffer. (On MPI, the buffers published to the peers are first copied into
-//      the communicator's shared window: one more pass over x and the outputs.)
+//      its owner (epx/layout/receive.hpp): two passes, no send buffer. (On MPI, the
+//      buffers published to the peers are first copied into the communicator's shared
+//      window: one more pass over x and the outputs.)
 // With per-rank sends (layer_options::sends == row_sends::per_rank, spec section 14;
 // epx/layout/per_rank.hpp) the staged route moves one row per (token, destination rank):
 //   gather the unique rows, all-to-all them with their slot entries (expert-major row and
@@ -52,6 +53,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -242,42 +244,34 @@ class all_to_all_impl {
     }
 
     if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
-      if (s.direct && s.fp8) {
-        // 4, FP8: every rank pulls its rows' bytes and scales out of the owners' quantised
-        // rows. A row of H bytes is copied as H/4 floats (H is a multiple of 128); padding
-        // rows come out zero with scale 1.
-        auto rows_table = ws_.template acquire<const float*>(R);
-        auto scales_table = ws_.template acquire<const float*>(R);
-        const void* mine[3] = {rows8.data(), row_scales, s.src_row.data()};
-        const std::size_t bytes[3] = {n * H, n * B * sizeof(float), S * sizeof(std::int64_t)};
-        ctx_.ep->access_peers(mine, bytes, 3, [&](const auto& peers) {
-          const auto row_of = [&](int src, std::size_t p) {
-            return static_cast<std::size_t>(static_cast<const std::int64_t*>(peers(src, 2))[p]);
-          };
-          fill_receive_table(lay, me, rows_table.data(), R, [&](int src, std::size_t p) {
-            return reinterpret_cast<const float*>(static_cast<const fp8_e4m3*>(peers(src, 0)) + row_of(src, p) * H);
-          });
-          fill_receive_table(lay, me, scales_table.data(), R, [&](int src, std::size_t p) {
-            return static_cast<const float*>(peers(src, 1)) + row_of(src, p) * B;
-          });
-          kernels::copy(ex, R, H / sizeof(float), static_cast<const float* const*>(rows_table.data()),
-                        reinterpret_cast<float*>(s.x8.data()));
-          kernels::copy(ex, R, B, static_cast<const float* const*>(scales_table.data()), s.scales);
-        });
-        unit_padding_scales(ex, s.scales, lay, me, B);
-      } else if (s.direct) {
+      if (s.direct) {
         // 4: every rank pulls its expert-major rows straight out of the owners' x (gather
-        // and dispatch in one pass; padding rows come out zero).
-        auto table = ws_.template acquire<const T*>(R);
-        const void* mine[2] = {x, s.src_row.data()};
-        const std::size_t bytes[2] = {n * H * sizeof(T), S * sizeof(std::int64_t)};
-        ctx_.ep->access_peers(mine, bytes, 2, [&](const auto& peers) {
+        // and dispatch in one pass; padding rows come out zero). FP8: the bytes and the
+        // scales of the owners' quantised rows, a row of H bytes copied as H/4 floats (H is
+        // a multiple of 128); padding rows come out zero with scale 1. Buffer 0 of every
+        // rank is its src_row.
+        const auto pull = [&](const auto& peers, std::size_t buffer, std::size_t width, auto* dst) {
+          using V = std::remove_pointer_t<decltype(dst)>;
+          auto table = ws_.template acquire<const V*>(R);
           fill_receive_table(lay, me, table.data(), R, [&](int src, std::size_t p) {
-            const auto* src_row = static_cast<const std::int64_t*>(peers(src, 1));
-            return static_cast<const T*>(peers(src, 0)) + static_cast<std::size_t>(src_row[p]) * H;
+            const auto row = static_cast<std::size_t>(static_cast<const std::int64_t*>(peers(src, 0))[p]);
+            return static_cast<const V*>(peers(src, buffer)) + row * width;
           });
-          kernels::copy(ex, R, H, static_cast<const T* const*>(table.data()), s.x_recv.data());
-        });
+          kernels::copy(ex, R, width, static_cast<const V* const*>(table.data()), dst);
+        };
+        if (s.fp8) {
+          const void* mine[3] = {s.src_row.data(), rows8.data(), row_scales};
+          const std::size_t bytes[3] = {S * sizeof(std::int64_t), n * H, n * B * sizeof(float)};
+          ctx_.ep->access_peers(mine, bytes, 3, [&](const auto& peers) {
+            pull(peers, 1, H / sizeof(float), reinterpret_cast<float*>(s.x8.data()));
+            pull(peers, 2, B, s.scales);
+          });
+          unit_padding_scales(ex, s.scales, lay, me, B);
+        } else {
+          const void* mine[2] = {s.src_row.data(), x};
+          const std::size_t bytes[2] = {S * sizeof(std::int64_t), n * H * sizeof(T)};
+          ctx_.ep->access_peers(mine, bytes, 2, [&](const auto& peers) { pull(peers, 1, H, s.x_recv.data()); });
+        }
       }
     }
     if (s.per_rank) {
@@ -343,8 +337,6 @@ class all_to_all_impl {
       // (rows in T) takes rounds like any other, planned by combine.
       const bool in_rounds = !training && !s.fp8 && plan_staged_rounds(ex, s);
       const staged_rounds& o = s.rounds;
-      const std::size_t cap = in_rounds ? o.stage_rows() : S;
-      if (!s.fp8) s.send = make_rows<T>(ws_, ex, cap * H);  // FP8: made by combine, for the way back
       if (s.fp8) {
         // FP8: the quantised rows' bytes and scales gathered into send order (one buffer,
         // as on the owners' side), then one collective.
@@ -357,6 +349,8 @@ class all_to_all_impl {
         order_before_collective(ex, *ctx_.ep);
         exchange_fp8_rows(s.seg, send8.data(), S, s.x8.data(), R, H);
       } else {
+        // (FP8: the send buffer of the way back is made by combine.)
+        s.send = make_rows<T>(ws_, ex, (in_rounds ? o.stage_rows() : S) * H);
         zero_padding(ex, s.x_recv.data(), lay, me, H);
         const auto send = [&](std::size_t rows, const std::int64_t* src, const segments& g) {
           kernels::gather(ex, rows, H, x, src, s.send.data());

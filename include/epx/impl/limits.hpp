@@ -184,13 +184,14 @@ void scatter_with_capacity(const capacity_policy& cap, const Exec& ex, const gro
     // where it is on host policies, copied to the policy's memory otherwise).
     std::vector<std::int64_t> last(Es);
     for (std::size_t e = 0; e < Es; ++e) last[e] = plan.host_offset[e] + keep[e] - 1;
-    if constexpr (exec::is_host_policy_v<Exec>) {
-      layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{last.data(), nullptr});
-    } else {
-      auto d_last = exec::make_buffer<std::int64_t>(ex, Es);
-      exec::copy_n(ex, static_cast<const std::int64_t*>(last.data()), Es, d_last.data());
-      layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{d_last.data(), nullptr});
+    const std::int64_t* at = last.data();
+    exec::buffer<std::int64_t, Exec> copy;
+    if constexpr (!exec::is_host_policy_v<Exec>) {
+      copy = exec::make_buffer<std::int64_t>(ex, Es);
+      exec::copy_n(ex, at, Es, copy.data());
+      at = copy.data();
     }
+    layout::launch_scatter(ex, plan, ids, weights, layout::plan_cut{at, nullptr});
     return;
   }
   // By score: this rank's segments, one per expert, its plan block.
