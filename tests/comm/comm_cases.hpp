@@ -287,6 +287,79 @@ void case_all_to_allv_segments(Comm& c) {
   }
 }
 
+// Segmented all-to-all of rows picked by index: each rank's src holds 9 rows; the index
+// list names them in any order, with repeats; segments as in the segmented case, landing
+// segment-major with a one-row gap after each (which must stay untouched). Goes through the
+// backend's native all_to_allv_indexed where it has one (epx::has_indexed_sends_v), else
+// the gathering fallback.
+template <class T, class Comm>
+void case_all_to_allv_indexed_type(Comm& c, std::uint64_t seed, std::size_t nseg, std::size_t H) {
+  const int n = c.size(), me = c.rank();
+  const std::size_t m = static_cast<std::size_t>(n) * nseg, src_rows = 9;
+  auto rows = [&](int src, int dst, std::size_t i) -> std::size_t {
+    const std::uint64_t h = hash(seed, static_cast<std::uint64_t>(src), static_cast<std::uint64_t>(dst), 7000 + i);
+    return h % 4 == 0 ? 0 : static_cast<std::size_t>(h % 7);  // 0..6 rows, a quarter empty
+  };
+  // Row j of segment i from src to dst is src's row pick(...) (repeats and any order).
+  auto pick = [&](int src, int dst, std::size_t i, std::size_t j) -> std::int64_t {
+    return static_cast<std::int64_t>(hash(seed ^ 0x51ull, static_cast<std::uint64_t>(src),
+                                          static_cast<std::uint64_t>(dst) * 64 + i, j) %
+                                     src_rows);
+  };
+  std::vector<T> src(src_rows * H);
+  for (std::size_t r = 0; r < src_rows; ++r)
+    for (std::size_t e = 0; e < H; ++e) src[r * H + e] = value<T>(seed, me, static_cast<int>(r), e);
+  std::vector<std::size_t> sc(m), sd(m), rc(m), rd(m);
+  std::vector<std::int64_t> idx;
+  for (int q = 0; q < n; ++q)
+    for (std::size_t i = 0; i < nseg; ++i) {
+      sc[q * nseg + i] = rows(me, q, i);
+      sd[q * nseg + i] = idx.size();
+      for (std::size_t j = 0; j < sc[q * nseg + i]; ++j) idx.push_back(pick(me, q, i, j));
+    }
+  std::size_t off = 0;
+  for (std::size_t i = 0; i < nseg; ++i)
+    for (int p = 0; p < n; ++p) {
+      rc[p * nseg + i] = rows(p, me, i);
+      rd[p * nseg + i] = off;
+      off += rc[p * nseg + i] + 1;  // a one-row gap
+    }
+  std::vector<T> recv(off * H, sentinel<T>());
+  epx::all_to_allv_indexed(c, static_cast<const T*>(src.data()), epx::span<const std::int64_t>(idx),
+                           epx::span<const std::size_t>(sc), epx::span<const std::size_t>(sd), recv.data(),
+                           epx::span<const std::size_t>(rc), epx::span<const std::size_t>(rd), nseg, H);
+  std::size_t bad = 0, gaps_touched = 0;
+  std::vector<char> covered(recv.size(), 0);
+  for (int p = 0; p < n; ++p)
+    for (std::size_t i = 0; i < nseg; ++i)
+      for (std::size_t j = 0; j < rc[p * nseg + i]; ++j) {
+        const int row = static_cast<int>(pick(p, me, i, j));
+        for (std::size_t e = 0; e < H; ++e) {
+          const std::size_t at = (rd[p * nseg + i] + j) * H + e;
+          bad += !same_bits(recv[at], value<T>(seed, p, row, e));
+          covered[at] = 1;
+        }
+      }
+  for (std::size_t j = 0; j < recv.size(); ++j)
+    if (!covered[j]) gaps_touched += !same_bits(recv[j], sentinel<T>());
+  CHECK_MESSAGE(bad == 0, "all_to_allv_indexed<" << type_name<T>() << "> nseg " << nseg << " H " << H << " on " << n
+                                                 << " ranks: " << bad << " wrong elements on rank " << me);
+  CHECK_MESSAGE(gaps_touched == 0, "all_to_allv_indexed<" << type_name<T>() << "> nseg " << nseg << " wrote "
+                                                          << gaps_touched << " elements outside the segments on rank "
+                                                          << me);
+}
+
+template <class Comm>
+void case_all_to_allv_indexed(Comm& c) {
+  for (std::size_t nseg : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{8}}) {
+    case_all_to_allv_indexed_type<std::int32_t>(c, 61 + nseg, nseg, 1);
+    case_all_to_allv_indexed_type<float>(c, 63 + nseg, nseg, 5);
+    case_all_to_allv_indexed_type<double>(c, 64 + nseg, nseg, 2);
+    case_all_to_allv_indexed_type<epx::bf16>(c, 65 + nseg, nseg, 16);
+    case_all_to_allv_indexed_type<std::byte>(c, 67 + nseg, nseg, 7);
+  }
+}
+
 // One message of `bytes` (64 MiB by default) from every rank to the next one, as int64.
 template <class Comm>
 void case_large(Comm& c, std::size_t bytes = std::size_t{64} << 20) {
@@ -585,6 +658,7 @@ void run_comm_cases(Comm& world) {
   case_all_to_allv(world);
   case_all_to_allv_rows(world);
   case_all_to_allv_segments(world);
+  case_all_to_allv_indexed(world);
   case_all_reduce(world);
   case_reduce_scatter(world);
   case_all_gather(world);

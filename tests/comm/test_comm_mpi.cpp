@@ -415,6 +415,18 @@ void check_segments(communicator& comm, std::size_t nseg, std::size_t salt) {
   CHECK(touched == 0);
 }
 
+TEST_CASE("mpi: all_to_allv_indexed (one MPI_Alltoallw of indexed row types) and its chunked fallback") {
+  static_assert(epx::has_indexed_sends_v<communicator>);
+  communicator c = small_chunks(17);  // rows of 16 bf16 fit; segments of 2 or more rows exceed it
+  const std::size_t before = c.chunked_rounds();
+  comm_cases::case_all_to_allv_indexed(c);
+  if (c.size() > 1) CHECK(c.chunked_rounds() > before);
+  epx::mpi::options o;
+  o.check_counts = false;
+  communicator u = communicator::world(o);
+  comm_cases::case_all_to_allv_indexed(u);
+}
+
 TEST_CASE("mpi: native segmented all_to_allv (one MPI_Alltoallw) and its chunked fallback") {
   static_assert(epx::detail::has_native_segments<communicator>::value);
   communicator w = communicator::world();

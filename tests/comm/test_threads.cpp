@@ -97,6 +97,72 @@ TEST_CASE("threads: all_to_allv_rows") { for_each_world_size([](auto& c) { comm_
 TEST_CASE("threads: native all_to_allv_segments, every type, empty segments, nseg 0") {
   for_each_world_size([](auto& c) { comm_cases::case_all_to_allv_segments(c); });
 }
+static_assert(epx::has_indexed_sends_v<epx::threads::communicator>,
+              "the threads communicator reads rows by index as it sends them");
+
+TEST_CASE("threads: native all_to_allv_indexed: rows by index, repeats, empty segments, nseg 0") {
+  for_each_world_size([](auto& c) { comm_cases::case_all_to_allv_indexed(c); });
+}
+
+namespace {
+// The threads communicator without its all_to_allv_indexed: epx::all_to_allv_indexed then
+// gathers the rows on the host and calls all_to_allv_segments.
+struct without_indexed_sends {
+  epx::threads::communicator& c;
+  int rank() const { return c.rank(); }
+  int size() const { return c.size(); }
+  void all_to_allv_segments(const void* send, const std::size_t* sc, const std::size_t* sd, void* recv,
+                            const std::size_t* rc, const std::size_t* rd, std::size_t nseg, epx::datatype t) {
+    c.all_to_allv_segments(send, sc, sd, recv, rc, rd, nseg, t);
+  }
+};
+static_assert(!epx::has_indexed_sends_v<without_indexed_sends>);
+}  // namespace
+
+TEST_CASE("threads: all_to_allv_indexed through the gathering fallback") {
+  for_each_world_size([](auto& c) {
+    without_indexed_sends w{c};
+    comm_cases::case_all_to_allv_indexed(w);
+  });
+}
+
+TEST_CASE("threads: all_to_allv_indexed: mismatched row widths and counts are detected on every rank") {
+  const int n = 3;
+  for (int which = 0; which < 2; ++which) {
+    CAPTURE(which);
+    seen_errors seen(n);
+    std::atomic<int> recovered{0};
+    epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      const int me = comm.rank();
+      std::vector<float> src(4 * 8, 1.0f), recv(4 * 8 * n, 0.0f);
+      std::vector<std::int64_t> rows(static_cast<std::size_t>(n), 0);
+      std::vector<std::size_t> sc(n, 1), sd(n), rc(n, 1), rd(n);
+      for (int p = 0; p < n; ++p) sd[p] = rd[p] = static_cast<std::size_t>(p);
+      std::size_t width = 4;
+      if (which == 0 && me == 1) width = 8;  // rank 1's rows are twice as wide
+      if (which == 1 && me == 2) rc[0] = 2;  // rank 2 expects 2 rows from rank 0, which sends 1
+      try {
+        comm.all_to_allv_indexed(src.data(), rows.data(), width, sc.data(), sd.data(), recv.data(), rc.data(),
+                                 rd.data(), 1, epx::datatype::float32);
+      } catch (const epx::error& e) {
+        seen.record(me, e);
+      }
+      std::vector<double> x{1.0};
+      epx::all_reduce(comm, epx::span<double>(x));
+      if (x[0] == n) ++recovered;
+    }, short_options());
+    CHECK(recovered.load() == n);
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(seen.categories[r] == epx::errc::communicator);
+      CHECK(contains(seen.messages[r], which == 0 ? "all_to_allv_indexed: mismatched row widths: rank 0 passed 4 "
+                                                    "elements per row, rank 1 passed 8"
+                                                  : "all_to_allv_indexed: mismatched counts: rank 0 sends 1 rows in segment 0 "
+                                                    "to rank 2, which expects 2 from it"));
+    }
+  }
+}
+
 TEST_CASE("threads: all_reduce, scaled, every type") { for_each_world_size([](auto& c) { comm_cases::case_all_reduce(c); }); }
 TEST_CASE("threads: reduce_scatter") { for_each_world_size([](auto& c) { comm_cases::case_reduce_scatter(c); }); }
 TEST_CASE("threads: all_gather") { for_each_world_size([](auto& c) { comm_cases::case_all_gather(c); }); }

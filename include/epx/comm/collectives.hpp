@@ -1,7 +1,9 @@
 // epx/comm/collectives.hpp: typed collectives over any communicator, and mesh sub-groups.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -117,6 +119,52 @@ void all_to_allv_segments(Comm& comm, const T* send, span<const std::size_t> sen
                                          row_elems);
       comm.all_to_allv(send, v.data(), v.data() + n, recv, v.data() + 2 * n, v.data() + 3 * n, datatype_of<T>());
     }
+  }
+}
+
+// The segmented all-to-all of rows picked by index: as all_to_allv_segments, except that
+// the send side names its rows instead of holding them in send order. Segment i to peer q
+// is the rows src[rows[j]] (rows of row_elems elements) for j in
+// [send_seg_displs[q*nseg+i], + send_seg_counts[q*nseg+i]); it lands as one block at q's
+// recv_seg_displs[me*nseg+i]. Every index used must name a row of src (not checked).
+// Backends with a native `all_to_allv_indexed` (epx::has_indexed_sends_v: threads, MPI)
+// read the rows straight out of src as they send; otherwise the rows are gathered into
+// send order on the host first (src and recv must then be host memory).
+template <class Comm, class T>
+void all_to_allv_indexed(Comm& comm, const T* src, span<const std::int64_t> rows,
+                         span<const std::size_t> send_seg_counts, span<const std::size_t> send_seg_displs, T* recv,
+                         span<const std::size_t> recv_seg_counts, span<const std::size_t> recv_seg_displs,
+                         std::size_t nseg, std::size_t row_elems) {
+  const auto n = static_cast<std::size_t>(comm.size());
+  const std::size_t m = n * nseg;
+  EPX_REQUIRE(send_seg_counts.size() == m && send_seg_displs.size() == m && recv_seg_counts.size() == m &&
+                  recv_seg_displs.size() == m,
+              errc::input, "all_to_allv_indexed: counts and displacements need peers*nseg (", n, "*", nseg,
+              " = ", m, ") entries");
+  EPX_REQUIRE(row_elems != 0, errc::input, "all_to_allv_indexed: row_elems must be positive");
+  for (std::size_t j = 0; j < m; ++j)
+    EPX_REQUIRE(send_seg_displs[j] + send_seg_counts[j] <= rows.size(), errc::input,
+                "all_to_allv_indexed: segment ", j % nseg, " to peer ", j / nseg, " reads rows[",
+                send_seg_displs[j], ", ", send_seg_displs[j] + send_seg_counts[j], ") of ", rows.size());
+  if constexpr (has_indexed_sends_v<Comm>) {
+    comm.all_to_allv_indexed(src, rows.data(), row_elems, send_seg_counts.data(), send_seg_displs.data(), recv,
+                             recv_seg_counts.data(), recv_seg_displs.data(), nseg, datatype_of<T>());
+  } else {
+    std::size_t sent = 0;
+    for (std::size_t j = 0; j < m; ++j) sent += send_seg_counts[j];
+    std::vector<T> send(sent * row_elems);
+    std::vector<std::size_t> displs(m);
+    std::size_t at = 0;
+    for (std::size_t j = 0; j < m; ++j) {
+      displs[j] = at;
+      for (std::size_t r = 0; r < send_seg_counts[j]; ++r, ++at) {
+        const T* row = src + static_cast<std::size_t>(rows[send_seg_displs[j] + r]) * row_elems;
+        std::copy(row, row + row_elems, send.data() + at * row_elems);
+      }
+    }
+    all_to_allv_segments(comm, static_cast<const T*>(send.data()), send_seg_counts,
+                         span<const std::size_t>(displs.data(), m), recv, recv_seg_counts, recv_seg_displs, nseg,
+                         row_elems);
   }
 }
 

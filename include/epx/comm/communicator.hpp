@@ -38,6 +38,15 @@
 //                                       // arrays [peers][nseg]: every segment of every peer in
 //                                       // one collective (epx::all_to_allv_segments, which
 //                                       // otherwise runs nseg rounds of all_to_allv)
+//   void all_to_allv_indexed(const void* src, const std::int64_t* rows, std::size_t row_elems,
+//                            const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
+//                            const std::size_t* recv_counts, const std::size_t* recv_displs,
+//                            std::size_t nseg, datatype t);
+//                                       // as all_to_allv_segments, in rows of row_elems elements,
+//                                       // but row j of the send order is row rows[j] of src:
+//                                       // rows are read by index as they are sent, with no send
+//                                       // buffer (epx::all_to_allv_indexed, which otherwise
+//                                       // gathers them first; epx::has_indexed_sends_v)
 //   void wait();                        // bounded wait for the work the communicator queued on
 //                                       // a device stream (epx/comm/settle.hpp)
 //
@@ -69,6 +78,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 #include <utility>
 
@@ -204,6 +214,23 @@ template <class C>
 struct has_peer_access_query<C, std::void_t<decltype(bool(std::declval<C&>().peer_access_available()))>>
     : std::true_type {};
 }  // namespace detail
+
+namespace detail {
+template <class C, class = void>
+struct has_indexed_sends : std::false_type {};
+template <class C>
+struct has_indexed_sends<C, std::void_t<decltype(std::declval<C&>().all_to_allv_indexed(
+                                std::declval<const void*>(), std::declval<const std::int64_t*>(), std::size_t{},
+                                std::declval<const std::size_t*>(), std::declval<const std::size_t*>(),
+                                std::declval<void*>(), std::declval<const std::size_t*>(),
+                                std::declval<const std::size_t*>(), std::size_t{}, datatype::byte))>>
+    : std::true_type {};
+}  // namespace detail
+
+// Whether C sends rows by index (the optional all_to_allv_indexed above).
+template <class C>
+inline constexpr bool has_indexed_sends_v =
+    detail::has_indexed_sends<std::remove_cv_t<std::remove_reference_t<C>>>::value;
 
 namespace detail {
 template <class C, class = void>

@@ -204,6 +204,93 @@ class communicator {
                                 types.data() + n, s_->comm, &epx_req_));
   }
 
+  // Segmented all-to-all of rows picked by index (see epx::all_to_allv_indexed): arrays
+  // are [peers][nseg], in rows of row_elems elements; segment i to peer q is the rows
+  // src + rows[j] * row_elems for j in [send_displs[q*nseg+i], + send_counts[q*nseg+i]),
+  // landing as one block at q's recv_displs[me*nseg+i]. One MPI_Alltoallw whose send
+  // datatype per peer lists that peer's rows (MPI packs them as it sends: no send buffer
+  // of the caller's); transfers over max_count are gathered into send order first and go
+  // the chunked way of all_to_allv_segments.
+  void all_to_allv_indexed(const void* src, const std::int64_t* rows, std::size_t row_elems,
+                           const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
+                           const std::size_t* recv_counts, const std::size_t* recv_displs, std::size_t nseg,
+                           datatype t) {
+    detail::mpi_enter(*s_, "all_to_allv_indexed");
+    EPX_REQUIRE(row_elems != 0, errc::input, "all_to_allv_indexed: row_elems must be positive");
+    const auto n = static_cast<std::size_t>(size());
+    const std::size_t m = n * nseg;
+    // The checks and the path in elements, as all_to_allv_segments takes them.
+    std::vector<std::size_t> v(4 * m);
+    std::size_t *sc = v.data(), *sd = sc + m, *rc = sd + m, *rd = rc + m;
+    bool large = nseg > static_cast<std::size_t>(INT_MAX) || row_elems > opt_.max_count;
+    std::size_t sent = 0;
+    for (std::size_t p = 0; p < n; ++p) {
+      std::size_t to_p = 0;
+      for (std::size_t i = 0; i < nseg; ++i) {
+        const std::size_t j = p * nseg + i;
+        sc[j] = send_counts[j] * row_elems;
+        sd[j] = sent * row_elems;  // where the segment sits once gathered (the large path)
+        rc[j] = recv_counts[j] * row_elems;
+        rd[j] = recv_displs[j] * row_elems;
+        sent += send_counts[j];
+        to_p += send_counts[j];
+        large = large || sc[j] > opt_.max_count || rc[j] > opt_.max_count;
+      }
+      large = large || to_p > static_cast<std::size_t>(INT_MAX);
+    }
+    large = opt_.check_counts ? detail::mpi_check_segment_counts(*s_, opt_, sc, rc, nseg, t, large)
+                              : detail::mpi_any(*s_, opt_, large);
+    if (nseg == 0) return;
+    const std::size_t row_bytes = row_elems * size_of(t);
+    if (large) {
+      std::vector<unsigned char> send(sent * row_bytes);
+      std::size_t at = 0;
+      for (std::size_t j = 0; j < m; ++j)
+        for (std::size_t r = 0; r < send_counts[j]; ++r, ++at)
+          std::memcpy(send.data() + at * row_bytes,
+                      static_cast<const unsigned char*>(src) + static_cast<std::size_t>(rows[send_displs[j] + r]) * row_bytes,
+                      row_bytes);
+      for (std::size_t i = 0; i < nseg; ++i) {
+        std::vector<std::size_t> w(4 * n);
+        for (std::size_t p = 0; p < n; ++p) {
+          w[p] = sc[p * nseg + i];
+          w[n + p] = sd[p * nseg + i];
+          w[2 * n + p] = rc[p * nseg + i];
+          w[3 * n + p] = rd[p * nseg + i];
+        }
+        exchange_chunked(send.data(), w.data(), w.data() + n, recv, w.data() + 2 * n, w.data() + 3 * n, t);
+      }
+      return;
+    }
+    const MPI_Datatype mt = detail::mpi_type(t);
+    // [send types by peer, recv types by peer, the row type], freed on scope exit
+    detail::mpi_type_list types(2 * n + 1);
+    MPI_Datatype& row = types[2 * n];
+    EPX_MPI_CHECK(MPI_Type_contiguous(static_cast<int>(row_elems), mt, &row));
+    EPX_MPI_CHECK(MPI_Type_commit(&row));
+    std::vector<MPI_Aint> disp;
+    std::vector<int> len(nseg), ones(n, 1), zeros(n, 0);
+    for (std::size_t p = 0; p < n; ++p) {
+      disp.clear();
+      for (std::size_t i = 0; i < nseg; ++i) {
+        const std::size_t j = p * nseg + i;
+        for (std::size_t r = 0; r < send_counts[j]; ++r)
+          disp.push_back(static_cast<MPI_Aint>(rows[send_displs[j] + r]) * static_cast<MPI_Aint>(row_bytes));
+      }
+      EPX_MPI_CHECK(MPI_Type_create_hindexed_block(static_cast<int>(disp.size()), 1, disp.data(), row, &types[p]));
+      EPX_MPI_CHECK(MPI_Type_commit(&types[p]));
+      disp.resize(nseg);
+      for (std::size_t i = 0; i < nseg; ++i) {
+        len[i] = static_cast<int>(rc[p * nseg + i]);
+        disp[i] = static_cast<MPI_Aint>(recv_displs[p * nseg + i] * row_bytes);
+      }
+      EPX_MPI_CHECK(MPI_Type_create_hindexed(static_cast<int>(nseg), len.data(), disp.data(), mt, &types[n + p]));
+      EPX_MPI_CHECK(MPI_Type_commit(&types[n + p]));
+    }
+    EPX_MPI_BOUNDED(MPI_Ialltoallw(src, ones.data(), zeros.data(), types.data(), recv, ones.data(), zeros.data(),
+                                types.data() + n, s_->comm, &epx_req_));
+  }
+
   // recv = scale * sum over ranks of send (send == recv allowed); bitwise equal on all ranks.
   void all_reduce(const void* send, void* recv, std::size_t count, datatype t, double scale) {
     detail::mpi_enter(*s_, "all_reduce");

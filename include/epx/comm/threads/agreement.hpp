@@ -35,8 +35,9 @@ inline bool threads_pair_matches(threads_group& g, std::uint64_t seq, int me, in
   if (s.op != mine.op || s.type != mine.type) return false;
   switch (mine.op) {
     case threads_op::all_to_allv:
-    case threads_op::all_to_allv_segments: {
-      if (s.count != mine.count) return false;
+    case threads_op::all_to_allv_segments:
+    case threads_op::all_to_allv_indexed: {
+      if (s.count != mine.count || s.row_elems != mine.row_elems) return false;
       const std::size_t nseg = mine.count;
       for (std::size_t i = 0; i < nseg; ++i)
         if (s.send_counts[static_cast<std::size_t>(me) * nseg + i] !=
@@ -71,12 +72,18 @@ inline std::string threads_check_match(threads_group& g, std::uint64_t seq) {
       return concat(to_string(op), ": mismatched datatypes: ", who(0), " passed ", to_string(s0.type),
                     ", ", who(r), " passed ", to_string(s.type));
   }
-  if (op == threads_op::all_to_allv || op == threads_op::all_to_allv_segments) {
-    const bool segmented = op == threads_op::all_to_allv_segments;
+  if (op == threads_op::all_to_allv || op == threads_op::all_to_allv_segments ||
+      op == threads_op::all_to_allv_indexed) {
+    const bool segmented = op != threads_op::all_to_allv;
+    const bool indexed = op == threads_op::all_to_allv_indexed;
     for (int r = 1; r < n; ++r)
       if (slot(r).count != s0.count)
-        return concat("all_to_allv_segments: mismatched segment counts: ", who(0), " passed ", s0.count,
+        return concat(to_string(op), ": mismatched segment counts: ", who(0), " passed ", s0.count,
                       " segments per peer, ", who(r), " passed ", slot(r).count);
+    for (int r = 1; r < n; ++r)
+      if (slot(r).row_elems != s0.row_elems)
+        return concat(to_string(op), ": mismatched row widths: ", who(0), " passed ", s0.row_elems,
+                      " elements per row, ", who(r), " passed ", slot(r).row_elems);
     const std::size_t nseg = s0.count;
     for (int src = 0; src < n; ++src)
       for (int dst = 0; dst < n; ++dst)
@@ -84,7 +91,8 @@ inline std::string threads_check_match(threads_group& g, std::uint64_t seq) {
           const std::size_t sent = slot(src).send_counts[static_cast<std::size_t>(dst) * nseg + i];
           const std::size_t expected = slot(dst).recv_counts[static_cast<std::size_t>(src) * nseg + i];
           if (sent != expected)
-            return concat(to_string(op), ": mismatched counts: ", who(src), " sends ", sent, " elements",
+            return concat(to_string(op), ": mismatched counts: ", who(src), " sends ", sent,
+                          indexed ? " rows" : " elements",
                           segmented ? concat(" in segment ", i) : std::string(), " to ", who(dst),
                           ", which expects ", expected, " from it");
         }

@@ -156,6 +156,20 @@ class communicator {
                       recv_displs, nseg, t);
   }
 
+  // Segmented all-to-all of rows picked by index (see epx::all_to_allv_indexed): arrays
+  // are [peers][nseg], in rows of row_elems elements; segment i to peer q is the rows
+  // src + rows[j] * row_elems for j in [send_displs[q*nseg+i], + send_counts[q*nseg+i]),
+  // and lands as a block at recv + q's recv_displs[me*nseg+i] rows. Each row is copied
+  // once, from the sender's src straight into the receiver's buffer: no send buffer.
+  void all_to_allv_indexed(const void* src, const std::int64_t* rows, std::size_t row_elems,
+                           const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
+                           const std::size_t* recv_counts, const std::size_t* recv_displs, std::size_t nseg,
+                           datatype t) {
+    EPX_REQUIRE(row_elems != 0, errc::input, "all_to_allv_indexed: row_elems must be positive");
+    exchange_segments(detail::threads_op::all_to_allv_indexed, src, send_counts, send_displs, recv, recv_counts,
+                      recv_displs, nseg, t, rows, row_elems);
+  }
+
   // recv = scale * sum over ranks of send (send == recv allowed). Summed in rank order;
   // every rank gets bitwise the same result.
   void all_reduce(const void* send, void* recv, std::size_t count, datatype t, double scale) {
@@ -321,14 +335,17 @@ class communicator {
                int rank) noexcept
       : world_(std::move(world)), group_(std::move(group)), rank_(rank) {}
 
-  // all_to_allv (op all_to_allv, nseg = 1) and all_to_allv_segments: the arrays are
-  // [peers][nseg] in elements; every segment is copied once, from the sender's buffer
-  // straight into the receiver's.
+  // all_to_allv (op all_to_allv, nseg = 1), all_to_allv_segments and all_to_allv_indexed:
+  // the arrays are [peers][nseg] in units of `row_elems` elements; every segment (indexed:
+  // every row) is copied once, from the sender's buffer straight into the receiver's.
+  // Indexed, the send displacements index `rows`, which names rows of `send`.
   void exchange_segments(detail::threads_op op, const void* send, const std::size_t* send_counts,
                          const std::size_t* send_displs, void* recv, const std::size_t* recv_counts,
-                         const std::size_t* recv_displs, std::size_t nseg, datatype t) {
+                         const std::size_t* recv_displs, std::size_t nseg, datatype t,
+                         const std::int64_t* rows = nullptr, std::size_t row_elems = 1) {
     const char* name = to_string(op);
-    const bool segmented = op == detail::threads_op::all_to_allv_segments;
+    const bool indexed = op == detail::threads_op::all_to_allv_indexed;
+    const bool segmented = op != detail::threads_op::all_to_allv;
     const int n = size();
     const std::size_t m = static_cast<std::size_t>(n) * nseg;
     EPX_REQUIRE(m == 0 || (send_counts && send_displs && recv_counts && recv_displs), errc::input, name,
@@ -339,7 +356,8 @@ class communicator {
       total_send += send_counts[j];
       total_recv += recv_counts[j];
     }
-    require_buffer(send, total_send, name, "send");
+    require_buffer(send, total_send, name, indexed ? "src" : "send");
+    require_buffer(rows, indexed ? total_send : 0, name, "rows");
     require_buffer(recv, total_recv, name, "recv");
     EPX_REQUIRE(send != recv || total_send + total_recv == 0 || n == 1, errc::input, name,
                 ": send and recv must be distinct buffers (in place is not supported)");
@@ -348,14 +366,23 @@ class communicator {
     d.send_displs = send_displs;
     d.recv_counts = recv_counts;
     d.recv_displs = recv_displs;
-    const std::size_t es = size_of(t);
+    d.rows = rows;
+    d.row_elems = row_elems;
+    const std::size_t es = size_of(t) * row_elems;  // bytes per unit of the counts
     enter_pull(d, [&](int p) {
       const auto& s = slot(p);
       const std::size_t from = static_cast<std::size_t>(rank_) * nseg;  // our row of p's arrays
       const std::size_t to = static_cast<std::size_t>(p) * nseg;        // p's row of ours
-      for (std::size_t i = 0; i < nseg; ++i)
-        copy_bytes(static_cast<char*>(recv) + recv_displs[to + i] * es,
-                   static_cast<const char*>(s.send) + s.send_displs[from + i] * es, recv_counts[to + i] * es);
+      for (std::size_t i = 0; i < nseg; ++i) {
+        char* dst = static_cast<char*>(recv) + recv_displs[to + i] * es;
+        if (!indexed) {
+          copy_bytes(dst, static_cast<const char*>(s.send) + s.send_displs[from + i] * es, recv_counts[to + i] * es);
+          continue;
+        }
+        const std::int64_t* r = s.rows + s.send_displs[from + i];
+        for (std::size_t j = 0; j < recv_counts[to + i]; ++j)
+          copy_bytes(dst + j * es, static_cast<const char*>(s.send) + static_cast<std::size_t>(r[j]) * es, es);
+      }
     });
   }
 

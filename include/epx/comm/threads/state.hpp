@@ -33,6 +33,7 @@ enum class threads_op : int {
   all_to_all,
   all_to_allv,
   all_to_allv_segments,
+  all_to_allv_indexed,
   all_reduce,
   reduce_scatter,
   all_gather,
@@ -48,6 +49,7 @@ inline const char* to_string(threads_op k) noexcept {
     case threads_op::all_to_all: return "all_to_all";
     case threads_op::all_to_allv: return "all_to_allv";
     case threads_op::all_to_allv_segments: return "all_to_allv_segments";
+    case threads_op::all_to_allv_indexed: return "all_to_allv_indexed";
     case threads_op::all_reduce: return "all_reduce";
     case threads_op::reduce_scatter: return "reduce_scatter";
     case threads_op::all_gather: return "all_gather";
@@ -93,6 +95,8 @@ struct alignas(64) threads_slot {
   const std::size_t* send_displs = nullptr;
   const std::size_t* recv_counts = nullptr;
   const std::size_t* recv_displs = nullptr;
+  const std::int64_t* rows = nullptr;  // all_to_allv_indexed: the rows of `send` in send order
+  std::size_t row_elems = 1;           // all_to_allv_indexed: elements per row (the counts' unit)
   double scale = 1.0;
   int root = 0;
   int color = 0;
