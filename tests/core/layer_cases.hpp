@@ -57,6 +57,7 @@ struct layer_case {
   std::uint64_t seed = 1;
   std::size_t chunks = 0;
   bool peer_access = true;  // layer_options::peer_access (false: the staged route everywhere)
+  bool indexed_sends = true;  // layer_options::indexed_sends (false: staged sends gather first)
   capacity_policy capacity = {};  // layer_options::capacity (spec section 8)
   int ranks_per_node = 0;         // layer_options::ranks_per_node (node statistics)
   row_sends sends = row_sends::per_slot;  // layer_options::sends (spec section 14)
@@ -67,7 +68,7 @@ struct layer_case {
     return detail::concat("tp=", topology.tp, " fsdp=", topology.fsdp, " ep=", topology.ep, " dp_replicate=",
                           topology.dp_replicate, " E=", topology.experts, " k=", top_k, " H=", hidden,
                           " routing=", to_string(routing), " pad=", pad.rows_per_expert, "/", pad.align,
-                          peer_access ? "" : " staged",
+                          peer_access ? "" : " staged", indexed_sends ? "" : " gathered",
                           capacity.enabled() ? detail::concat(" capacity=", to_string(capacity.mode), "/",
                                                               capacity.rows > 0 ? capacity.rows : 0, "/",
                                                               capacity.factor, "/", to_string(capacity.priority))
@@ -121,6 +122,7 @@ inline layer_options options_for(const layer_case& c) {
   o.pad = c.pad;
   o.chunks = c.chunks;
   o.peer_access = c.peer_access;
+  o.indexed_sends = c.indexed_sends;
   o.capacity = c.capacity;
   o.ranks_per_node = c.ranks_per_node;
   o.sends = c.sends;
@@ -361,6 +363,10 @@ std::string check_layer_case(Comm& world, const layer_case& c) {
                         c.sends == row_sends::per_slot && has_peer_access_v<Comm> && exec::is_host_policy_v<test_exec>;
     if (r.stats.peer_access != direct)
       f += detail::concat(where, ": stats.peer_access is ", r.stats.peer_access, ", expected ", direct, "\n");
+    const bool by_index = std::string(r.stats.path) == "all_to_all" && !direct && c.indexed_sends &&
+                          has_indexed_sends_v<Comm> && exec::is_host_policy_v<test_exec>;
+    if (r.stats.indexed_sends != by_index)
+      f += detail::concat(where, ": stats.indexed_sends is ", r.stats.indexed_sends, ", expected ", by_index, "\n");
   } catch (const std::exception& ex) {
     f += detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
   }
@@ -590,23 +596,34 @@ std::string bitwise_differences(const layer_outputs<T>& a, const layer_outputs<T
 }
 
 // The staged route and the direct one (peer access) give bitwise the same outputs and
-// gradients (on communicators without peer access both runs take the staged route).
+// gradients (on communicators without peer access both runs take the staged route), and
+// so does the staged route whose sends gather their rows first (indexed_sends = false).
 template <class Comm, class T>
 std::string check_routes_agree(Comm& world, const layer_case& c) {
   std::string f;
   try {
     const auto global = ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
-    layer_case direct = c, staged = c;
+    layer_case direct = c, staged = c, gathered = c;
     direct.peer_access = true;
-    staged.peer_access = false;
+    staged.peer_access = gathered.peer_access = false;
+    staged.indexed_sends = true;
+    gathered.indexed_sends = false;
     const auto a = run_layer<Comm, T, impl::all_to_all>(world, direct, global);
     const auto b = run_layer<Comm, T, impl::all_to_all>(world, staged, global);
+    const auto g = run_layer<Comm, T, impl::all_to_all>(world, gathered, global);
     const std::string where = detail::concat(c.describe(), " rank ", world.rank(), " direct vs staged: ");
     f += bitwise_differences(a, b, where);
-    // Device policies (exec::emulated_device here) always take the staged route.
-    if (a.stats.peer_access != (has_peer_access_v<Comm> && exec::is_host_policy_v<test_exec>))
+    const std::string where_g = detail::concat(c.describe(), " rank ", world.rank(), " staged by index vs gathered: ");
+    f += bitwise_differences(b, g, where_g);
+    // Device policies (exec::emulated_device here) always take the staged route, and
+    // gather before they send.
+    const bool host = exec::is_host_policy_v<test_exec>;
+    if (a.stats.peer_access != (has_peer_access_v<Comm> && host))
       f += where + "the direct run did not take the expected route\n";
-    if (b.stats.peer_access) f += where + "the staged run took the direct route\n";
+    if (b.stats.peer_access || g.stats.peer_access) f += where + "a staged run took the direct route\n";
+    if (b.stats.indexed_sends != (has_indexed_sends_v<Comm> && host) || g.stats.indexed_sends)
+      f += detail::concat(where_g, "stats.indexed_sends ", b.stats.indexed_sends, " and ", g.stats.indexed_sends,
+                          ", expected ", has_indexed_sends_v<Comm> && host, " and 0\n");
   } catch (const std::exception& ex) {
     f += detail::concat(c.describe(), " rank ", world.rank(), ": exception: ", ex.what(), "\n");
   }
@@ -691,6 +708,11 @@ std::string check_sends_agree(Comm& world, const layer_case& c) {
     const std::string where = detail::concat(c.describe(), " rank ", world.rank(), " per_slot vs per_rank: ");
     if (!bitwise_equal(a.grad_w, b.grad_w)) f += where + "grad_weights differ bitwise\n";
     if (!bitwise_equal(a.expert_grads, b.expert_grads)) f += where + "expert grads differ bitwise\n";
+    // Per-rank sends that gather their unique rows first: bitwise the same.
+    layer_case gathered = rank;
+    gathered.indexed_sends = false;
+    const auto g = run_layer<Comm, T, impl::all_to_all>(world, gathered, global);
+    f += bitwise_differences(b, g, detail::concat(c.describe(), " rank ", world.rank(), " per_rank by index vs gathered: "));
     const double at = atol_for<T>(), rt = rtol_for<T>();
     append(f, ref::compare(ref::to_double(b.out), ref::to_double(a.out), at, rt, where + "out"));
     append(f, ref::compare(ref::to_double(b.grad_x), ref::to_double(a.grad_x), at, rt, where + "grad_x"));

@@ -104,7 +104,8 @@ struct step_config {
     return detail::concat(c.topology.tp, ",", c.topology.fsdp, ",", c.topology.pp, ",", c.topology.dp_replicate,
                           ",", c.topology.ep, ",", c.topology.experts, ",", c.top_k, ",", c.hidden, ",",
                           static_cast<int>(c.routing), ",", c.pad.rows_per_expert, ",", c.pad.align, ",",
-                          static_cast<int>(type), ",", static_cast<int>(impl), ",", inference, ",", c.peer_access);
+                          static_cast<int>(type), ",", static_cast<int>(impl), ",", inference, ",", c.peer_access,
+                          ",", c.indexed_sends);
   }
 };
 
@@ -142,6 +143,9 @@ inline step_config random_step(ref::rng& g, const std::vector<mesh_config>& mesh
   s.impl = im == 1 && !masked_ok ? impl_kind::all_to_all : static_cast<impl_kind>(im);
   s.inference = allow_inference && g.below(6) == 0;
   s.c.peer_access = g.below(4) != 0;  // the direct route where the communicator allows it, else staged
+  // Staged sends by index (threads, MPI) three times in four; from the seed, so that the
+  // draws above and below stay what they were.
+  s.c.indexed_sends = (s.c.seed >> 4) % 4 != 0;
   // One row per destination rank (spec section 14) now and then; the masked path refuses it.
   if (s.impl != impl_kind::all_reduce && g.below(4) == 0) s.c.sends = row_sends::per_rank;
   return s;
@@ -216,8 +220,8 @@ struct fault_plan {
 };
 
 // The optional parts of the communicator concept, forwarded when `Comm` has them: the
-// native segmented all-to-all and peer access (the layer's direct route), each counted as
-// one collective call like the others.
+// native segmented all-to-all, the sends by index and peer access (the layer's direct
+// route), each counted as one collective call like the others.
 template <class Derived, class Comm, bool = has_peer_access_v<Comm>>
 struct faulty_peer_access {};
 template <class Derived, class Comm>
@@ -281,6 +285,14 @@ class faulty_comm : public faulty_peer_access<faulty_comm<Comm>, Comm> {
     before("all_to_allv_segments");
     inner_->all_to_allv_segments(s, sc, sd, r, rc, rd, nseg, t);
     after("all_to_allv_segments");
+  }
+  template <class C = Comm, class = std::enable_if_t<has_indexed_sends_v<C>>>
+  void all_to_allv_indexed(const void* src, const std::int64_t* rows, std::size_t row_elems, const std::size_t* sc,
+                           const std::size_t* sd, void* r, const std::size_t* rc, const std::size_t* rd,
+                           std::size_t nseg, datatype t) {
+    before("all_to_allv_indexed");
+    inner_->all_to_allv_indexed(src, rows, row_elems, sc, sd, r, rc, rd, nseg, t);
+    after("all_to_allv_indexed");
   }
   void all_reduce(const void* s, void* r, std::size_t n, datatype t, double scale) {
     before("all_reduce");
@@ -484,6 +496,8 @@ void run_rank_typed(Comm& raw_world, const step_config& s, const fault_spec& f, 
   o.top_k = s.c.top_k;
   o.pad = s.c.pad;
   o.peer_access = s.c.peer_access;
+  o.indexed_sends = s.c.indexed_sends;
+  o.sends = s.c.sends;
   try {
     plan->phase = "construction";
     moe_layer<fcomm, T, Impl, test_exec> layer(m, world, o);

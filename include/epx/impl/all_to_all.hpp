@@ -21,7 +21,10 @@
 //      through a stage of at most layer_options::stage_bytes instead of a buffer of all
 //      n*k rows (epx/layout/rounds.hpp); a training forward keeps its send-order outputs
 //      for backward and moves them in one round, and the FP8 dispatch's rows go out in one
-//      round (an inference call's outputs still come back in rounds);
+//      round (an inference call's outputs still come back in rounds). On communicators
+//      that send rows by index (epx::has_indexed_sends_v: threads, MPI) and host
+//      policies, the forward dispatch (not FP8's) sends the rows straight out of x, in one
+//      collective, with no gather (layer_options::indexed_sends): three passes;
 //   direct (communicators with peer access, epx::has_peer_access_v, whose ranks can use it
 //      now, epx::peer_access_available, and host policies; layer_options::peer_access):
 //      each owner copies its rows straight out of the senders' x (FP8: out of their
@@ -142,6 +145,7 @@ class all_to_all_impl {
     exec::buffer<float, Exec> weights;         // [S] routing weight of each send position
     rows_buffer<T, Exec> x_recv;               // [R, H] expert-major input rows (FP8 dispatch: made by backward)
     bool fp8 = false;                          // FP8 dispatch (layer_options::fp8_dispatch)
+    bool by_index = false;                     // staged sends read rows by index (layer_options::indexed_sends)
     // Per-rank sends (layer_options::sends; staged route; epx/layout/per_rank.hpp): the
     // send and return buffers hold U unique rows, y stays at its owner (expert-major), and
     // the owner keeps its received rows' slot entries.
@@ -217,7 +221,11 @@ class all_to_all_impl {
     s.fp8 = ctx_.options.fp8_dispatch;
     s.per_rank = ctx_.options.sends == row_sends::per_rank;
     s.direct = uses_peer_access<Exec>() && !s.per_rank;
-    if (ctx_.stats != nullptr) ctx_.stats->peer_access = s.direct;
+    s.by_index = !s.direct && !s.fp8 && sends_by_index<Exec>();
+    if (ctx_.stats != nullptr) {
+      ctx_.stats->peer_access = s.direct;
+      ctx_.stats->indexed_sends = s.by_index;
+    }
     s.layout = std::move(r.layout);
     s.widest = widest_slice(r.records, ctx_.ep_size(), ctx_.num_experts(), k);
     s.pos = std::move(r.plan.pos);
@@ -296,13 +304,11 @@ class all_to_all_impl {
         exec::copy_n(ex, g.slot_row.data(), U * k, slots_out.data());
         exec::copy_n(ex, g.slot_weight.data(), U * k, reinterpret_cast<float*>(slots_out.data() + U * k));
       }
-      s.send = make_rows<T>(ws_, ex, U * H);
-      kernels::gather(ex, U, H, x, static_cast<const std::int64_t*>(s.unique_src.data()), s.send.data());
+      s.send = make_rows<T>(ws_, ex, U * H);  // where the summed rows come back
       s.stage = make_rows<T>(ws_, ex, Ur * H);
       s.slot_row = make_rows<std::int64_t>(ws_, ex, slot_words(Ur * k));
       s.slot_weight = reinterpret_cast<float*>(s.slot_row.data() + Ur * k);
-      order_before_collective(ex, *ctx_.ep);
-      exchange_unique(s.ranks, static_cast<const T*>(s.send.data()), s.stage.data(), H, false);
+      send_unique(ex, s, x, static_cast<const std::int64_t*>(s.unique_src.data()), s.send.data(), s.stage.data());
       exchange_slots(s.ranks, slots_out.data(), s.slot_row.data(), k);
       s.recv_from = make_rows<std::int64_t>(ws_, ex, R);
       s.recv_weight = make_rows<float>(ws_, ex, R);
@@ -349,17 +355,23 @@ class all_to_all_impl {
         order_before_collective(ex, *ctx_.ep);
         exchange_fp8_rows(s.seg, send8.data(), S, s.x8.data(), R, H);
       } else {
-        // (FP8: the send buffer of the way back is made by combine.)
+        // The send buffer (or stage) is also where the outputs come back (FP8: the send
+        // buffer of the way back is made by combine).
         s.send = make_rows<T>(ws_, ex, (in_rounds ? o.stage_rows() : S) * H);
         zero_padding(ex, s.x_recv.data(), lay, me, H);
-        const auto send = [&](std::size_t rows, const std::int64_t* src, const segments& g) {
-          kernels::gather(ex, rows, H, x, src, s.send.data());
-          order_before_collective(ex, *ctx_.ep);
-          exchange_rows(g, static_cast<const T*>(s.send.data()), s.x_recv.data(), L, H, false);
-        };
-        if (!in_rounds) send(S, static_cast<const std::int64_t*>(s.src_row.data()), s.seg);
-        for (std::size_t rd = 0; in_rounds && rd < o.count; ++rd)
-          send(o.sent(rd), s.in_policy(o.src, s.round_src) + o.stage_at[rd], round_segments(o, rd));
+        if (s.by_index) {
+          // Rows read by index straight out of x as they are sent: no gather, one collective.
+          send_by_index(s.seg, x, static_cast<const std::int64_t*>(s.src_row.data()), S, s.x_recv.data(), L, H);
+        } else {
+          const auto send = [&](std::size_t rows, const std::int64_t* src, const segments& g) {
+            kernels::gather(ex, rows, H, x, src, s.send.data());
+            order_before_collective(ex, *ctx_.ep);
+            exchange_rows(g, static_cast<const T*>(s.send.data()), s.x_recv.data(), L, H, false);
+          };
+          if (!in_rounds) send(S, static_cast<const std::int64_t*>(s.src_row.data()), s.seg);
+          for (std::size_t rd = 0; in_rounds && rd < o.count; ++rd)
+            send(o.sent(rd), s.in_policy(o.src, s.round_src) + o.stage_at[rd], round_segments(o, rd));
+        }
       }
     }
     // 5 is the caller's: the experts read x_recv (FP8: x8 and scales) and write out_rows.
@@ -521,11 +533,10 @@ class all_to_all_impl {
       // One grad_out row per (token, owner) travels; the owner forms every slot's
       // w * grad_out and the slot's grad_w (from the outputs it kept), and grad_w returns.
       const std::size_t U = s.ranks.sent(), Ur = s.ranks.received();
-      b.grad_send = make_rows<T>(ws_, ex, U * H);
-      kernels::gather(ex, U, H, grad_out, static_cast<const std::int64_t*>(s.unique_src.data()), b.grad_send.data());
       b.grad_stage = make_rows<T>(ws_, ex, Ur * H);
-      order_before_collective(ex, *ctx_.ep);
-      exchange_unique(s.ranks, static_cast<const T*>(b.grad_send.data()), b.grad_stage.data(), H, false);
+      b.grad_send = make_rows<T>(ws_, ex, U * H);  // where the input gradients come back
+      send_unique(ex, s, grad_out, static_cast<const std::int64_t*>(s.unique_src.data()), b.grad_send.data(),
+                  b.grad_stage.data());
       kernels::gather(ex, R, H, static_cast<const T*>(b.grad_stage.data()),
                       static_cast<const std::int64_t*>(s.recv_from.data()),
                       static_cast<const float*>(s.recv_weight.data()), b.grad_recv.data());
@@ -769,6 +780,32 @@ class all_to_all_impl {
                        make_span(r.send_offsets), width);
   }
 
+  // Per-rank sends of the unique rows src[idx[u]] to their owners, landing in `to`: by
+  // index straight out of src (s.by_index), or gathered into `send` first.
+  template <class T, class Exec, class State>
+  void send_unique(const Exec& ex, const State& s, const T* src, const std::int64_t* idx, T* send, T* to) {
+    const rank_rows& r = s.ranks;
+    const std::size_t H = s.hidden;
+    if (s.by_index) {
+      all_to_allv_indexed(*ctx_.ep, src, span<const std::int64_t>(idx, r.sent()), make_span(r.send_rows),
+                          make_span(r.send_offsets), to, make_span(r.recv_rows), make_span(r.recv_offsets), 1, H);
+      return;
+    }
+    kernels::gather(ex, r.sent(), H, src, idx, send);
+    order_before_collective(ex, *ctx_.ep);
+    exchange_unique(r, static_cast<const T*>(send), to, H, false);
+  }
+
+  // The staged dispatch's rows src[idx[q]] (q in send order, `rows` of them) straight into
+  // expert-major order at the owners, read by index as they are sent.
+  template <class T>
+  void send_by_index(const segments& g, const T* src, const std::int64_t* idx, std::size_t rows, T* to, int L,
+                     std::size_t H) {
+    all_to_allv_indexed(*ctx_.ep, src, span<const std::int64_t>(idx, rows), make_span(g.send_counts),
+                        make_span(g.send_displs), to, make_span(g.recv_counts), make_span(g.recv_displs),
+                        static_cast<std::size_t>(L), H);
+  }
+
   // int64 words for m slot entries and m float weights after them.
   static std::size_t slot_words(std::size_t m) noexcept { return m + (m * sizeof(float) + 7) / 8; }
 
@@ -840,6 +877,16 @@ class all_to_all_impl {
     EPX_REQUIRE(ctx_.bound == nullptr, errc::configuration, "moe_layer ", stage,
                 ": the split-phase calls are not available in bounded mode (layer_options::counts == "
                 "count_exchange::device); use forward and backward");
+  }
+
+  // Whether this call's row sends read the rows by index as they go (see
+  // layer_options::indexed_sends): the communicator can, and the rows are host memory.
+  template <class Exec>
+  bool sends_by_index() const {
+    if constexpr (has_indexed_sends_v<Comm> && exec::is_host_policy_v<Exec>)
+      return ctx_.options.indexed_sends;
+    else
+      return false;
   }
 
   // Whether this call reads rows out of the peers' buffers (see layer_options::peer_access):

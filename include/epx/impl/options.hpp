@@ -62,6 +62,12 @@ struct layer_options {
   // is fused into the dispatch and the combine into the return, with no send buffer.
   // false: always move rows through the communicator's all-to-all (same results, bitwise).
   bool peer_access = true;
+  // On communicators that send rows by index (epx::has_indexed_sends_v: threads, MPI) and
+  // host policies, the staged route sends rows straight out of x (grad_out for per-rank
+  // sends in backward) by index, with no gather into a send buffer and, for an inference
+  // call in rounds, in one collective (the way back still takes the rounds).
+  // false: gather first (same results, bitwise).
+  bool indexed_sends = true;
   // Capacity and token dropping (spec section 8; epx/layout/capacity.hpp): off by default.
   capacity_policy capacity = {};
   // Nodes (spec section 10): `ranks_per_node` consecutive ep ranks form a node (must divide

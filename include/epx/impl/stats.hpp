@@ -40,6 +40,10 @@ struct layer_stats {
   // The all-to-all path read rows straight out of the peers' buffers (layer_options::peer_access)
   // instead of moving them through the communicator's all-to-all.
   bool peer_access = false;
+  // The staged route's row sends (forward dispatch, and backward's with per-rank sends) read
+  // the rows by index straight out of the caller's x or grad_out as they went
+  // (layer_options::indexed_sends) instead of gathering them into a send buffer first.
+  bool indexed_sends = false;
   // Rounds of the staged route in the last call that ran it in rounds
   // (layer_options::stage_bytes, epx/layout/rounds.hpp); 0 when it moved all rows at once.
   std::int64_t stage_rounds = 0;
@@ -70,6 +74,7 @@ inline void record_stats(layer_stats& st, const char* path, const receive_layout
   const std::size_t E = lay.E();
   st.path = path;
   st.peer_access = false;
+  st.indexed_sends = false;
   st.stage_rounds = 0;
   st.bounded = false;
   st.tokens_per_local_expert.assign(Ls, 0);

@@ -51,6 +51,7 @@ inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_o
           {"bound.raise_on_overflow", o.bound.raise_on_overflow ? 1 : 0},
           {"chunks", static_cast<std::int64_t>(o.chunks)},
           {"peer_access", o.peer_access ? 1 : 0},
+          {"indexed_sends", o.indexed_sends ? 1 : 0},
           {"capacity.mode", static_cast<std::int64_t>(o.capacity.mode)},
           {"capacity.factor (bits of the double)", double_bits(o.capacity.factor)},
           {"capacity.rows", o.capacity.rows},
