@@ -5,6 +5,7 @@
 //   ./bench_layer --benchmark_out=layer.json --benchmark_out_format=json   # the registered set
 //   ./bench_layer --quick                                                  # seconds (bench-smoke)
 //   ./bench_layer --benchmark_filter='route<bf16>/staged/fwd'              # any filter
+//   ./bench_layer --gathered ...     # staged sends gather first (layer_options::indexed_sends = false)
 //
 // Every rank is a thread of epx::threads::run with its own exec::serial policy; rank 0
 // drives Google Benchmark's loop, the other ranks follow. One iteration runs every call of
@@ -18,7 +19,9 @@
 // Bytes a route reads plus writes, per rank, in rows of H elements (S = n*k rows this rank
 // sends, its own included; R = rows its experts get, padding P included; Rr = R - P;
 // identity experts that run in place move nothing in forward and copy R rows in backward):
-//   staged forward   gather 2S, padding P, dispatch 2Rr, return 2S, combine S + n
+//   staged forward   padding P, dispatch 2Rr (rows by index straight from x), return 2S,
+//                    combine S + n; with --gathered (layer_options::indexed_sends = false)
+//                    also gather 2S
 //   direct forward   pull 2Rr + P (rows straight from the senders' x), combine S + n
 //   staged backward  grad rows 2S, weight-gradient dots 2S, padding P, dispatch 2Rr,
 //                    experts 2R, return 2S, reduce S + n
@@ -38,6 +41,9 @@
 //   epx_ms, floor_ms, floor_ratio, floor_bytes, memcpy_GB/s, GB/s
 //   baseline_ms, baseline_floor_ratio, speedup_vs_baseline (median / median of the same
 //   iterations), speedup_paired (median of the per-iteration ratios)
+//   gathered_ms, speedup_vs_gathered(_paired): the same layer with gather-first sends
+//   (layer_options::indexed_sends = false) in the same loop (staged and per-rank routes
+//   of register_shape)
 //   stage:<name>_ms (epx's staged route decomposed), baseline:<name>_ms, stages_ms
 //   rows_sent, rows_sent_remote, rows_per_rank_mode, repeat_fraction (per rank, mean)
 //   extra_MiB, allowance_MiB, extra_vs_allowance (peak heap beyond inputs and outputs)
@@ -468,13 +474,15 @@ void bench_layout(benchmark::State& state, shape s) {
 
 // --- the staged route decomposed into its stages ------------------------------------------
 // The calls impl::all_to_all's staged route makes, in its order, with a clock between the
-// stages: forward plan + count exchange + receive layout, gather (and zero padding),
-// dispatch, (identity experts in place), return, combine; backward grad rows (w * grad_out
+// stages: forward plan + count exchange + receive layout, zero padding, dispatch (rows by
+// index straight from x; with --gathered: gather and zero padding, dispatch from the send
+// buffer), (identity experts in place), return, combine; backward grad rows (w * grad_out
 // in send order), weight-gradient dots, dispatch, experts (a copy), return, reduce. Its
 // total is what the layer's staged route costs without the layer's own checks and stats.
 template <class T>
 struct staged_pipeline {
-  static constexpr const char* forward_stages[] = {"plan_counts", "gather", "dispatch", "return", "combine"};
+  static constexpr const char* forward_stages[] = {"plan_counts", "padding", "dispatch", "return", "combine"};
+  static constexpr const char* gathered_forward_stages[] = {"plan_counts", "gather", "dispatch", "return", "combine"};
   static constexpr const char* backward_stages[] = {"grad_rows", "weight_grads", "dispatch", "experts", "return",
                                                     "reduce"};
   epx::exec::serial ex;
@@ -508,12 +516,18 @@ struct staged_pipeline {
     w_send.resize(S);
     epx::kernels::scatter(ex, S, static_cast<const std::int64_t*>(plan.pos.data()), w, w_send.data());
     clock.lap();
-    epx::kernels::gather(ex, S, H, x, static_cast<const std::int64_t*>(plan.src_row.data()), send.data());
+    const auto* src_row = static_cast<const std::int64_t*>(plan.src_row.data());
+    if (epx::bench::gathered()) epx::kernels::gather(ex, S, H, x, src_row, send.data());
     epx::detail::zero_padding(ex, recv.data(), lay, me, H);
     clock.lap();
-    epx::all_to_allv_segments(comm, static_cast<const T*>(send.data()), epx::make_span(seg.send_counts),
-                              epx::make_span(seg.send_displs), recv.data(), epx::make_span(seg.recv_counts),
-                              epx::make_span(seg.recv_displs), static_cast<std::size_t>(L), H);
+    if (epx::bench::gathered())
+      epx::all_to_allv_segments(comm, static_cast<const T*>(send.data()), epx::make_span(seg.send_counts),
+                                epx::make_span(seg.send_displs), recv.data(), epx::make_span(seg.recv_counts),
+                                epx::make_span(seg.recv_displs), static_cast<std::size_t>(L), H);
+    else
+      epx::all_to_allv_indexed(comm, x, epx::span<const std::int64_t>(src_row, S), epx::make_span(seg.send_counts),
+                               epx::make_span(seg.send_displs), recv.data(), epx::make_span(seg.recv_counts),
+                               epx::make_span(seg.recv_displs), static_cast<std::size_t>(L), H);
     clock.lap();
     epx::all_to_allv_segments(comm, static_cast<const T*>(recv.data()), epx::make_span(seg.recv_counts),
                               epx::make_span(seg.recv_displs), send.data(), epx::make_span(seg.send_counts),
@@ -638,6 +652,7 @@ struct route_setup {
   bool backward = false;
   bool baseline = false;  // the hand-written layer in the same loop
   bool stages = false;    // the staged route decomposed into its stages, in the same loop
+  bool gathered = false;  // staged, per-rank: the same layer with gather-first sends in the same loop
 };
 
 // Per-rank counters summed over the ranks (drive's run_result::counters).
@@ -651,13 +666,13 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
   const run_result res = drive(state, s.ep, [&](comm_t& comm, std::int64_t& allowance) {
     const int me = comm.rank();
     struct data_t {
-      std::vector<T> x, out, grad_out, grad_x, out_b, grad_x_b, out_p, grad_x_p;
+      std::vector<T> x, out, grad_out, grad_x, out_b, grad_x_b, out_p, grad_x_p, out_g, grad_x_g;
       std::vector<std::int32_t> ids;
-      std::vector<float> w, grad_w, grad_w_b, grad_w_p;
-      std::unique_ptr<epx::moe_layer<comm_t, T, epx::impl::all_to_all>> layer;
+      std::vector<float> w, grad_w, grad_w_b, grad_w_p, grad_w_g;
+      std::unique_ptr<epx::moe_layer<comm_t, T, epx::impl::all_to_all>> layer, layer_g;
       std::unique_ptr<epx::moe_layer<comm_t, T, epx::impl::all_reduce>> masked_layer;
       identity_experts<T> experts;
-      epx::saved_state<T> saved;
+      epx::saved_state<T> saved, saved_g;
       epx::bench::baseline_layer<T> base;
       staged_pipeline<T> pipe;
       epx::layer_stats stats;
@@ -678,6 +693,7 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
     lo.peer_access = o.r == route::direct;
     if (o.r == route::per_rank) lo.sends = epx::row_sends::per_rank;
     lo.stage_bytes = epx::bench::stage_bytes();
+    lo.indexed_sends = !epx::bench::gathered();
     epx::mesh_config mc;
     mc.tp = masked ? s.ep : 1;
     mc.fsdp = masked ? 1 : s.ep;
@@ -748,7 +764,7 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
     const double n = masked ? static_cast<double>(N) : static_cast<double>(N);
     const auto parts = route_traffic(o.r, o.backward, static_cast<double>(masked ? 0 : S), static_cast<double>(R),
                                      static_cast<double>(P), n, static_cast<double>(N), masked ? s.ep : 1,
-                                     static_cast<double>(got));
+                                     static_cast<double>(got), epx::bench::gathered());
     for (double p : parts) {
       w.traffic += p * row_bytes;
       w.floor_parts.push_back(static_cast<std::size_t>(p * row_bytes / 2));
@@ -774,6 +790,45 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
       epx_call.run = backward;
     }
     w.calls.push_back(std::move(epx_call));
+    if (o.gathered && !masked && o.r != route::direct && lo.indexed_sends) {
+      // The same layer with layer_options::indexed_sends = false: rows gathered into a send
+      // buffer before they go (its own output buffers; results bitwise the same).
+      epx::layer_options lg = lo;
+      lg.indexed_sends = false;
+      d->layer_g = std::make_unique<epx::moe_layer<comm_t, T, epx::impl::all_to_all>>(m, comm, lg);
+      d->out_g.assign(N * H, epx::convert<T>(0.0f));
+      d->grad_x_g.assign(N * H, epx::convert<T>(0.0f));
+      d->grad_w_g.assign(d->grad_w.size(), 0.0f);
+      auto fg = [d](epx::mode md) {
+        return d->layer_g->forward(epx::span<const T>(d->x.data(), d->x.size()),
+                                   epx::span<const std::int32_t>(d->ids.data(), d->ids.size()),
+                                   epx::span<const float>(d->w.data(), d->w.size()),
+                                   epx::span<T>(d->out_g.data(), d->out_g.size()), d->experts, md);
+      };
+      auto bg = [d] {
+        d->layer_g->backward(std::move(d->saved_g), epx::span<const T>(d->grad_out.data(), d->grad_out.size()),
+                             epx::span<T>(d->grad_x_g.data(), d->grad_x_g.size()),
+                             epx::span<float>(d->grad_w_g.data(), d->grad_w_g.size()), d->experts);
+      };
+      auto same = [](const auto& a, const auto& b) {
+        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+      };
+      d->saved_g = fg(epx::mode::train);
+      if (d->layer_g->stats().indexed_sends && w.check.empty()) w.check = "gathered: the layer sent by index";
+      if (!same(d->out_g, d->out) && w.check.empty()) w.check = "gathered: out differs bitwise from the layer's";
+      bg();
+      if ((!same(d->grad_x_g, d->grad_x) || !same(d->grad_w_g, d->grad_w)) && w.check.empty())
+        w.check = "gathered: grad_x or grad_weights differ bitwise from the layer's";
+      call g;
+      g.name = "gathered";
+      if (!o.backward) {
+        g.run = [fg] { fg(epx::mode::inference); };
+      } else {
+        g.prepare = [d, fg] { d->saved_g = fg(epx::mode::train); };
+        g.run = bg;
+      }
+      w.calls.push_back(std::move(g));
+    }
     if (o.baseline) {
       d->out_b.assign(N * H, epx::convert<T>(0.0f));
       d->grad_x_b.assign(N * H, epx::convert<T>(0.0f));
@@ -820,7 +875,9 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
       p.name = "stages";
       if (!o.backward) {
         p.run = pf;
-        for (const char* nm : staged_pipeline<T>::forward_stages) p.stage_names.push_back(nm);
+        for (const char* nm : epx::bench::gathered() ? staged_pipeline<T>::gathered_forward_stages
+                                                     : staged_pipeline<T>::forward_stages)
+          p.stage_names.push_back(nm);
       } else {
         p.prepare = pf;
         p.run = [d, &comm] { d->pipe.backward(comm, d->grad_out.data(), d->grad_x_p.data(), d->grad_w_p.data()); };
@@ -860,7 +917,14 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
       state.counters[(cr.name == "baseline" ? "baseline:" : "stage:") + cr.stage_names[i] + "_ms"] = ms;
       stages += epx::detail::concat(i ? " " : "", cr.stage_names[i], " ", ms);
     }
-    if (cr.name == "baseline") {
+    if (cr.name == "gathered") {
+      std::vector<double> ratio(cr.times.size());
+      for (std::size_t i = 0; i < ratio.size(); ++i) ratio[i] = cr.times[i] / res.calls[0].times[i];
+      state.counters["gathered_ms"] = tc * 1e3;
+      state.counters["speedup_vs_gathered"] = te > 0 ? tc / te : 0.0;
+      state.counters["speedup_vs_gathered_paired"] = median(ratio);
+      row.stages += epx::detail::concat("gathered sends ", tc * 1e3, " ms; ");
+    } else if (cr.name == "baseline") {
       std::vector<double> ratio(cr.times.size());
       for (std::size_t i = 0; i < ratio.size(); ++i) ratio[i] = cr.times[i] / res.calls[0].times[i];
       state.counters["baseline_ms"] = tc * 1e3;
@@ -943,9 +1007,9 @@ shape make_shape(int ep, std::size_t tokens, std::size_t hidden, int k, int expe
 template <class T>
 void register_shape(const shape& s, bool full, int iters, int min_iters = 10) {
   for (bool bwd : {false, true}) {
-    register_route<T>(s, {route::staged, bwd, full, full}, iters, min_iters);
+    register_route<T>(s, {route::staged, bwd, full, full, full}, iters, min_iters);
     register_route<T>(s, {route::direct, bwd, full, false}, iters, min_iters);
-    register_route<T>(s, {route::per_rank, bwd, full, false}, iters, min_iters);
+    register_route<T>(s, {route::per_rank, bwd, full, false, full}, iters, min_iters);
   }
 }
 
@@ -1029,6 +1093,8 @@ int main(int argc, char** argv) {
       heap::caching = true;
     else if (epx::bench::host_isa_flag(argv[i]))
       continue;
+    else if (epx::bench::gathered_flag(argv[i]))
+      continue;
     else if (epx::bench::stage_bytes_flag(argv[i]))
       continue;
     else
@@ -1039,6 +1105,7 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
   benchmark::AddCustomContext("host_isa", epx::exec::to_string(epx::exec::active_host_isa()));
   benchmark::AddCustomContext("stage_bytes", epx::bench::stage_bytes_context());
+  benchmark::AddCustomContext("staged_sends", epx::bench::gathered() ? "gathered" : "by index");
   register_all(quick);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

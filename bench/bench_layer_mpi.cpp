@@ -5,6 +5,7 @@
 //
 //   mpirun -np 8 ./bench_layer_mpi --benchmark_out=layer_mpi.json --benchmark_out_format=json
 //   mpirun -np 2 ./bench_layer_mpi --quick
+//   mpirun -np 8 ./bench_layer_mpi --gathered   # staged sends gather first (indexed_sends = false)
 //   (add --oversubscribe when ranks exceed cores)
 //
 // Every rank is a process with its own exec::serial policy and runs every benchmark; rank 0
@@ -15,7 +16,9 @@
 // experts' outputs in forward; grad_out, the kept outputs and grad_in in backward),
 // all ranks at once, timed the same way. Every benchmark checks its outputs once against the direct
 // computation (identity experts). Counters as in bench_layer (epx_ms, floor_ms,
-// floor_ratio, floor_bytes, memcpy_GB/s, rows_sent, repeat_fraction, checked).
+// floor_ratio, floor_bytes, memcpy_GB/s, rows_sent, repeat_fraction, checked); on the
+// staged and per-rank routes also gathered_ms and speedup_vs_gathered(_paired): the same
+// layer with gather-first sends (layer_options::indexed_sends = false) in the same loop.
 #include <benchmark/benchmark.h>
 #include <mpi.h>
 
@@ -70,6 +73,7 @@ void bench_mpi_route(benchmark::State& state, shape s, route rt, bool backward) 
   lo.top_k = s.k;
   lo.peer_access = rt == route::direct;
   if (rt == route::per_rank) lo.sends = epx::row_sends::per_rank;
+  lo.indexed_sends = !epx::bench::gathered();
   const epx::mesh m = ep_mesh(ep, s.experts);
   epx::moe_layer<comm_t, T> layer(m, world, lo);
   identity_experts<T> experts;
@@ -97,6 +101,38 @@ void bench_mpi_route(benchmark::State& state, shape s, route rt, bool backward) 
     if (!bad.empty()) std::fprintf(stderr, "rank %d: output check failed: %s\n", me, bad.c_str());
     epx::bench::fail_check(state, "output check failed");
     return;
+  }
+  // Staged and per-rank routes: the same layer with gather-first sends
+  // (layer_options::indexed_sends = false), timed in the same loop; bitwise the same.
+  const bool pair = rt != route::direct && lo.indexed_sends;
+  std::unique_ptr<epx::moe_layer<comm_t, T>> layer_g;
+  std::vector<T> out_g(N * H), gx_g(N * H);
+  std::vector<float> gw_g(N * K);
+  epx::saved_state<T> saved_g;
+  auto fwd_g = [&](epx::mode md) {
+    return layer_g->forward(epx::span<const T>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                            epx::span<T>(out_g), experts, md);
+  };
+  auto bwd_g = [&] {
+    layer_g->backward(std::move(saved_g), epx::span<const T>(g), epx::span<T>(gx_g), epx::span<float>(gw_g), experts);
+  };
+  if (pair) {
+    epx::layer_options lg = lo;
+    lg.indexed_sends = false;
+    layer_g = std::make_unique<epx::moe_layer<comm_t, T>>(m, world, lg);
+    saved = fwd(epx::mode::train);
+    saved_g = fwd_g(epx::mode::train);
+    const bool by_index = layer.stats().indexed_sends && !layer_g->stats().indexed_sends;
+    bwd();
+    bwd_g();
+    auto same = [](const auto& a, const auto& b) {
+      return std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+    };
+    const bool equal = by_index && same(out, out_g) && same(gx, gx_g) && same(gw, gw_g);
+    if (max_over_ranks(equal ? 0.0 : 1.0) > 0) {
+      epx::bench::fail_check(state, "gather-first sends differ bitwise (or did not take their route)");
+      return;
+    }
   }
   const auto& st = layer.stats();
   if (max_over_ranks(st.peer_access == (rt == route::direct) ? 0.0 : 1.0) > 0) {
@@ -130,7 +166,7 @@ void bench_mpi_route(benchmark::State& state, shape s, route rt, bool backward) 
   std::vector<std::size_t> parts;
   std::vector<double> route_rows = route_traffic(rt, backward, static_cast<double>(S), static_cast<double>(R),
                                                  static_cast<double>(P), static_cast<double>(N), static_cast<double>(N), 1,
-                                                 static_cast<double>(got));
+                                                 static_cast<double>(got), epx::bench::gathered());
   if (rt == route::direct) {
     // The copies into the shared window (a copy reads and writes): forward x (N rows) and
     // the experts' outputs (R); backward grad_out (N), the outputs kept since forward (R)
@@ -166,15 +202,25 @@ void bench_mpi_route(benchmark::State& state, shape s, route rt, bool backward) 
     const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return max_over_ranks(t);
   };
-  std::vector<double> times, floors;
+  std::vector<double> times, floors, times_g, ratio_g;
   for (auto _ : state) {
     if (backward) saved = fwd(epx::mode::train);
     const double t = backward ? timed(bwd) : timed([&] { fwd(epx::mode::inference); });
+    if (pair) {
+      if (backward) saved_g = fwd_g(epx::mode::train);
+      times_g.push_back(backward ? timed(bwd_g) : timed([&] { fwd_g(epx::mode::inference); }));
+      ratio_g.push_back(times_g.back() / t);
+    }
     floors.push_back(timed(floor_copy));
     times.push_back(t);
     state.SetIterationTime(t);
   }
   const double te = median(times), tf = median(floors);
+  if (pair) {
+    state.counters["gathered_ms"] = median(times_g) * 1e3;
+    state.counters["speedup_vs_gathered"] = te > 0 ? median(times_g) / te : 0.0;
+    state.counters["speedup_vs_gathered_paired"] = median(ratio_g);
+  }
   const double all_traffic = sum_over_ranks(traffic);
   const double rows = sum_over_ranks(static_cast<double>(S)), rows_remote = sum_over_ranks(static_cast<double>(remote)),
                rows_pr = sum_over_ranks(static_cast<double>(per_rank));
@@ -214,10 +260,11 @@ int main(int argc, char** argv) {
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
-    else args.push_back(argv[i]);
+    else if (!epx::bench::gathered_flag(argv[i])) args.push_back(argv[i]);
   }
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
+  benchmark::AddCustomContext("staged_sends", epx::bench::gathered() ? "gathered" : "by index");
   for (route rt : {route::direct, route::staged, route::per_rank}) {
     if (quick) {
       reg<bf16>({128, 1024, 8, 64}, rt, false, 3);

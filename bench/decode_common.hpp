@@ -101,9 +101,10 @@ inline double percentile(std::vector<double> v, double q) {
 // Rows each rank reads plus writes per call (identity experts in place move nothing):
 //   direct  pull 2R, combine S + n; on MPI (`window`) also the copies of x and of the
 //           outputs into the communicator's shared window, 2n + 2R
-//   staged  gather 2S, all-to-all out (the threads all-to-all copies what each rank
-//           receives: normal 2R, bounded the fixed slabs 2*ep*slab), unpack 2R (bounded)
-//           or padding P (normal), pack 2R (bounded), all-to-all back (as out), combine S + n
+//   staged  gather 2S (bounded; the normal mode sends rows by index straight from x),
+//           all-to-all out (the threads all-to-all copies what each rank receives: normal
+//           2R, bounded the fixed slabs 2*ep*slab), unpack 2R (bounded) or padding P
+//           (normal), pack 2R (bounded), all-to-all back (as out), combine S + n
 //   fp8     (normal) quantise n rows (read n, write n/2), experts dequantise (read R/2,
 //           write R), and by route:
 //           direct  pull R/2 + R/2, combine S + n; on MPI also the copies of the quantised
@@ -121,7 +122,7 @@ inline double route_rows(const shape& s, bool bounded, bool direct, bool fp8 = f
   const double slab = 1.0 + static_cast<double>(L) * static_cast<double>(s.cap);
   const double moved = bounded ? 2.0 * s.ep * slab : 2 * R;
   const double pack = bounded ? 4 * R : static_cast<double>(L);
-  return 2 * S + 2 * moved + pack + S + n;
+  return (bounded ? 2 * S : 0.0) + 2 * moved + pack + S + n;
 }
 
 // Identity experts for FP8 rows: out = float(q) * scale, rounded to T (the library's

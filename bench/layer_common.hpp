@@ -164,12 +164,16 @@ const char* to_string(route r) {
 // of the file). S: rows this rank sends (per_rank: its unique rows U), Ur: unique rows it
 // receives (per_rank only), n: rows of this rank's slice, N: rows of the call, tp: TP
 // group size. The per-rank route, with Rr = R - P pair rows at the owner:
-//   forward   gather 2U, dispatch 2Ur, copies into the expert-major rows Rr + R,
+//   forward   dispatch 2Ur, copies into the expert-major rows Rr + R,
 //             the owner's sums Rr + Ur, return 2U, combine U + n
-//   backward  grad rows 2U, dispatch 2Ur, w * grad rows Rr + R, dots 2Rr, experts 2R,
+//   backward  dispatch 2Ur, w * grad rows Rr + R, dots 2Rr, experts 2R,
 //             the owner's sums Rr + Ur, return 2U, reduce U + n
+// Sends that read rows by index (layer_options::indexed_sends on the threads and MPI
+// communicators, the default) move them straight from x or grad_out to the receiver; with
+// `gathered`, the staged forward first gathers them (2S), and the per-rank route gathers
+// its unique rows (2U) both ways.
 std::vector<double> route_traffic(route r, bool backward, double S, double R, double P, double n, double N, int tp,
-                                  double Ur = 0) {
+                                  double Ur = 0, bool gathered = false) {
   const double Rr = R - P;
   std::vector<double> v;
   if (r == route::masked) {
@@ -178,11 +182,14 @@ std::vector<double> route_traffic(route r, bool backward, double S, double R, do
   }
   if (r == route::per_rank) {
     const double U = S;
-    v = backward ? std::vector<double>{2 * U, 2 * Ur, Rr + R, 2 * Rr, 2 * R, Rr + Ur, 2 * U, U + n}
-                 : std::vector<double>{2 * U, 2 * Ur, Rr + R, Rr + Ur, 2 * U, U + n};
-  } else if (r == route::staged)
+    v = backward ? std::vector<double>{2 * Ur, Rr + R, 2 * Rr, 2 * R, Rr + Ur, 2 * U, U + n}
+                 : std::vector<double>{2 * Ur, Rr + R, Rr + Ur, 2 * U, U + n};
+    if (gathered) v.push_back(2 * U);
+  } else if (r == route::staged) {
     v = backward ? std::vector<double>{2 * S, 2 * S, P, 2 * Rr, 2 * R, 2 * S, S + n}
-                 : std::vector<double>{2 * S, P, 2 * Rr, 2 * S, S + n};
+                 : std::vector<double>{P, 2 * Rr, 2 * S, S + n};
+    if (gathered && !backward) v.push_back(2 * S);
+  }
   else
     v = backward ? std::vector<double>{Rr + R, 2 * S, 2 * R, S + n} : std::vector<double>{2 * Rr + P, S + n};
   if (tp > 1) v.push_back(3 * N + N / tp);
@@ -224,6 +231,19 @@ inline bool stage_bytes_flag(const std::string& arg) {
 inline std::string stage_bytes_context() {
   const std::size_t b = stage_bytes();
   return b == 0 ? "automatic" : b == std::numeric_limits<std::size_t>::max() ? "all (one round)" : std::to_string(b);
+}
+
+// --gathered: layer_options::indexed_sends = false in the layers a benchmark makes (the
+// staged route gathers its rows into a send buffer before it sends them). Returns whether
+// `arg` was that flag.
+inline bool& gathered() {
+  static bool v = false;
+  return v;
+}
+inline bool gathered_flag(const std::string& arg) {
+  if (arg != "--gathered") return false;
+  gathered() = true;
+  return true;
 }
 
 inline epx::mesh ep_mesh(int ep, int experts) {
