@@ -221,6 +221,36 @@ void case_all_to_allv_rows(Comm& c) {
   }
 }
 
+// The receiver's side of a segmented exchange laid out segment-major ([segment][peer], as
+// dispatch lands rows expert-major) with a one-row gap after each segment; rows(p, me, i)
+// is what peer p sends in segment i. Returns the rows the receive buffer needs.
+template <class Rows>
+std::size_t segment_major_layout(const Rows& rows, int n, int me, std::size_t nseg, std::vector<std::size_t>& rc,
+                                 std::vector<std::size_t>& rd) {
+  std::size_t off = 0;
+  for (std::size_t i = 0; i < nseg; ++i)
+    for (int p = 0; p < n; ++p) {
+      rc[p * nseg + i] = rows(p, me, i);
+      rd[p * nseg + i] = off;
+      off += rc[p * nseg + i] + 1;  // a one-row gap
+    }
+  return off;
+}
+
+// The checks of a segmented exchange's receive buffer: `bad` wrong elements among those
+// `covered`, and every element not covered (the gaps) still the sentinel.
+template <class T>
+void check_landing(const char* op, const std::vector<T>& recv, const std::vector<char>& covered, std::size_t bad,
+                   std::size_t nseg, std::size_t H, int n, int me) {
+  std::size_t gaps_touched = 0;
+  for (std::size_t j = 0; j < recv.size(); ++j)
+    if (!covered[j]) gaps_touched += !same_bits(recv[j], sentinel<T>());
+  CHECK_MESSAGE(bad == 0, op << "<" << type_name<T>() << "> nseg " << nseg << " H " << H << " on " << n
+                             << " ranks: " << bad << " wrong elements on rank " << me);
+  CHECK_MESSAGE(gaps_touched == 0, op << "<" << type_name<T>() << "> nseg " << nseg << " wrote " << gaps_touched
+                                      << " elements outside the segments on rank " << me);
+}
+
 // Segmented all-to-all: the sender keeps its segments peer-major ([peer][segment]), the
 // receiver lays them out segment-major ([segment][peer], as dispatch lands rows expert-major)
 // with a one-element gap after each (which must stay untouched); some segments are empty.
@@ -247,17 +277,11 @@ void case_all_to_allv_segments_type(Comm& c, std::uint64_t seed, std::size_t nse
     for (std::size_t i = 0; i < nseg; ++i)
       for (std::size_t e = 0; e < sc[q * nseg + i] * H; ++e)
         send[sd[q * nseg + i] * H + e] = value<T>(seed, me, q * 4096 + static_cast<int>(i), e);
-  off = 0;
-  for (std::size_t i = 0; i < nseg; ++i)
-    for (int p = 0; p < n; ++p) {
-      rc[p * nseg + i] = rows(p, me, i);
-      rd[p * nseg + i] = off;
-      off += rc[p * nseg + i] + 1;  // a one-row gap
-    }
+  off = segment_major_layout(rows, n, me, nseg, rc, rd);
   std::vector<T> recv(off * H, sentinel<T>());
   epx::all_to_allv_segments(c, send.data(), epx::span<const std::size_t>(sc), epx::span<const std::size_t>(sd),
                             recv.data(), epx::span<const std::size_t>(rc), epx::span<const std::size_t>(rd), nseg, H);
-  std::size_t bad = 0, gaps_touched = 0;
+  std::size_t bad = 0;
   std::vector<char> covered(recv.size(), 0);
   for (int p = 0; p < n; ++p)
     for (std::size_t i = 0; i < nseg; ++i)
@@ -265,13 +289,7 @@ void case_all_to_allv_segments_type(Comm& c, std::uint64_t seed, std::size_t nse
         bad += !same_bits(recv[rd[p * nseg + i] * H + e], value<T>(seed, p, me * 4096 + static_cast<int>(i), e));
         covered[rd[p * nseg + i] * H + e] = 1;
       }
-  for (std::size_t j = 0; j < recv.size(); ++j)
-    if (!covered[j]) gaps_touched += !same_bits(recv[j], sentinel<T>());
-  CHECK_MESSAGE(bad == 0, "all_to_allv_segments<" << type_name<T>() << "> nseg " << nseg << " H " << H << " on " << n
-                                                  << " ranks: " << bad << " wrong elements on rank " << me);
-  CHECK_MESSAGE(gaps_touched == 0, "all_to_allv_segments<" << type_name<T>() << "> nseg " << nseg << " wrote "
-                                                           << gaps_touched << " elements outside the segments on rank "
-                                                           << me);
+  check_landing("all_to_allv_segments", recv, covered, bad, nseg, H, n, me);
 }
 
 template <class Comm>
@@ -317,18 +335,12 @@ void case_all_to_allv_indexed_type(Comm& c, std::uint64_t seed, std::size_t nseg
       sd[q * nseg + i] = idx.size();
       for (std::size_t j = 0; j < sc[q * nseg + i]; ++j) idx.push_back(pick(me, q, i, j));
     }
-  std::size_t off = 0;
-  for (std::size_t i = 0; i < nseg; ++i)
-    for (int p = 0; p < n; ++p) {
-      rc[p * nseg + i] = rows(p, me, i);
-      rd[p * nseg + i] = off;
-      off += rc[p * nseg + i] + 1;  // a one-row gap
-    }
+  const std::size_t off = segment_major_layout(rows, n, me, nseg, rc, rd);
   std::vector<T> recv(off * H, sentinel<T>());
   epx::all_to_allv_indexed(c, static_cast<const T*>(src.data()), epx::span<const std::int64_t>(idx),
                            epx::span<const std::size_t>(sc), epx::span<const std::size_t>(sd), recv.data(),
                            epx::span<const std::size_t>(rc), epx::span<const std::size_t>(rd), nseg, H);
-  std::size_t bad = 0, gaps_touched = 0;
+  std::size_t bad = 0;
   std::vector<char> covered(recv.size(), 0);
   for (int p = 0; p < n; ++p)
     for (std::size_t i = 0; i < nseg; ++i)
@@ -340,13 +352,7 @@ void case_all_to_allv_indexed_type(Comm& c, std::uint64_t seed, std::size_t nseg
           covered[at] = 1;
         }
       }
-  for (std::size_t j = 0; j < recv.size(); ++j)
-    if (!covered[j]) gaps_touched += !same_bits(recv[j], sentinel<T>());
-  CHECK_MESSAGE(bad == 0, "all_to_allv_indexed<" << type_name<T>() << "> nseg " << nseg << " H " << H << " on " << n
-                                                 << " ranks: " << bad << " wrong elements on rank " << me);
-  CHECK_MESSAGE(gaps_touched == 0, "all_to_allv_indexed<" << type_name<T>() << "> nseg " << nseg << " wrote "
-                                                          << gaps_touched << " elements outside the segments on rank "
-                                                          << me);
+  check_landing("all_to_allv_indexed", recv, covered, bad, nseg, H, n, me);
 }
 
 template <class Comm>

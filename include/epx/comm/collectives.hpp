@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -90,6 +91,17 @@ struct has_native_segments<C, std::void_t<decltype(std::declval<C&>().all_to_all
                                   std::size_t{}, datatype::byte))>> : std::true_type {};
 }  // namespace detail
 
+namespace detail {
+// The four [peers][nseg] arrays of a segmented all-to-all hold peers*nseg entries each.
+inline void require_segment_arrays(const char* op, std::size_t peers, std::size_t nseg,
+                                   std::initializer_list<std::size_t> sizes) {
+  const std::size_t m = peers * nseg;
+  for (std::size_t sz : sizes)
+    EPX_REQUIRE(sz == m, errc::input, op, ": counts and displacements need peers*nseg (", peers, "*", nseg, " = ", m,
+                ") entries");
+}
+}  // namespace detail
+
 // Segmented all-to-all of rows: every peer pair exchanges `nseg` segments. Arrays are
 // [peers][nseg], in rows of `row_elems` elements: segment i that this rank sends to peer q
 // (send_seg_counts[q*nseg+i] rows at send_seg_displs[q*nseg+i]) lands at q in the place q
@@ -104,10 +116,9 @@ void all_to_allv_segments(Comm& comm, const T* send, span<const std::size_t> sen
                           std::size_t nseg, std::size_t row_elems) {
   const auto n = static_cast<std::size_t>(comm.size());
   const std::size_t m = n * nseg;
-  EPX_REQUIRE(send_seg_counts.size() == m && send_seg_displs.size() == m && recv_seg_counts.size() == m &&
-                  recv_seg_displs.size() == m,
-              errc::input, "all_to_allv_segments: counts and displacements need peers*nseg (", n, "*", nseg,
-              " = ", m, ") entries");
+  detail::require_segment_arrays("all_to_allv_segments", n, nseg,
+                                 {send_seg_counts.size(), send_seg_displs.size(), recv_seg_counts.size(),
+                                  recv_seg_displs.size()});
   if constexpr (detail::has_native_segments<Comm>::value) {
     const auto v = detail::in_elements(send_seg_counts, send_seg_displs, recv_seg_counts, recv_seg_displs, 0, 1, m,
                                        row_elems);
@@ -137,10 +148,9 @@ void all_to_allv_indexed(Comm& comm, const T* src, span<const std::int64_t> rows
                          std::size_t nseg, std::size_t row_elems) {
   const auto n = static_cast<std::size_t>(comm.size());
   const std::size_t m = n * nseg;
-  EPX_REQUIRE(send_seg_counts.size() == m && send_seg_displs.size() == m && recv_seg_counts.size() == m &&
-                  recv_seg_displs.size() == m,
-              errc::input, "all_to_allv_indexed: counts and displacements need peers*nseg (", n, "*", nseg,
-              " = ", m, ") entries");
+  detail::require_segment_arrays("all_to_allv_indexed", n, nseg,
+                                 {send_seg_counts.size(), send_seg_displs.size(), recv_seg_counts.size(),
+                                  recv_seg_displs.size()});
   EPX_REQUIRE(row_elems != 0, errc::input, "all_to_allv_indexed: row_elems must be positive");
   for (std::size_t j = 0; j < m; ++j)
     EPX_REQUIRE(send_seg_displs[j] + send_seg_counts[j] <= rows.size(), errc::input,
