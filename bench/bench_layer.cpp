@@ -525,7 +525,8 @@ struct staged_pipeline {
                                 epx::make_span(seg.send_displs), recv.data(), epx::make_span(seg.recv_counts),
                                 epx::make_span(seg.recv_displs), static_cast<std::size_t>(L), H);
     else
-      epx::all_to_allv_indexed(comm, x, epx::span<const std::int64_t>(src_row, S), epx::make_span(seg.send_counts),
+      epx::all_to_allv_indexed(comm, epx::span<const T>(x, n * H), epx::span<const std::int64_t>(src_row, S),
+                               epx::make_span(seg.send_counts),
                                epx::make_span(seg.send_displs), recv.data(), epx::make_span(seg.recv_counts),
                                epx::make_span(seg.recv_displs), static_cast<std::size_t>(L), H);
     clock.lap();

@@ -337,7 +337,7 @@ void case_all_to_allv_indexed_type(Comm& c, std::uint64_t seed, std::size_t nseg
     }
   const std::size_t off = segment_major_layout(rows, n, me, nseg, rc, rd);
   std::vector<T> recv(off * H, sentinel<T>());
-  epx::all_to_allv_indexed(c, static_cast<const T*>(src.data()), epx::span<const std::int64_t>(idx),
+  epx::all_to_allv_indexed(c, epx::span<const T>(src), epx::span<const std::int64_t>(idx),
                            epx::span<const std::size_t>(sc), epx::span<const std::size_t>(sd), recv.data(),
                            epx::span<const std::size_t>(rc), epx::span<const std::size_t>(rd), nseg, H);
   std::size_t bad = 0;

@@ -143,6 +143,35 @@ TEST_CASE("threads: all_to_allv_indexed through the gathering fallback") {
   });
 }
 
+TEST_CASE("threads: all_to_allv_indexed: an index outside src is errc::input before anything moves") {
+  epx::threads::run(1, [](epx::threads::communicator& comm) {
+    std::vector<float> src(3 * 4, 1.0f), recv(2 * 4, 0.0f);
+    const std::vector<std::size_t> sc{2}, sd{0}, rc{2}, rd{0};
+    for (std::int64_t bad : {std::int64_t{3}, std::int64_t{-1}}) {
+      CAPTURE(bad);
+      const std::vector<std::int64_t> rows{0, bad};
+      try {
+        epx::all_to_allv_indexed(comm, epx::span<const float>(src), epx::span<const std::int64_t>(rows),
+                                 epx::span<const std::size_t>(sc), epx::span<const std::size_t>(sd), recv.data(),
+                                 epx::span<const std::size_t>(rc), epx::span<const std::size_t>(rd), 1, 4);
+        FAIL("no error");
+      } catch (const epx::error& e) {
+        CHECK(e.category() == epx::errc::input);
+        CHECK(contains(e.what(), "all_to_allv_indexed: rows[1] = " + std::to_string(bad) +
+                                     " (segment 0 to peer 0) is not a row of src (3 rows)"));
+      }
+      CHECK(recv == std::vector<float>(2 * 4, 0.0f));
+    }
+    // An index list too short for its segments.
+    const std::vector<std::int64_t> one{0};
+    CHECK_THROWS_WITH_AS(epx::all_to_allv_indexed(comm, epx::span<const float>(src), epx::span<const std::int64_t>(one),
+                                                  epx::span<const std::size_t>(sc), epx::span<const std::size_t>(sd),
+                                                  recv.data(), epx::span<const std::size_t>(rc),
+                                                  epx::span<const std::size_t>(rd), 1, 4),
+                         doctest::Contains("segment 0 to peer 0 reads rows[0, 2) of 1"), epx::error);
+  });
+}
+
 TEST_CASE("threads: all_to_allv_indexed: mismatched row widths and counts are detected on every rank") {
   const int n = 3;
   for (int which = 0; which < 2; ++which) {

@@ -137,12 +137,14 @@ void all_to_allv_segments(Comm& comm, const T* send, span<const std::size_t> sen
 // the send side names its rows instead of holding them in send order. Segment i to peer q
 // is the rows src[rows[j]] (rows of row_elems elements) for j in
 // [send_seg_displs[q*nseg+i], + send_seg_counts[q*nseg+i]); it lands as one block at q's
-// recv_seg_displs[me*nseg+i]. Every index used must name a row of src (not checked).
-// Backends with a native `all_to_allv_indexed` (epx::has_indexed_sends_v: threads, MPI)
-// read the rows straight out of src as they send; otherwise the rows are gathered into
-// send order on the host first (src and recv must then be host memory).
+// recv_seg_displs[me*nseg+i]. Every index sent must name a row of src (src.size() /
+// row_elems rows): errc::input on this rank otherwise, before anything moves. Backends
+// with a native `all_to_allv_indexed` (epx::has_indexed_sends_v: threads, MPI) read the
+// rows straight out of src as they send; otherwise the rows are gathered into send order
+// on the host first (src and recv must then be host memory). The index check reads the
+// indices on the host: `rows` must be host memory.
 template <class Comm, class T>
-void all_to_allv_indexed(Comm& comm, const T* src, span<const std::int64_t> rows,
+void all_to_allv_indexed(Comm& comm, span<const T> src, span<const std::int64_t> rows,
                          span<const std::size_t> send_seg_counts, span<const std::size_t> send_seg_displs, T* recv,
                          span<const std::size_t> recv_seg_counts, span<const std::size_t> recv_seg_displs,
                          std::size_t nseg, std::size_t row_elems) {
@@ -152,13 +154,20 @@ void all_to_allv_indexed(Comm& comm, const T* src, span<const std::int64_t> rows
                                  {send_seg_counts.size(), send_seg_displs.size(), recv_seg_counts.size(),
                                   recv_seg_displs.size()});
   EPX_REQUIRE(row_elems != 0, errc::input, "all_to_allv_indexed: row_elems must be positive");
-  for (std::size_t j = 0; j < m; ++j)
+  EPX_REQUIRE(src.size() % row_elems == 0, errc::input, "all_to_allv_indexed: src holds ", src.size(),
+              " elements, not a whole number of rows of ", row_elems);
+  const auto src_rows = static_cast<std::int64_t>(src.size() / row_elems);
+  for (std::size_t j = 0; j < m; ++j) {
     EPX_REQUIRE(send_seg_displs[j] + send_seg_counts[j] <= rows.size(), errc::input,
                 "all_to_allv_indexed: segment ", j % nseg, " to peer ", j / nseg, " reads rows[",
                 send_seg_displs[j], ", ", send_seg_displs[j] + send_seg_counts[j], ") of ", rows.size());
+    for (std::size_t r = send_seg_displs[j]; r < send_seg_displs[j] + send_seg_counts[j]; ++r)
+      EPX_REQUIRE(rows[r] >= 0 && rows[r] < src_rows, errc::input, "all_to_allv_indexed: rows[", r, "] = ", rows[r],
+                  " (segment ", j % nseg, " to peer ", j / nseg, ") is not a row of src (", src_rows, " rows)");
+  }
   if constexpr (has_indexed_sends_v<Comm>) {
-    comm.all_to_allv_indexed(src, rows.data(), row_elems, send_seg_counts.data(), send_seg_displs.data(), recv,
-                             recv_seg_counts.data(), recv_seg_displs.data(), nseg, datatype_of<T>());
+    comm.all_to_allv_indexed(src.data(), rows.data(), row_elems, send_seg_counts.data(), send_seg_displs.data(),
+                             recv, recv_seg_counts.data(), recv_seg_displs.data(), nseg, datatype_of<T>());
   } else {
     std::size_t sent = 0;
     for (std::size_t j = 0; j < m; ++j) sent += send_seg_counts[j];
@@ -168,7 +177,7 @@ void all_to_allv_indexed(Comm& comm, const T* src, span<const std::int64_t> rows
     for (std::size_t j = 0; j < m; ++j) {
       displs[j] = at;
       for (std::size_t r = 0; r < send_seg_counts[j]; ++r, ++at) {
-        const T* row = src + static_cast<std::size_t>(rows[send_seg_displs[j] + r]) * row_elems;
+        const T* row = src.data() + static_cast<std::size_t>(rows[send_seg_displs[j] + r]) * row_elems;
         std::copy(row, row + row_elems, send.data() + at * row_elems);
       }
     }

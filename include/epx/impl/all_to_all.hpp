@@ -361,7 +361,7 @@ class all_to_all_impl {
         zero_padding(ex, s.x_recv.data(), lay, me, H);
         if (s.by_index) {
           // Rows read by index straight out of x as they are sent: no gather, one collective.
-          send_by_index(s.seg, x, static_cast<const std::int64_t*>(s.src_row.data()), S, s.x_recv.data(), L, H);
+          send_by_index(s.seg, x, n, static_cast<const std::int64_t*>(s.src_row.data()), S, s.x_recv.data(), L, H);
         } else {
           const auto send = [&](std::size_t rows, const std::int64_t* src, const segments& g) {
             kernels::gather(ex, rows, H, x, src, s.send.data());
@@ -787,7 +787,8 @@ class all_to_all_impl {
     const rank_rows& r = s.ranks;
     const std::size_t H = s.hidden;
     if (s.by_index) {
-      all_to_allv_indexed(*ctx_.ep, src, span<const std::int64_t>(idx, r.sent()), make_span(r.send_rows),
+      all_to_allv_indexed(*ctx_.ep, span<const T>(src, s.slice.size() * H), span<const std::int64_t>(idx, r.sent()),
+                          make_span(r.send_rows),
                           make_span(r.send_offsets), to, make_span(r.recv_rows), make_span(r.recv_offsets), 1, H);
       return;
     }
@@ -796,12 +797,12 @@ class all_to_all_impl {
     exchange_unique(r, static_cast<const T*>(send), to, H, false);
   }
 
-  // The staged dispatch's rows src[idx[q]] (q in send order, `rows` of them) straight into
-  // expert-major order at the owners, read by index as they are sent.
+  // The staged dispatch's rows src[idx[q]] (q in send order, `rows` of them; src holds
+  // `n` rows) straight into expert-major order at the owners, read by index as they are sent.
   template <class T>
-  void send_by_index(const segments& g, const T* src, const std::int64_t* idx, std::size_t rows, T* to, int L,
-                     std::size_t H) {
-    all_to_allv_indexed(*ctx_.ep, src, span<const std::int64_t>(idx, rows), make_span(g.send_counts),
+  void send_by_index(const segments& g, const T* src, std::size_t n, const std::int64_t* idx, std::size_t rows, T* to,
+                     int L, std::size_t H) {
+    all_to_allv_indexed(*ctx_.ep, span<const T>(src, n * H), span<const std::int64_t>(idx, rows), make_span(g.send_counts),
                         make_span(g.send_displs), to, make_span(g.recv_counts), make_span(g.recv_displs),
                         static_cast<std::size_t>(L), H);
   }
