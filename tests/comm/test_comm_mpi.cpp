@@ -688,6 +688,19 @@ TEST_CASE("mpi: mismatched counts are reported on every rank") {
                            epx::make_span(rd));
         },
         epx::errc::communicator, "rank 0 expects 3 float32 elements from rank 1, which sends 2");
+    // The same through all_to_allv_indexed: rank 0 expects 3 rows of 2 from rank 1, which sends 2.
+    std::vector<std::int64_t> rows(2 * static_cast<std::size_t>(n), 0);
+    std::vector<float> src(2, 1.0f), got(6 * n, 0.0f);
+    for (int p = 0; p < n; ++p) sd[p] = 2 * p;
+    check_error(
+        [&] {
+          epx::all_to_allv_indexed(w, epx::span<const float>(src), epx::span<const std::int64_t>(rows),
+                                   epx::make_span(sc), epx::make_span(sd), got.data(), epx::make_span(rc),
+                                   epx::make_span(rd), 1, 2);
+        },
+        epx::errc::communicator,
+        "all_to_allv_indexed: send and receive counts disagree: rank 0 expects 6 float32 elements in segment 0 from "
+        "rank 1, which sends 4");
   }
   // Equal-count collectives: rank-dependent counts, datatypes or roots.
   std::vector<double> buf(n + 8, 1.0), out(n + 8);

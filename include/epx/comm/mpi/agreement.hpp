@@ -127,7 +127,8 @@ inline bool mpi_check_counts_v(mpi_state& s, const mpi::options& opt, const std:
 // [peers][nseg]); the segment count must agree too. Returns whether any rank needs the
 // chunked path.
 inline bool mpi_check_segment_counts(mpi_state& s, const mpi::options& opt, const std::size_t* send_counts,
-                                     const std::size_t* recv_counts, std::size_t nseg, datatype t, bool large) {
+                                     const std::size_t* recv_counts, std::size_t nseg, datatype t, bool large,
+                                     const char* op = "all_to_allv_segments") {
   const std::size_t m = static_cast<std::size_t>(s.size) * nseg;
   std::vector<unsigned long long> mine(m), theirs(m);  // theirs[p*nseg+i]: what p sends me in segment i
   for (std::size_t j = 0; j < m; ++j) mine[j] = send_counts[j];
@@ -140,11 +141,11 @@ inline bool mpi_check_segment_counts(mpi_state& s, const mpi::options& opt, cons
   std::string bad;
   for (std::size_t j = 0; j < m && bad.empty() && nseg <= static_cast<std::size_t>(INT_MAX); ++j) {
     if (theirs[j] != recv_counts[j])
-      bad = concat("all_to_allv_segments: send and receive counts disagree: rank ", s.rank, " expects ",
+      bad = concat(op, ": send and receive counts disagree: rank ", s.rank, " expects ",
                    recv_counts[j], " ", to_string(t), " elements in segment ", j % nseg, " from rank ", j / nseg,
                    ", which sends ", theirs[j]);
   }
-  return mpi_agree(s, opt, "all_to_allv_segments",
+  return mpi_agree(s, opt, op,
                    {{"the datatype", static_cast<long long>(t)}, {"the segment count", static_cast<long long>(nseg)}},
                    bad, errc::communicator, large ? 1 : 0) != 0;
 }

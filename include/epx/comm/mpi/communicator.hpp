@@ -238,8 +238,10 @@ class communicator {
       }
       large = large || to_p > static_cast<std::size_t>(INT_MAX);
     }
-    large = opt_.check_counts ? detail::mpi_check_segment_counts(*s_, opt_, sc, rc, nseg, t, large)
-                              : detail::mpi_any(*s_, opt_, large);
+    // Counts in elements (rows times row_elems), checked as the segmented exchange checks them.
+    large = opt_.check_counts
+                ? detail::mpi_check_segment_counts(*s_, opt_, sc, rc, nseg, t, large, "all_to_allv_indexed")
+                : detail::mpi_any(*s_, opt_, large);
     if (nseg == 0) return;
     const std::size_t row_bytes = row_elems * size_of(t);
     if (large) {
