@@ -1,7 +1,6 @@
 // epx/comm/collectives.hpp: typed collectives over any communicator, and mesh sub-groups.
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -172,15 +171,10 @@ void all_to_allv_indexed(Comm& comm, span<const T> src, span<const std::int64_t>
     std::size_t sent = 0;
     for (std::size_t j = 0; j < m; ++j) sent += send_seg_counts[j];
     std::vector<T> send(sent * row_elems);
+    detail::gather_indexed_rows(src.data(), rows.data(), row_elems * sizeof(T), send_seg_counts.data(),
+                                send_seg_displs.data(), m, send.data());
     std::vector<std::size_t> displs(m);
-    std::size_t at = 0;
-    for (std::size_t j = 0; j < m; ++j) {
-      displs[j] = at;
-      for (std::size_t r = 0; r < send_seg_counts[j]; ++r, ++at) {
-        const T* row = src.data() + static_cast<std::size_t>(rows[send_seg_displs[j] + r]) * row_elems;
-        std::copy(row, row + row_elems, send.data() + at * row_elems);
-      }
-    }
+    for (std::size_t j = 0, at = 0; j < m; at += send_seg_counts[j], ++j) displs[j] = at;
     all_to_allv_segments(comm, static_cast<const T*>(send.data()), send_seg_counts,
                          span<const std::size_t>(displs.data(), m), recv, recv_seg_counts, recv_seg_displs, nseg,
                          row_elems);

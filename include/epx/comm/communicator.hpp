@@ -79,6 +79,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -225,6 +226,21 @@ struct has_indexed_sends<C, std::void_t<decltype(std::declval<C&>().all_to_allv_
                                 std::declval<void*>(), std::declval<const std::size_t*>(),
                                 std::declval<const std::size_t*>(), std::size_t{}, datatype::byte))>>
     : std::true_type {};
+}  // namespace detail
+
+namespace detail {
+// The host gather of all_to_allv_indexed's rows into send order: the rows named by
+// rows[displs[j] .. + counts[j]] for j in [0, m), one after the other, rows of row_bytes
+// bytes, from src into dst (a communicator without the native call, and MPI's path for
+// transfers over its max_count).
+inline void gather_indexed_rows(const void* src, const std::int64_t* rows, std::size_t row_bytes,
+                                const std::size_t* counts, const std::size_t* displs, std::size_t m, void* dst) {
+  auto* out = static_cast<unsigned char*>(dst);
+  for (std::size_t j = 0; j < m; ++j)
+    for (std::size_t r = 0; r < counts[j]; ++r, out += row_bytes)
+      std::memcpy(out, static_cast<const unsigned char*>(src) + static_cast<std::size_t>(rows[displs[j] + r]) * row_bytes,
+                  row_bytes);
+}
 }  // namespace detail
 
 // Whether C sends rows by index (the optional all_to_allv_indexed above).

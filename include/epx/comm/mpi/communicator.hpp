@@ -172,16 +172,7 @@ class communicator {
                               : detail::mpi_any(*s_, opt_, large);
     if (nseg == 0) return;
     if (large) {
-      std::vector<std::size_t> v(4 * n);
-      for (std::size_t i = 0; i < nseg; ++i) {
-        for (std::size_t p = 0; p < n; ++p) {
-          v[p] = send_counts[p * nseg + i];
-          v[n + p] = send_displs[p * nseg + i];
-          v[2 * n + p] = recv_counts[p * nseg + i];
-          v[3 * n + p] = recv_displs[p * nseg + i];
-        }
-        exchange_chunked(send, v.data(), v.data() + n, recv, v.data() + 2 * n, v.data() + 3 * n, t);
-      }
+      exchange_segments_chunked(send, send_counts, send_displs, recv, recv_counts, recv_displs, nseg, t);
       return;
     }
     const MPI_Datatype mt = detail::mpi_type(t);
@@ -246,22 +237,8 @@ class communicator {
     const std::size_t row_bytes = row_elems * size_of(t);
     if (large) {
       std::vector<unsigned char> send(sent * row_bytes);
-      std::size_t at = 0;
-      for (std::size_t j = 0; j < m; ++j)
-        for (std::size_t r = 0; r < send_counts[j]; ++r, ++at)
-          std::memcpy(send.data() + at * row_bytes,
-                      static_cast<const unsigned char*>(src) + static_cast<std::size_t>(rows[send_displs[j] + r]) * row_bytes,
-                      row_bytes);
-      for (std::size_t i = 0; i < nseg; ++i) {
-        std::vector<std::size_t> w(4 * n);
-        for (std::size_t p = 0; p < n; ++p) {
-          w[p] = sc[p * nseg + i];
-          w[n + p] = sd[p * nseg + i];
-          w[2 * n + p] = rc[p * nseg + i];
-          w[3 * n + p] = rd[p * nseg + i];
-        }
-        exchange_chunked(send.data(), w.data(), w.data() + n, recv, w.data() + 2 * n, w.data() + 3 * n, t);
-      }
+      detail::gather_indexed_rows(src, rows, row_bytes, send_counts, send_displs, m, send.data());
+      exchange_segments_chunked(send.data(), sc, sd, recv, rc, rd, nseg, t);
       return;
     }
     const MPI_Datatype mt = detail::mpi_type(t);
@@ -585,6 +562,23 @@ class communicator {
                 const std::size_t* rd, datatype t, bool large) {
     detail::mpi_exchange(*s_, opt_, send, sc, sd, recv, rc, rd, t, large);
   }
+  // A segmented exchange as nseg rounds of chunked point-to-point transfers (arrays
+  // [peers][nseg], in elements): the path of transfers over max_count.
+  void exchange_segments_chunked(const void* send, const std::size_t* sc, const std::size_t* sd, void* recv,
+                                 const std::size_t* rc, const std::size_t* rd, std::size_t nseg, datatype t) {
+    const auto n = static_cast<std::size_t>(size());
+    std::vector<std::size_t> v(4 * n);
+    for (std::size_t i = 0; i < nseg; ++i) {
+      for (std::size_t p = 0; p < n; ++p) {
+        v[p] = sc[p * nseg + i];
+        v[n + p] = sd[p * nseg + i];
+        v[2 * n + p] = rc[p * nseg + i];
+        v[3 * n + p] = rd[p * nseg + i];
+      }
+      exchange_chunked(send, v.data(), v.data() + n, recv, v.data() + 2 * n, v.data() + 3 * n, t);
+    }
+  }
+
   void exchange_chunked(const void* send, const std::size_t* sc, const std::size_t* sd, void* recv,
                         const std::size_t* rc, const std::size_t* rd, datatype t) {
     detail::mpi_exchange_chunked(*s_, opt_, send, sc, sd, recv, rc, rd, t);
