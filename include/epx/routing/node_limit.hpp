@@ -57,6 +57,20 @@ inline node_limit node_limit_of(const mesh& m, int ranks_per_node, int max_nodes
 
 namespace detail {
 
+// The M = nl.max_nodes best of the node scores, as a mask; ties keep the lower node.
+EPX_HOST_DEVICE inline std::uint64_t pick_nodes(const node_limit& nl, const float* nscore) {
+  std::uint64_t kept = 0;
+  for (int r = 0; r < nl.max_nodes; ++r) {
+    int pick = -1;
+    for (int g = 0; g < nl.nodes; ++g) {
+      if ((kept >> g) & 1u) continue;
+      if (pick < 0 || nscore[g] > nscore[pick]) pick = g;  // strict: ties keep the lower node
+    }
+    kept |= std::uint64_t{1} << pick;
+  }
+  return kept;
+}
+
 // The nodes a token may use, as a mask (bit g: node g); all ones without an active limit
 // (nothing is called then). A node's score is the sum, in descending order, of score(e)
 // over its ceil(k / M) best experts; the best experts are found by rank(e), which must
@@ -76,16 +90,43 @@ EPX_HOST_DEVICE inline std::uint64_t select_nodes(const node_limit& nl, int E, i
     for (int i = 0; i < top.size; ++i) sum += score(top.id[i]);
     nscore[g] = sum;
   }
-  std::uint64_t kept = 0;
-  for (int r = 0; r < nl.max_nodes; ++r) {
-    int pick = -1;
-    for (int g = 0; g < nl.nodes; ++g) {
-      if ((kept >> g) & 1u) continue;
-      if (pick < 0 || nscore[g] > nscore[pick]) pick = g;  // strict: ties keep the lower node
-    }
-    kept |= std::uint64_t{1} << pick;
+  return pick_nodes(nl, nscore);
+}
+
+// select_nodes on the host, from a token's key table (fill with unit = the experts of a
+// node): each node's best keys come from its keys that reach the node's threshold
+// (key_table::offer), the same nodes bit for bit.
+template <class Score>
+inline std::uint64_t select_nodes(const node_limit& nl, int E, int k, const key_table& keys, const Score& score) {
+  if (!nl.active()) return ~std::uint64_t{0};
+  const int per = E / nl.nodes;
+  const int best = (k + nl.max_nodes - 1) / nl.max_nodes;
+  float nscore[max_node_count];
+  for (int g = 0; g < nl.nodes; ++g) {
+    topk_list<max_top_k> top(best);
+    keys.offer(g * per, (g + 1) * per, top);
+    float sum = 0.0f;
+    for (int i = 0; i < top.size; ++i) sum += score(top.id[i]);
+    nscore[g] = sum;
   }
-  return kept;
+  return pick_nodes(nl, nscore);
+}
+
+// The keys of the experts on the nodes of `mask` (all of them without an active limit)
+// offered to `top` as offering each in ascending id would leave it: the threshold of the
+// best top.k over the kept nodes' groups, then the keys that reach it.
+template <class List>
+inline void offer_allowed(const node_limit& nl, std::uint64_t mask, int E, const key_table& keys, List& top) {
+  if (!nl.active()) return keys.offer(0, E, top);
+  const int per = E / nl.nodes, gper = per / keys.span;
+  float gm[max_key_table];
+  int ng = 0;
+  for (int g = 0; g < nl.nodes; ++g)
+    if ((mask >> g) & 1u)
+      for (int i = 0; i < gper; ++i) gm[ng++] = keys.gmax[g * gper + i];
+  const float t = key_table::threshold(gm, ng, top.k);
+  for (int g = 0; g < nl.nodes; ++g)
+    if ((mask >> g) & 1u) keys.offer_reaching(g * per, (g + 1) * per, t, top);
 }
 
 // f(e) for every expert e on a node of `mask` (every expert without an active limit), in

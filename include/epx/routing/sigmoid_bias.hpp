@@ -55,6 +55,17 @@ EPX_HOST_DEVICE inline bool sigmoid_bias_select(const T* l, int E, const float* 
     return bias != nullptr ? s + bias[e] : s;
   };
   if (n_group <= 1) {
+#if !EPX_IS_DEVICE_CODE
+    if (E <= max_key_table) {
+      // The keys in a key table (epx/routing/detail/topk.hpp): each sigmoid taken once,
+      // the same selection from the few keys that reach each threshold.
+      key_table keys;
+      keys.fill(E, limit.active() ? E / limit.nodes : E, key);
+      const std::uint64_t nodes = select_nodes(limit, E, top.k, keys, [&](int e) { return keys.key[e]; });
+      offer_allowed(limit, nodes, E, keys, top);
+      return true;
+    }
+#endif
     const std::uint64_t nodes = select_nodes(limit, E, top.k, key, key);
     for_each_allowed(limit, nodes, E, [&](int e) { top.offer(key(e), e); });
     return true;

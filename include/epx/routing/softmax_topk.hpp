@@ -32,23 +32,16 @@ EPX_HOST_DEVICE inline softmax_f32 softmax_of_logits(const T* l, int E, float* e
   return softmax_of(E, [&](int e) { return convert<float>(l[e]); }, ex);
 }
 
-// Up to this many experts, a node-limited forward on the host keeps the softmax's terms
-// exp(x - mx) and divides them for p: its node scores and candidates read p for up to
-// nodes * ceil(k / M) + k + 2 experts. Device threads recompute instead of holding the array.
-inline constexpr int softmax_term_cache = 512;
-
-// The top-k of p over the experts of `mask`, found from the top-(k + 1) of the logits, so
-// that p is computed for k + 2 experts instead of all of them. p never decreases as the
-// logit grows, so the k best logits carry the k best p, unless rounding gives the
+// The top-k of p from the top-(k + 1) of the logits `cand` (over the experts a token may
+// use), so that p is computed for k + 2 experts instead of all of them. p never decreases
+// as the logit grows, so the k best logits carry the k best p, unless rounding gives the
 // (k + 1)-th best logit the k-th best p (distinct logits, one p; p = 0 far below the
 // maximum): then the ids among equal p could differ, and this returns false without
 // touching `top`, for the caller to offer every p. Otherwise `top` ends as offering every
 // p in ascending id leaves it: the k candidates, offered by p in ascending id.
-template <class X, class P>
-EPX_HOST_DEVICE inline bool top_by_logits(const node_limit& nl, std::uint64_t mask, int E, int k, const X& x,
-                                          const P& p, topk_list<max_top_k>& top) {
-  topk_list<max_top_k + 1> cand(k + 1);
-  for_each_allowed(nl, mask, E, [&](int e) { cand.offer(x(e), e); });
+template <class P>
+EPX_HOST_DEVICE inline bool top_from_candidates(const topk_list<max_top_k + 1>& cand, int k, const P& p,
+                                                topk_list<max_top_k>& top) {
   if (cand.size > k && !(p(cand.id[k]) < p(cand.id[k - 1]))) return false;
   const int n = cand.size < k ? cand.size : k;
   std::int32_t id[max_top_k];
@@ -70,24 +63,41 @@ struct softmax_topk_forward {
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
     const T* l;
     if (!io.begin(t, l)) return;
-    const int k = io.k;
-#if EPX_IS_DEVICE_CODE
-    float* ex = nullptr;
-#else
-    float terms[softmax_term_cache];
-    float* ex = limit.active() && io.E <= softmax_term_cache ? terms : nullptr;
-#endif
-    const softmax_f32 sm = softmax_of_logits(l, io.E, ex);
+    const int E = io.E, k = io.k;
     // The top-k of p, offered in ascending id: equal p keep the lower id first. The keys are
-    // the weights, so selection and weights see the same float32 values.
+    // the weights, so selection and weights see the same float32 values. Nodes are ranked
+    // by the logits (p grows with them) and scored by p.
     topk_list<max_top_k> top(k);
+    topk_list<max_top_k + 1> cand(k + 1);
+#if !EPX_IS_DEVICE_CODE
+    if (E <= max_key_table) {
+      // The logits in a key table (epx/routing/detail/topk.hpp), which also gives their
+      // maximum; with a limit the softmax keeps its terms exp(x - mx), and p of an expert
+      // is its term over z (sm.p's very operations), read by the node scores.
+      key_table keys;
+      float terms[max_key_table];
+      float* ex = limit.active() ? terms : nullptr;
+      const float mx = keys.fill(E, limit.active() ? E / limit.nodes : E, [&](int e) { return convert<float>(l[e]); });
+      const softmax_f32 sm = softmax_with_max(E, [&](int e) { return keys.key[e]; }, mx, ex);
+      const auto p = [&](int e) { return ex != nullptr ? ex[e] / sm.z : sm.p(keys.key[e]); };
+      const std::uint64_t nodes = select_nodes(limit, E, k, keys, p);
+      offer_allowed(limit, nodes, E, keys, cand);
+      if (!top_from_candidates(cand, k, p, top)) for_each_allowed(limit, nodes, E, [&](int e) { top.offer(p(e), e); });
+      return finish(t, top);
+    }
+#endif
+    const softmax_f32 sm = softmax_of_logits(l, E);
     const auto x = [&](int e) { return convert<float>(l[e]); };
-    // ex[e] / z is sm.p(x(e)) bitwise: the same exp of the same difference.
-    const auto p = [&](int e) { return ex != nullptr ? ex[e] / sm.z : sm.p(x(e)); };
-    // Nodes ranked by the logits (p grows with them), scored by p.
-    const std::uint64_t nodes = select_nodes(limit, io.E, k, x, p);
-    if (!top_by_logits(limit, nodes, io.E, k, x, p, top))
-      for_each_allowed(limit, nodes, io.E, [&](int e) { top.offer(p(e), e); });
+    const auto p = [&](int e) { return sm.p(x(e)); };
+    const std::uint64_t nodes = select_nodes(limit, E, k, x, p);
+    for_each_allowed(limit, nodes, E, [&](int e) { cand.offer(x(e), e); });
+    if (!top_from_candidates(cand, k, p, top)) for_each_allowed(limit, nodes, E, [&](int e) { top.offer(p(e), e); });
+    finish(t, top);
+  }
+
+  // The selected weights and ids of token t (renormalised when asked).
+  EPX_HOST_DEVICE void finish(std::size_t t, const topk_list<max_top_k>& top) const {
+    const int k = io.k;
     float* w = io.weights + t * k;
     std::int32_t* id = io.ids + t * k;
     float sel = 0.0f;

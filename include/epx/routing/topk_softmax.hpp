@@ -29,15 +29,35 @@ struct topk_softmax_forward {
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
     const T* l;
     if (!io.begin(t, l)) return;
-    const int k = io.k;
+    const int E = io.E, k = io.k;
     topk_list<max_top_k> top(k);
     std::uint64_t nodes = ~std::uint64_t{0};
+#if !EPX_IS_DEVICE_CODE
+    if (E <= max_key_table) {
+      // The logits in a key table (epx/routing/detail/topk.hpp): the same selection from
+      // the few logits that reach each threshold.
+      key_table keys;
+      const float mx = keys.fill(E, limit.active() ? E / limit.nodes : E, [&](int e) { return convert<float>(l[e]); });
+      if (limit.active()) {
+        const softmax_f32 all = softmax_with_max(E, [&](int e) { return keys.key[e]; }, mx);
+        nodes = select_nodes(limit, E, k, keys, [&](int e) { return all.p(keys.key[e]); });
+      }
+      offer_allowed(limit, nodes, E, keys, top);
+      return finish(t, top);
+    }
+#endif
     if (limit.active()) {
-      const softmax_f32 all = softmax_of(io.E, [&](int e) { return convert<float>(l[e]); });
-      nodes = select_nodes(limit, io.E, k, [&](int e) { return convert<float>(l[e]); },
+      const softmax_f32 all = softmax_of(E, [&](int e) { return convert<float>(l[e]); });
+      nodes = select_nodes(limit, E, k, [&](int e) { return convert<float>(l[e]); },
                            [&](int e) { return all.p(convert<float>(l[e])); });
     }
-    for_each_allowed(limit, nodes, io.E, [&](int e) { top.offer(convert<float>(l[e]), e); });
+    for_each_allowed(limit, nodes, E, [&](int e) { top.offer(convert<float>(l[e]), e); });
+    finish(t, top);
+  }
+
+  // Softmax over the k selected logits, the weights and ids of token t.
+  EPX_HOST_DEVICE void finish(std::size_t t, const topk_list<max_top_k>& top) const {
+    const int k = io.k;
     // The keys are descending: the softmax's maximum is top.key[0].
     const softmax_f32 sm = softmax_of(k, [&](int j) { return top.key[j]; });
     float* w = io.weights + t * k;
