@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <random>
 #include <set>
 #include <string>
@@ -376,4 +377,69 @@ TEST_CASE("node limit: token_nodes counts the distinct nodes of every token, up 
       check_plan(epx::exec::emulated_device{}, 0, "emulated_device");
     }
   }
+}
+
+TEST_CASE("key table: the selection from the keys that reach the threshold equals offering every key") {
+  // routing::detail::key_table (the host functors' selection) against a topk_list offered
+  // every key of the range in ascending id: the same keys and ids in the same order, for
+  // plain ranges, each node's range and the kept nodes of random masks, on keys drawn so
+  // that thresholds are tight or useless: random, few distinct values (ties), ascending,
+  // descending, and one large key per group.
+  using routing::detail::key_table;
+  using routing::detail::topk_list;
+  std::mt19937 gen(23);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  long long compared = 0, differ = 0;
+  const auto same = [&](const auto& a, const auto& b) {
+    ++compared;
+    bool ok = a.size == b.size;
+    for (int i = 0; ok && i < a.size; ++i) ok = a.key[i] == b.key[i] && a.id[i] == b.id[i];
+    differ += ok ? 0 : 1;
+  };
+  for (const int E : {1, 3, 8, 36, 64, 256, 510, 512})
+    for (int kind = 0; kind < 5; ++kind)
+      for (int rep = 0; rep < 20; ++rep) {
+        std::vector<float> x(static_cast<std::size_t>(E));
+        for (int e = 0; e < E; ++e) {
+          const float r = nd(gen);
+          x[static_cast<std::size_t>(e)] = kind == 0   ? r
+                                           : kind == 1 ? std::round(r * 2.0f)
+                                           : kind == 2 ? static_cast<float>(e) + 0.001f * r
+                                           : kind == 3 ? -static_cast<float>(e)
+                                                       : (e % 4 == 1 ? 10.0f + r : r);
+        }
+        for (const int nodes : {1, 2, 4, 6, 8}) {
+          if (E % nodes != 0) continue;
+          const int per = E / nodes;
+          key_table t;
+          const float mx = t.fill(E, per, [&](int e) { return x[static_cast<std::size_t>(e)]; });
+          CHECK(mx == *std::max_element(x.begin(), x.end()));
+          for (const int c : {1, 2, 3, 8, 9, 33}) {
+            if (c > 33) continue;
+            // Each node's range.
+            for (int g = 0; g < nodes; ++g) {
+              topk_list<33> a(std::min(c, per)), b(std::min(c, per));
+              t.offer(g * per, (g + 1) * per, a);
+              for (int e = g * per; e < (g + 1) * per; ++e) b.offer(x[static_cast<std::size_t>(e)], e);
+              same(a, b);
+            }
+            // The kept nodes of a mask (every node without a limit).
+            for (int M = 1; M <= nodes; ++M) {
+              const routing::node_limit nl{nodes, M};
+              std::uint64_t mask = 0;
+              std::vector<int> order(static_cast<std::size_t>(nodes));
+              std::iota(order.begin(), order.end(), 0);
+              std::shuffle(order.begin(), order.end(), gen);
+              for (int i = 0; i < M; ++i) mask |= std::uint64_t{1} << order[static_cast<std::size_t>(i)];
+              const int cc = std::min(c, nl.active() ? M * per : E);
+              topk_list<33> a(cc), b(cc);
+              routing::detail::offer_allowed(nl, mask, E, t, a);
+              routing::detail::for_each_allowed(nl, mask, E, [&](int e) { b.offer(x[static_cast<std::size_t>(e)], e); });
+              same(a, b);
+            }
+          }
+        }
+      }
+  CHECK(compared > 10000);
+  CHECK(differ == 0);
 }
