@@ -398,3 +398,50 @@ TEST_CASE("capacity: one sender at the sizes people run, one hot expert or many 
       }
   }
 }
+
+TEST_CASE("capacity: by score, the digit selection on keys that share many bits, with ties in the last bit") {
+  // One sender, 4096 tokens, top-2 of 8 experts, expert 0 in every token (4096 pairs, so
+  // drop_pairs selects by digits), weights drawn so that the selection goes through each of
+  // its steps: continuous weights (the chosen bucket gathered, then its next digits); a
+  // cluster of weights a few ulps apart holding the threshold, larger than the gathered
+  // array (every digit reads the segment, down to the last bit, with exact ties); the
+  // cluster above negative weights and zeros (sign and exponent differ).
+  const exec_t ex{};
+  const std::size_t N = 4096;
+  const int E = 8, k = 2;
+  for (int kind = 0; kind < 3; ++kind)
+    for (std::uint64_t seed = 1; seed <= 3; ++seed) {
+      epx::ref::rng g(seed * 7 + static_cast<std::uint64_t>(kind));
+      std::vector<std::int32_t> ids(N * k);
+      for (std::size_t t = 0; t < N; ++t) {
+        ids[t * k] = 0;
+        ids[t * k + 1] = 1 + g.below(E - 1);
+      }
+      std::vector<float> w(ids.size());
+      for (auto& v : w) {
+        const int r = g.below(1 << 20);
+        if (kind == 0) {
+          v = static_cast<float>(r + 1) / static_cast<float>(1 << 20);
+        } else {
+          float c = 0.5f;  // the cluster: 0.5 plus 0 to 3 ulps
+          for (int u = 0; u < r % 4; ++u) c = std::nextafter(c, 1.0f);
+          const float other = kind == 1 ? 0.6f + 0.4f * static_cast<float>(r) / static_cast<float>(1 << 20)
+                                        : (r % 3 == 0 ? 0.0f : -static_cast<float>(r) / static_cast<float>(1 << 20));
+          v = r % 5 < 3 ? c : other;
+        }
+      }
+      for (std::int64_t rows : {std::int64_t{1}, std::int64_t{700}, std::int64_t{1500}, std::int64_t{2500},
+                                std::int64_t{4000}}) {
+        CAPTURE(kind);
+        CAPTURE(seed);
+        CAPTURE(rows);
+        const auto c = cap(epx::capacity_mode::local, 1.0, rows, epx::drop_priority::score);
+        epx::ref::capacity_params p;
+        p.mode = static_cast<int>(c.mode);
+        p.factor = c.factor;
+        p.rows = c.rows;
+        p.by_score = true;
+        check_one_sender(ex, ids, w, N, E, k, c, p, 1 + seed % 3);
+      }
+    }
+}

@@ -174,7 +174,9 @@ struct drop_segment {
 // the priority; `keyed` is the scratch (keyed_slot entries) of the segments with a
 // `scratch` offset (score priority, see scratch_size), null when none has one.
 struct drop_pairs {
-  static constexpr int few = 64;  // up to this many dropped pairs a segment selects them in one pass
+  // Up to this many dropped pairs a segment keeps them in a sorted list in one pass; more,
+  // and the digit selection costs less than the list's insertions.
+  static constexpr int few = 4;
 
   const std::int32_t* ids;      // [pairs]
   const float* weights;         // [pairs] (score priority)
@@ -226,8 +228,8 @@ struct drop_pairs {
       return;
     }
     // The d = count - keep pairs that go are the d smallest keys, ties to the higher
-    // position. Few of them (the common case): one pass keeps them in a small sorted list,
-    // a second one moves the others. Else a radix selection over the segment's scratch.
+    // position. At most `few` of them: one pass keeps them in a small sorted list, a second
+    // one moves the others. Else a radix selection over the segment's scratch.
     const std::int64_t d = s.count - s.keep;
     const std::int64_t o = s.scratch - b;  // scratch entry of position p: p + o
     if (d <= few && s.count <= 0xffffffff) {
@@ -276,35 +278,69 @@ struct drop_pairs {
     }
     for (std::int64_t p = b; p < end && !prefilled; ++p) fill(p, e, o);
     const auto key = [&](std::int64_t p) { return static_cast<std::uint32_t>(keyed[p + o] >> 32); };
-    // The keep-th largest key, 8 bits at a time, on the bits under `mask`; `need` ends as
+    // The keep-th largest key, a digit at a time, on the bits under `mask`; `need` ends as
     // the number of pairs whose masked key is `prefix` that stay (the first ones in
-    // position order). The bits every key shares start the prefix, so the first digit is
-    // the byte that holds the highest differing bit (one expert's weights mostly share
-    // their sign and exponent bits: the top byte would rarely split them). When every pair
-    // of the chosen bucket stays, the lower bits do not matter and the selection stops
-    // there. The histogram adds the match (0 or 1) instead of branching on it.
+    // position order). The bits every key shares start the prefix, so the first digit
+    // starts at the highest bit the keys do not share (one expert's weights mostly share
+    // their sign and exponent bits). When every pair of the chosen bucket stays, the lower
+    // bits do not matter and the selection stops there. On the host a digit has 11 bits,
+    // and once the chosen bucket fits a local array its keys are gathered there, so that
+    // the next digits read them instead of the whole segment; the segment is read three
+    // times in all (shared bits, first digit, gather) before the pass that moves the pairs.
+    // The histogram adds the match (0 or 1) instead of branching on it.
+#if EPX_IS_DEVICE_CODE
+    constexpr int digit_max = 8, gathered_max = 0;
+    const int digit = 8;
+#else
+    constexpr int digit_max = 11, gathered_max = 1024;
+    const int digit = s.count >= 2048 ? 11 : 8;  // a histogram not much larger than the segment
+#endif
     std::uint32_t all_or = 0, all_and = ~std::uint32_t{0};
     for (std::int64_t p = b; p < end; ++p) {
       all_or |= key(p);
       all_and &= key(p);
     }
     const std::uint32_t differ = all_or ^ all_and;
-    int top = 24;
-    while (top > 0 && (differ >> top) == 0) top -= 8;
-    std::uint32_t mask = top >= 24 ? 0u : ~std::uint32_t{0} << (top + 8);
+    int hi = 32;  // the digit covers bits [hi - digit, hi)
+    while (hi > 0 && ((differ >> (hi - 1)) & 1u) == 0) --hi;
+    std::uint32_t mask = hi >= 32 ? 0u : ~std::uint32_t{0} << hi;
     std::uint32_t prefix = all_and & mask;
     std::int64_t need = s.keep;
     if (need > 0 && differ != 0) {
-      for (int shift = top; shift >= 0; shift -= 8) {
-        std::int64_t hist[256];
-        for (int h = 0; h < 256; ++h) hist[h] = 0;
-        for (std::int64_t p = b; p < end; ++p)
-          hist[(key(p) >> shift) & 0xffu] += static_cast<std::int64_t>((key(p) & mask) == prefix);
-        int h = 255;
+      std::uint32_t gathered[gathered_max + 1];
+      std::int64_t ng = -1;  // keys in `gathered`; -1: read the segment
+      for (; hi > 0; hi -= digit) {
+        const int shift = hi > digit ? hi - digit : 0;
+        const std::uint32_t dm = (std::uint32_t{1} << (hi - shift)) - 1u;
+        std::int64_t hist[std::size_t{1} << digit_max];
+        for (std::uint32_t h = 0; h <= dm; ++h) hist[h] = 0;
+        if (ng < 0) {
+          for (std::int64_t p = b; p < end; ++p)
+            hist[(key(p) >> shift) & dm] += static_cast<std::int64_t>((key(p) & mask) == prefix);
+        } else {
+          for (std::int64_t i = 0; i < ng; ++i) ++hist[(gathered[i] >> shift) & dm];
+        }
+        std::uint32_t h = dm;
         for (; h > 0 && need > hist[h]; --h) need -= hist[h];
-        prefix |= static_cast<std::uint32_t>(h) << shift;
-        mask |= 0xffu << shift;
-        if (need == hist[h]) break;
+        prefix |= h << shift;
+        mask |= dm << shift;
+        if (need == hist[h] || shift == 0) break;
+        // Deeper: the chosen bucket's keys into `gathered` (without a branch: a store and
+        // a compare per key), when they fit.
+        if (ng < 0 && hist[h] <= gathered_max) {
+          ng = 0;
+          for (std::int64_t p = b; p < end; ++p) {
+            gathered[ng] = key(p);
+            ng += static_cast<std::int64_t>((key(p) & mask) == prefix);
+          }
+        } else if (ng >= 0) {
+          std::int64_t m = 0;
+          for (std::int64_t i = 0; i < ng; ++i) {
+            gathered[m] = gathered[i];
+            m += static_cast<std::int64_t>((gathered[i] & mask) == prefix);
+          }
+          ng = m;
+        }
       }
     }
     std::int64_t at = b;
