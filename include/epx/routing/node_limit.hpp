@@ -57,8 +57,26 @@ inline node_limit node_limit_of(const mesh& m, int ranks_per_node, int max_nodes
 
 namespace detail {
 
-// The M = nl.max_nodes best of the node scores, as a mask; ties keep the lower node.
-EPX_HOST_DEVICE inline std::uint64_t pick_nodes(const node_limit& nl, const float* nscore) {
+// The nodes a token may use, as a mask (bit g: node g); all ones without an active limit
+// (nothing is called then). A node's score is the sum, in descending order, of score(e)
+// over its ceil(k / M) best experts; offer_node(lo, hi, top) leaves `top` as offering
+// rank(e) for the experts e in [lo, hi) in ascending id would, where rank must order the
+// experts as score does (any order among equal scores): the logit for p, whose exp is then
+// taken for those few experts only. The M best scores are kept, ties to the lower node.
+template <class OfferNode, class Score>
+EPX_HOST_DEVICE inline std::uint64_t select_nodes_by(const node_limit& nl, int E, int k, const OfferNode& offer_node,
+                                                     const Score& score) {
+  if (!nl.active()) return ~std::uint64_t{0};
+  const int per = E / nl.nodes;
+  const int best = (k + nl.max_nodes - 1) / nl.max_nodes;  // ceil(k / M) <= per (validated)
+  float nscore[max_node_count];
+  for (int g = 0; g < nl.nodes; ++g) {
+    topk_list<max_top_k> top(best);
+    offer_node(g * per, (g + 1) * per, top);
+    float sum = 0.0f;
+    for (int i = 0; i < top.size; ++i) sum += score(top.id[i]);
+    nscore[g] = sum;
+  }
   std::uint64_t kept = 0;
   for (int r = 0; r < nl.max_nodes; ++r) {
     int pick = -1;
@@ -71,45 +89,23 @@ EPX_HOST_DEVICE inline std::uint64_t pick_nodes(const node_limit& nl, const floa
   return kept;
 }
 
-// The nodes a token may use, as a mask (bit g: node g); all ones without an active limit
-// (nothing is called then). A node's score is the sum, in descending order, of score(e)
-// over its ceil(k / M) best experts; the best experts are found by rank(e), which must
-// order the experts as score does (any order among equal scores): the logit for p, whose
-// exp is then taken for those few experts only.
+// select_nodes_by offering rank(e) for every expert of a node.
 template <class Rank, class Score>
 EPX_HOST_DEVICE inline std::uint64_t select_nodes(const node_limit& nl, int E, int k, const Rank& rank,
                                                   const Score& score) {
-  if (!nl.active()) return ~std::uint64_t{0};
-  const int per = E / nl.nodes;
-  const int best = (k + nl.max_nodes - 1) / nl.max_nodes;  // ceil(k / M) <= per (validated)
-  float nscore[max_node_count];
-  for (int g = 0; g < nl.nodes; ++g) {
-    topk_list<max_top_k> top(best);
-    for (int i = 0; i < per; ++i) top.offer(rank(g * per + i), g * per + i);
-    float sum = 0.0f;
-    for (int i = 0; i < top.size; ++i) sum += score(top.id[i]);
-    nscore[g] = sum;
-  }
-  return pick_nodes(nl, nscore);
+  const auto offer_node = [&](int lo, int hi, topk_list<max_top_k>& top) {
+    for (int e = lo; e < hi; ++e) top.offer(rank(e), e);
+  };
+  return select_nodes_by(nl, E, k, offer_node, score);
 }
 
-// select_nodes on the host, from a token's key table (fill with unit = the experts of a
+// The same on the host from a token's key table (filled with unit = the experts of a
 // node): each node's best keys come from its keys that reach the node's threshold
 // (key_table::offer), the same nodes bit for bit.
 template <class Score>
 inline std::uint64_t select_nodes(const node_limit& nl, int E, int k, const key_table& keys, const Score& score) {
-  if (!nl.active()) return ~std::uint64_t{0};
-  const int per = E / nl.nodes;
-  const int best = (k + nl.max_nodes - 1) / nl.max_nodes;
-  float nscore[max_node_count];
-  for (int g = 0; g < nl.nodes; ++g) {
-    topk_list<max_top_k> top(best);
-    keys.offer(g * per, (g + 1) * per, top);
-    float sum = 0.0f;
-    for (int i = 0; i < top.size; ++i) sum += score(top.id[i]);
-    nscore[g] = sum;
-  }
-  return pick_nodes(nl, nscore);
+  const auto offer_node = [&](int lo, int hi, topk_list<max_top_k>& top) { keys.offer(lo, hi, top); };
+  return select_nodes_by(nl, E, k, offer_node, score);
 }
 
 // The keys of the experts on the nodes of `mask` (all of them without an active limit)

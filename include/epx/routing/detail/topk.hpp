@@ -124,7 +124,7 @@ struct key_table {
     span = unit % 4 == 0 ? 4 : unit % 2 == 0 ? 2 : 1;
     for (int e = 0; e < E; ++e) key[e] = f(e);
     const int groups = E / span;
-    float mx = key[0];
+    float mx = std::numeric_limits<float>::lowest();  // keys are finite
     for (int g = 0; g < groups; ++g) {
       float m = key[g * span];
       for (int i = 1; i < span; ++i) m = key[g * span + i] > m ? key[g * span + i] : m;
