@@ -69,7 +69,7 @@
 //   void* peer_memory(std::size_t bytes);  // optional, collective: `bytes` of this rank's
 //                                       // memory that access_peers publishes without a copy
 //                                       // (valid until the next peer_memory call); the layer
-//                                       // builds the buffers it publishes there when present
+//                                       // does not build its buffers there yet
 //
 // With it the MoE layer reads rows straight out of the peers' buffers (no send buffer, no
 // separate combine pass); without it, it moves them through all_to_allv.
