@@ -13,6 +13,10 @@
 #include "epx/comm/communicator.hpp"
 #include "epx/comm/threads.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_communicator_concept_cpp {
+
 namespace {
 
 using epx::datatype;
@@ -172,3 +176,5 @@ TEST_CASE("communicator concept: a complete communicator passes, every missing c
   auto sub = c.split(0, 0);
   CHECK(sub.size() == 1);
 }
+
+}  // namespace test_communicator_concept_cpp

@@ -9,6 +9,10 @@
 #include "comm/comm_cases.hpp"
 #include "epx/comm/detail/reduce.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_reduce_cpp {
+
 namespace {
 
 template <class T>
@@ -99,3 +103,5 @@ TEST_CASE("scale_in_place and the byte datatype") {
   CHECK_THROWS_WITH_AS(epx::detail::reduce_sum(epx::datatype::byte, src, 1, b.data(), 4, 1.0),
                        doctest::Contains("byte cannot be summed"), epx::error);
 }
+
+}  // namespace test_reduce_cpp

@@ -14,6 +14,10 @@
 #include "epx/comm/collectives.hpp"
 #include "epx/comm/threads.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_threads_cpp {
+
 namespace {
 
 using clock_type = std::chrono::steady_clock;
@@ -1075,3 +1079,5 @@ TEST_CASE("threads: a failure that escapes one rank still aborts the run, after 
   }
   check_next_run_works(n);
 }
+
+}  // namespace test_threads_cpp

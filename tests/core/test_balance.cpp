@@ -16,6 +16,10 @@
 #include "epx/epx.hpp"
 #include "support/reference.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_balance_cpp {
+
 namespace ref = epx::ref;
 namespace routing = epx::routing;
 
@@ -187,3 +191,5 @@ TEST_CASE("balance: bad inputs and parameters") {
   CHECK_THROWS_WITH_AS(routing::update_bias(ex, bias.data(), epx::make_span(negative), 0.1f),
                        doctest::Contains("load of expert 1 is negative (-1)"), epx::error);
 }
+
+}  // namespace test_balance_cpp

@@ -13,6 +13,10 @@
 #include "core/bounded_cases.hpp"
 #include "epx/comm/threads.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_bounded_cpp {
+
 namespace {
 
 using epx::test::layer_case;
@@ -410,3 +414,5 @@ TEST_CASE("bounded: the split-phase calls raise errc::configuration on every ran
   for (const auto& g : got)
     CHECK_MESSAGE(g.find("the split-phase calls are not available in bounded mode") != std::string::npos, g);
 }
+
+}  // namespace test_bounded_cpp

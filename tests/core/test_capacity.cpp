@@ -12,6 +12,10 @@
 #include "core/layer_cases.hpp"
 #include "epx/comm/threads.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_capacity_cpp {
+
 namespace {
 
 using epx::test::layer_case;
@@ -445,3 +449,5 @@ TEST_CASE("capacity: by score, the digit selection on keys that share many bits,
       }
     }
 }
+
+}  // namespace test_capacity_cpp

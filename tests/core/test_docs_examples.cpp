@@ -14,6 +14,10 @@
 #include "core/docs_layer_examples.hpp"
 #include "epx/comm/threads.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_docs_examples_cpp {
+
 namespace {
 
 std::string directory_of(const std::string& file) {
@@ -301,3 +305,5 @@ TEST_CASE("docs/layer.md: two_micro_batches is bitwise the fused calls and match
   });
   for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
 }
+
+}  // namespace test_docs_examples_cpp

@@ -23,6 +23,10 @@
 #include "support/host_isa.hpp"
 #include "support/reference.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_fp8_cpp {
+
 namespace {
 
 using epx::test::for_each_host_isa;
@@ -457,3 +461,5 @@ TEST_CASE("quantise_e4m3: no rows, no launch") {
 }
 
 }  // namespace
+
+}  // namespace test_fp8_cpp

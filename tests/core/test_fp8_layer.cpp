@@ -10,6 +10,10 @@
 #include "core/fp8_layer_cases.hpp"
 #include "epx/comm/threads.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_fp8_layer_cpp {
+
 namespace {
 
 using epx::test::layer_case;
@@ -132,3 +136,5 @@ TEST_CASE("fp8 dispatch: refused configurations raise errc::configuration on eve
     CHECK(r.message.find("fp8_dispatch needs experts with") != std::string::npos);
   }
 }
+
+}  // namespace test_fp8_layer_cpp

@@ -9,6 +9,10 @@
 #include "epx/epx.hpp"
 #include "support/reference.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_hooks_cpp {
+
 namespace {
 
 using comm_t = epx::threads::communicator;
@@ -114,3 +118,5 @@ TEST_CASE("hooks: communicators that do not match the mesh raise") {
   });
   CHECK(true);
 }
+
+}  // namespace test_hooks_cpp

@@ -18,6 +18,10 @@
 #include "support/host_isa.hpp"
 #include "support/reference.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_host_isa_cpp {
+
 namespace {
 
 using epx::test::for_each_host_isa;
@@ -170,3 +174,5 @@ TEST_CASE("host_isa: the widest supported version is active, an unsupported one 
 }
 
 }  // namespace
+
+}  // namespace test_host_isa_cpp

@@ -11,6 +11,10 @@
 #include "core/layer_cases.hpp"
 #include "epx/comm/threads.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_layer_cpp {
+
 namespace {
 
 using epx::test::layer_case;
@@ -308,3 +312,5 @@ TEST_CASE("layer: experts that allow it run in place in inference (both routes, 
     return epx::test::check_in_place_experts<comm_t, float, epx::impl::all_reduce>(comm, c);
   });
 }
+
+}  // namespace test_layer_cpp

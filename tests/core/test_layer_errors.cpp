@@ -10,6 +10,10 @@
 #include "core/layer_cases.hpp"
 #include "epx/comm/threads.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_layer_errors_cpp {
+
 namespace {
 
 using epx::test::bad_input;
@@ -417,3 +421,5 @@ TEST_CASE("saved state: inference keeps nothing; backward of an empty state rais
   });
   CHECK(true);
 }
+
+}  // namespace test_layer_errors_cpp

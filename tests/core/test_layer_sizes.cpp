@@ -31,6 +31,10 @@
 #include "core/layer_cases.hpp"
 #include "epx/comm/threads.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_layer_sizes_cpp {
+
 namespace {
 
 using epx::test::layer_case;
@@ -479,3 +483,5 @@ TEST_CASE("layer sizes: all ranks empty: nothing written, gradients exactly zero
     on_ranks(4, [&](comm_t& comm) { return check_all_empty<float, epx::impl::all_reduce>(comm, c); });
   }
 }
+
+}  // namespace test_layer_sizes_cpp

@@ -9,6 +9,10 @@
 #include "core/layer_cases.hpp"
 #include "epx/comm/threads.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_layer_stats_cpp {
+
 namespace {
 
 using comm_t = epx::threads::communicator;
@@ -154,3 +158,5 @@ TEST_CASE("automatic: inference takes the masked path when ep == tp, all_to_all 
     CHECK_MESSAGE(g[static_cast<std::size_t>(r)].empty(), g[static_cast<std::size_t>(r)]);
   }
 }
+
+}  // namespace test_layer_stats_cpp

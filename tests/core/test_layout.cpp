@@ -13,6 +13,10 @@
 #include "epx/exec/emulated.hpp"
 #include "support/reference.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_layout_cpp {
+
 namespace {
 
 using epx::ref::rng;
@@ -651,3 +655,5 @@ TEST_CASE("per-rank plan: each token once per owner, every kept pair lands on it
     }
   }
 }
+
+}  // namespace test_layout_cpp

@@ -19,6 +19,10 @@
 #include "core/routing_cases.hpp"
 #include "support/reference.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_node_limit_cpp {
+
 namespace ref = epx::ref;
 namespace routing = epx::routing;
 
@@ -442,3 +446,5 @@ TEST_CASE("key table: the selection from the keys that reach the threshold equal
   CHECK(compared > 10000);
   CHECK(differ == 0);
 }
+
+}  // namespace test_node_limit_cpp

@@ -21,6 +21,10 @@
 #include "epx/core/numeric.hpp"
 #include "support/reference.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_numeric_cpp {
+
 namespace {
 
 using epx::ref::float_format;
@@ -210,3 +214,5 @@ TEST_CASE("numeric: the storage types convert through the same codecs") {
   for (float x : {0.1f, -3.75f, 1.00390625f, 1.01171875f, 65519.0f})
     CHECK(epx::ref::to_type_exact<epx::bf16>(x).bits == epx::bf16(x).bits);
 }
+
+}  // namespace test_numeric_cpp

@@ -9,6 +9,10 @@
 #include "epx/impl/experts.hpp"
 #include "support/reference.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_reference_cpp {
+
 namespace ref = epx::ref;
 
 namespace {
@@ -315,3 +319,5 @@ TEST_CASE("compare reports the worst index") {
   const std::vector<float> nan = {std::nanf(""), 2, 3, 4};
   CHECK_FALSE(ref::compare(nan, want, 1.0, 1.0).ok);
 }
+
+}  // namespace test_reference_cpp

@@ -13,6 +13,10 @@
 #include "core/routing_cases.hpp"
 #include "support/reference.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_routing_cpp {
+
 namespace ref = epx::ref;
 namespace routing = epx::routing;
 
@@ -662,3 +666,5 @@ TEST_CASE("route: extreme finite logits give finite weights and gradients") {
   check(routing::sigmoid_bias{});
   check(routing::sigmoid_bias{nullptr, 3, 2, 1.5f, false});
 }
+
+}  // namespace test_routing_cpp

@@ -11,6 +11,10 @@
 #include "core/split_cases.hpp"
 #include "epx/comm/threads.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_split_cpp {
+
 namespace {
 
 using epx::test::layer_case;
@@ -216,3 +220,5 @@ TEST_CASE("split phase: bad input in dispatch_start raises on every rank of the 
     CHECK(x.message.find("rank 2") != std::string::npos);
   }
 }
+
+}  // namespace test_split_cpp

@@ -8,6 +8,10 @@
 #include "core/user_implementation.hpp"
 #include "epx/comm/threads.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_user_impl_cpp {
+
 namespace {
 using comm_t = epx::threads::communicator;
 using impl_t = user::local_only<comm_t>;
@@ -45,3 +49,5 @@ TEST_CASE("user implementation: its own validation raises at layer construction"
   });
   for (const auto& s : msg) CHECK(s.find("local_only needs ep_size 1, not 2") != std::string::npos);
 }
+
+}  // namespace test_user_impl_cpp

@@ -13,6 +13,10 @@
 #include "epx/comm/threads.hpp"
 #include "epx/exec/workspace.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_workspace_cpp {
+
 namespace {
 
 using epx::detail::pooled_buffer;
@@ -190,3 +194,5 @@ TEST_CASE("workspace: a layer reused across calls (pooled row buffers) matches a
   c.topology.fsdp = 1;
   run_reuse<float, epx::impl::all_reduce>(c);
 }
+
+}  // namespace test_workspace_cpp

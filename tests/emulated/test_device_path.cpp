@@ -14,6 +14,10 @@
 #include "core/layer_cases.hpp"
 #include "epx/comm/threads.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_device_path_cpp {
+
 namespace {
 
 using emu = epx::exec::emulated_device;
@@ -271,3 +275,5 @@ TEST_CASE("device path: a device communicator on another queue than the policy i
     CHECK(m.find("another device queue") != std::string::npos);
   }
 }
+
+}  // namespace test_device_path_cpp

@@ -16,6 +16,10 @@
 #include "core/layer_cases.hpp"
 #include "epx/comm/threads.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_threads_memory_cpp {
+
 namespace {
 
 std::atomic<long long> g_copies{0}, g_bytes{0}, g_fail_after{-1};
@@ -169,3 +173,5 @@ TEST_CASE("threads memory: memory the host cannot read needs a copy function") {
   CHECK_MESSAGE(msg.find("memory 'nowhere' is not host-accessible but names no copy function") != std::string::npos,
                 msg);
 }
+
+}  // namespace test_threads_memory_cpp

@@ -29,6 +29,10 @@
 #include "epx/comm/threads.hpp"
 #include "reliability/reliability_support.hpp"
 
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_soak_cpp {
+
 namespace {
 
 namespace rel = epx::test::rel;
@@ -154,3 +158,5 @@ TEST_CASE("soak: random layer steps against the float64 reference, with injected
   CHECK(n.faults_detected == n.faults_injected);
   CHECK(n.steps >= std::min<long>(max_steps, 100));  // the soak did run
 }
+
+}  // namespace test_soak_cpp
