@@ -142,16 +142,15 @@ std::string concat(const Args&... args) {
   }
 }
 
-[[noreturn]] EPX_DETAIL_COLD inline void raise_parts(errc category, const source_location& where,
-                                                     const message_part* parts, std::size_t n) {
-  throw error(category, concat_parts(parts, n), where);
+[[noreturn]] EPX_DETAIL_COLD inline void raise_message(errc category, const source_location& where,
+                                                       const std::string& message) {
+  throw error(category, message, where);
 }
 
 // throw error(category, concat(args...), where), out of line.
 template <class... Args>
 [[noreturn]] EPX_DETAIL_COLD void raise(errc category, const source_location& where, const Args&... args) {
-  const message_part parts[] = {message_part(args)...};
-  raise_parts(category, where, parts, sizeof...(Args));
+  raise_message(category, where, concat(args...));
 }
 
 }  // namespace detail
