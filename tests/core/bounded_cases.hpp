@@ -2,8 +2,9 @@
 // the communicator and the execution policy; each runs on one rank and returns the failures
 // of that rank as text ("" when everything matched), like core/layer_cases.hpp.
 //
-// check_bounded_case runs the layer in the normal mode and in bounded mode with bound `cap`
-// (training forward, backward, the expert hook, check(), then two inference calls):
+// check_bounded_case runs the layer (implementation Impl: the all-to-all path, or the masked
+// path on ep == tp) in the normal mode and in bounded mode with bound `cap` (training
+// forward, backward, the expert hook, check(), then two inference calls):
 //   - with a bound that drops nothing: bitwise equal to the normal mode;
 //   - with overflow: bitwise equal to the normal mode with the local capacity rule
 //     C = cap (same priority), close to the float64 reference with those drops, and
@@ -18,7 +19,7 @@
 
 namespace epx::test {
 
-template <class Comm, class T, class Exec>
+template <class Comm, class T, class Exec, class Impl = impl::all_to_all>
 std::string check_bounded_case(Comm& world, const layer_case& c, std::int64_t cap, bool expect_drops,
                                Exec policy = {}) {
   std::string f;
@@ -29,7 +30,7 @@ std::string check_bounded_case(Comm& world, const layer_case& c, std::int64_t ca
     layer_case cc = c;
     cc.capacity.mode = capacity_mode::local;
     cc.capacity.rows = cap;
-    const auto normal = run_layer<Comm, T, impl::all_to_all, Exec>(world, expect_drops ? cc : c, global, policy);
+    const auto normal = run_layer<Comm, T, Impl, Exec>(world, expect_drops ? cc : c, global, policy);
 
     const mesh m(c.topology);
     const int rank = world.rank(), b = m.batch(rank);
@@ -38,7 +39,7 @@ std::string check_bounded_case(Comm& world, const layer_case& c, std::int64_t ca
     layer_options o = options_for(c);
     o.counts = count_exchange::device;
     o.bound.cap = cap;
-    moe_layer<Comm, T, impl::all_to_all, Exec> layer(m, world, o, policy);
+    moe_layer<Comm, T, Impl, Exec> layer(m, world, o, policy);
     ref::test_linear_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
     const auto x = ref::from_double<T>(d.x);
     const auto go = ref::from_double<T>(d.grad_out);
@@ -50,6 +51,8 @@ std::string check_bounded_case(Comm& world, const layer_case& c, std::int64_t ca
     auto saved = layer.forward(span<const T>(x), span<const std::int32_t>(d.ids), span<const float>(w),
                                span<T>(r.out), experts, mode::train);
     if (!layer.stats().bounded) f += where + ": stats.bounded is false\n";
+    if (std::string(layer.stats().path) != detail::impl_name<typename Impl::template with<Comm>>::value)
+      f += where + ": stats.path is " + layer.stats().path + "\n";
     layer.backward(std::move(saved), span<const T>(go), span<T>(r.grad_x), span<float>(r.grad_w), experts);
     gradient_hooks<Comm> hooks(m, world);
     r.expert_grads = experts.grads();

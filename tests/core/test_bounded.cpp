@@ -2,7 +2,8 @@
 // nothing overflows, the local-capacity drops of the float64 reference when something
 // does (by position and by score), over meshes with tp > 1, float and bf16, serial and
 // OpenMP policies (exec::emulated_device: tests/emulated/test_bounded.cpp), both routes (direct peer reads and the staged all-to-all), realistic
-// hidden sizes; the overflow counter and check(); bad options and bad input.
+// hidden sizes; the masked path (ep == tp) against the normal masked path; the overflow
+// counter and check(); bad options and bad input.
 #include <doctest/doctest.h>
 
 #include <chrono>
@@ -44,6 +45,31 @@ struct doubling_experts {
   }
 };
 
+// Four ranks, ep = 4, 8 experts: tp = 4 and the masked path (every rank holds the same
+// rows) when `masked`, else fsdp = 4 and the all-to-all path; bounded mode with bound cap,
+// hidden 4, top-2. body(layer) runs on this rank's layer.
+template <class Body>
+void on_path(bool masked, comm_t& comm, std::int64_t cap, bool raise_on_overflow, Body body) {
+  epx::mesh_config mc;
+  mc.fsdp = masked ? 1 : 4;
+  mc.tp = masked ? 4 : 1;
+  mc.ep = 4;
+  mc.experts = 8;
+  epx::layer_options o;
+  o.hidden = 4;
+  o.top_k = 2;
+  o.counts = epx::count_exchange::device;
+  o.bound.cap = cap;
+  o.bound.raise_on_overflow = raise_on_overflow;
+  if (masked) {
+    epx::moe_layer<comm_t, float, epx::impl::all_reduce> layer(epx::mesh(mc), comm, o);
+    body(layer);
+  } else {
+    epx::moe_layer<comm_t, float> layer(epx::mesh(mc), comm, o);
+    body(layer);
+  }
+}
+
 int world_of(const epx::mesh_config& m) { return m.tp * m.fsdp * m.dp_replicate * m.pp; }
 
 layer_case make(int tp, int fsdp, int ep, int E, int k, routing_kind r = routing_kind::random, int R = 1) {
@@ -68,13 +94,24 @@ std::int64_t no_overflow(const layer_case& c) {
   return static_cast<std::int64_t>(most);  // distinct experts per token: at most one pair per row
 }
 
-template <class T, class Exec = epx::test::test_exec>
+template <class T, class Exec = epx::test::test_exec, class Impl = epx::impl::all_to_all>
 void check(const layer_case& c, std::int64_t cap, bool drops, Exec policy = {}) {
   CAPTURE(c.describe());
   CAPTURE(cap);
   on_ranks(world_of(c.topology), [&](comm_t& comm) {
-    return epx::test::check_bounded_case<comm_t, T, Exec>(comm, c, cap, drops, policy);
+    return epx::test::check_bounded_case<comm_t, T, Exec, Impl>(comm, c, cap, drops, policy);
   });
+}
+template <class T, class Exec = epx::test::test_exec>
+void check_masked(const layer_case& c, std::int64_t cap, bool drops, Exec policy = {}) {
+  check<T, Exec, epx::impl::all_reduce>(c, cap, drops, policy);
+}
+
+// ep == tp: the masked path.
+std::vector<layer_case> masked_meshes() {
+  return {make(2, 1, 2, 4, 2),  make(4, 1, 4, 8, 2), make(2, 2, 2, 8, 2, routing_kind::uneven),
+          make(4, 2, 4, 16, 4), make(2, 1, 2, 8, 2, routing_kind::random, 2),
+          make(1, 1, 1, 4, 2),  make(8, 1, 8, 16, 3)};
 }
 
 std::vector<layer_case> meshes() {
@@ -110,6 +147,33 @@ TEST_CASE("bounded: overflow drops the local-capacity pairs of the reference, by
   check<float>(uneven, 2, true);
 }
 
+TEST_CASE("bounded, masked path: bitwise the normal masked path, with and without drops (meshes, float and bf16)") {
+  for (auto c : masked_meshes()) {
+    check_masked<float>(c, no_overflow(c), false);
+    check_masked<epx::bf16>(c, no_overflow(c), false);
+    // Something must overflow cap 1: more pairs in the smallest slice than experts, or one expert.
+    if (c.rows_of(0) / static_cast<std::size_t>(c.topology.tp) * static_cast<std::size_t>(c.top_k) <=
+        static_cast<std::size_t>(c.topology.experts))
+      c.routing = routing_kind::one_expert;
+    for (auto prio : {epx::drop_priority::position, epx::drop_priority::score}) {
+      c.capacity.priority = prio;
+      check_masked<float>(c, 1, true);
+      check_masked<epx::bf16>(c, 1, true);
+    }
+  }
+  auto decode = make(4, 1, 4, 8, 2);
+  decode.rows = [](int) { return std::size_t{3}; };  // fewer rows than slices: an empty slice
+  check_masked<float>(decode, 1, false);
+  auto empty = make(2, 2, 2, 8, 2);
+  empty.rows = [](int b) { return static_cast<std::size_t>(b == 0 ? 0 : 5); };  // an empty batch
+  check_masked<float>(empty, no_overflow(empty), false);
+  auto wide = make(2, 2, 2, 8, 2);
+  wide.hidden = 1024;
+  wide.rows = [](int b) { return static_cast<std::size_t>(6 + b); };
+  check_masked<epx::bf16>(wide, no_overflow(wide), false);
+  check_masked<float, epx::exec::openmp>(wide, 1, true, epx::exec::openmp{2});
+}
+
 TEST_CASE("bounded: OpenMP policy, decode-sized and empty batches, realistic hidden size") {
   auto c = make(2, 2, 4, 8, 2);
   check<float, epx::exec::openmp>(c, no_overflow(c), false, epx::exec::openmp{2});
@@ -139,8 +203,9 @@ struct doubling_rows {
   }
 };
 
-// Forward (train), backward and inference at H = 4096 and 7168, bounded against normal, bitwise.
-template <class T, class Exec = epx::test::test_exec>
+// Forward (train), backward and inference at H = 4096 and 7168, bounded against normal, bitwise
+// (tp = 8: the masked path, Impl all_reduce).
+template <class T, class Impl = epx::impl::all_to_all, class Exec = epx::test::test_exec>
 std::string wide_bitwise(comm_t& comm, std::size_t H, int tp) {
   epx::mesh_config mc;
   mc.tp = tp;
@@ -172,7 +237,7 @@ std::string wide_bitwise(comm_t& comm, std::size_t H, int tp) {
       o.counts = epx::count_exchange::device;
       o.bound.cap = 16;
     }
-    epx::moe_layer<comm_t, T, epx::impl::all_to_all, Exec> layer(m, comm, o);
+    epx::moe_layer<comm_t, T, Impl, Exec> layer(m, comm, o);
     doubling_rows<T> e;
     std::vector<T> y(N * H), gx(N * H), yi(N * H);
     std::vector<float> gw(N * k);
@@ -197,15 +262,17 @@ std::string wide_bitwise(comm_t& comm, std::size_t H, int tp) {
 }  // namespace
 
 TEST_CASE("bounded: H = 4096 and 7168, ep = 8, top-8 of 32 experts: bitwise the normal mode") {
-  for (std::size_t H : {std::size_t{4096}, std::size_t{7168}})
+  for (std::size_t H : {std::size_t{4096}, std::size_t{7168}}) {
+    CAPTURE(H);
     for (int tp : {1, 2}) {
-      CAPTURE(H);
       CAPTURE(tp);
       on_ranks(8, [&](comm_t& comm) { return wide_bitwise<epx::bf16>(comm, H, tp); });
     }
+    on_ranks(8, [&](comm_t& comm) { return wide_bitwise<epx::bf16, epx::impl::all_reduce>(comm, H, 8); });
+  }
 }
 
-TEST_CASE("bounded: a bound below 1, a capacity mode, the masked path: errc::configuration on every rank") {
+TEST_CASE("bounded: a bound below 1, a capacity mode, FP8 on either path: errc::configuration on every rank") {
   const auto expect_bad = [](epx::layer_options o, const std::string& words, bool masked) {
     epx::mesh_config mc;
     mc.fsdp = masked ? 1 : 4;
@@ -242,12 +309,15 @@ TEST_CASE("bounded: a bound below 1, a capacity mode, the masked path: errc::con
   o.capacity.mode = epx::capacity_mode::global;
   o.capacity.factor = 1.0;
   expect_bad(o, "layer_options.capacity.mode (global) must be off in bounded mode", false);
+  expect_bad(o, "layer_options.capacity.mode (global) must be off in bounded mode", true);
   o.capacity = {};
-  expect_bad(o, "the all_reduce implementation has no bounded mode", true);
   o.hidden = 128;
   o.fp8_dispatch = true;
   expect_bad(o, "layer_options.fp8_dispatch must be off in bounded mode", false);
+  expect_bad(o, "layer_options.fp8_dispatch must be off in bounded mode", true);
   o.fp8_dispatch = false;
+  o.bound.cap = 0;
+  expect_bad(o, "layer_options.bound.cap (0) must be at least 1", true);
 
   // One rank with another bound: every rank raises.
   std::vector<std::string> got(2);
@@ -300,22 +370,12 @@ struct outcome {
   std::int64_t counter = -1;  // this rank's overflow counter before check()
 };
 
-// Four ranks (ep = 4, 8 experts, k = 2, cap 1), three rows each; `bad_rank` gets `bad`.
+// Four ranks (on_path: the all-to-all or the masked path, cap 1), three rows each;
+// `bad_rank` gets `bad`.
 template <class Mutate>
-std::vector<outcome> run_errors(bool raise_on_overflow, int bad_rank, Mutate bad) {
+std::vector<outcome> run_errors(bool raise_on_overflow, int bad_rank, Mutate bad, bool masked = false) {
   std::vector<outcome> got(4);
   epx::threads::run(4, [&](comm_t& comm) {
-    epx::mesh_config mc;
-    mc.fsdp = 4;
-    mc.ep = 4;
-    mc.experts = 8;
-    epx::layer_options o;
-    o.hidden = 4;
-    o.top_k = 2;
-    o.counts = epx::count_exchange::device;
-    o.bound.cap = 1;
-    o.bound.raise_on_overflow = raise_on_overflow;
-    epx::moe_layer<comm_t, float> layer(epx::mesh(mc), comm, o);
     const int r = comm.rank();
     std::size_t N = 3;
     std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4);
@@ -323,18 +383,20 @@ std::vector<outcome> run_errors(bool raise_on_overflow, int bad_rank, Mutate bad
     if (r == bad_rank) bad(ids, w, y);
     doubling_experts e;
     auto& g = got[static_cast<std::size_t>(r)];
-    try {
-      (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
-                          epx::span<float>(y), e, epx::mode::inference);
-    } catch (const epx::error&) {
-      g.call_threw = true;
-    }
-    g.counter = layer.overflow_counter()[0];
-    try {
-      g.report = layer.check();
-    } catch (const epx::error& ex) {
-      g.check_message = ex.category() == epx::errc::input ? ex.message() : std::string("wrong category");
-    }
+    on_path(masked, comm, 1, raise_on_overflow, [&](auto& layer) {
+      try {
+        (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                            epx::span<float>(y), e, epx::mode::inference);
+      } catch (const epx::error&) {
+        g.call_threw = true;
+      }
+      g.counter = layer.overflow_counter()[0];
+      try {
+        g.report = layer.check();
+      } catch (const epx::error& ex) {
+        g.check_message = ex.category() == epx::errc::input ? ex.message() : std::string("wrong category");
+      }
+    });
   });
   return got;
 }
@@ -369,15 +431,84 @@ TEST_CASE("bounded: bad expert ids, non-finite weights and bad shapes raise errc
   const mut bad_id = [](std::vector<std::int32_t>& ids, std::vector<float>&, std::vector<float>&) { ids[3] = 8; };
   const mut nan_w = [](std::vector<std::int32_t>&, std::vector<float>& w, std::vector<float>&) { w[1] = 0.0f / 0.0f; };
   const mut bad_out = [](std::vector<std::int32_t>&, std::vector<float>&, std::vector<float>& y) { y.resize(5); };
-  for (mut m : {bad_id, nan_w, bad_out}) {
-    const auto got = run_errors(false, 3, m);
+  for (bool masked : {false, true})
+    for (mut m : {bad_id, nan_w, bad_out}) {
+      CAPTURE(masked);
+      const auto got = run_errors(false, 3, m, masked);
+      for (int r = 0; r < 4; ++r) {
+        const auto& g = got[static_cast<std::size_t>(r)];
+        CAPTURE(r);
+        CHECK(g.call_threw == (m == bad_out && r == 3));  // a bad shape raises at once on its rank
+        CHECK_MESSAGE(g.check_message.find("bounded mode: since the last check") != std::string::npos,
+                      g.check_message);
+      }
+    }
+}
+
+TEST_CASE("bounded: a backward with other shapes than its forward raises errc::input there, check() on every rank") {
+  for (bool masked : {false, true}) {
+    CAPTURE(masked);
+    std::vector<std::string> threw(4), checked(4);
+    epx::threads::run(4, [&](comm_t& comm) {
+      on_path(masked, comm, 4, false, [&](auto& layer) {
+        const std::size_t N = 6, n = comm.rank() == 1 ? N - 2 : N;  // rank 1: two rows fewer in backward
+        std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4), gx(n * 4), gw(n * 2);
+        std::vector<std::int32_t> ids(N * 2);
+        for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 3) % 8);
+        doubling_experts e;
+        auto s = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                               epx::span<float>(y), e, epx::mode::train);
+        std::vector<float> g(n * 4, 1.0f);
+        try {
+          layer.backward(std::move(s), epx::span<const float>(g), epx::span<float>(gx), epx::span<float>(gw), e);
+        } catch (const epx::error& ex) {
+          threw[static_cast<std::size_t>(comm.rank())] = ex.category() == epx::errc::input ? ex.message() : "wrong";
+        }
+        try {
+          (void)layer.check();
+        } catch (const epx::error& ex) {
+          checked[static_cast<std::size_t>(comm.rank())] = ex.category() == epx::errc::input ? ex.message() : "wrong";
+        }
+      });
+    });
     for (int r = 0; r < 4; ++r) {
-      const auto& g = got[static_cast<std::size_t>(r)];
       CAPTURE(r);
-      CHECK(g.call_threw == (m == bad_out && r == 3));  // a bad shape raises at once on its rank
-      CHECK_MESSAGE(g.check_message.find("bounded mode: since the last check") != std::string::npos, g.check_message);
+      const auto& t = threw[static_cast<std::size_t>(r)];
+      if (r == 1)
+        CHECK_MESSAGE(t.find("backward shapes N=4 H=4 k=2 differ from the forward call's N=6") != std::string::npos, t);
+      else
+        CHECK(t.empty());
+      CHECK_MESSAGE(checked[static_cast<std::size_t>(r)].find("1 call(s) had bad shapes") != std::string::npos,
+                    checked[static_cast<std::size_t>(r)]);
     }
   }
+}
+
+TEST_CASE("bounded, masked path: a rank with another N makes the all-reduce raise errc::communicator everywhere") {
+  std::vector<std::string> got(4);
+  epx::threads::options opts;
+  opts.timeout = std::chrono::seconds(20);
+  epx::threads::run(
+      4,
+      [&](comm_t& comm) {
+        on_path(true, comm, 4, false, [&](auto& layer) {
+          const std::size_t N = comm.rank() == 2 ? 5 : 6;
+          std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4);
+          std::vector<std::int32_t> ids(N * 2);
+          for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>(i % 8);
+          doubling_experts e;
+          auto& g = got[static_cast<std::size_t>(comm.rank())];
+          try {
+            (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
+                                epx::span<const float>(w), epx::span<float>(y), e, epx::mode::inference);
+            g = "no error";
+          } catch (const epx::error& ex) {
+            g = ex.category() == epx::errc::communicator ? ex.message() : std::string("wrong category: ") + ex.what();
+          }
+        });
+      },
+      opts);
+  for (const auto& g : got) CHECK_MESSAGE(g.find("all_reduce: mismatched counts") != std::string::npos, g);
 }
 
 TEST_CASE("bounded: the split-phase calls raise errc::configuration on every rank, nothing hangs") {

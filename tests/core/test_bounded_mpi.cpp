@@ -65,6 +65,21 @@ TEST_CASE("bounded (MPI): bitwise the normal mode without overflow, reference dr
   }
 }
 
+TEST_CASE("bounded (MPI), masked path: bitwise the normal masked path, reference drops with overflow") {
+  comm_t world = comm_t::world();
+  for (auto c : cases_for(world.size())) {
+    if (c.topology.ep != c.topology.tp) continue;
+    CAPTURE(c.describe());
+    const std::string a =
+        epx::test::check_bounded_case<comm_t, float, epx::exec::serial, epx::impl::all_reduce>(world, c, 64, false);
+    CHECK_MESSAGE(a.empty(), a);
+    c.routing = routing_kind::one_expert;
+    const std::string d =
+        epx::test::check_bounded_case<comm_t, float, epx::exec::serial, epx::impl::all_reduce>(world, c, 1, true);
+    CHECK_MESSAGE(d.empty(), d);
+  }
+}
+
 TEST_CASE("bounded (MPI): a bound below 1 on the last rank, and a bad expert id, raise on every rank") {
   comm_t world = comm_t::world();
   const int n = world.size();

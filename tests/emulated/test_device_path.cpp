@@ -70,10 +70,11 @@ struct syncs {
   long long split_forward = -1, split_backward = -1;  // the same calls through the split phase
 };
 
-// One forward and backward of an 8-rank layer (tp=2, fsdp=4, ep=4) on Comm, Impl.
+// One forward and backward of an 8-rank layer (tp=2, fsdp=4, ep=4) on Comm, Impl; the pairs
+// go to the first `used` experts (0: 4 in bounded mode, all 8 otherwise).
 template <class Comm, class Impl, class Make>
 std::vector<syncs> count_syncs(const epx::mesh_config& mc, Make make_comm, epx::layer_options o = {},
-                               std::int64_t bound = 0) {
+                               std::int64_t bound = 0, int used = 0) {
   std::vector<syncs> out(8);
   epx::threads::run(8, [&, o](epx::threads::communicator& world) mutable {
     const epx::mesh m(mc);
@@ -89,7 +90,7 @@ std::vector<syncs> count_syncs(const epx::mesh_config& mc, Make make_comm, epx::
     const std::size_t N = 6, H = 16;
     std::vector<float> x(N * H, 0.5f), w(N * 2, 0.25f), y(N * H), gx(N * H), gw(N * 2);
     std::vector<std::int32_t> ids(N * 2);
-    for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 5 + 1) % (bound > 0 ? 4 : 8));
+    for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 5 + 1) % (used > 0 ? used : bound > 0 ? 4 : 8));
     unit_experts e;
     auto s = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
                            epx::span<float>(y), e, epx::mode::train);
@@ -160,7 +161,7 @@ TEST_CASE("device path: one host synchronisation per call with a device communic
   }
 }
 
-TEST_CASE("device path: bounded mode makes no host synchronisation in forward, backward or inference") {
+TEST_CASE("device path: bounded mode makes no host synchronisation in forward, backward or inference (both paths)") {
   const epx::mesh_config mc{2, 4, 1, 1, 4, 8, 0};  // tp = 2, ep = 4
   auto as_queued = [](epx::threads::communicator c, const emu& p) { return queued_comm(std::move(c), p); };
   for (const std::int64_t cap : {std::int64_t{8}, std::int64_t{1}}) {  // nothing dropped; overflow
@@ -179,6 +180,24 @@ TEST_CASE("device path: bounded mode makes no host synchronisation in forward, b
   for (const auto& s : count_syncs<epx::threads::communicator, epx::impl::all_to_all>(mc, as_is, {}, 8)) {
     CHECK(s.forward == 3);
     CHECK(s.backward == 3);
+  }
+  // The masked path (ep == tp) in bounded mode: none either; its only collective is the
+  // output's all-reduce (backward: grad_x and the routing-weight gradients). Every row goes
+  // to experts 0 and 1, so that the slices of two rows overflow cap 1.
+  const epx::mesh_config masked{4, 2, 1, 1, 4, 8, 0};  // tp = ep = 4
+  for (const std::int64_t cap : {std::int64_t{8}, std::int64_t{1}}) {
+    CAPTURE(cap);
+    for (const auto& s : count_syncs<queued_comm, epx::impl::all_reduce>(masked, as_queued, {}, cap, 2)) {
+      CHECK(s.forward == 0);
+      CHECK(s.backward == 0);
+      CHECK(s.inference == 0);
+      CHECK(s.report.calls == 8);
+      CHECK((s.report.overflow_pairs > 0) == (cap == 1));
+    }
+  }
+  for (const auto& s : count_syncs<epx::threads::communicator, epx::impl::all_reduce>(masked, as_is, {}, 8)) {
+    CHECK(s.forward == 1);   // the all-reduce of the output
+    CHECK(s.backward == 1);  // one wait before both all-reduces
   }
 }
 

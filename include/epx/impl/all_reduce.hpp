@@ -8,7 +8,9 @@
 // gradients of its own slots and the EP group sums them.
 //
 // One small all_gather of {status, N, H, k} per call checks the inputs on every rank so
-// that bad input raises everywhere instead of hanging in the all-reduce.
+// that bad input raises everywhere instead of hanging in the all-reduce. Bounded mode
+// (layer_options::counts == count_exchange::device) has no such exchange and no host read:
+// epx/impl/bounded_masked.hpp.
 #pragma once
 
 #include <cstddef>
@@ -22,6 +24,7 @@
 #include "epx/exec/host.hpp"
 #include "epx/exec/host_copy.hpp"
 #include "epx/exec/workspace.hpp"
+#include "epx/impl/bounded_masked.hpp"
 #include "epx/impl/experts.hpp"
 #include "epx/impl/implementation.hpp"
 #include "epx/impl/prologue.hpp"
@@ -36,18 +39,15 @@ template <class Comm>
 class all_reduce_impl {
  public:
   static constexpr const char* name = "all_reduce";
+  static constexpr bool bounded_masked = true;  // bounded mode: epx/impl/bounded_masked.hpp
 
-  explicit all_reduce_impl(const layer_context<Comm>& ctx) : ctx_(ctx) {
+  explicit all_reduce_impl(const layer_context<Comm>& ctx) : ctx_(ctx), bounded_(ctx) {
     const std::string why = can_implement(*ctx.topology, ctx.options);
     EPX_REQUIRE(why.empty(), errc::configuration, why);
   }
 
   // The masked path needs every rank of an EP group to hold the same rows: ep == tp.
   static std::string can_implement(const mesh& m, const layer_options& o) {
-    if (o.counts == count_exchange::device)
-      return "the all_reduce implementation has no bounded mode (counts == count_exchange::device): its call "
-             "exchanges the shapes and status on the host and sizes its buffers from N; use impl::all_to_all "
-             "(impl::automatic does)";
     if (o.fp8_dispatch)
       return "the all_reduce implementation moves no rows, so it has no FP8 dispatch (layer_options::fp8_dispatch): "
              "use impl::all_to_all or impl::automatic";
@@ -86,12 +86,14 @@ class all_reduce_impl {
   template <class T, class Exec, class Experts>
   void forward(const Exec& ex, const forward_args<T>& a, Experts& experts, saved_state<T>* saved) {
     check_experts_forward<Experts, Exec, T>();
+    if (ctx_.bound != nullptr) return bounded_.forward(ex, a, experts, saved);  // spec section 11
     forward_by_stages(*this, ex, a, experts, saved);
   }
 
   template <class T, class Exec, class Experts>
   void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
     check_experts_backward<Experts, Exec, T>();
+    if (ctx_.bound != nullptr) return bounded_.backward(ex, a, experts, saved);
     backward_by_stages(*this, ex, a, experts, saved);
   }
 
@@ -99,6 +101,7 @@ class all_reduce_impl {
   template <class T, class Exec>
   expert_batch<T> dispatch(const Exec& ex, const forward_args<T>& a, saved_state<T>& flight, bool training,
                            bool in_place) {
+    require_unbounded(ctx_, "dispatch");
     const int L = ctx_.local_experts(), first = ctx_.first_expert(), me = ctx_.ep_rank();
     const std::size_t H = a.hidden, N = a.status == 0 ? a.rows : 0;
     const auto k = static_cast<std::size_t>(a.top_k);
@@ -170,6 +173,7 @@ class all_reduce_impl {
   template <class T, class Exec>
   expert_grad_batch<T> backward_dispatch(const Exec& ex, const backward_args<T>& a, saved_state<T>& saved,
                                          saved_state<T>& flight) {
+    require_unbounded(ctx_, "backward_dispatch");
     saved.template get<state<T, Exec>>();  // raises on an empty or foreign state
     auto& b = flight.template emplace<backward_state<T, Exec>>();
     b.forward = std::move(saved);
@@ -206,6 +210,7 @@ class all_reduce_impl {
  private:
   layer_context<Comm> ctx_;
   workspace ws_;  // pooled row buffers (host policies)
+  bounded_masked_route<Comm> bounded_;  // bounded mode (epx/impl/bounded_masked.hpp)
 };
 
 }  // namespace detail

@@ -199,7 +199,7 @@ class all_to_all_impl {
   template <class T, class Exec>
   expert_batch<T> dispatch(const Exec& ex, const forward_args<T>& a, saved_state<T>& flight, bool training,
                            bool in_place) {
-    require_unbounded("dispatch");
+    require_unbounded(ctx_, "dispatch");
     const int L = ctx_.local_experts(), tp = ctx_.tp_size(), me = ctx_.ep_rank();
     const std::size_t H = a.hidden;
     const auto k = static_cast<std::size_t>(a.top_k);
@@ -473,7 +473,7 @@ class all_to_all_impl {
   template <class T, class Exec>
   expert_grad_batch<T> backward_dispatch(const Exec& ex, const backward_args<T>& a, saved_state<T>& saved,
                                          saved_state<T>& flight) {
-    require_unbounded("backward_dispatch");
+    require_unbounded(ctx_, "backward_dispatch");
     saved.template get<state<T, Exec>>();  // raises on an empty or foreign state
     auto& b = flight.template emplace<backward_state<T, Exec>>();
     b.forward = std::move(saved);
@@ -869,15 +869,6 @@ class all_to_all_impl {
   void exchange_fp8_rows(const segments& g, const fp8_e4m3* from, std::size_t S, fp8_e4m3* to, std::size_t R,
                          std::size_t H) {
     exchange_two_parts(g, from, S, to, R, H, kernels::fp8_scales_per_row(H) * sizeof(float));
-  }
-
-  // The split-phase stages have no bounded-mode form: bounded mode's calls are fused (spec
-  // section 11). Options agree on every rank (checked at construction), so every rank
-  // raises here together.
-  void require_unbounded(const char* stage) const {
-    EPX_REQUIRE(ctx_.bound == nullptr, errc::configuration, "moe_layer ", stage,
-                ": the split-phase calls are not available in bounded mode (layer_options::counts == "
-                "count_exchange::device); use forward and backward");
   }
 
   // Whether this call's row sends read the rows by index as they go (see

@@ -42,6 +42,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -57,6 +58,7 @@
 #include "epx/kernels/launch.hpp"
 #include "epx/layout/bounded.hpp"
 #include "epx/layout/capacity.hpp"
+#include "epx/layout/exchange.hpp"
 #include "epx/layout/plan.hpp"
 #include "epx/layout/slicing.hpp"
 #include "epx/mesh/mesh.hpp"
@@ -113,7 +115,23 @@ void bounded_expert_forward(Experts& experts, const Exec& ex, const expert_rows<
   }
 }
 
-// The layer's own buffers of bounded mode (moe_layer makes them at construction).
+// Where one bounded plan (bounded_plan) writes: the first bad pair of each chunk, the pairs
+// per expert and their offsets, the kept counts and drop segments of the local rule, and per
+// pair its send position, the row of each send position and drop_pairs' scratch.
+struct bound_plan_at {
+  std::int64_t* chunk_bad;         // [chunks]
+  std::int64_t* counts;            // [E]
+  std::int64_t* offset;            // [E+1]
+  std::int64_t* kept;              // [E]
+  layout::drop_segment* segments;  // [E]
+  std::int64_t* pos;               // [pairs]
+  std::int64_t* src_row;           // [pairs]
+  std::uint64_t* keyed;            // [pairs]
+};
+
+// The layer's own buffers of bounded mode (moe_layer makes them at construction). `masked`:
+// for the masked path (epx/impl/bounded_masked.hpp), which plans every slice of the EP
+// group's rows (one plan's arrays per slice) and moves no rows (no slabs).
 template <class T, class Exec>
 struct bound_buffers {
   layout::bound_shape shape;
@@ -139,8 +157,16 @@ struct bound_buffers {
   // Direct route (host policies).
   std::vector<const T*> table;
   std::vector<std::int64_t> start;                     // [E] first row of this rank's rows at the owner
+  // Masked path: one plan per slice ([ep] summaries, kept counts, segments) and the token
+  // of each expert-major row.
+  bool masked = false;
+  exec::buffer<std::int64_t, Exec> slice_summary;            // [ep * (chunks + 2E + 1)]
+  exec::buffer<std::int64_t, Exec> slice_kept;               // [ep * E]
+  exec::buffer<layout::drop_segment, Exec> slice_segments;   // [ep * E]
+  exec::buffer<std::int64_t, Exec> row_source;               // [L*block]
+  exec::buffer<std::int64_t, Exec> call_bad;                 // [1] a bad pair in another slice
 
-  bound_buffers(const Exec& ex, const mesh& m, const layer_options& o) {
+  bound_buffers(const Exec& ex, const mesh& m, const layer_options& o, bool for_masked = false) {
     const int ep = m.ep(), L = m.local_experts(), E = m.experts();
     row_bytes = o.hidden * sizeof(T);
     shape = layout::bound_shape::make(ep, L, o.bound.cap, o.hidden, row_bytes, o.pad);
@@ -162,14 +188,45 @@ struct bound_buffers {
     row_off = exec::make_buffer<std::int64_t>(ex, static_cast<std::size_t>(L) * static_cast<std::size_t>(ep + 1));
     rows = exec::make_buffer<std::int64_t>(ex, static_cast<std::size_t>(L));
     start.assign(Es, 0);
+    masked = for_masked;
+    if (masked) {
+      const auto eps = static_cast<std::size_t>(ep);
+      slice_summary = exec::make_buffer<std::int64_t>(ex, eps * summary_stride());
+      slice_kept = exec::make_buffer<std::int64_t>(ex, eps * Es);
+      slice_segments = exec::make_buffer<layout::drop_segment>(ex, eps * Es);
+      row_source = exec::make_buffer<std::int64_t>(ex, shape.expert_rows());
+      call_bad = exec::make_buffer<std::int64_t>(ex, 1);
+    }
     // Device policies: every row buffer now (no allocation inside a call). Host policies
     // make them on first use: pages nobody touches cost nothing.
     if constexpr (!exec::is_host_policy_v<Exec>) {
       reserve_pairs(ex, 1024);
-      staged(ex);
+      if (!masked) staged(ex);
       expert_rows_buffer(ex);
       outputs(ex);
     }
+  }
+
+  // Entries of one plan's summary: [chunks] first bad pairs, [E] counts, [E+1] offsets.
+  std::size_t summary_stride() const noexcept { return chunks + 2 * static_cast<std::size_t>(shape.experts()) + 1; }
+  // The all-to-all path's one plan.
+  bound_plan_at plan_arrays() {
+    std::int64_t* sm = summary.data();
+    const auto Es = static_cast<std::size_t>(shape.experts());
+    return {sm, sm + chunks, sm + chunks + Es, kept.data(), segments.data(), pos.data(), src_row.data(), keyed.data()};
+  }
+  // The masked path's plan of slice s, whose pairs start at pair0 of the call.
+  bound_plan_at slice_arrays(int s, std::size_t pair0) {
+    const auto Es = static_cast<std::size_t>(shape.experts()), ss = static_cast<std::size_t>(s);
+    std::int64_t* sm = slice_summary.data() + ss * summary_stride();
+    return {sm,
+            sm + chunks,
+            sm + chunks + Es,
+            slice_kept.data() + ss * Es,
+            slice_segments.data() + ss * Es,
+            pos.data() + pair0,
+            src_row.data() + pair0,
+            keyed.data() + pair0};
   }
 
   // The per-pair arrays hold at least n pairs (they grow on a call with more pairs than
@@ -206,6 +263,94 @@ struct bound_buffers {
   }
 };
 
+// The split-phase stages have no bounded-mode form: bounded mode's calls are fused (spec
+// section 11). Options agree on every rank (checked at construction), so every rank raises
+// here together.
+template <class Comm>
+void require_unbounded(const layer_context<Comm>& ctx, const char* stage) {
+  EPX_REQUIRE(ctx.bound == nullptr, errc::configuration, "moe_layer ", stage,
+              ": the split-phase calls are not available in bounded mode (layer_options::counts == "
+              "count_exchange::device); use forward and backward");
+}
+
+// Whether implementation Impl takes bounded mode on the masked path (its bound_buffers then
+// plan every slice and hold no slabs): Impl::bounded_masked.
+template <class Impl, class = void>
+struct bounded_masked_impl : std::false_type {};
+template <class Impl>
+struct bounded_masked_impl<Impl, std::void_t<decltype(Impl::bounded_masked)>>
+    : std::bool_constant<Impl::bounded_masked> {};
+
+// What layer_stats says of a bounded call: its path and route; the per-call figures of the
+// normal mode stay empty (they would need a host read).
+inline void note_bounded_stats(layer_stats& st, const char* path, bool direct) {
+  st.path = path;
+  st.bounded = true;
+  st.peer_access = direct;
+  st.tokens_per_local_expert.clear();
+  st.padding_per_local_expert.clear();
+  st.rows_sent.clear();
+  st.rows_received.clear();
+  st.tokens_per_expert.clear();
+  st.dropped_per_expert.clear();
+  st.dropped_pairs = 0;
+  st.max_expert_load = st.mean_expert_load = st.max_rank_load = st.mean_rank_load = 0.0;
+}
+
+// A bounded call whose shapes failed on this rank raises here, after joining every
+// collective of the call.
+inline void raise_bounded_shape(int status, const char* message) {
+  EPX_REQUIRE(status == 0, errc::input, message,
+              " (bounded mode: this rank joined the call with nothing to send; the other ranks of the EP group "
+              "raise at their next moe_layer::check())");
+}
+
+// The group's sum of `count` values at `data` (in place); a rank with bad shapes passes null
+// and joins with zeros. The caller has ordered the policy's work before it.
+template <class Exec, class Comm, class V>
+void sum_or_join_zeros(const Exec& ex, Comm& group, V* data, std::size_t count) {
+  if (data != nullptr) {
+    all_reduce(group, span<V>(data, count));
+    return;
+  }
+  auto zeros = exec::make_buffer<V>(ex, std::max<std::size_t>(count, 1));
+  exec::fill_zero(ex, zeros.data(), count);
+  all_reduce(group, span<V>(zeros.data(), count));
+}
+
+// A call's array of n values: the layer's own `mine` in an inference call, a new one that
+// the saved state keeps (`keep`) in a training call.
+template <class Exec, class Buffer>
+auto* call_array(const Exec& ex, bool train, Buffer& keep, Buffer& mine, std::size_t n) {
+  if (!train) return mine.data();
+  keep = exec::make_buffer<std::remove_pointer_t<decltype(mine.data())>>(ex, n);
+  return keep.data();
+}
+
+// Steps 1 and 2 of a bounded call over P pairs (ids, w; null when P is 0): the counting-sort
+// plan of epx/layout/plan.hpp (its four functors, nothing read back) and the local capacity
+// rule with C = cap (layout::bound_keep, layout::drop_pairs with the options' priority), into
+// `at`. Returns the plan's chunk count (the entries of at.chunk_bad it wrote).
+template <class T, class Exec>
+std::size_t bounded_plan(const Exec& ex, bound_buffers<T, Exec>& b, const std::int32_t* ids, const float* w,
+                         std::size_t P, int k, const bound_plan_at& at) {
+  const int E = b.shape.experts();
+  const auto Es = static_cast<std::size_t>(E);
+  std::size_t C = std::max<std::size_t>(1, std::min(b.chunks, P));
+  const std::size_t per = P ? (P + C - 1) / C : 1;
+  C = P ? (P + per - 1) / per : 1;
+  exec::for_each_n(ex, C, layout::histogram_chunks{ids, w, P, per, E, b.chunk_counts.data(), at.chunk_bad});
+  exec::for_each_n(ex, Es, layout::scan_chunks{b.chunk_counts.data(), at.counts, C, E});
+  exec::for_each_n(ex, 1, layout::expert_offsets{at.counts, at.offset, E});
+  exec::for_each_n(ex, C, layout::scatter_pairs{ids, w, P, per, E, k, at.offset, b.chunk_counts.data(), at.pos, at.src_row});
+  exec::for_each_n(ex, Es, layout::bound_keep{at.counts, at.offset, b.shape.cap, at.segments, at.kept});
+  if (P > 0)
+    exec::for_each_n(ex, Es,
+                     layout::drop_pairs{ids, w, at.pos, at.src_row, at.segments, at.keyed, k, 1,
+                                        b.rule.priority == drop_priority::score, false});
+  return C;
+}
+
 // The route itself; all_to_all_impl hands it its calls in bounded mode.
 template <class Comm>
 class bounded_route {
@@ -241,44 +386,20 @@ class bounded_route {
     const T* x = ok ? a.x + sl.begin * H : nullptr;
     b.reserve_pairs(ex, P);
 
-    // 1. The plan (no read-back).
-    std::size_t C = std::max<std::size_t>(1, std::min(b.chunks, P));
-    const std::size_t per = P ? (P + C - 1) / C : 1;
-    C = P ? (P + per - 1) / per : 1;
-    std::int64_t* chunk_bad = b.summary.data();
-    std::int64_t* counts = chunk_bad + C;
-    std::int64_t* offset = counts + Es;
-    exec::for_each_n(ex, C, layout::histogram_chunks{ids, w, P, per, E, b.chunk_counts.data(), chunk_bad});
-    exec::for_each_n(ex, Es, layout::scan_chunks{b.chunk_counts.data(), counts, C, E});
-    exec::for_each_n(ex, 1, layout::expert_offsets{counts, offset, E});
-    exec::for_each_n(ex, C,
-                     layout::scatter_pairs{ids, w, P, per, E, k, offset, b.chunk_counts.data(), b.pos.data(),
-                                           b.src_row.data()});
-    // 2. The bound: local capacity rule with C = cap; counters.
-    exec::for_each_n(ex, Es, layout::bound_keep{counts, offset, sh.cap, b.segments.data(), b.kept.data()});
-    if (P > 0)
-      exec::for_each_n(ex, Es,
-                       layout::drop_pairs{ids, w, b.pos.data(), b.src_row.data(), b.segments.data(), b.keyed.data(), k,
-                                          1, b.rule.priority == drop_priority::score, false});
-    exec::for_each_n(ex, 1,
-                     layout::bound_tally{counts, b.kept.data(), chunk_bad, C, E, ok ? 0 : 1, b.counters.data()});
+    // 1, 2. The plan (no read-back) and the bound; counters.
+    const bound_plan_at at = b.plan_arrays();
+    const std::size_t C = bounded_plan(ex, b, ids, w, P, k, at);
+    const std::int64_t* counts = at.counts;
+    const std::int64_t* offset = at.offset;
+    exec::for_each_n(ex, 1, layout::bound_tally{counts, at.kept, at.chunk_bad, C, E, ok ? 0 : 1, b.counters.data()});
 
     // Where this call's arrays live: the layer's (inference) or the saved state's (training).
     state<T, Exec> st;
-    std::int64_t* slab_pos = b.slab_pos.data();
-    std::int64_t* slot_row = b.slot_row.data();
-    std::int64_t* row_off = b.row_off.data();
-    std::int64_t* rows_of = b.rows.data();
-    if (train) {
-      st.slab_pos = exec::make_buffer<std::int64_t>(ex, std::max<std::size_t>(P, 1));
-      st.slot_row = exec::make_buffer<std::int64_t>(ex, SR);
-      st.row_off = exec::make_buffer<std::int64_t>(ex, static_cast<std::size_t>(L) * static_cast<std::size_t>(ep + 1));
-      st.rows_of = exec::make_buffer<std::int64_t>(ex, static_cast<std::size_t>(L));
-      slab_pos = st.slab_pos.data();
-      slot_row = st.slot_row.data();
-      row_off = st.row_off.data();
-      rows_of = st.rows_of.data();
-    }
+    const auto Ls = static_cast<std::size_t>(L);
+    std::int64_t* slab_pos = call_array(ex, train, st.slab_pos, b.slab_pos, std::max<std::size_t>(P, 1));
+    std::int64_t* slot_row = call_array(ex, train, st.slot_row, b.slot_row, SR);
+    std::int64_t* row_off = call_array(ex, train, st.row_off, b.row_off, Ls * static_cast<std::size_t>(ep + 1));
+    std::int64_t* rows_of = call_array(ex, train, st.rows_of, b.rows, Ls);
     // 3. Slab rows of the pairs and slice rows of the slab rows.
     exec::for_each_n(ex, P, layout::bound_positions{ids, w, b.pos.data(), offset, sh, slab_pos});
     exec::for_each_n(ex, SR, layout::bound_slots{b.src_row.data(), offset, b.kept.data(), sh, slot_row});
@@ -288,7 +409,7 @@ class bounded_route {
       exec::fill_zero(ex, a.out, sl.begin * H);  // the slice's rows are all written below
       exec::fill_zero(ex, a.out + sl.end * H, (a.rows - sl.end) * H);
     }
-    if (ctx_.stats != nullptr) note_stats(*ctx_.stats, false);
+    if (ctx_.stats != nullptr) note_bounded_stats(*ctx_.stats, "all_to_all", false);
 
     bool done = false;
     if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
@@ -351,7 +472,7 @@ class bounded_route {
       if (P > 0) kernels::scatter(ex, P, static_cast<const std::int64_t*>(slab_pos), w, st.w_slot.data());
       saved->template emplace<state<T, Exec>>(std::move(st));
     }
-    raise_shape(a.status, a.status_message);
+    raise_bounded_shape(a.status, a.status_message);
   }
 
   template <class T, class Exec, class Experts>
@@ -362,9 +483,11 @@ class bounded_route {
     const int L = sh.L, tp = ctx_.tp_size();
     const std::size_t H = s.hidden, SR = sh.send_rows(), XR = sh.expert_rows();
     const auto k = static_cast<std::size_t>(s.top_k);
-    const bool ok = a.status == 0;
+    // No shape exchange: each rank checks its own against its forward call's.
+    const std::string differ = a.status == 0 ? backward_shape_error(a, s.rows, s.hidden, s.top_k) : std::string();
+    const bool ok = a.status == 0 && differ.empty();
     const row_slice sl = s.slice;
-    const std::size_t n = sl.size();
+    const std::size_t n = sl.size(), N = s.rows;
     if (!ok) exec::for_each_n(ex, 1, layout::bound_shape_failed{b.counters.data()});
     b.staged(ex);
     T* send = b.send.data();
@@ -385,9 +508,9 @@ class bounded_route {
     order_before_collective(ex, *ctx_.ep);
     all_to_all(*ctx_.ep, span<const T>(send, SR * H), span<T>(recv, SR * H));
     if (ok) {
-      exec::fill_zero(ex, a.grad_weights, a.rows * k);
+      exec::fill_zero(ex, a.grad_weights, N * k);
       exec::fill_zero(ex, a.grad_x, sl.begin * H);
-      exec::fill_zero(ex, a.grad_x + sl.end * H, (a.rows - sl.end) * H);
+      exec::fill_zero(ex, a.grad_x + sl.end * H, (N - sl.end) * H);
       const T* grad_out = a.grad_out + sl.begin * H;
       kernels::weight_gradients(ex, n, H, s.top_k, static_cast<const T*>(s.back.data()), grad_out,
                                 static_cast<const std::int64_t*>(s.slab_pos.data()), a.grad_weights + sl.begin * k);
@@ -396,45 +519,18 @@ class bounded_route {
     }
     if (tp > 1) {
       order_before_collective(ex, *ctx_.ep);
-      finish_tp(ex, a.grad_x, a.rows * H, ok);
-      finish_tp(ex, a.grad_weights, a.rows * k, ok);
+      finish_tp(ex, a.grad_x, N * H, ok);
+      finish_tp(ex, a.grad_weights, N * k, ok);
     }
-    raise_shape(a.status, a.status_message);
+    raise_bounded_shape(ok ? 0 : 1, differ.empty() ? a.status_message : differ.c_str());
   }
 
  private:
-  void note_stats(layer_stats& st, bool direct) const {
-    st.path = "all_to_all";
-    st.bounded = true;
-    st.peer_access = direct;
-    st.tokens_per_local_expert.clear();
-    st.padding_per_local_expert.clear();
-    st.rows_sent.clear();
-    st.rows_received.clear();
-    st.tokens_per_expert.clear();
-    st.dropped_per_expert.clear();
-    st.dropped_pairs = 0;
-    st.max_expert_load = st.mean_expert_load = st.max_rank_load = st.mean_rank_load = 0.0;
-  }
-
   // The TP group sums the slices (a rank with bad shapes joins with zeros); the caller
   // has ordered the policy's work before it.
   template <class Exec, class V>
   void finish_tp(const Exec& ex, V* data, std::size_t count, bool ok) {
-    if (ctx_.tp_size() <= 1) return;
-    if (ok) {
-      all_reduce(*ctx_.tp, span<V>(data, count));
-    } else {
-      auto zeros = exec::make_buffer<V>(ex, std::max<std::size_t>(count, 1));
-      exec::fill_zero(ex, zeros.data(), count);
-      all_reduce(*ctx_.tp, span<V>(zeros.data(), count));
-    }
-  }
-
-  static void raise_shape(int status, const char* message) {
-    EPX_REQUIRE(status == 0, errc::input, message,
-                " (bounded mode: this rank joined the call with nothing to send; the other ranks of the EP group "
-                "raise at their next moe_layer::check())");
+    if (ctx_.tp_size() > 1) sum_or_join_zeros(ex, *ctx_.tp, ok ? data : nullptr, count);
   }
 
   // Direct route, inference on host policies: the owners read counts and rows out of the

@@ -480,7 +480,8 @@ class moe_layer {
     ctx.options = options_;
     ctx.stats = stats_.get();
     if (options_.counts == count_exchange::device) {
-      bound_ = std::make_shared<detail::bound_buffers<T, Exec>>(exec_, *mesh_, options_);
+      bound_ = std::make_shared<detail::bound_buffers<T, Exec>>(exec_, *mesh_, options_,
+                                                                detail::bounded_masked_impl<impl_type>::value);
       ctx.bound = bound_.get();
     }
     impl_ = std::make_unique<impl_type>(ctx);

@@ -15,7 +15,8 @@
 //   bound_keep      (per expert) the local capacity rule with C = cap: kept counts and the
 //                   drop segments of layout::drop_pairs (epx/layout/capacity.hpp);
 //   bound_tally     (once) adds the call's dropped pairs and bad-input flag to the counters
-//                   (bound_shape_failed: a backward call's shape error);
+//                   (bound_note_bad: bad pairs of another plan of the call; bound_shape_failed:
+//                   a backward call's shape error);
 //   bound_slots     (per slab row) the slice row each slab row carries (-1: none);
 //   bound_positions (per pair) the slab row of every (row, slot) pair (-1: dropped or bad);
 //   bound_header    (per peer) writes the counts into a slab's header bytes;
@@ -124,6 +125,7 @@ struct bound_tally {
   int num_experts;
   int shape_error;                // 1: this call's shapes failed the local checks
   std::int64_t* counters;
+  const std::int64_t* more_bad = nullptr;  // or a flag of bad pairs elsewhere in the call (bound_note_bad)
 
   EPX_HOST_DEVICE void operator()(std::size_t) const {
     std::int64_t dropped = 0;
@@ -134,10 +136,24 @@ struct bound_tally {
     }
     bool bad = false;
     for (std::size_t c = 0; c < chunks; ++c) bad = bad || chunk_bad[c] >= 0;
+    if (more_bad != nullptr) bad = bad || *more_bad != 0;
     counters[bound_overflow] += dropped;
     counters[bound_bad_input] += bad ? 1 : 0;
     counters[bound_shape_error] += shape_error;
     counters[bound_calls] += 1;
+  }
+};
+
+// Call once: flag = 1 when a plan's chunks found a bad pair (the masked path's other slices,
+// whose bad pairs are this rank's call's too).
+struct bound_note_bad {
+  const std::int64_t* chunk_bad;  // [chunks]
+  std::size_t chunks;
+  std::int64_t* flag;
+
+  EPX_HOST_DEVICE void operator()(std::size_t) const {
+    for (std::size_t c = 0; c < chunks; ++c)
+      if (chunk_bad[c] >= 0) *flag = 1;
   }
 };
 

@@ -216,6 +216,14 @@ group_records exchange_policy_records(Comm& comm, const Exec& ex, const std::int
   return g;
 }
 
+// Backward's shapes against the forward call's, as a sentence ("" when they agree).
+template <class Args>
+std::string backward_shape_error(const Args& a, std::size_t rows, std::size_t hidden, int top_k) {
+  if (a.rows == rows && a.hidden == hidden && a.top_k == top_k) return {};
+  return concat("backward shapes N=", a.rows, " H=", a.hidden, " k=", a.top_k, " differ from the forward call's N=",
+                rows, " H=", hidden, " k=", top_k);
+}
+
 // Backward's agreement check: this rank's status (its own, or 1 when the backward shapes
 // differ from the forward call's), exchanged over the EP group so that every rank raises
 // together. `tp`: as for exchange_records.
@@ -224,10 +232,9 @@ void exchange_backward_status(Comm& comm, const Exec& ex, const Args& a, std::si
                               int top_k, int world_rank, int tp) {
   std::int64_t status = a.status;
   std::string msg = a.status_message;
-  if (status == 0 && (a.rows != rows || a.hidden != hidden || a.top_k != top_k)) {
-    status = 1;
-    msg = concat("backward shapes N=", a.rows, " H=", a.hidden, " k=", a.top_k, " differ from the forward call's N=",
-                 rows, " H=", hidden, " k=", top_k);
+  if (status == 0) {
+    msg = backward_shape_error(a, rows, hidden, top_k);
+    status = msg.empty() ? 0 : 1;
   }
   exchange_records(comm, ex, status, a.rows, a.hidden, a.top_k, world_rank, nullptr, 0, msg, "moe_layer backward",
                    tp);

@@ -30,4 +30,15 @@ inline row_slice slice_bounds(std::size_t N, int tp, int t) {
   return row_slice{static_cast<std::size_t>(b), static_cast<std::size_t>(e)};
 }
 
+// The same slices in host and device code: the first row of slice t, and the slice that
+// holds row r (the largest t with floor(N*t/tp) <= r; r < N).
+EPX_HOST_DEVICE constexpr std::size_t slice_begin(std::size_t N, int tp, int t) noexcept {
+  return static_cast<std::size_t>(static_cast<std::uint64_t>(N) * static_cast<std::uint64_t>(t) /
+                                  static_cast<std::uint64_t>(tp));
+}
+EPX_HOST_DEVICE constexpr int slice_of_row(std::size_t r, std::size_t N, int tp) noexcept {
+  return static_cast<int>(((static_cast<std::uint64_t>(r) + 1) * static_cast<std::uint64_t>(tp) - 1) /
+                          static_cast<std::uint64_t>(N));
+}
+
 }  // namespace epx
