@@ -376,7 +376,7 @@ class bounded_route {
     auto& b = *static_cast<bound_buffers<T, Exec>*>(ctx_.bound);
     const layout::bound_shape& sh = b.shape;
     const int L = sh.L, ep = sh.ep, E = sh.experts(), tp = ctx_.tp_size(), k = a.top_k;
-    const auto Es = static_cast<std::size_t>(E), ks = static_cast<std::size_t>(k);
+    const auto ks = static_cast<std::size_t>(k);
     const std::size_t H = a.hidden, SR = sh.send_rows(), XR = sh.expert_rows();
     const bool ok = a.status == 0, train = saved != nullptr;
     const row_slice sl = ok ? slice_bounds(a.rows, tp, ctx_.tp_rank()) : row_slice{};
