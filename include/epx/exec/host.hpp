@@ -4,6 +4,7 @@
 // through an execution policy:
 //
 //   epx::exec::for_each_n(policy, n, f);              // f(i) for i in [0, n), any order
+//   epx::exec::for_each_range(policy, a, b, f);       // f(i) for i in [a, b), any order
 //   epx::exec::for_each_row<T>(policy, rows, cols, g); // g(r, h0, h1): columns [h0, h1) of row r
 //
 // for_each_row covers every column of every row exactly once; the policy chooses the
@@ -65,6 +66,21 @@ void for_each_n(const openmp& p, std::size_t n, F&& f) {
   (void)p;
   for (std::size_t i = 0; i < n; ++i) f(i);
 #endif
+}
+
+namespace detail {
+template <class F>
+struct shifted_call {
+  F f;
+  std::size_t first;
+  EPX_HOST_DEVICE void operator()(std::size_t i) const { f(first + i); }
+};
+}  // namespace detail
+
+// f(i) for i in [first, last), any order, on any policy (for_each_n over the range's length).
+template <class P, class F>
+void for_each_range(const P& p, std::size_t first, std::size_t last, F f) {
+  if (last > first) for_each_n(p, last - first, detail::shifted_call<F>{f, first});
 }
 
 // The launch shape of a row operation on a policy.

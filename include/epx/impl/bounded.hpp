@@ -143,13 +143,15 @@ struct bound_buffers {
   std::vector<std::size_t> offsets;                    // host [L+1]: l * block
   exec::buffer<std::int64_t, Exec> counters;           // [bound_counter_fields + E]
   exec::buffer<std::int64_t, Exec> chunk_counts;       // [chunks * E]
+  exec::buffer<std::int64_t, Exec> pos, src_row, slab_pos;  // [pairs] (slab_pos: each pair's slab row; masked: its block row)
+  exec::buffer<std::uint64_t, Exec> keyed;             // [pairs] drop_pairs' scratch (by score)
+  // The all-to-all path's one plan: its summary, kept counts and drop segments; the slot
+  // rows of an inference call.
   exec::buffer<std::int64_t, Exec> summary;            // [chunks + 2E + 1]
   exec::buffer<std::int64_t, Exec> kept;               // [E]
   exec::buffer<layout::drop_segment, Exec> segments;   // [E]
-  exec::buffer<std::int64_t, Exec> pos, src_row, slab_pos;  // [pairs]
-  exec::buffer<std::uint64_t, Exec> keyed;             // [pairs] drop_pairs' scratch (by score)
-  // Inference: slot rows, arrivals, rows in both shapes.
   exec::buffer<std::int64_t, Exec> slot_row;           // [ep*slab]
+  // Inference: arrivals, rows in both shapes.
   exec::buffer<std::int64_t, Exec> row_off;            // [L*(ep+1)]
   exec::buffer<std::int64_t, Exec> rows;               // [L]
   exec::buffer<T, Exec> send, recv;                    // [ep*slab, H] (staged route)
@@ -157,8 +159,9 @@ struct bound_buffers {
   // Direct route (host policies).
   std::vector<const T*> table;
   std::vector<std::int64_t> start;                     // [E] first row of this rank's rows at the owner
-  // Masked path: one plan per slice ([ep] summaries, kept counts, segments) and the token
-  // of each expert-major row.
+  // Masked path: one plan per slice ([ep] summaries, kept counts, segments; another
+  // slice's kept counts and segments hold only the local experts') and the token of each
+  // expert-major row.
   bool masked = false;
   exec::buffer<std::int64_t, Exec> slice_summary;            // [ep * (chunks + 2E + 1)]
   exec::buffer<std::int64_t, Exec> slice_kept;               // [ep * E]
@@ -181,15 +184,16 @@ struct bound_buffers {
     counters = exec::make_buffer<std::int64_t>(ex, layout::bound_counter_fields + Es);
     exec::fill_zero(ex, counters.data(), layout::bound_counter_fields + Es);
     chunk_counts = exec::make_buffer<std::int64_t>(ex, chunks * Es);
-    summary = exec::make_buffer<std::int64_t>(ex, chunks + 2 * Es + 1);
-    kept = exec::make_buffer<std::int64_t>(ex, Es);
-    segments = exec::make_buffer<layout::drop_segment>(ex, Es);
-    slot_row = exec::make_buffer<std::int64_t>(ex, shape.send_rows());
     row_off = exec::make_buffer<std::int64_t>(ex, static_cast<std::size_t>(L) * static_cast<std::size_t>(ep + 1));
     rows = exec::make_buffer<std::int64_t>(ex, static_cast<std::size_t>(L));
-    start.assign(Es, 0);
     masked = for_masked;
-    if (masked) {
+    if (!masked) {
+      summary = exec::make_buffer<std::int64_t>(ex, summary_stride());
+      kept = exec::make_buffer<std::int64_t>(ex, Es);
+      segments = exec::make_buffer<layout::drop_segment>(ex, Es);
+      slot_row = exec::make_buffer<std::int64_t>(ex, shape.send_rows());
+      start.assign(Es, 0);
+    } else {
       const auto eps = static_cast<std::size_t>(ep);
       slice_summary = exec::make_buffer<std::int64_t>(ex, eps * summary_stride());
       slice_kept = exec::make_buffer<std::int64_t>(ex, eps * Es);
@@ -330,12 +334,16 @@ auto* call_array(const Exec& ex, bool train, Buffer& keep, Buffer& mine, std::si
 // Steps 1 and 2 of a bounded call over P pairs (ids, w; null when P is 0): the counting-sort
 // plan of epx/layout/plan.hpp (its four functors, nothing read back) and the local capacity
 // rule with C = cap (layout::bound_keep, layout::drop_pairs with the options' priority), into
-// `at`. Returns the plan's chunk count (the entries of at.chunk_bad it wrote).
+// `at`. The rule runs for the experts [bound_first, bound_last) (all E by default): the
+// caller reads the kept counts, segments and drops of those only, and the other experts'
+// pairs keep their plan positions. Returns the plan's chunk count (the entries of
+// at.chunk_bad it wrote).
 template <class T, class Exec>
 std::size_t bounded_plan(const Exec& ex, bound_buffers<T, Exec>& b, const std::int32_t* ids, const float* w,
-                         std::size_t P, int k, const bound_plan_at& at) {
+                         std::size_t P, int k, const bound_plan_at& at, int bound_first = 0, int bound_last = -1) {
   const int E = b.shape.experts();
   const auto Es = static_cast<std::size_t>(E);
+  const auto e0 = static_cast<std::size_t>(bound_first), e1 = bound_last < 0 ? Es : static_cast<std::size_t>(bound_last);
   std::size_t C = std::max<std::size_t>(1, std::min(b.chunks, P));
   const std::size_t per = P ? (P + C - 1) / C : 1;
   C = P ? (P + per - 1) / per : 1;
@@ -343,11 +351,11 @@ std::size_t bounded_plan(const Exec& ex, bound_buffers<T, Exec>& b, const std::i
   exec::for_each_n(ex, Es, layout::scan_chunks{b.chunk_counts.data(), at.counts, C, E});
   exec::for_each_n(ex, 1, layout::expert_offsets{at.counts, at.offset, E});
   exec::for_each_n(ex, C, layout::scatter_pairs{ids, w, P, per, E, k, at.offset, b.chunk_counts.data(), at.pos, at.src_row});
-  exec::for_each_n(ex, Es, layout::bound_keep{at.counts, at.offset, b.shape.cap, at.segments, at.kept});
+  exec::for_each_range(ex, e0, e1, layout::bound_keep{at.counts, at.offset, b.shape.cap, at.segments, at.kept});
   if (P > 0)
-    exec::for_each_n(ex, Es,
-                     layout::drop_pairs{ids, w, at.pos, at.src_row, at.segments, at.keyed, k, 1,
-                                        b.rule.priority == drop_priority::score, false});
+    exec::for_each_range(ex, e0, e1,
+                         layout::drop_pairs{ids, w, at.pos, at.src_row, at.segments, at.keyed, k, 1,
+                                            b.rule.priority == drop_priority::score, false});
   return C;
 }
 

@@ -15,7 +15,9 @@
 //      (detail::bounded_plan, shared with the all-to-all path); the drops of this rank's own
 //      slice (s = its ep rank) go into the layer's counters, so that moe_layer::check() sums
 //      each slice once over the group, as on the all-to-all path, and a bad pair in any slice
-//      counts this rank's call as one with bad input;
+//      counts this rank's call as one with bad input. The rule runs for every expert of the
+//      own slice (its tally) and for the L local experts of the others (E + (ep-1)*L
+//      experts' steps, not ep*E);
 //   2. where each slice's rows start in each local block, the blocks' rows (the experts'
 //      device counts), every pair's local row and every block row's token (the bounded
 //      functors of epx/layout/masked.hpp);
@@ -98,7 +100,11 @@ class bounded_masked_route {
       const row_slice sl = slice_bounds(N, S, s);
       const std::size_t p0 = sl.begin * ks, Ps = sl.size() * ks;
       const bound_plan_at at = b.slice_arrays(s, p0);
-      const std::size_t C = bounded_plan(ex, b, Ps ? a.ids + p0 : nullptr, Ps ? a.weights + p0 : nullptr, Ps, k, at);
+      // This rank's slice: the rule for every expert (its drops go into the counters);
+      // another slice: for the local experts only, the blocks' rows.
+      const int e0 = s == me ? 0 : first, e1 = s == me ? E : first + L;
+      const std::size_t C =
+          bounded_plan(ex, b, Ps ? a.ids + p0 : nullptr, Ps ? a.weights + p0 : nullptr, Ps, k, at, e0, e1);
       if (s == me)
         own_chunks = C;
       else
