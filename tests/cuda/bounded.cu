@@ -1,13 +1,16 @@
 // Bounded mode (spec section 11) on the GPU: exec::cuda with the NCCL communicator at world
-// size 1. An inference forward is captured in a CUDA graph (no allocation, no host read, no
-// synchronisation inside the call, or the capture fails) and replayed on new inputs; its
-// outputs equal the normal mode's bitwise. A training forward and backward in bounded mode
-// equal the normal mode's bitwise, and the overflow counter stays on the device until
-// check(). Needs a GPU (label cuda).
+// size 1, on both paths (impl::all_to_all, and the masked impl::all_reduce, which a mesh of
+// ep == tp == 1 takes). An inference forward is captured in a CUDA graph (no allocation, no
+// host read, no synchronisation inside the call, or the capture fails) and replayed on new
+// inputs; its outputs equal the normal mode's bitwise. A training forward and backward in
+// bounded mode equal the normal mode's bitwise, and the overflow counter stays on the device
+// until check(). Needs a GPU (label cuda).
 #include <doctest/doctest.h>
 
 #include <cstdint>
 #include <random>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/support/device.hpp"
@@ -66,9 +69,16 @@ inputs make_inputs(std::size_t N, int E, int k, unsigned seed) {
   return in;
 }
 
+// The path an implementation's calls report in layer_stats::path.
+template <class Impl>
+std::string path_of() {
+  return std::is_same_v<Impl, epx::impl::all_reduce> ? "all_reduce" : "all_to_all";
+}
+
 }  // namespace
 
-TEST_CASE_TEMPLATE("bounded mode: an inference call captured in a CUDA graph and replayed", T, float, epx::bf16) {
+template <class T, class Impl>
+void capture_and_replay() {
   test_stream ts;
   ncclUniqueId id;
   EPX_NCCL_CHECK(ncclGetUniqueId(&id));
@@ -85,7 +95,7 @@ TEST_CASE_TEMPLATE("bounded mode: an inference call captured in a CUDA graph and
   epx::layer_options opt = normal_opt;
   opt.counts = epx::count_exchange::device;
   opt.bound.cap = static_cast<std::int64_t>(N);  // nothing overflows
-  using layer_t = epx::moe_layer<epx::nccl::communicator, T, epx::impl::all_to_all, epx::exec::cuda>;
+  using layer_t = epx::moe_layer<epx::nccl::communicator, T, Impl, epx::exec::cuda>;
   layer_t normal(m, world, normal_opt, dev);
   layer_t bounded(m, world, opt, dev);
   scaling_experts<T> experts;
@@ -108,6 +118,7 @@ TEST_CASE_TEMPLATE("bounded mode: an inference call captured in a CUDA graph and
   // device policy; this checks the call itself), then the capture.
   (void)bounded.forward(sx, sids, sw, epx::span<T>(d_out.data(), N * H), experts, epx::mode::inference);
   CHECK(bounded.stats().host_syncs == 0);
+  CHECK(std::string(bounded.stats().path) == path_of<Impl>());
   cudaGraph_t graph = nullptr;
   EPX_CUDA_CHECK(cudaStreamBeginCapture(world.stream(), cudaStreamCaptureModeThreadLocal));
   (void)bounded.forward(sx, sids, sw, epx::span<T>(d_out.data(), N * H), experts, epx::mode::inference);
@@ -128,7 +139,8 @@ TEST_CASE_TEMPLATE("bounded mode: an inference call captured in a CUDA graph and
   CHECK(bounded.check().overflow_pairs == 0);
 }
 
-TEST_CASE("bounded mode on the device: training bitwise the normal mode; overflow counted on the device") {
+template <class Impl>
+void training_against_normal() {
   using T = epx::bf16;
   test_stream ts;
   ncclUniqueId id;
@@ -165,7 +177,7 @@ TEST_CASE("bounded mode on the device: training bitwise the normal mode; overflo
     std::vector<std::vector<T>> rows;
     std::vector<std::vector<float>> gws;
     for (const auto& o : {ref_opt, opt}) {
-      epx::moe_layer<epx::nccl::communicator, T, epx::impl::all_to_all, epx::exec::cuda> layer(m, world, o, dev);
+      epx::moe_layer<epx::nccl::communicator, T, Impl, epx::exec::cuda> layer(m, world, o, dev);
       device_buffer<T> d_out(N * H, dev), d_gx(N * H, dev);
       device_buffer<float> d_gw(N * k, dev);
       auto saved = layer.forward(epx::span<const T>(d_x.data(), N * H), epx::span<const std::int32_t>(d_ids.data(), N * k),
@@ -173,6 +185,7 @@ TEST_CASE("bounded mode on the device: training bitwise the normal mode; overflo
                                  epx::mode::train);
       layer.backward(std::move(saved), epx::span<const T>(d_g.data(), N * H), epx::span<T>(d_gx.data(), N * H),
                      epx::span<float>(d_gw.data(), N * k), experts);
+      CHECK(std::string(layer.stats().path) == path_of<Impl>());
       if (o.counts == epx::count_exchange::device) {
         CHECK(layer.stats().host_syncs == 0);
         std::int64_t overflow = -1;
@@ -189,4 +202,14 @@ TEST_CASE("bounded mode on the device: training bitwise the normal mode; overflo
     CHECK(same_bits(rows[1], rows[3]));
     CHECK(same_bits(gws[0], gws[1]));
   }
+}
+
+TEST_CASE_TEMPLATE("bounded mode: an inference call captured in a CUDA graph and replayed", T, float, epx::bf16) {
+  SUBCASE("all-to-all path") { capture_and_replay<T, epx::impl::all_to_all>(); }
+  SUBCASE("masked path") { capture_and_replay<T, epx::impl::all_reduce>(); }
+}
+
+TEST_CASE("bounded mode on the device: training bitwise the normal mode; overflow counted on the device") {
+  SUBCASE("all-to-all path") { training_against_normal<epx::impl::all_to_all>(); }
+  SUBCASE("masked path") { training_against_normal<epx::impl::all_reduce>(); }
 }
