@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "epx/epx.hpp"
@@ -382,6 +383,24 @@ TEST_CASE("row launches cover every column once, in the policy's shape") {
     CHECK(calls == rows * ((cols + 7) / 8));  // 16 bytes = 8 bf16
     CHECK(widest == std::min<std::size_t>(cols, 8));
     for (int c : hits) CHECK(c == 1);
+  }
+}
+
+TEST_CASE("for_each_range calls f once for each index of [first, last) on every policy") {
+  const std::size_t n = 40;
+  for (const auto& [first, last] : {std::pair<std::size_t, std::size_t>{0, 40}, {7, 19}, {39, 40}, {12, 12}, {30, 5}}) {
+    auto covered = [&](auto policy) {
+      std::vector<int> hits(n, 0);
+      epx::exec::for_each_range(policy, first, last, [&](std::size_t i) { ++hits[i]; });
+      for (std::size_t i = 0; i < n; ++i) {
+        const int want = i >= first && i < last ? 1 : 0;
+        if (hits[i] != want) return false;
+      }
+      return true;
+    };
+    CHECK(covered(epx::exec::serial{}));
+    CHECK(covered(epx::exec::openmp{1}));
+    CHECK(covered(epx::exec::emulated_device{}));
   }
 }
 
