@@ -2,11 +2,14 @@
 
 8 ranks (gloo, CPU), 1024 tokens x 1024 hidden per rank, top-8 of 64 experts, ep 8 (tp 1,
 fsdp 8), identity experts, forward + backward, float32 and bfloat16, in the same process
-group. Each timed iteration is one forward and one backward of the whole MoE exchange; the
-time of an iteration is the slowest rank's. Prints the median of EPX_BENCH_ITERS iterations
-(default 5, after one warm-up) for both and their ratio (transformers / epx), epx with its
-default transport (shared memory when the ranks share a host) and, for comparison, with
-transport='group' (the process group's all_to_all_single, as transformers uses).
+group. Each timed step is one forward and one backward of the whole MoE exchange; the time
+of a step is the slowest rank's. The three runs, transformers, epx with its default
+transport (shared memory when the ranks share a host) and, for comparison, epx with
+transport='group' (the process group's all_to_all_single, as transformers uses), alternate
+in one loop of EPX_BENCH_ITERS rounds (default 10, after one warm-up round; the order
+rotates from round to round), so that a slower minute of the machine falls on all three.
+Prints the median step of each and the ratios transformers / epx as the median of each
+round's ratio (paired), which the machine's drift moves less than a ratio of medians.
 
 Sizes can be changed with EPX_BENCH_TOKENS, EPX_BENCH_HIDDEN (for a quick run).
 """
@@ -26,7 +29,7 @@ from harness import say
 TOKENS = int(os.environ.get("EPX_BENCH_TOKENS", "1024"))
 HIDDEN = int(os.environ.get("EPX_BENCH_HIDDEN", "1024"))
 TOP_K, EXPERTS = 8, 64
-ITERS = int(os.environ.get("EPX_BENCH_ITERS", "5"))
+ITERS = int(os.environ.get("EPX_BENCH_ITERS", "10"))
 
 
 class _IdentityExperts(torch.nn.Module):
@@ -50,20 +53,35 @@ def _inputs(dtype):
     return x, ids, w, grad
 
 
-def _time(step) -> list[float]:
-    times = []
+def _step_time(step) -> float:
+    """One step's time on the slowest rank (seconds), between two barriers."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return dt.item()
+
+
+def _interleaved(steps: list) -> list[list[float]]:
+    """ITERS rounds (after one warm-up round), each timing every step once; the order
+    rotates from round to round. Returns each step's times, round by round."""
+    times: list[list[float]] = [[] for _ in steps]
     for i in range(ITERS + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        if i > 0:
-            times.append(dt.item())
+        for j in range(len(steps)):
+            s = (i + j) % len(steps)
+            t = _step_time(steps[s])
+            if i > 0:
+                times[s].append(t)
     return times
 
 
-def bench(dtype) -> tuple[float, float]:
+def _paired_ratio(num: list[float], den: list[float]) -> float:
+    """The median over the rounds of num / den, the two timed in the same round."""
+    return statistics.median(a / b for a, b in zip(num, den))
+
+
+def bench(dtype) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed.expert_parallel import AllToAllEP
 
@@ -103,10 +121,15 @@ def bench(dtype) -> tuple[float, float]:
     if not err <= tol:
         raise AssertionError(f"epx and transformers differ: relative error {err:.2e}")
 
-    t_tf = _time(tf_step)
-    t_epx = _time(step_of(layer))
-    t_group = _time(step_of(layer_group))
-    return statistics.median(t_epx), statistics.median(t_tf), statistics.median(t_group), layer.shared_memory
+    t_tf, t_epx, t_group = _interleaved([tf_step, step_of(layer), step_of(layer_group)])
+    return {
+        "epx": statistics.median(t_epx),
+        "tf": statistics.median(t_tf),
+        "group": statistics.median(t_group),
+        "ratio": _paired_ratio(t_tf, t_epx),
+        "ratio_group": _paired_ratio(t_tf, t_group),
+        "shm": layer.shared_memory,
+    }
 
 
 def cases(W: int):
@@ -115,14 +138,14 @@ def cases(W: int):
     results = {}
 
     def run(dtype, target):
-        e, t, g, shm = bench(dtype)
-        ratio = t / e
-        results[dtype] = ratio
+        b = bench(dtype)
+        results[dtype] = b["ratio"]
         say(f"  bench {str(dtype).replace('torch.', '')}: {W} ranks, {TOKENS} tokens x {HIDDEN} hidden per rank, "
-            f"top-{TOP_K} of {EXPERTS} experts, ep {W}, identity experts, forward+backward: "
-            f"epx {e * 1e3:.1f} ms ({'shared memory' if shm else 'process group'}), "
-            f"transformers AllToAllEP {t * 1e3:.1f} ms, ratio {ratio:.2f}x (target {target}x); "
-            f"epx over the process group's all_to_all (transport='group') {g * 1e3:.1f} ms, ratio {t / g:.2f}x")
+            f"top-{TOP_K} of {EXPERTS} experts, ep {W}, identity experts, forward+backward, {ITERS} interleaved "
+            f"rounds: epx {b['epx'] * 1e3:.1f} ms ({'shared memory' if b['shm'] else 'process group'}), "
+            f"transformers AllToAllEP {b['tf'] * 1e3:.1f} ms, ratio {b['ratio']:.2f}x (paired; target {target}x); "
+            f"epx over the process group's all_to_all (transport='group') {b['group'] * 1e3:.1f} ms, "
+            f"ratio {b['ratio_group']:.2f}x")
 
     return [("bench float32: epx vs transformers AllToAllEP (ratio printed)", lambda: run(torch.float32, 5)),
             ("bench bfloat16: epx vs transformers AllToAllEP (ratio printed)", lambda: run(torch.bfloat16, 3))]
