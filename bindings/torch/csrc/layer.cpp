@@ -259,18 +259,27 @@ at::Tensor torch_layer::combine_t(dispatch_state& s, const at::Tensor& y_in, con
   if (!s.masked) {
     const epx::row_slice sl = s.slice;
     const std::size_t n = sl.size(), S = n * ks;
-    at::Tensor back = pool_.get(tensor_pool::back, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
-    // 6. Outputs back into send order; 7. the weighted sum in slot order.
-    epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(y)), epx::make_span(s.seg.recv_counts),
-                              epx::make_span(s.seg.recv_displs), ptr<T>(back), epx::make_span(s.seg.send_counts),
-                              epx::make_span(s.seg.send_displs), static_cast<std::size_t>(L), H);
     T* o = ptr<T>(out);
     epx::exec::fill_zero(ex, o, sl.begin * H);
     epx::exec::fill_zero(ex, o + sl.end * H, (N - sl.end) * H);
-    epx::kernels::combine(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(back)), ptr<const float>(w) + sl.begin * ks,
-                          static_cast<const std::int64_t*>(s.pos.data()), o + sl.begin * H);
+    const float* wp = ptr<const float>(w) + sl.begin * ks;
+    std::vector<const T*> table;
+    if (!s.training && returned_in_place(s, static_cast<const T*>(ptr<T>(y)), table)) {
+      // Inference with shared memory: the weighted sum reads the outputs where they landed.
+      epx::kernels::combine(ex, n, H, s.top_k, epx::kernels::row_table<T>{table.data()}, wp,
+                            static_cast<const std::int64_t*>(s.pos.data()), o + sl.begin * H);
+    } else {
+      // 6. Outputs back into send order (kept for backward's routing-weight gradients);
+      // 7. the weighted sum in slot order.
+      at::Tensor back = pool_.get(tensor_pool::back, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
+      epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(y)), epx::make_span(s.seg.recv_counts),
+                                epx::make_span(s.seg.recv_displs), ptr<T>(back), epx::make_span(s.seg.send_counts),
+                                epx::make_span(s.seg.send_displs), static_cast<std::size_t>(L), H);
+      epx::kernels::combine(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(back)), wp,
+                            static_cast<const std::int64_t*>(s.pos.data()), o + sl.begin * H);
+      if (s.training) s.y = back;
+    }
     if (tp > 1) epx::all_reduce(*tp_, epx::span<T>(o, N * H));
-    if (s.training) s.y = back;
   } else {
     epx::kernels::combine(ex, N, H, s.top_k, static_cast<const T*>(ptr<T>(y)), ptr<const float>(w),
                           static_cast<const std::int64_t*>(s.pos.data()), ptr<T>(out));
@@ -358,14 +367,20 @@ at::Tensor torch_layer::dispatch_backward_t(dispatch_state& s, const at::Tensor&
   if (!s.masked) {
     const epx::row_slice sl = s.slice;
     const std::size_t n = sl.size(), S = n * ks;
-    at::Tensor back = pool_.get(tensor_pool::grad_back, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
-    epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(grad_rows)), epx::make_span(s.seg.recv_counts),
-                              epx::make_span(s.seg.recv_displs), ptr<T>(back), epx::make_span(s.seg.send_counts),
-                              epx::make_span(s.seg.send_displs), static_cast<std::size_t>(L), H);
     epx::exec::fill_zero(ex, gx, sl.begin * H);
     epx::exec::fill_zero(ex, gx + sl.end * H, (N - sl.end) * H);
-    epx::kernels::reduce(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(back)),
-                         static_cast<const std::int64_t*>(s.pos.data()), gx + sl.begin * H);
+    std::vector<const T*> table;
+    if (returned_in_place(s, static_cast<const T*>(ptr<T>(grad_rows)), table)) {
+      epx::kernels::reduce(ex, n, H, s.top_k, epx::kernels::row_table<T>{table.data()},
+                           static_cast<const std::int64_t*>(s.pos.data()), gx + sl.begin * H);
+    } else {
+      at::Tensor back = pool_.get(tensor_pool::grad_back, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
+      epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(grad_rows)), epx::make_span(s.seg.recv_counts),
+                                epx::make_span(s.seg.recv_displs), ptr<T>(back), epx::make_span(s.seg.send_counts),
+                                epx::make_span(s.seg.send_displs), static_cast<std::size_t>(L), H);
+      epx::kernels::reduce(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(back)),
+                           static_cast<const std::int64_t*>(s.pos.data()), gx + sl.begin * H);
+    }
     if (tp > 1) epx::all_reduce(*tp_, epx::span<T>(gx, N * H));
   } else {
     epx::kernels::reduce(ex, N, H, s.top_k, static_cast<const T*>(ptr<T>(grad_rows)),
@@ -373,6 +388,20 @@ at::Tensor torch_layer::dispatch_backward_t(dispatch_state& s, const at::Tensor&
     epx::all_reduce(*ep_, epx::span<T>(gx, N * H));
   }
   return grad_x;
+}
+
+template <class T>
+bool torch_layer::returned_in_place(const dispatch_state& s, const T* expert_rows, std::vector<const T*>& table) {
+  const auto L = static_cast<std::size_t>(mesh_->local_experts());
+  const std::size_t H = s.hidden;
+  const epx::detail::segments& g = s.seg;
+  table.assign(s.slice.size() * static_cast<std::size_t>(s.top_k), nullptr);
+  return ep_->all_to_allv_segments_in_place(expert_rows, g.recv_counts.data(), g.recv_displs.data(),
+                                            g.send_counts.data(), L, H, [&](std::size_t q, std::size_t i, const T* rows) {
+                                              const std::size_t j = q * L + i, at = g.send_displs[j];
+                                              for (std::size_t r = 0; r < g.send_counts[j]; ++r)
+                                                table[at + r] = rows + r * H;
+                                            });
 }
 
 namespace {

@@ -9,7 +9,8 @@
 //   2. a barrier over the group (an atomic counter in shared memory; waiters sleep on a
 //      futex, bounded by the group's timeout);
 //   3. each receiver copies its blocks straight from every sender's buffer to where it
-//      wants them (expert-major for dispatch, send order for combine).
+//      wants them (expert-major for dispatch, send order for combine), or reads them where
+//      they are (exchange_in_place: the sums of combine's inference and dispatch's backward).
 // Two buffers make one barrier per exchange enough: a sender writes buffer b at exchange i
 // only after the barrier of exchange i-1, which every receiver passes after it has read
 // exchange i-2 (the last one that used b). Rows move by two memcpy, with no socket.
@@ -138,6 +139,19 @@ class shm_exchange {
 
   void exchange(const std::byte* send, const std::size_t* send_counts, const std::size_t* send_displs,
                 std::byte* recv, const std::size_t* recv_counts, const std::size_t* recv_displs, std::size_t nseg) {
+    exchange_in_place(send, send_counts, send_displs, recv_counts, nseg,
+                      [&](std::size_t q, std::size_t i, const std::byte* block, std::size_t bytes) {
+                        if (bytes) std::memcpy(recv + recv_displs[q * nseg + i], block, bytes);
+                      });
+  }
+
+  // The exchange with step 3 left to the caller: at(q, i, block, bytes) for every sender q
+  // and segment i, with `block` where q's block for this rank sits in q's buffer. The blocks
+  // stay there until this rank's next exchange or all_gather (the barrier of the next
+  // exchange is what lets a sender reuse the buffer), so the caller reads them before it.
+  template <class At>
+  void exchange_in_place(const std::byte* send, const std::size_t* send_counts, const std::size_t* send_displs,
+                         const std::size_t* recv_counts, std::size_t nseg, At&& at_block) {
     const auto P = static_cast<std::size_t>(size_);
     const int b = static_cast<int>(calls_ % 2);
     // 1. The table ([P][nseg] offsets into the buffer, then counts) and the blocks.
@@ -173,7 +187,7 @@ class shm_exchange {
         const std::size_t want = recv_counts[q * nseg + i];
         EPX_REQUIRE(qcnt[j] == want, epx::errc::communicator, "shared-memory all-to-all: rank ", q, " sends ",
                     qcnt[j], " bytes of segment ", i, " to rank ", rank_, ", which expects ", want);
-        if (want) std::memcpy(recv + recv_displs[q * nseg + i], src + qoff[j], want);
+        at_block(q, i, src + qoff[j], want);
       }
     }
   }

@@ -241,6 +241,29 @@ class torch_communicator {
   // `nseg` segments) sends from without copying, when the caller builds its send buffer
   // there and passes it. Null without shared memory.
   void* outbox(std::size_t bytes, std::size_t nseg) { return shm_ ? shm_->outbox(bytes, nseg) : nullptr; }
+  // With shared memory: all_to_allv_segments of rows of `row_elems` elements of T (counts
+  // and displacements in rows), whose received segments the caller reads where they sit in
+  // the senders' buffers: at(q, i, rows) for each peer q and segment i, `rows` pointing to
+  // its recv_counts[q*nseg+i] rows, valid until this communicator's next collective. False,
+  // and nothing exchanged, without shared memory.
+  template <class T, class At>
+  bool all_to_allv_segments_in_place(const T* send, const std::size_t* send_counts, const std::size_t* send_displs,
+                                     const std::size_t* recv_counts, std::size_t nseg, std::size_t row_elems,
+                                     At&& at) {
+    if (!shm_) return false;
+    const std::size_t m = static_cast<std::size_t>(size()) * nseg, rb = row_elems * sizeof(T);
+    std::vector<std::size_t> v(3 * m);
+    for (std::size_t j = 0; j < m; ++j) {
+      v[j] = send_counts[j] * rb;
+      v[m + j] = send_displs[j] * rb;
+      v[2 * m + j] = recv_counts[j] * rb;
+    }
+    shm_->exchange_in_place(reinterpret_cast<const std::byte*>(send), v.data(), v.data() + m, v.data() + 2 * m, nseg,
+                            [&](std::size_t q, std::size_t i, const std::byte* block, std::size_t) {
+                              at(q, i, reinterpret_cast<const T*>(block));
+                            });
+    return true;
+  }
 
   void all_to_allv(const void* send, const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
                    const std::size_t* recv_counts, const std::size_t* recv_displs, epx::datatype t) {

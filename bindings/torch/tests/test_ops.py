@@ -129,9 +129,10 @@ def layer_case(tp=1, fsdp=None, ep=None, dp_replicate=1, E=E_DEFAULT, k=3, N=12,
 
 
 def bitwise_case(tp=1, ep=None, dtype=torch.float32, path="all_to_all", N=10, k=3, E=E_DEFAULT, padding=(1, 1),
-                 transport="auto"):
+                 transport="auto", train=True):
     """The split torch ops give the bits of epx::moe_layer (C++, same communicators) with
-    experts y = c_l * x."""
+    experts y = c_l * x; train=False: the output of an inference call (no autograd), whose
+    combine reads the returned rows in place with shared memory."""
     W = dist.get_world_size()
     fsdp = W // tp
     ep = ep if ep is not None else W
@@ -140,15 +141,19 @@ def bitwise_case(tp=1, ep=None, dtype=torch.float32, path="all_to_all", N=10, k=
     L = layer.local_experts
     c = [0.5 + 0.25 * ((layer.first_expert + l) % 7) for l in range(L)]  # exact in bf16
     x, ids, w, G = batch_data(layer.batch, N, k, E, dtype)
-    x.requires_grad_()
-    w.requires_grad_()
-    rows, offsets, handle = epx_torch.dispatch(x, ids, w, layer)
-    scale = torch.tensor(c, dtype=dtype)[handle.local_expert_ids()].unsqueeze(1)
-    out = epx_torch.combine(rows * scale, handle)
-    out.backward(G)
+    x.requires_grad_(train)
+    w.requires_grad_(train)
+    with torch.set_grad_enabled(train):
+        rows, offsets, handle = epx_torch.dispatch(x, ids, w, layer)
+        scale = torch.tensor(c, dtype=dtype)[handle.local_expert_ids()].unsqueeze(1)
+        out = epx_torch.combine(rows * scale, handle)
+    if train:
+        out.backward(G)
     ref_out, ref_gx, ref_gw = epx_torch._C._fused_reference(layer._impl, x.detach(), ids.to(torch.int32), w.detach(),
                                                             G, c, path == "all_reduce")
     check_equal("output", out.detach(), ref_out)
+    if not train:
+        return
     check_equal("input gradient", x.grad, ref_gx)
     check_equal("routing-weight gradient", w.grad, ref_gw)
 
@@ -430,6 +435,11 @@ def cases(W: int):
         add("bitwise = epx::moe_layer (all_to_all, float32)", lambda: bitwise_case(dtype=f32))
         add("bitwise = epx::moe_layer (all_to_all, bfloat16)", lambda: bitwise_case(dtype=bf16))
         add("bitwise = epx::moe_layer (all_to_all, tp2, float64)", lambda: bitwise_case(tp=2, dtype=f64))
+        add("bitwise = epx::moe_layer, inference (all_to_all, float32)", lambda: bitwise_case(dtype=f32, train=False))
+        add("bitwise = epx::moe_layer, inference (all_to_all, tp2, bfloat16)",
+            lambda: bitwise_case(tp=2, dtype=bf16, train=False))
+        add("bitwise = epx::moe_layer, inference (transport group, float32)",
+            lambda: bitwise_case(dtype=f32, transport="group", train=False))
         add("bitwise = epx::moe_layer (transport group, tp2, float32)",
             lambda: bitwise_case(tp=2, dtype=f32, transport="group"))
         add("bitwise = epx::moe_layer (all_reduce, float32)",
