@@ -240,7 +240,7 @@ template <class T>
 at::Tensor torch_layer::combine_t(dispatch_state& s, const at::Tensor& y_in, const at::Tensor& weights) {
   const auto ex = exec();
   const epx::mesh& m = *mesh_;
-  const int L = m.local_experts(), tp = m.tp();
+  const int tp = m.tp();
   const std::size_t H = s.hidden, N = s.rows, R = s.expert_rows;
   const auto ks = static_cast<std::size_t>(s.top_k);
   // The experts' output is the user's: check it on every rank before rows move back.
@@ -258,27 +258,20 @@ at::Tensor torch_layer::combine_t(dispatch_state& s, const at::Tensor& y_in, con
   at::Tensor out = pool_.get(tensor_pool::out, static_cast<std::int64_t>(N), static_cast<std::int64_t>(H), st);
   if (!s.masked) {
     const epx::row_slice sl = s.slice;
-    const std::size_t n = sl.size(), S = n * ks;
+    const std::size_t n = sl.size();
     T* o = ptr<T>(out);
     epx::exec::fill_zero(ex, o, sl.begin * H);
     epx::exec::fill_zero(ex, o + sl.end * H, (N - sl.end) * H);
     const float* wp = ptr<const float>(w) + sl.begin * ks;
-    std::vector<const T*> table;
-    if (!s.training && returned_in_place(s, static_cast<const T*>(ptr<T>(y)), table)) {
-      // Inference with shared memory: the weighted sum reads the outputs where they landed.
-      epx::kernels::combine(ex, n, H, s.top_k, epx::kernels::row_table<T>{table.data()}, wp,
-                            static_cast<const std::int64_t*>(s.pos.data()), o + sl.begin * H);
-    } else {
-      // 6. Outputs back into send order (kept for backward's routing-weight gradients);
-      // 7. the weighted sum in slot order.
-      at::Tensor back = pool_.get(tensor_pool::back, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
-      epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(y)), epx::make_span(s.seg.recv_counts),
-                                epx::make_span(s.seg.recv_displs), ptr<T>(back), epx::make_span(s.seg.send_counts),
-                                epx::make_span(s.seg.send_displs), static_cast<std::size_t>(L), H);
-      epx::kernels::combine(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(back)), wp,
-                            static_cast<const std::int64_t*>(s.pos.data()), o + sl.begin * H);
-      if (s.training) s.y = back;
-    }
+    // 6. The outputs back to their send positions (read in place with shared memory, except
+    // in training, whose backward keeps them in send order for the routing-weight
+    // gradients); 7. the weighted sum in slot order.
+    at::Tensor back;
+    const std::vector<const T*> rows =
+        returned_rows(s, static_cast<const T*>(ptr<T>(y)), !s.training, tensor_pool::back, back);
+    epx::kernels::combine(ex, n, H, s.top_k, epx::kernels::row_table<T>{rows.data()}, wp,
+                          static_cast<const std::int64_t*>(s.pos.data()), o + sl.begin * H);
+    if (s.training) s.y = back;
     if (tp > 1) epx::all_reduce(*tp_, epx::span<T>(o, N * H));
   } else {
     epx::kernels::combine(ex, N, H, s.top_k, static_cast<const T*>(ptr<T>(y)), ptr<const float>(w),
@@ -358,29 +351,21 @@ template <class T>
 at::Tensor torch_layer::dispatch_backward_t(dispatch_state& s, const at::Tensor& grad_rows) {
   const auto ex = exec();
   const epx::mesh& m = *mesh_;
-  const int L = m.local_experts(), tp = m.tp();
+  const int tp = m.tp();
   const std::size_t H = s.hidden, N = s.rows;
-  const auto ks = static_cast<std::size_t>(s.top_k);
   const at::ScalarType st = scalar_type_of(dtype_);
   at::Tensor grad_x = pool_.get(tensor_pool::grad_x, static_cast<std::int64_t>(N), static_cast<std::int64_t>(H), st);
   T* gx = ptr<T>(grad_x);
   if (!s.masked) {
     const epx::row_slice sl = s.slice;
-    const std::size_t n = sl.size(), S = n * ks;
+    const std::size_t n = sl.size();
     epx::exec::fill_zero(ex, gx, sl.begin * H);
     epx::exec::fill_zero(ex, gx + sl.end * H, (N - sl.end) * H);
-    std::vector<const T*> table;
-    if (returned_in_place(s, static_cast<const T*>(ptr<T>(grad_rows)), table)) {
-      epx::kernels::reduce(ex, n, H, s.top_k, epx::kernels::row_table<T>{table.data()},
-                           static_cast<const std::int64_t*>(s.pos.data()), gx + sl.begin * H);
-    } else {
-      at::Tensor back = pool_.get(tensor_pool::grad_back, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), st);
-      epx::all_to_allv_segments(*ep_, static_cast<const T*>(ptr<T>(grad_rows)), epx::make_span(s.seg.recv_counts),
-                                epx::make_span(s.seg.recv_displs), ptr<T>(back), epx::make_span(s.seg.send_counts),
-                                epx::make_span(s.seg.send_displs), static_cast<std::size_t>(L), H);
-      epx::kernels::reduce(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(back)),
-                           static_cast<const std::int64_t*>(s.pos.data()), gx + sl.begin * H);
-    }
+    at::Tensor back;
+    const std::vector<const T*> rows =
+        returned_rows(s, static_cast<const T*>(ptr<T>(grad_rows)), true, tensor_pool::grad_back, back);
+    epx::kernels::reduce(ex, n, H, s.top_k, epx::kernels::row_table<T>{rows.data()},
+                         static_cast<const std::int64_t*>(s.pos.data()), gx + sl.begin * H);
     if (tp > 1) epx::all_reduce(*tp_, epx::span<T>(gx, N * H));
   } else {
     epx::kernels::reduce(ex, N, H, s.top_k, static_cast<const T*>(ptr<T>(grad_rows)),
@@ -391,17 +376,26 @@ at::Tensor torch_layer::dispatch_backward_t(dispatch_state& s, const at::Tensor&
 }
 
 template <class T>
-bool torch_layer::returned_in_place(const dispatch_state& s, const T* expert_rows, std::vector<const T*>& table) {
+std::vector<const T*> torch_layer::returned_rows(const dispatch_state& s, const T* expert_rows, bool in_place, int slot,
+                                                 at::Tensor& back) {
   const auto L = static_cast<std::size_t>(mesh_->local_experts());
-  const std::size_t H = s.hidden;
+  const std::size_t H = s.hidden, S = s.slice.size() * static_cast<std::size_t>(s.top_k);
   const epx::detail::segments& g = s.seg;
-  table.assign(s.slice.size() * static_cast<std::size_t>(s.top_k), nullptr);
-  return ep_->all_to_allv_segments_in_place(expert_rows, g.recv_counts.data(), g.recv_displs.data(),
-                                            g.send_counts.data(), L, H, [&](std::size_t q, std::size_t i, const T* rows) {
-                                              const std::size_t j = q * L + i, at = g.send_displs[j];
-                                              for (std::size_t r = 0; r < g.send_counts[j]; ++r)
-                                                table[at + r] = rows + r * H;
-                                            });
+  std::vector<const T*> table(S, nullptr);
+  if (in_place && ep_->all_to_allv_segments_in_place(expert_rows, g.recv_counts.data(), g.recv_displs.data(),
+                                                     g.send_counts.data(), L, H,
+                                                     [&](std::size_t q, std::size_t i, const T* rows) {
+                                                       const std::size_t j = q * L + i, at = g.send_displs[j];
+                                                       for (std::size_t r = 0; r < g.send_counts[j]; ++r)
+                                                         table[at + r] = rows + r * H;
+                                                     }))
+    return table;
+  back = pool_.get(slot, static_cast<std::int64_t>(S), static_cast<std::int64_t>(H), scalar_type_of(dtype_));
+  epx::all_to_allv_segments(*ep_, expert_rows, epx::make_span(g.recv_counts), epx::make_span(g.recv_displs), ptr<T>(back),
+                            epx::make_span(g.send_counts), epx::make_span(g.send_displs), L, H);
+  const T* b = ptr<T>(back);
+  for (std::size_t p = 0; p < S; ++p) table[p] = b + p * H;
+  return table;
 }
 
 namespace {

@@ -142,13 +142,15 @@ class torch_layer {
   std::tuple<at::Tensor, at::Tensor> combine_backward_t(dispatch_state& s, const at::Tensor& grad_out);
   template <class T>
   at::Tensor dispatch_backward_t(dispatch_state& s, const at::Tensor& grad_rows);
-  // The return exchange of the all-to-all path (the owners' expert-major rows back to their
-  // send positions) with shared memory: table[p] = where send position p's row sits in its
-  // owner's buffer, read in place before the EP group's next collective (the sums of
-  // combine's inference and of dispatch's backward read them once, with no copy into send
-  // order). False, and nothing exchanged, without shared memory.
+  // The return exchange of the all-to-all path (the owners' expert-major rows back to this
+  // rank's send positions): table[p] = send position p's row. With shared memory and
+  // `in_place`, where the row sits in its owner's buffer, read before the EP group's next
+  // collective (the sums of combine's inference and of dispatch's backward read each row
+  // once, with no copy into send order); else copied into send order in `back` (pool slot
+  // `slot`), which a training combine keeps for backward.
   template <class T>
-  bool returned_in_place(const dispatch_state& s, const T* expert_rows, std::vector<const T*>& table);
+  std::vector<const T*> returned_rows(const dispatch_state& s, const T* expert_rows, bool in_place, int slot,
+                                      at::Tensor& back);
 
   std::string check_tensor(const char* what, const at::Tensor& t, at::ScalarType want, std::int64_t rows,
                            std::int64_t cols) const;
