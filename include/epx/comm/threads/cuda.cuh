@@ -11,11 +11,15 @@
 //   }, o);
 //
 // The ranks' row buffers are device memory of the current device; the communicator moves
-// blocks with cudaMemcpy (cudaMemcpyDefault: device to device within one GPU, and host
-// memory where a caller passes it), synchronous with respect to the calling thread. The
-// layer waits for a rank's stream before each collective of a host communicator
+// each block with cudaMemcpyAsync on the calling thread's per-thread stream
+// (cudaMemcpyDefault: device to device within one GPU, and host memory where a caller
+// passes it) and waits for that stream before the copy counts as done. A plain cudaMemcpy
+// would not do: between two device buffers it returns before the copy has run, on the
+// legacy default stream, which the ranks' non-blocking streams do not wait for. The layer
+// waits for a rank's stream before each collective of a host communicator
 // (epx/comm/settle.hpp), and a rank's later work on its stream starts after the
-// collective's exit barrier, when every peer has finished copying, so no event is needed.
+// collective's exit barrier, when every peer's copies have completed, so no event is
+// needed.
 // Sums (all_reduce, reduce_scatter) are staged through the host and computed there in rank
 // order, as on host memory. The layer takes the staged route (device policies do not take
 // the direct route).
@@ -29,9 +33,11 @@
 
 namespace epx::threads {
 
-// Copies `bytes` between any two buffers of the device address space (threads::memory::copy).
+// Copies `bytes` between any two buffers of the device address space (threads::memory::copy)
+// and returns once the bytes are in place.
 inline bool cuda_device_copy(void* dst, const void* src, std::size_t bytes) noexcept {
-  return cudaMemcpy(dst, src, bytes, cudaMemcpyDefault) == cudaSuccess;
+  if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cudaStreamPerThread) != cudaSuccess) return false;
+  return cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess;
 }
 
 // The memory of ranks whose buffers are CUDA device memory (or managed memory).
