@@ -327,8 +327,14 @@ TEST_CASE("nccl communicator over every GPU of this process (init_all, one threa
   }
 }
 
+// Spins until the host sets *flag, or for at most about 20 s (%globaltimer, nanoseconds), so
+// that a test that never releases it cannot hang the device.
 __global__ void spin_until_released(volatile int* flag) {
+  unsigned long long t0 = 0, t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
   while (*flag == 0) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - t0 > 20000000000ull) break;
   }
 }
 
@@ -345,7 +351,10 @@ TEST_CASE("nccl errors carry the call and NCCL's text; wait() aborts a collectiv
 
   // A collective queued behind a kernel that spins until the host releases it: the stream
   // cannot drain, so wait(timeout) must abort the communicator and raise instead of hanging
-  // (and only wait() may raise: the enqueue itself succeeds).
+  // (and only wait() may raise: the enqueue itself succeeds). ncclCommAbort frees the
+  // communicator's device memory, which waits for the device to go idle, so the kernel is
+  // released by another thread 2 s after the wait starts: wait() returns once the abort is
+  // done, after the release, well before the kernel's own 20 s bound.
   test_stream ts;
   // Nonblocking mode: no NCCL call can block this thread.
   auto c = world_of_one(false, ts.s);
@@ -359,6 +368,10 @@ TEST_CASE("nccl errors carry the call and NCCL's text; wait() aborts a collectiv
   EPX_CUDA_CHECK(cudaGetLastError());
   c.all_reduce(d.data(), d.data(), 256, epx::datatype::float32, 1.0);  // queued behind the spin
   const auto t0 = std::chrono::steady_clock::now();
+  std::thread release([flag] {
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    *reinterpret_cast<volatile int*>(flag) = 1;  // let the kernel finish
+  });
   bool raised = false;
   try {
     c.wait(std::chrono::milliseconds(500));
@@ -367,7 +380,7 @@ TEST_CASE("nccl errors carry the call and NCCL's text; wait() aborts a collectiv
     MESSAGE("raised: ", e.what());
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  *reinterpret_cast<volatile int*>(flag) = 1;  // let the kernel finish
+  release.join();
   (void)cudaStreamSynchronize(ts.s);
   (void)cudaGetLastError();
   EPX_CUDA_CHECK(cudaFreeHost(flag));

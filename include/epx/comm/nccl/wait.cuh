@@ -5,7 +5,9 @@
 // ncclCommAbort (the NCCL communicator is freed, also one that was only wrapped) and raises
 // epx::error. Communicators in NCCL's nonblocking mode (options::blocking = false) return
 // ncclInProgress from their calls; every such call is settled here, within the timeout,
-// before it returns, and so are initialisation and split.
+// before it returns, and so are initialisation and split. One limit: ncclCommAbort frees
+// the communicator's device memory, which waits for the work already queued on the device,
+// so a kernel of the caller's that never ends keeps the abort, and the wait, from returning.
 //
 // `handle` is the NCCL communicator of one epx::nccl::communicator together with what its
 // messages name (rank, size, device) and its abort state; every call on the communicator
