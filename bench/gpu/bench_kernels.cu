@@ -29,18 +29,10 @@
 #include "epx/core/numeric.hpp"
 #include "epx/exec/cuda.cuh"
 
-#if __has_include("epx/kernels/launch.hpp")
 #include "epx/kernels/launch.hpp"
-#define EPX_BENCH_HAVE_FUNCTORS 1
-#else
-#define EPX_BENCH_HAVE_FUNCTORS 0
-#endif
-#if __has_include("epx/layer/moe_layer.hpp")
 #include "epx/layer/moe_layer.hpp"
-#define EPX_BENCH_HAVE_LAYER 1
-#else
-#define EPX_BENCH_HAVE_LAYER 0
-#endif
+
+#include "common.cuh"
 
 namespace {
 
@@ -177,7 +169,6 @@ device_buffer<T> upload(cudaStream_t s, const std::vector<T>& v) {
   return b;
 }
 
-#if EPX_BENCH_HAVE_LAYER
 // Experts for the layer rows: out = (1 + e/4) * in per expert, one kernel per local expert.
 template <class T>
 struct scale_rows {
@@ -205,7 +196,6 @@ struct scaling_experts {
     }
   }
 };
-#endif
 
 double gbps(double bytes, double secs) { return bytes / secs * 1e-9; }
 
@@ -301,7 +291,6 @@ void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, s
   };
   auto unit = [](int) { return 1.0f; };
 
-#if EPX_BENCH_HAVE_FUNCTORS
   {
     const T* xs = x.data();
     const std::int64_t* src_rows = src.data();
@@ -312,7 +301,6 @@ void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, s
         [&] { epx::kernels::combine(dev, N, H, static_cast<int>(k), ys, w.data(), pos.data(), out.data()); }, 2, iters);
     row("combine (kernels::combine)", shape, combine_bytes, tc, floor_gbps, combine_ok(unit));
   }
-#endif
   const gather_rows_vec16<T> gv{reinterpret_cast<const pack16<T>*>(x.data()), src.data(),
                                 reinterpret_cast<pack16<T>*>(send.data()), words};
   const double tgv = tm.time([&] { epx::exec::for_each_n(dev, S * words, gv); }, 2, iters);
@@ -344,7 +332,6 @@ void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, s
   const double tt = tm.time([&] { trip(gv, S * words, cvb, N * words); }, 1, std::max(1, iters / 2));
   comm.wait();
   row("round trip nccl ws1 (vec16)", shape, trip_bytes, tt, floor_gbps, combine_ok(unit));
-#if EPX_BENCH_HAVE_FUNCTORS
   {
     const T* xs = x.data();
     const T* bs = back.data();
@@ -359,7 +346,6 @@ void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, s
     comm.wait();
     row("round trip nccl ws1 (kernels)", shape, trip_bytes, tk, floor_gbps, combine_ok(unit));
   }
-#endif
 
   // NCCL itself at world size 1: an in-place scaled all-reduce of the [N, H] output (checked
   // on one extra call: every sampled element halves exactly, away from subnormals).
@@ -381,7 +367,6 @@ void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, s
     row("nccl all_reduce ws1 x0.5", shape, 2.0 * static_cast<double>(N * H * sizeof(T)), ta, floor_gbps, ok);
   }
 
-#if EPX_BENCH_HAVE_LAYER
   {
     // The whole layer on the GPU path (counting-sort plan, count exchange, dispatch,
     // experts, combine; backward): bytes as the round trip plus the experts' read+write.
@@ -418,7 +403,6 @@ void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, s
     comm.wait();
     row("moe_layer forward+backward", shape, 2.0 * (trip_bytes + expert_bytes), tb, floor_gbps, combine_ok(scale));
   }
-#endif
 }
 
 }  // namespace
@@ -434,12 +418,16 @@ int main(int argc, char** argv) {
   }
   try {
     int count = 0;
-    EPX_CUDA_CHECK(cudaGetDeviceCount(&count));
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+      std::fprintf(stderr, "epx_bench_gpu_kernels: no usable CUDA device\n");
+      return 77;
+    }
     cudaDeviceProp prop{};
     EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     EPX_CUDA_CHECK(cudaSetDevice(0));
-    cudaStream_t s;
-    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    epx::bench::gpu::keep_freed_pool_memory(0);
+    const epx::bench::gpu::owned_stream stream;  // outlives the communicator and the buffers below
+    const cudaStream_t s = stream.get();
     const int iters = quick ? 5 : 20;
     std::printf("epx GPU kernels on %s (sm_%d%d, %d SMs, %.0f GiB)%s\n", prop.name, prop.major, prop.minor,
                 prop.multiProcessorCount, static_cast<double>(prop.totalGlobalMem) / (1 << 30),
@@ -488,7 +476,6 @@ int main(int argc, char** argv) {
     comm.barrier();
     std::printf("frac = GB/s / copy floor (target >= 0.85). \"kernels\": epx/kernels/launch.hpp through "
                 "exec::cuda; \"vec16 ref\": 16 bytes per thread.\n");
-    EPX_CUDA_CHECK(cudaStreamDestroy(s));
     for (const auto& l : g_json) std::printf("JSON %s\n", l.c_str());
     for (const auto& l : g_json)
       if (l.find("\"validated\": false") != std::string::npos) return 1;

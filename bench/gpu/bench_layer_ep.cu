@@ -31,6 +31,7 @@
 #include "epx/comm/threads.hpp"
 #include "epx/comm/threads/cuda.cuh"
 #include "epx/exec/cuda.cuh"
+#include "common.cuh"
 
 namespace {
 
@@ -123,8 +124,8 @@ bool bench_shape(const shape& s, int iters, double copy_gbps, const char* dtype)
         EPX_CUDA_CHECK(cudaSetDevice(0));
         const int me = comm.rank();
         const epx::mesh m(mc);
-        cudaStream_t st;
-        EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+        const epx::bench::gpu::owned_stream stream;  // outlives the layer and the buffers below
+        const cudaStream_t st = stream.get();
         const epx::exec::cuda ex{st};
         epx::layer_options lo;
         lo.hidden = H;
@@ -205,7 +206,6 @@ bool bench_shape(const shape& s, int iters, double copy_gbps, const char* dtype)
         };
         timed(fwd, t_fwd);
         timed(train, t_train);
-        EPX_CUDA_CHECK(cudaStreamDestroy(st));
       },
       o);
   bool all_ok = true;
@@ -238,6 +238,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "epx_bench_gpu_layer_ep: no usable CUDA device\n");
       return 77;
     }
+    EPX_CUDA_CHECK(cudaSetDevice(0));
+    epx::bench::gpu::keep_freed_pool_memory(0);
     const double copy = copy_bandwidth(quick ? 3 : 10);
     std::printf("JSON {\"bench\": \"copy bandwidth (cudaMemcpy D2D, read+write)\", \"GBps\": %.1f, \"validated\": true}\n",
                 copy);
