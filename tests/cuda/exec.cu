@@ -19,20 +19,11 @@
 #include "epx/exec/host.hpp"
 
 #include "epx/kernels/launch.hpp"
-#define EPX_TEST_HAVE_FUNCTORS 1
-#if __has_include("epx/layout/plan.hpp")
 #include "epx/layout/plan.hpp"
-#define EPX_TEST_HAVE_PLAN 1
-#endif
 
 using namespace epx::test::cuda;
 
 namespace {
-
-
-
-
-
 
 struct affine_index {
   const float* x;
@@ -172,8 +163,6 @@ TEST_CASE("CUDA errors become epx::error(errc::cuda) naming the call, the text a
   CHECK_NOTHROW(epx::exec::synchronize(ts.policy()));
   CHECK(cudaGetLastError() == cudaSuccess);
 }
-
-#if EPX_TEST_HAVE_FUNCTORS
 
 namespace {
 
@@ -327,10 +316,6 @@ TEST_CASE_TEMPLATE("kernels on the device give the host policy's bits and match 
   }
 }
 
-#endif  // EPX_TEST_HAVE_FUNCTORS
-
-#if EPX_TEST_HAVE_PLAN
-
 TEST_CASE("layout plan on the device equals the host plan (counting sort, bad ids found)") {
   test_stream ts;
   const auto dev = ts.policy();
@@ -412,5 +397,3 @@ TEST_CASE("layout plan on the device: the Thrust (CUB) plan is the counting sort
     CHECK(same_bits(to_host(dev, sp.src_row.data(), pairs), to_host(dev, cp.src_row.data(), pairs)));
   }
 }
-
-#endif  // EPX_TEST_HAVE_PLAN

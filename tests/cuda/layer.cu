@@ -15,26 +15,10 @@
 #include "epx/exec/cuda.cuh"
 #include "epx/grad/hooks.hpp"
 
-#if __has_include("epx/routing/routing.hpp")
 #include "epx/routing/routing.hpp"
-#define EPX_TEST_HAVE_ROUTING 1
-#endif
-#if __has_include("epx/layer/moe_layer.hpp")
 #include "epx/layer/moe_layer.hpp"
-#define EPX_TEST_HAVE_LAYER 1
-#endif
 
 using namespace epx::test::cuda;
-
-namespace {
-
-
-
-
-
-}  // namespace
-
-#if EPX_TEST_HAVE_ROUTING
 
 namespace {
 
@@ -132,10 +116,6 @@ TEST_CASE_TEMPLATE("routing policies on the device match the host policy", T, fl
     CHECK(err <= 1e-5);
   }
 }
-
-#endif  // EPX_TEST_HAVE_ROUTING
-
-#if EPX_TEST_HAVE_LAYER
 
 namespace {
 
@@ -379,5 +359,3 @@ TEST_CASE_TEMPLATE("every implementation and element type on the device (world s
   device_matches_host<T, epx::impl::all_reduce>();
   device_matches_host<T, epx::impl::automatic>();
 }
-
-#endif  // EPX_TEST_HAVE_LAYER

@@ -127,6 +127,8 @@ TEST_CASE("node-limited routing, node statistics, losses and the bias update on 
     for (std::size_t i = 0; i < ids.size(); ++i) mismatch += ids[i] != ids_d[i];
     CHECK(mismatch * 100 <= ids.size());  // only near ties may differ (exp ulps)
   }
+  // What follows compares host and device on the same ids: the host's.
+  epx::exec::copy_from_host(dev, ids.data(), ids.size(), d_ids.data());
   // Node statistics through the layer's helper.
   epx::mesh_config mc;
   mc.fsdp = 8;
