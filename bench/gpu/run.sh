@@ -3,28 +3,38 @@
 #
 #   bench/gpu/run.sh            # build (nvcc, sm_90), run the CUDA tests, run the benchmarks
 #   bench/gpu/run.sh --quick    # smaller benchmark shapes
+#   bench/gpu/run.sh --build-only
 #
-# Every measurement is also one JSON line (`validated`, microseconds, GB/s and the fraction
-# of the device copy bandwidth), collected in $EPX_GPU_BUILD/results.jsonl and printed at
-# the end: the kernels and the NCCL round trip at world size 1 (bench_kernels.cu), and the
-# layer's forward and forward+backward with 8 ranks on the one GPU at 4096 x 7168 and at the
-# decode shape 128 x 7168, bf16, top-8, 256 experts (bench_layer_ep.cu).
-# Environment: EPX_CUDA_ARCH (default 90), EPX_GPU_BUILD (default build/gpu), NVCC,
-# DOCTEST_INCLUDE (folder holding doctest/doctest.h), NCCL_HOME (NCCL's prefix if not in
-# the CUDA toolkit or /usr). Needs nvcc, NCCL and, for the tests, doctest. Prints the
-# benchmark table (bench/gpu/bench_kernels.cu explains the columns) and a summary; exits
-# non-zero if a build, a test or a benchmark failed. Builds eight CUDA translation units
-# directly with nvcc (no CMake, no Google Benchmark needed): a few minutes at most.
-set -euo pipefail
+# Builds every tests/cuda/*.cu and the two benchmarks of bench/gpu directly with nvcc, in
+# parallel (no CMake, no Google Benchmark). Then runs the tests, all at once (separate
+# processes sharing the GPU, 180 s each at most), then the benchmarks one after the other
+# (alone on the GPU): the kernels and the NCCL round trip at world size 1
+# (bench_kernels.cu), and the layer's forward and forward+backward with 8 ranks on the one
+# GPU at 4096 x 7168 and at the decode shape 128 x 7168, bf16, top-8, 256 experts
+# (bench_layer_ep.cu). Every measurement is one JSON line (`validated`, microseconds, GB/s
+# and the fraction of the device copy bandwidth). A target that fails to build, or a test
+# that fails, does not stop the others; the exit status is non-zero if anything failed, and
+# the summary at the end says what.
+#
+# Logs, results.jsonl and summary.txt go to $EPX_GPU_BUILD (default build/gpu) and, where
+# $OUT is set (the device tool's output folder), are copied there as well.
+#
+# Environment: EPX_CUDA_ARCH (default 90), EPX_GPU_BUILD, NVCC, DOCTEST_INCLUDE (a folder
+# holding doctest/doctest.h; also looked for in .gpu-deps/, which bench/gpu/prepare.sh
+# fills), NCCL_HOME (NCCL's prefix; otherwise the CUDA toolkit, /usr, then the
+# nvidia-nccl Python package of python3 are searched).
+set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-cd "$root"
+cd "$root" || exit 1
 
 quick=""
+build_only=0
 for a in "$@"; do
   case "$a" in
     --quick) quick="--quick" ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    --build-only) build_only=1 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$a' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -32,7 +42,8 @@ done
 arch=${EPX_CUDA_ARCH:-90}
 out=${EPX_GPU_BUILD:-build/gpu}
 mkdir -p "$out"
-say() { printf '\n==== %s ====\n' "$*"; }
+start=$(date +%s)
+say() { printf '\n==== %s (%ds) ====\n' "$*" $(( $(date +%s) - start )); }
 die() { printf 'run.sh: error: %s\n' "$*" >&2; exit 1; }
 have_timeout=$(command -v timeout || true)
 limited() {  # limited SECONDS cmd...: run with a time limit when `timeout` exists
@@ -50,106 +61,137 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 else
   echo "nvidia-smi not found: the tests will say whether a device is usable"
 fi
+echo "cpus: $(nproc)"
 
 cuda_home=$(cd "$(dirname "$nvcc")/.." && pwd)
 inc=(-Iinclude -Itests)
 lib=()
-if [[ -n "${NCCL_HOME:-}" ]]; then
-  inc+=(-I"$NCCL_HOME/include")
-  for d in "$NCCL_HOME/lib" "$NCCL_HOME/lib64"; do lib+=(-L"$d" -Xlinker -rpath -Xlinker "$d"); done
+
+# NCCL: a folder holding include/nccl.h, and the library beside it in lib/ or lib64/ (the
+# Python package ships only libnccl.so.2, hence -l: with the file's name).
+nccl_prefixes=()
+[[ -n "${NCCL_HOME:-}" ]] && nccl_prefixes+=("$NCCL_HOME")
+nccl_prefixes+=("$cuda_home" /usr /usr/local)
+if command -v python3 >/dev/null 2>&1; then
+  py_nccl=$(python3 -c 'import nvidia.nccl as m, os; print(os.path.dirname(m.__file__) if m.__file__ else list(m.__path__)[0])' 2>/dev/null || true)
+  [[ -n "$py_nccl" ]] && nccl_prefixes+=("$py_nccl")
 fi
-if ! printf '#include <nccl.h>\nint main(){return 0;}\n' | "$nvcc" "${inc[@]}" -x cu -E - >/dev/null 2>&1; then
-  die "nccl.h not found (install NCCL or set NCCL_HOME)"
-fi
+nccl_inc="" nccl_lib=""
+for p in "${nccl_prefixes[@]}"; do
+  [[ -f "$p/include/nccl.h" ]] || continue
+  for d in "$p/lib" "$p/lib64" "$p/lib/x86_64-linux-gnu" /usr/lib/x86_64-linux-gnu; do
+    for f in libnccl.so libnccl.so.2; do
+      if [[ -e "$d/$f" ]]; then nccl_inc="$p/include"; nccl_lib="$d/$f"; break 3; fi
+    done
+  done
+done
+[[ -n "$nccl_lib" ]] || die "NCCL not found (nccl.h and libnccl.so[.2]; searched: ${nccl_prefixes[*]}; set NCCL_HOME)"
+echo "nccl: $nccl_inc, $nccl_lib"
+inc+=(-I"$nccl_inc")
+lib+=(-L"$(dirname "$nccl_lib")" "-l:$(basename "$nccl_lib")" -Xlinker -rpath -Xlinker "$(dirname "$nccl_lib")")
+
+# doctest, for the tests.
+for d in "${DOCTEST_INCLUDE:-}" "$root/.gpu-deps"; do
+  [[ -n "$d" && -f "$d/doctest/doctest.h" ]] && { inc+=(-I"$d"); break; }
+done
 doctest_ok=1
-if [[ -n "${DOCTEST_INCLUDE:-}" ]]; then inc+=(-I"$DOCTEST_INCLUDE"); fi
 if ! printf '#include <doctest/doctest.h>\n' | "$nvcc" "${inc[@]}" -x c++ -E - >/dev/null 2>&1; then
   doctest_ok=0
-  echo "doctest not found (set DOCTEST_INCLUDE): the CUDA tests cannot be built"
+  echo "doctest not found (run bench/gpu/prepare.sh where it is installed and carry .gpu-deps, or set DOCTEST_INCLUDE): the CUDA tests cannot be built"
 fi
+# NCCL's folder first in the run path, so that the NCCL found here is the one loaded.
 flags=(-std=c++17 -O3 "-gencode=arch=compute_${arch},code=sm_${arch}" --extended-lambda --expt-relaxed-constexpr
-       -Xcompiler=-Wall,-Wextra -L"$cuda_home/lib64" -Xlinker -rpath -Xlinker "$cuda_home/lib64"
-       ${lib[@]+"${lib[@]}"} -lnccl)
+       -Xcompiler=-Wall,-Wextra "${lib[@]}" -L"$cuda_home/lib64" -Xlinker -rpath -Xlinker "$cuda_home/lib64")
 
 say "build (nvcc, sm_${arch}) into $out"
-start=$(date +%s)
-pids=()
-names=()
-build() {  # build NAME SOURCES...
-  local name=$1; shift
-  ( "$nvcc" "${inc[@]}" "$@" "${flags[@]}" -o "$out/$name" >"$out/$name.build.log" 2>&1 ) &
-  pids+=($!); names+=("$name")
-}
+targets=() sources=()
 if [[ $doctest_ok == 1 ]]; then
-  build test_cuda_exec tests/cuda/exec.cu tests/cuda/support/device_main.cpp
-  build test_cuda_nccl tests/cuda/nccl.cu tests/cuda/support/device_main.cpp
-  build test_cuda_layer tests/cuda/layer.cu tests/cuda/support/device_main.cpp
-  build test_cuda_fp8 tests/cuda/fp8.cu tests/cuda/support/device_main.cpp
-  build test_cuda_limits tests/cuda/limits.cu tests/cuda/support/device_main.cpp
-  build test_cuda_threads_device tests/cuda/threads_device.cu tests/cuda/support/device_main.cpp
+  for src in tests/cuda/*.cu; do
+    targets+=("test_cuda_$(basename "$src" .cu)"); sources+=("$src tests/cuda/support/device_main.cpp")
+  done
 fi
-build epx_bench_gpu_kernels bench/gpu/bench_kernels.cu
-build epx_bench_gpu_layer_ep bench/gpu/bench_layer_ep.cu
-build_failed=0
+targets+=(epx_bench_gpu_kernels epx_bench_gpu_layer_ep)
+sources+=(bench/gpu/bench_kernels.cu bench/gpu/bench_layer_ep.cu)
+pids=()
+for i in "${!targets[@]}"; do
+  # shellcheck disable=SC2086  # sources[i] is a list of paths without spaces
+  ( "$nvcc" "${inc[@]}" ${sources[$i]} "${flags[@]}" -o "$out/${targets[$i]}" >"$out/${targets[$i]}.build.log" 2>&1 ) &
+  pids+=($!)
+done
+declare -A built result
 for i in "${!pids[@]}"; do
+  name=${targets[$i]}
   if wait "${pids[$i]}"; then
-    echo "built ${names[$i]}"
+    built[$name]=1
+    echo "built $name"
   else
-    build_failed=1
-    echo "FAILED to build ${names[$i]}; log:"; cat "$out/${names[$i]}.build.log"
+    result[$name]="NOT BUILT (log: $out/$name.build.log)"
+    echo "FAILED to build $name; log:"; cat "$out/$name.build.log"
   fi
 done
+[[ $doctest_ok == 1 ]] || result[tests]="NOT BUILT (doctest missing)"
 echo "build took $(( $(date +%s) - start )) s"
-[[ $build_failed == 0 ]] || die "build failed"
 
-declare -A result
-run_test() {  # run_test NAME: 0 passed, 77 skipped (no device), else failed
-  local name=$1 rc=0
-  say "test $name"
-  limited 240 "$out/$name" --duration=true || rc=$?
-  case $rc in
-    0) result[$name]="passed" ;;
-    77) result[$name]="SKIPPED (no usable CUDA device)" ;;
-    124|137) result[$name]="FAILED (timed out after 240 s)" ;;
-    *) result[$name]="FAILED (exit $rc)" ;;
-  esac
+copy_out() {  # the logs and results into $OUT, where the device tool returns them
+  [[ -n "${OUT:-}" && -d "${OUT:-}" ]] || return 0
+  cat "$out"/*.log > "$OUT/logs.txt" 2>/dev/null || true
+  cp "$out/results.jsonl" "$out/summary.txt" "$OUT/" 2>/dev/null || true
 }
-if [[ $doctest_ok == 1 ]]; then
-  run_test test_cuda_exec
-  run_test test_cuda_nccl
-  run_test test_cuda_layer
-  run_test test_cuda_fp8
-  run_test test_cuda_limits
-  run_test test_cuda_threads_device
-else
-  result[tests]="NOT BUILT (doctest missing)"
-fi
 
-say "benchmark: kernels and NCCL at world size 1"
-bench_rc=0
-limited 300 "$out/epx_bench_gpu_kernels" $quick | tee "$out/bench.txt" || bench_rc=${PIPESTATUS[0]}
-say "benchmark: the layer, 8 ranks on one GPU"
-layer_rc=0
-limited 240 "$out/epx_bench_gpu_layer_ep" $quick | tee "$out/bench_layer_ep.txt" || layer_rc=${PIPESTATUS[0]}
-grep -h '^JSON ' "$out/bench.txt" "$out/bench_layer_ep.txt" | sed 's/^JSON //' > "$out/results.jsonl" || true
+if [[ $build_only == 0 ]]; then
+  say "tests (in parallel, 180 s each at most)"
+  tpids=() tnames=()
+  for name in "${targets[@]}"; do
+    [[ $name == test_cuda_* && -n "${built[$name]:-}" ]] || continue
+    ( limited 180 "$out/$name" --duration=true >"$out/$name.log" 2>&1 ) &
+    tpids+=($!); tnames+=("$name")
+  done
+  for i in "${!tpids[@]}"; do
+    name=${tnames[$i]} rc=0
+    wait "${tpids[$i]}" || rc=$?
+    say "test $name (exit $rc)"
+    cat "$out/$name.log"
+    skipped=$(grep -Eo '\| *[0-9]+ skipped' "$out/$name.log" | grep -Eo '[0-9]+' | head -1)
+    case $rc in
+      0) result[$name]="passed${skipped:+ ($skipped test case(s) skipped: see the log)}" ;;
+      77) result[$name]="SKIPPED (no usable CUDA device)" ;;
+      124|137) result[$name]="FAILED (timed out after 180 s)" ;;
+      *) result[$name]="FAILED (exit $rc)" ;;
+    esac
+  done
+
+  : > "$out/results.jsonl"
+  bench() {  # bench NAME LIMIT: one benchmark alone on the GPU
+    local name=$1 limit=$2 rc=0
+    say "benchmark $name"
+    if [[ -z "${built[$name]:-}" ]]; then return; fi
+    limited "$limit" "$out/$name" $quick >"$out/$name.log" 2>&1 || rc=$?
+    cat "$out/$name.log"
+    grep -h '^JSON ' "$out/$name.log" | sed 's/^JSON //' >> "$out/results.jsonl" || true
+    case $rc in
+      0) result[$name]="ok" ;;
+      77) result[$name]="SKIPPED (no usable CUDA device)" ;;
+      124|137) result[$name]="FAILED (timed out after $limit s)" ;;
+      *) result[$name]="FAILED (exit $rc)" ;;
+    esac
+  }
+  bench epx_bench_gpu_kernels 240
+  bench epx_bench_gpu_layer_ep 240
+fi
 
 say "summary"
 status=0
 for k in "${!result[@]}"; do
-  echo "$k: ${result[$k]}"
-  [[ ${result[$k]} == passed ]] || status=1
+  case ${result[$k]} in passed*|ok) ;; *) status=1 ;; esac
 done
-if [[ $bench_rc == 0 ]]; then
-  echo "benchmark kernels: ok (table above, also in $out/bench.txt)"
-else
-  echo "benchmark kernels: FAILED (exit $bench_rc)"; status=1
-fi
-if [[ $layer_rc == 0 ]]; then
-  echo "benchmark layer (8 ranks, one GPU): ok"
-else
-  echo "benchmark layer (8 ranks, one GPU): FAILED (exit $layer_rc)"; status=1
-fi
-say "results ($out/results.jsonl)"
-cat "$out/results.jsonl"
-echo "total time $(( $(date +%s) - start )) s"
+{
+  echo "built ${#built[@]} of ${#targets[@]} targets"
+  for k in $(printf '%s\n' "${!result[@]}" | sort); do echo "$k: ${result[$k]}"; done
+  if [[ $build_only == 0 ]]; then
+    echo "results ($out/results.jsonl):"
+    cat "$out/results.jsonl"
+  fi
+  echo "total time $(( $(date +%s) - start )) s, exit $status"
+} | tee "$out/summary.txt"
+copy_out
 exit $status
