@@ -506,7 +506,7 @@ struct staged_pipeline {
     L = E / ep;
     const std::size_t S = n * static_cast<std::size_t>(k);
     plan = epx::layout::build_plan(ex, ids, w, n, k, E, 1);
-    const auto g = epx::detail::exchange_records(comm, ex, 0, n, H, k, me, plan.host_counts.data(),
+    const auto g = epx::detail::exchange_records(comm, 0, n, H, k, me, plan.host_counts.data(),
                                                  static_cast<std::size_t>(E), "", "bench", 1);
     lay = epx::detail::make_receive_layout(ep, ep, L, epx::padding{}, [&](int r) { return g.counts(r); });
     seg = epx::detail::segments_of(lay, me);
@@ -596,7 +596,7 @@ void bench_stage(benchmark::State& state, shape s, stage which) {
     d->ids = make_ids(n, s.k, s.experts, s.routing, me);
     d->w = make_weights(n, s.k, me);
     d->plan = epx::layout::build_plan(ex, d->ids.data(), d->w.data(), n, s.k, s.experts, 1);
-    const auto g = epx::detail::exchange_records(comm, ex, 0, n, H, s.k, me, d->plan.host_counts.data(),
+    const auto g = epx::detail::exchange_records(comm, 0, n, H, s.k, me, d->plan.host_counts.data(),
                                                  static_cast<std::size_t>(s.experts), "", "bench", 1);
     const auto layout = epx::detail::make_receive_layout(s.ep, s.ep, L, epx::padding{},
                                                          [&](int r) { return g.counts(r); });

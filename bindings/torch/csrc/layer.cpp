@@ -156,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> torch_layer:
       status = 2;
       msg = epx::layout::describe(plan.check, k, E, sl.begin);
     }
-    auto records = epx::detail::exchange_records(*ep_, ex, status, N, H, k, world_rank_, plan.host_counts.data(),
+    auto records = epx::detail::exchange_records(*ep_, status, N, H, k, world_rank_, plan.host_counts.data(),
                                                  static_cast<std::size_t>(E), msg, "epx_torch dispatch", tp);
     s->layout = epx::detail::make_receive_layout(ep, ep, L, options_.pad, [&](int r) { return records.counts(r); });
     s->slice = sl;
@@ -201,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> torch_layer:
     status = 2;
     msg = epx::layout::describe(plan.check, k, E, 0);
   }
-  epx::detail::exchange_records(*ep_, ex, status, N, H, k, world_rank_, nullptr, 0, msg, "epx_torch dispatch", ep);
+  epx::detail::exchange_records(*ep_, status, N, H, k, world_rank_, nullptr, 0, msg, "epx_torch dispatch", ep);
   s->layout = epx::detail::make_receive_layout(1, ep, L, options_.pad, [&](int) { return plan.host_counts.data(); });
   const std::size_t* off = s->layout.offsets(me);
   s->offsets.assign(off, off + L + 1);
@@ -250,7 +250,7 @@ at::Tensor torch_layer::combine_t(dispatch_state& s, const at::Tensor& y_in, con
   if (why.empty())
     why = check_tensor("routing weights", weights, at::kFloat, static_cast<std::int64_t>(N),
                        static_cast<std::int64_t>(ks));
-  epx::detail::exchange_records(*ep_, ex, why.empty() ? 0 : 1, N, H, s.top_k, world_rank_, nullptr, 0, why,
+  epx::detail::exchange_records(*ep_, why.empty() ? 0 : 1, N, H, s.top_k, world_rank_, nullptr, 0, why,
                                 "epx_torch combine", s.masked ? m.ep() : tp);
   s.combined = true;
   const at::Tensor y = y_in.contiguous(), w = weights.contiguous();

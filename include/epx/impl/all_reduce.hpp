@@ -179,7 +179,7 @@ class all_reduce_impl {
     b.forward = std::move(saved);
     auto& s = b.forward.template get<state<T, Exec>>();
     const int L = ctx_.local_experts();
-    exchange_backward_status(*ctx_.ep, ex, a, s.rows, s.hidden, s.top_k, ctx_.rank, ctx_.ep_size());
+    exchange_backward_status(*ctx_.ep, a, s.rows, s.hidden, s.top_k, ctx_.rank, ctx_.ep_size());
     const std::size_t N = s.rows, H = s.hidden, R = s.local_rows;
     b.grad_y = make_rows<T>(ws_, ex, R * H);
     b.grad_in = make_rows<T>(ws_, ex, R * H);

@@ -61,6 +61,7 @@
 #include <vector>
 
 #include "epx/comm/collectives.hpp"
+#include "epx/comm/host_arrays.hpp"
 #include "epx/comm/settle.hpp"
 #include "epx/exec/host.hpp"
 #include "epx/exec/workspace.hpp"
@@ -481,7 +482,7 @@ class all_to_all_impl {
     const int L = ctx_.local_experts(), tp = ctx_.tp_size(), me = ctx_.ep_rank();
     const std::size_t H = s.hidden;
     const auto k = static_cast<std::size_t>(s.top_k);
-    exchange_backward_status(*ctx_.ep, ex, a, s.rows, s.hidden, s.top_k, ctx_.rank, tp);
+    exchange_backward_status(*ctx_.ep, a, s.rows, s.hidden, s.top_k, ctx_.rank, tp);
     const row_slice sl = s.slice;
     const receive_layout& lay = s.layout;
     const std::size_t n = sl.size(), S = n * k, R = lay.rows(me);
@@ -692,7 +693,7 @@ class all_to_all_impl {
     exec::copy_n(ex, static_cast<const std::int64_t*>(h.data()), P * per, b.data());
     order_before_collective(ex, *ctx_.ep);
     all_to_all(*ctx_.ep, span<const std::int64_t>(b.data(), P * per), span<std::int64_t>(b.data() + P * per, P * per));
-    to_host(ex, static_cast<const std::int64_t*>(b.data()) + P * per, P * per, h.data() + P * per);
+    read_back(ex, *ctx_.ep, static_cast<const std::int64_t*>(b.data()) + P * per, P * per, h.data() + P * per);
     std::vector<std::size_t> from(P * per);
     for (std::size_t i = 0; i < P * per; ++i) from[i] = static_cast<std::size_t>(h[P * per + i]);
     set_received(s.rounds, s.seg, L, from.data());
@@ -732,7 +733,7 @@ class all_to_all_impl {
     exec::copy_n(ex, static_cast<const std::int64_t*>(h.data()), P, b.data());
     order_before_collective(ex, *ctx_.ep);
     all_to_all(*ctx_.ep, span<const std::int64_t>(b.data(), P), span<std::int64_t>(b.data() + P, P));
-    to_host(ex, static_cast<const std::int64_t*>(b.data()) + P, P, h.data() + P);
+    read_back(ex, *ctx_.ep, static_cast<const std::int64_t*>(b.data()) + P, P, h.data() + P);
     r.recv_rows.resize(P);
     r.recv_offsets.resize(P);
     std::size_t at = 0;

@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "epx/comm/collectives.hpp"
+#include "epx/comm/host_arrays.hpp"
 #include "epx/comm/settle.hpp"
 #include "epx/core/error.hpp"
 #include "epx/exec/host.hpp"
@@ -627,7 +628,7 @@ bound_report check_bound(const Exec& ex, Comm& ep, bound_buffers<T, Exec>& b, in
   order_before_collective(ex, ep);
   all_reduce(ep, span<std::int64_t>(sum.data(), n));
   std::vector<std::int64_t> h(n);
-  to_host(ex, static_cast<const std::int64_t*>(sum.data()), n, h.data());
+  read_back(ex, ep, static_cast<const std::int64_t*>(sum.data()), n, h.data());
   bound_report r;
   r.overflow_pairs = h[layout::bound_overflow];
   r.bad_input_calls = h[layout::bound_bad_input];

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "epx/comm/collectives.hpp"
+#include "epx/comm/host_arrays.hpp"
 #include "epx/core/error.hpp"
 #include "epx/core/span.hpp"
 #include "epx/impl/options.hpp"
@@ -76,14 +77,14 @@ void agree_on_layer(Comm& comm, const mesh& m, const layer_options& o, int world
   const auto P = static_cast<std::size_t>(comm.size());
   std::vector<std::int64_t> mine(F), all(F * P);
   for (std::size_t f = 0; f < F; ++f) mine[f] = fields[f].value;
-  all_gather(comm, span<const std::int64_t>(mine.data(), F), span<std::int64_t>(all.data(), all.size()));
+  all_gather_host(comm, mine.data(), F, all.data());
   bool failed = false;
   for (std::size_t r = 0; r < P; ++r) failed = failed || all[r * F + F - 1] != 0;
   if (failed) {  // every rank takes this branch: the second all_gather matches
     constexpr std::size_t B = 256;
     std::vector<char> msg(B, '\0'), msgs(B * P, '\0');
     local_error.copy(msg.data(), B - 1);
-    all_gather(comm, span<const char>(msg.data(), B), span<char>(msgs.data(), msgs.size()));
+    all_gather_host(comm, msg.data(), B, msgs.data());
     // One entry per distinct message, with the ranks that report it.
     std::vector<std::string> text;
     std::vector<std::string> ranks;
@@ -121,7 +122,7 @@ void agree_on_group(Comm& comm, const mesh& m, group_kind g, int world_rank) {
   const auto P = static_cast<std::size_t>(comm.size());
   const std::int64_t mine[2] = {world_rank, comm.rank()};
   std::vector<std::int64_t> all(2 * P);
-  all_gather(comm, span<const std::int64_t>(mine, 2), span<std::int64_t>(all.data(), all.size()));
+  all_gather_host(comm, mine, 2, all.data());
   std::string why;
   const auto w0 = static_cast<int>(all[0]);
   const bool w0_ok = w0 >= 0 && w0 < m.world() && static_cast<int>(P) == m.group_size(g);

@@ -89,13 +89,13 @@ struct split_call {
 // is, every rank raises: errc::configuration if any rank misused a handle, else
 // errc::input, naming each failing rank and its reason. One all_gather of two integers per
 // rank; a second one with the messages only on the error path.
-template <class Comm, class Exec>
-void agree_on_phase(Comm& comm, const Exec& ex, bool failed, errc category, const std::string& message,
+template <class Comm>
+void agree_on_phase(Comm& comm, bool failed, errc category, const std::string& message,
                     int world_rank, const char* what) {
   const int n = comm.size();
   std::int64_t mine[2] = {failed ? 1 + static_cast<std::int64_t>(category) : 0, world_rank};
   std::vector<std::int64_t> all(2 * static_cast<std::size_t>(n), 0);
-  gather_small(comm, ex, mine, 2, all.data());
+  all_gather_host(comm, mine, 2, all.data());
   bool any = false, configuration = false;
   for (int r = 0; r < n; ++r) {
     const std::int64_t c = all[2 * static_cast<std::size_t>(r)];
@@ -106,7 +106,7 @@ void agree_on_phase(Comm& comm, const Exec& ex, bool failed, errc category, cons
   std::vector<char> msg(message_bytes, '\0');
   std::memcpy(msg.data(), message.data(), std::min(message.size(), message_bytes - 1));
   std::vector<char> texts(message_bytes * static_cast<std::size_t>(n), '\0');
-  gather_small(comm, ex, msg.data(), message_bytes, texts.data());
+  all_gather_host(comm, msg.data(), message_bytes, texts.data());
   std::string full = concat(what, ": a split-phase call failed in the expert-parallel group");
   for (int r = 0; r < n; ++r) {
     if (all[2 * static_cast<std::size_t>(r)] == 0) continue;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "epx/comm/collectives.hpp"
+#include "epx/comm/host_arrays.hpp"
 #include "epx/core/config.hpp"
 #include "epx/core/error.hpp"
 #include "epx/exec/host.hpp"
@@ -48,31 +49,11 @@ struct group_records {
   const std::int64_t* counts(int r) const { return data.data() + static_cast<std::size_t>(r) * stride + record_header; }
 };
 
-// all_gather of n host elements per rank into `all` (host memory). Host communicators
-// gather host memory directly; a device communicator gathers device copies on its queue,
-// and the host waits once, for the result.
-template <class Comm, class Exec, class T>
-void gather_small(Comm& comm, const Exec& ex, const T* mine, std::size_t n, T* all) {
-  const std::size_t total = n * static_cast<std::size_t>(comm.size());
-  if constexpr (is_device_communicator_v<Comm>) {
-    auto send = exec::make_buffer<T>(ex, n);
-    auto recv = exec::make_buffer<T>(ex, total);
-    exec::copy_n(ex, mine, n, send.data());  // queued: `mine` outlives the wait below
-    all_gather(comm, span<const T>(send.data(), n), span<T>(recv.data(), total));
-    exec::copy_n(ex, static_cast<const T*>(recv.data()), total, all);
-    settle(ex, comm);
-  } else {
-    (void)ex;
-    all_gather(comm, span<const T>(mine, n), span<T>(all, total));
-  }
-}
-
 // Checks gathered records (g.data filled) and raises errc::input on every rank of `comm`
 // when anything is wrong. `message()` gives this rank's own message; it is called only
 // on the error path and only when this rank's status is not 0.
-template <class Comm, class Exec, class Message>
-void check_records(Comm& comm, const Exec& ex, const group_records& g, int me, Message&& message, const char* what,
-                   int tp) {
+template <class Comm, class Message>
+void check_records(Comm& comm, const group_records& g, int me, Message&& message, const char* what, int tp) {
   std::string why;
   bool failed = false;
   for (int r = 0; r < g.size; ++r) failed = failed || g.status(r) != 0;
@@ -110,7 +91,7 @@ void check_records(Comm& comm, const Exec& ex, const group_records& g, int me, M
   std::vector<char> msg(message_bytes, '\0');
   std::memcpy(msg.data(), mine.data(), std::min(mine.size(), message_bytes - 1));
   std::vector<char> all(message_bytes * static_cast<std::size_t>(g.size), '\0');
-  gather_small(comm, ex, msg.data(), message_bytes, all.data());
+  all_gather_host(comm, msg.data(), message_bytes, all.data());
   std::string full = concat(what, ": bad input in the expert-parallel group");
   for (int r = 0; r < g.size; ++r) {
     if (g.status(r) == 0) continue;
@@ -125,8 +106,8 @@ void check_records(Comm& comm, const Exec& ex, const group_records& g, int me, M
 // ncounts == 0. `what` names the call in messages; `tp` is the TP group size inside comm
 // (N must agree within each run of tp consecutive ranks; pass comm.size() when every rank
 // must hold the same N).
-template <class Comm, class Exec>
-group_records exchange_records(Comm& comm, const Exec& ex, std::int64_t status, std::size_t N, std::size_t H, int k,
+template <class Comm>
+group_records exchange_records(Comm& comm, std::int64_t status, std::size_t N, std::size_t H, int k,
                                int world_rank, const std::int64_t* counts, std::size_t ncounts,
                                const std::string& message, const char* what, int tp) {
   group_records g;
@@ -141,8 +122,8 @@ group_records exchange_records(Comm& comm, const Exec& ex, std::int64_t status, 
   if (ncounts) std::memcpy(mine.data() + record_header, counts, ncounts * sizeof(std::int64_t));
   const std::size_t total = g.stride * static_cast<std::size_t>(g.size);
   g.data.assign(total, 0);
-  gather_small(comm, ex, mine.data(), g.stride, g.data.data());
-  check_records(comm, ex, g, comm.rank(), [&] { return message; }, what, tp);
+  all_gather_host(comm, mine.data(), g.stride, g.data.data());
+  check_records(comm, g, comm.rank(), [&] { return message; }, what, tp);
   return g;
 }
 
@@ -200,8 +181,7 @@ group_records exchange_policy_records(Comm& comm, const Exec& ex, const std::int
   if constexpr (is_device_communicator_v<Comm>) {
     auto recv = exec::make_buffer<std::int64_t>(ex, total);
     all_gather(comm, span<const std::int64_t>(record, stride), span<std::int64_t>(recv.data(), total));
-    exec::copy_n(ex, static_cast<const std::int64_t*>(recv.data()), total, g.data.data());
-    settle(ex, comm);
+    read_back(ex, comm, static_cast<const std::int64_t*>(recv.data()), total, g.data.data());
   } else {
     std::vector<std::int64_t> mine(stride);
     if constexpr (exec::is_host_policy_v<Exec>) {
@@ -212,7 +192,7 @@ group_records exchange_policy_records(Comm& comm, const Exec& ex, const std::int
     }
     all_gather(comm, span<const std::int64_t>(mine.data(), stride), span<std::int64_t>(g.data.data(), total));
   }
-  check_records(comm, ex, g, comm.rank(), message, what, tp);
+  check_records(comm, g, comm.rank(), message, what, tp);
   return g;
 }
 
@@ -227,8 +207,8 @@ std::string backward_shape_error(const Args& a, std::size_t rows, std::size_t hi
 // Backward's agreement check: this rank's status (its own, or 1 when the backward shapes
 // differ from the forward call's), exchanged over the EP group so that every rank raises
 // together. `tp`: as for exchange_records.
-template <class Comm, class Exec, class Args>
-void exchange_backward_status(Comm& comm, const Exec& ex, const Args& a, std::size_t rows, std::size_t hidden,
+template <class Comm, class Args>
+void exchange_backward_status(Comm& comm, const Args& a, std::size_t rows, std::size_t hidden,
                               int top_k, int world_rank, int tp) {
   std::int64_t status = a.status;
   std::string msg = a.status_message;
@@ -236,7 +216,7 @@ void exchange_backward_status(Comm& comm, const Exec& ex, const Args& a, std::si
     msg = backward_shape_error(a, rows, hidden, top_k);
     status = msg.empty() ? 0 : 1;
   }
-  exchange_records(comm, ex, status, a.rows, a.hidden, a.top_k, world_rank, nullptr, 0, msg, "moe_layer backward",
+  exchange_records(comm, status, a.rows, a.hidden, a.top_k, world_rank, nullptr, 0, msg, "moe_layer backward",
                    tp);
 }
 

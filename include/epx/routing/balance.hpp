@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "epx/comm/collectives.hpp"
+#include "epx/comm/host_arrays.hpp"
 #include "epx/core/config.hpp"
 #include "epx/core/error.hpp"
 #include "epx/core/numeric.hpp"
@@ -477,7 +478,7 @@ Comm batch_communicator(const Comm& world, const mesh& m) {
 // ends with the same values.
 template <class Comm>
 void sum_over_batches(Comm& batches, span<std::int64_t> load) {
-  all_reduce(batches, load);
+  ::epx::detail::all_reduce_host(batches, load);  // a device communicator sums a device copy
 }
 
 }  // namespace epx::routing
