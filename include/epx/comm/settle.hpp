@@ -32,6 +32,14 @@ struct is_device_communicator<C, std::void_t<decltype(std::declval<const C&>().e
 template <class C>
 inline constexpr bool is_device_communicator_v = is_device_communicator<C>::value;
 
+// Host communicators that also move device memory, with `bool device_buffers() const`
+// saying whether this one does (the threads communicator over threads::device_memory()).
+template <class C, class = void>
+struct has_device_buffers : std::false_type {};
+template <class C>
+struct has_device_buffers<C, std::void_t<decltype(bool(std::declval<const C&>().device_buffers()))>>
+    : std::true_type {};
+
 // Waits for `ex`'s queued work; with a communicator that has a bounded wait(), through it.
 template <class Exec, class Comm>
 void settle(const Exec& ex, Comm& comm) {

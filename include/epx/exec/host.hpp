@@ -46,6 +46,15 @@ struct is_host_policy<openmp> : std::true_type {};
 template <class P>
 inline constexpr bool is_host_policy_v = is_host_policy<std::remove_cv_t<P>>::value;
 
+// Whether the host may read and write the policy's memory itself: host policies, and the
+// emulated device (whose memory is host memory). A host communicator (threads, MPI) moves
+// such buffers from the host; the CUDA policy's device memory needs a device communicator
+// (NCCL) or the threads communicator over device memory (threads::device_memory()).
+template <class P>
+struct host_addressable : is_host_policy<P> {};
+template <class P>
+inline constexpr bool host_addressable_v = host_addressable<std::remove_cv_t<P>>::value;
+
 template <class F>
 void for_each_n(const serial&, std::size_t n, F&& f) {
   for (std::size_t i = 0; i < n; ++i) f(i);

@@ -97,6 +97,7 @@ class moe_layer {
       : mesh_(std::make_unique<mesh>(m)), exec_(policy), options_(options) {
     std::string why = local_check(m, world.size(), options_);
     if (why.empty()) why = queue_check(world, policy);
+    if (why.empty()) why = memory_check(world);
     detail::agree_on_layer(world, m, options_, world.rank(), "world", why);
     ep_ = std::make_unique<Comm>(sub_communicator(world, m, group_kind::ep));
     tp_ = std::make_unique<Comm>(sub_communicator(world, m, group_kind::tp));
@@ -114,6 +115,7 @@ class moe_layer {
     if (why.empty()) why = group_check(m, world_rank, ep.size(), ep.rank(), tp.size(), tp.rank());
     if (why.empty()) why = queue_check(ep, policy);
     if (why.empty()) why = queue_check(tp, policy);
+    if (why.empty()) why = memory_check(ep);
     detail::agree_on_layer(ep, m, options_, world_rank, "ep", why);
     detail::agree_on_layer(tp, m, options_, world_rank, "tp", why);
     detail::agree_on_group(ep, m, group_kind::ep, world_rank);
@@ -243,7 +245,7 @@ class moe_layer {
         why = detail::concat("combine_start: out has ", out.size(), " elements but N*H = ", N, "*", H, " = ", N * H);
     }
     const long long syncs = detail::host_syncs_on_this_thread();
-    detail::agree_on_phase(*ep_, exec_, !why.empty(), category, why, rank_, "moe_layer combine_start");
+    detail::agree_on_phase(*ep_, !why.empty(), category, why, rank_, "moe_layer combine_start");
     if (expert_outputs.size() > 0 && expert_outputs.data() != h.batch_.out)
       exec::copy_n(exec_, expert_outputs.data(), expert_outputs.size(), h.batch_.out);
     h.call_.phase = detail::split_phase::combining;  // spent from here, whatever happens below
@@ -317,7 +319,7 @@ class moe_layer {
                              " = ", N * H);
     }
     const long long syncs = detail::host_syncs_on_this_thread();
-    detail::agree_on_phase(*ep_, exec_, !why.empty(), category, why, rank_, "moe_layer backward_combine_start");
+    detail::agree_on_phase(*ep_, !why.empty(), category, why, rank_, "moe_layer backward_combine_start");
     if (grad_inputs.size() > 0 && grad_inputs.data() != h.batch_.grad_in)
       exec::copy_n(exec_, grad_inputs.data(), grad_inputs.size(), h.batch_.grad_in);
     h.call_.phase = detail::split_phase::combining;
@@ -450,6 +452,21 @@ class moe_layer {
     if (tp_rank != m.coords(world_rank).tp)
       return detail::concat("world rank ", world_rank, " is rank ", tp_rank, " of the tp communicator but rank ",
                             m.coords(world_rank).tp, " of the mesh's tp group");
+    return {};
+  }
+
+  // A host communicator (threads, MPI) reads and writes the layer's buffers from the host:
+  // the policy's memory must be host memory, or the communicator must say that it moves
+  // device memory (threads over threads::device_memory()).
+  static std::string memory_check(const Comm& c) {
+    if constexpr (!exec::host_addressable_v<Exec> && !detail::is_device_communicator_v<Comm>) {
+      if constexpr (detail::has_device_buffers<Comm>::value) {
+        if (c.device_buffers()) return {};
+      }
+      return "the execution policy's buffers are device memory, which this communicator would touch from the "
+             "host: use epx::nccl::communicator, or threads over threads::device_memory()";
+    }
+    (void)c;
     return {};
   }
 

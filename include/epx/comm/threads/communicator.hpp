@@ -286,6 +286,10 @@ class communicator {
   }
   // Threads ranks share one address space: peer access always works.
   bool peer_access_available() const noexcept { return true; }
+  // Whether the ranks' buffers may be memory the host cannot read (threads::options::memory,
+  // e.g. threads::device_memory()): blocks then move through the run's copy, and a layer
+  // on a device policy may use this communicator.
+  bool device_buffers() const noexcept { return !world_->memory().host_accessible; }
 
   template <class F>
   void access_peers(const void* const* mine, std::size_t count, F&& f) {
