@@ -1,0 +1,371 @@
+// Device memory only, on every path of the layer: a device communicator (NCCL on a GPU)
+// reads and writes device memory alone, so every buffer the layer hands one must be the
+// policy's memory, never a host array. On the CPU the emulated device's memory is host
+// memory and forgives the mistake; here `device_only_comm`, the threads communicator
+// presented as a device communicator on the policy's queue, asks exec::emulated_device's
+// registry of live buffers (exec::emulated_device_memory) about every buffer of every
+// collective and logs those that are not device memory. The layer runs with its inputs and
+// outputs in the policy's buffers, as they are on a GPU: construction, training forward,
+// backward and the expert hook, an inference forward, the split-phase calls, and
+// moe_layer::check() in bounded mode, on both paths and with the options that add
+// collectives (capacity, node statistics, rounds, one row per rank, FP8 dispatch); then
+// routing::sum_over_batches. Each run's results equal, bitwise, those of the same layer over
+// the plain threads communicator.
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#ifndef EPX_TEST_EXEC
+#define EPX_TEST_EXEC ::epx::exec::emulated_device
+#endif
+#include "core/fp8_layer_cases.hpp"
+#include "epx/comm/threads.hpp"
+
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_device_memory_cpp {
+// A device policy whose memory the host may not touch, as exec::cuda's (host_addressable
+// is false): otherwise the emulated device, whose functions it takes.
+struct opaque_device : epx::exec::emulated_device {};
+}  // namespace test_device_memory_cpp
+
+template <class T>
+struct epx::exec::buffer_for<T, test_device_memory_cpp::opaque_device> {
+  using type = emulated_buffer<T>;
+};
+
+namespace test_device_memory_cpp {
+static_assert(epx::exec::check_execution_policy<opaque_device>());
+static_assert(!epx::exec::host_addressable_v<opaque_device>);
+static_assert(epx::exec::host_addressable_v<epx::exec::emulated_device>);
+
+namespace {
+
+using emu = epx::exec::emulated_device;
+using epx::datatype;
+using log_t = std::shared_ptr<std::vector<std::string>>;
+
+class device_only_comm {
+ public:
+  device_only_comm(epx::threads::communicator c, emu q, log_t log)
+      : c_(std::move(c)), q_(std::move(q)), log_(std::move(log)) {}
+  int rank() const noexcept { return c_.rank(); }
+  int size() const noexcept { return c_.size(); }
+  device_only_comm split(int color, int key) const { return device_only_comm(c_.split(color, key), q_, log_); }
+  emu execution() const { return q_; }
+
+  void all_to_all(const void* s, void* r, std::size_t n, datatype t) {
+    check("all_to_all", "send", s, n * peers(), t);
+    check("all_to_all", "recv", r, n * peers(), t);
+    c_.all_to_all(s, r, n, t);
+  }
+  void all_to_allv(const void* s, const std::size_t* sc, const std::size_t* sd, void* r, const std::size_t* rc,
+                   const std::size_t* rd, datatype t) {
+    check("all_to_allv", "send", s, extent(sc, sd, peers()), t);
+    check("all_to_allv", "recv", r, extent(rc, rd, peers()), t);
+    c_.all_to_allv(s, sc, sd, r, rc, rd, t);
+  }
+  void all_to_allv_segments(const void* s, const std::size_t* sc, const std::size_t* sd, void* r,
+                            const std::size_t* rc, const std::size_t* rd, std::size_t nseg, datatype t) {
+    check("all_to_allv_segments", "send", s, extent(sc, sd, peers() * nseg), t);
+    check("all_to_allv_segments", "recv", r, extent(rc, rd, peers() * nseg), t);
+    c_.all_to_allv_segments(s, sc, sd, r, rc, rd, nseg, t);
+  }
+  void all_reduce(const void* s, void* r, std::size_t n, datatype t, double scale) {
+    check("all_reduce", "send", s, n, t);
+    check("all_reduce", "recv", r, n, t);
+    c_.all_reduce(s, r, n, t, scale);
+  }
+  void reduce_scatter(const void* s, void* r, std::size_t n, datatype t, double scale) {
+    check("reduce_scatter", "send", s, n * peers(), t);
+    check("reduce_scatter", "recv", r, n, t);
+    c_.reduce_scatter(s, r, n, t, scale);
+  }
+  void all_gather(const void* s, void* r, std::size_t n, datatype t) {
+    check("all_gather", "send", s, n, t);
+    check("all_gather", "recv", r, n * peers(), t);
+    c_.all_gather(s, r, n, t);
+  }
+  void broadcast(void* d, std::size_t n, datatype t, int root) {
+    check("broadcast", "data", d, n, t);
+    c_.broadcast(d, n, t, root);
+  }
+  void barrier() { c_.barrier(); }
+
+ private:
+  std::size_t peers() const { return static_cast<std::size_t>(c_.size()); }
+  static std::size_t extent(const std::size_t* counts, const std::size_t* displs, std::size_t m) {
+    std::size_t e = 0;
+    for (std::size_t i = 0; i < m; ++i)
+      if (counts[i] != 0) e = std::max(e, displs[i] + counts[i]);
+    return e;
+  }
+  void check(const char* op, const char* which, const void* p, std::size_t count, datatype t) {
+    const std::size_t bytes = count * epx::size_of(t);
+    if (bytes != 0 && !epx::exec::emulated_device_memory(p, bytes))
+      log_->push_back(epx::detail::concat(op, ": the ", which, " buffer (", bytes, " bytes of ", epx::to_string(t),
+                                          ") is not device memory"));
+  }
+
+  epx::threads::communicator c_;
+  emu q_;
+  log_t log_;
+};
+static_assert(epx::check_communicator<device_only_comm>());
+static_assert(epx::detail::is_device_communicator_v<device_only_comm>);
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+
+template <class T>
+epx::exec::emulated_buffer<T> on_device(const std::vector<T>& v) {
+  epx::exec::emulated_buffer<T> b(v.size());
+  std::copy(v.begin(), v.end(), b.data());
+  return b;
+}
+template <class T>
+std::vector<T> on_host(const epx::exec::emulated_buffer<T>& b) {
+  return std::vector<T>(b.data(), b.data() + b.size());
+}
+template <class T>
+epx::span<const T> cspan(const epx::exec::emulated_buffer<T>& b) {
+  return epx::span<const T>(b.data(), b.size());
+}
+template <class T>
+epx::span<T> mspan(epx::exec::emulated_buffer<T>& b) {
+  return epx::span<T>(b.data(), b.size());
+}
+
+// What a rank computed: the fused training call's outputs and gradients, the expert
+// gradients after the hook, and what the communicator logged.
+template <class T>
+struct rank_result {
+  std::vector<T> out, grad_x;
+  std::vector<float> grad_w;
+  std::vector<double> expert_grads;
+  std::vector<std::string> log;
+  std::string error;
+};
+
+// One rank: the layer over Comm with every buffer in the policy's memory; `fp8` runs the
+// FP8 experts (and only the fused calls), `bounded` adds moe_layer::check().
+template <class T, class Impl, class Comm>
+rank_result<T> run_rank(Comm& comm, const epx::test::layer_case& c, const epx::layer_options& o, emu policy) {
+  using namespace epx;
+  rank_result<T> r;
+  const mesh m(c.topology);
+  const int rank = comm.rank(), b = m.batch(rank);
+  const test::batch_data d = test::make_batch<T>(c, b);
+  const std::size_t N = c.rows_of(b), H = static_cast<std::size_t>(c.hidden), k = static_cast<std::size_t>(c.top_k);
+  const auto global = ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+  auto x = on_device(ref::from_double<T>(d.x));
+  auto go = on_device(ref::from_double<T>(d.grad_out));
+  auto ids = on_device(d.ids);
+  auto w = on_device(std::vector<float>(d.w.begin(), d.w.end()));
+  exec::emulated_buffer<T> out(N * H), gx(N * H);
+  exec::emulated_buffer<float> gw(N * k);
+  moe_layer<Comm, T, Impl, emu> layer(m, comm, o, policy);
+  if (o.fp8_dispatch) {
+    test::fp8_scale_experts<T> experts;
+    experts.first = m.expert_begin(rank);
+    auto saved = layer.forward(cspan(x), cspan(ids), cspan(w), mspan(out), experts, mode::train);
+    layer.backward(std::move(saved), cspan(go), mspan(gx), mspan(gw), experts);
+  } else {
+    ref::test_linear_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
+    auto saved = layer.forward(cspan(x), cspan(ids), cspan(w), mspan(out), experts, mode::train);
+    layer.backward(std::move(saved), cspan(go), mspan(gx), mspan(gw), experts);
+    auto grads = on_device(experts.grads());
+    gradient_hooks<Comm> hooks(m, comm);
+    hooks.reduce_expert(mspan(grads));
+    r.expert_grads = on_host(grads);
+    // An inference forward, then the split-phase calls of a training step.
+    exec::emulated_buffer<T> out2(N * H), gx2(N * H);
+    exec::emulated_buffer<float> gw2(N * k);
+    (void)layer.forward(cspan(x), cspan(ids), cspan(w), mspan(out2), experts, mode::inference);
+    if (o.counts == count_exchange::host) {
+      auto h = layer.dispatch(cspan(x), cspan(ids), cspan(w), mode::train);
+      experts.forward(policy, h.inputs(), h.outputs().data());
+      auto s = layer.combine(h, h.outputs(), mspan(out2));
+      auto g = layer.backward_dispatch(std::move(s), cspan(go), mspan(gw2));
+      experts.backward(policy, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());
+      layer.backward_combine(g, g.grad_inputs(), mspan(gx2));
+    } else {
+      (void)layer.check();
+    }
+  }
+  r.out = on_host(out);
+  r.grad_x = on_host(gx);
+  r.grad_w = on_host(gw);
+  return r;
+}
+
+// Runs the case on 8 ranks over device_only_comm and over the plain threads communicator;
+// returns what went wrong ("" when every rank logged nothing and the two agree bitwise).
+template <class T, class Impl = epx::impl::all_to_all>
+std::string run_case(const epx::test::layer_case& c, const epx::layer_options& o) {
+  const int P = epx::mesh(c.topology).world();
+  std::vector<rank_result<T>> checked(static_cast<std::size_t>(P)), plain(checked.size());
+  auto body = [&](bool device_only) {
+    return [&, device_only](epx::threads::communicator& world) {
+      auto& r = (device_only ? checked : plain)[static_cast<std::size_t>(world.rank())];
+      try {
+        emu policy;
+        if (device_only) {
+          auto log = std::make_shared<std::vector<std::string>>();
+          device_only_comm comm(std::move(world), policy, log);
+          r = run_rank<T, Impl>(comm, c, o, policy);
+          r.log = *log;
+        } else {
+          r = run_rank<T, Impl>(world, c, o, policy);
+        }
+      } catch (const std::exception& e) {
+        r.error = e.what();
+      }
+    };
+  };
+  epx::threads::run(P, body(true));
+  epx::threads::run(P, body(false));
+  std::string f;
+  std::map<std::string, std::string> logged;  // message -> the ranks that logged it
+  for (int q = 0; q < P; ++q) {
+    const auto& a = checked[static_cast<std::size_t>(q)];
+    const auto& b = plain[static_cast<std::size_t>(q)];
+    const std::string where = epx::detail::concat(c.describe(), " rank ", q, ": ");
+    if (!a.error.empty() || !b.error.empty()) f += where + "raised: " + a.error + " / " + b.error + "\n";
+    for (const auto& l : std::set<std::string>(a.log.begin(), a.log.end()))
+      logged[l] += epx::detail::concat(logged[l].empty() ? "" : ",", q);
+    if (!(same_bits(a.out, b.out) && same_bits(a.grad_x, b.grad_x) && same_bits(a.grad_w, b.grad_w) &&
+          same_bits(a.expert_grads, b.expert_grads)))
+      f += where + "results differ from the plain threads communicator's\n";
+  }
+  for (const auto& [l, ranks] : logged) f += c.describe() + " ranks " + ranks + ": " + l + "\n";
+  return f;
+}
+
+epx::test::layer_case make_case(int tp, int fsdp, int ep, int experts, int k, int hidden) {
+  epx::test::layer_case c;
+  c.topology = epx::mesh_config{tp, fsdp, 1, 1, ep, experts, 0};
+  c.top_k = k;
+  c.hidden = hidden;
+  c.peer_access = false;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("device memory: a device communicator gets only the policy's memory, on every path of the layer") {
+  using epx::test::options_for;
+  auto c = make_case(2, 4, 4, 8, 2, 16);  // 8 ranks, all-to-all path, tp 2
+  SUBCASE("all-to-all path, the plain options") { CHECK(run_case<float>(c, options_for(c)) == ""); }
+  SUBCASE("all-to-all path, global capacity and node statistics") {
+    c.capacity.mode = epx::capacity_mode::global;
+    c.capacity.factor = 0.75;
+    c.ranks_per_node = 2;
+    CHECK(run_case<float>(c, options_for(c)) == "");
+  }
+  SUBCASE("all-to-all path in rounds, bf16") {
+    c.stage_bytes = 256;
+    CHECK(run_case<epx::bf16>(c, options_for(c)) == "");
+  }
+  SUBCASE("one row per destination rank") {
+    c.sends = epx::row_sends::per_rank;
+    CHECK(run_case<float>(c, options_for(c)) == "");
+  }
+  SUBCASE("bounded mode") {
+    auto o = options_for(c);
+    o.counts = epx::count_exchange::device;
+    o.bound.cap = 64;
+    CHECK(run_case<float>(c, o) == "");
+  }
+  SUBCASE("FP8 dispatch") {
+    c.hidden = 256;
+    auto o = options_for(c);
+    o.fp8_dispatch = true;
+    CHECK(run_case<epx::bf16>(c, o) == "");
+  }
+  SUBCASE("masked path (ep == tp), normal and bounded, and the automatic choice") {
+    auto m = make_case(2, 4, 2, 8, 2, 16);
+    CHECK(run_case<float, epx::impl::all_reduce>(m, options_for(m)) == "");
+    CHECK(run_case<float, epx::impl::automatic>(m, options_for(m)) == "");
+    auto o = options_for(m);
+    o.counts = epx::count_exchange::device;
+    o.bound.cap = 64;
+    CHECK(run_case<float, epx::impl::all_reduce>(m, o) == "");
+  }
+}
+
+TEST_CASE("device memory: a host communicator refuses a policy whose memory the host cannot touch") {
+  // The threads communicator over host memory would memcpy and sum device pointers on the
+  // host: errc::configuration on every rank, at construction. Over memory it moves with a
+  // copy of its own (as threads::device_memory() does), the same layer is built.
+  const epx::mesh m(epx::mesh_config{2, 4, 1, 1, 4, 8, 0});
+  epx::layer_options o;
+  o.hidden = 16;
+  o.top_k = 2;
+  for (bool device_buffers : {false, true}) {
+    CAPTURE(device_buffers);
+    epx::threads::options to;
+    if (device_buffers) {
+      to.memory.copy = [](void* d, const void* s, std::size_t n) noexcept {
+        std::memcpy(d, s, n);
+        return true;
+      };
+      to.memory.host_accessible = false;
+      to.memory.name = "opaque";
+    }
+    std::vector<std::string> errors(8);
+    epx::threads::run(
+        8,
+        [&](epx::threads::communicator& world) {
+          CHECK(world.device_buffers() == device_buffers);
+          try {
+            epx::moe_layer<epx::threads::communicator, float, epx::impl::all_to_all, opaque_device> layer(m, world, o);
+          } catch (const epx::error& e) {
+            errors[static_cast<std::size_t>(world.rank())] =
+                e.category() == epx::errc::configuration ? e.message() : std::string("wrong category: ") + e.what();
+          }
+        },
+        to);
+    for (const auto& e : errors) {
+      if (device_buffers) {
+        CHECK(e == "");
+      } else {
+        CHECK(e.find("the execution policy's buffers are device memory") != std::string::npos);
+        CHECK(e.find("threads::device_memory()") != std::string::npos);
+      }
+    }
+  }
+}
+
+TEST_CASE("device memory: routing::sum_over_batches takes a host load over a device communicator") {
+  const epx::mesh m(epx::mesh_config{2, 4, 1, 1, 4, 8, 0});
+  std::vector<std::vector<std::int64_t>> sums(8);
+  std::vector<std::vector<std::string>> logs(8);
+  epx::threads::run(8, [&](epx::threads::communicator& world) {
+    const int me = world.rank();
+    const auto r = static_cast<std::size_t>(me);
+    auto log = std::make_shared<std::vector<std::string>>();
+    device_only_comm comm(std::move(world), emu{}, log);
+    auto batches = epx::routing::batch_communicator(comm, m);
+    std::vector<std::int64_t> load(8);
+    for (std::size_t e = 0; e < load.size(); ++e) load[e] = static_cast<std::int64_t>(m.batch(me) * 10 + e);
+    epx::routing::sum_over_batches(batches, epx::span<std::int64_t>(load));
+    sums[r] = load;
+    logs[r] = *log;
+  });
+  for (std::size_t r = 0; r < 8; ++r) {
+    CAPTURE(r);
+    CHECK(logs[r].empty());
+    for (std::size_t e = 0; e < 8; ++e) CHECK(sums[r][e] == static_cast<std::int64_t>((0 + 1 + 2 + 3) * 10 + 4 * e));
+  }
+}
+
+}  // namespace test_device_memory_cpp
