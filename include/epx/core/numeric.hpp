@@ -137,6 +137,31 @@ EPX_HOST_DEVICE inline To convert(From v) noexcept {
   }
 }
 
+namespace detail {
+// acc + a * b, rounded after the product and after the sum on every compiler: device
+// compilers contract a*b+c into one fused multiply-add by default, host compilers do not
+// (for x86-64 without -mfma, or with -ffp-contract=off), and a fused one rounds once. The
+// kernels and the routing gradients accumulate through this, so every policy computes the
+// same bits.
+// On the host: GCC contracts only where the target has FMA instructions (the AVX-512 and
+// -march=native builds), and the loops of epx/exec/host_isa.hpp's versions are compiled
+// with fp-contract=off; Clang contracts within one expression, which the pragma forbids.
+template <class A>
+EPX_HOST_DEVICE inline A mul_add(A acc, A a, A b) noexcept {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<A, float>)
+    return __fadd_rn(acc, __fmul_rn(a, b));
+  else
+    return __dadd_rn(acc, __dmul_rn(a, b));
+#else
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  return acc + a * b;
+#endif
+}
+}  // namespace detail
+
 template <class T>
 inline constexpr bool is_activation_type_v =
     std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bf16> ||

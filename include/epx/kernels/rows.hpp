@@ -56,27 +56,7 @@ EPX_HOST_DEVICE inline const T* row_at(row_table<T> s, std::size_t r, std::size_
 }
 
 namespace detail {
-// acc + a * b, rounded after the product and after the sum on every compiler: device
-// compilers contract a*b+c into one fused multiply-add by default, host compilers do not
-// (for x86-64 without -mfma, or with -ffp-contract=off), and a fused one rounds once. The
-// kernels accumulate through this, so every policy computes the same bits.
-// On the host: GCC contracts only where the target has FMA instructions (the AVX-512 and
-// -march=native builds), and the loops of epx/exec/host_isa.hpp's versions are compiled
-// with fp-contract=off; Clang contracts within one expression, which the pragma forbids.
-template <class A>
-EPX_HOST_DEVICE inline A mul_add(A acc, A a, A b) noexcept {
-#if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<A, float>)
-    return __fadd_rn(acc, __fmul_rn(a, b));
-  else
-    return __dadd_rn(acc, __dmul_rn(a, b));
-#else
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#endif
-  return acc + a * b;
-#endif
-}
+using ::epx::detail::mul_add;  // epx/core/numeric.hpp
 
 // n elements from s to d: libc's copy on the host; on a device one 16-byte load and store
 // for a whole chunk of the device launch shape (exec::for_each_row: 16 bytes of a row per

@@ -135,7 +135,7 @@ struct aux_token {
     if (!loss_token(logits, E, t, q, grad, status, l, g)) return;
     const softmax_f32 sm = softmax_of(E, [&](int e) { return convert<float>(l[e]); });
     float s = 0.0f;
-    for (int e = 0; e < E; ++e) s += f[e] * sm.p(convert<float>(l[e]));
+    for (int e = 0; e < E; ++e) s = detail::mul_add(s, f[e], sm.p(convert<float>(l[e])));
     if (q != nullptr) q[t] = s;
     if (g != nullptr)
       for (int e = 0; e < E; ++e) g[e] = coef * sm.p(convert<float>(l[e])) * (f[e] - s);
@@ -208,7 +208,7 @@ struct sequence_token {
     float S = 0.0f;
     for (int e = 0; e < E; ++e) S += sigmoid_f32(convert<float>(l[e]));
     float s = 0.0f;
-    for (int e = 0; e < E; ++e) s += f[e] * (sigmoid_f32(convert<float>(l[e])) / S);
+    for (int e = 0; e < E; ++e) s = detail::mul_add(s, f[e], sigmoid_f32(convert<float>(l[e])) / S);
     if (q != nullptr) q[t] = s;
     if (g != nullptr)
       for (int e = 0; e < E; ++e) {

@@ -40,6 +40,7 @@ inline constexpr bool is_routing_policy_v =
     std::is_same_v<P, given>;
 
 namespace detail {
+using ::epx::detail::mul_add;  // acc + a * b, never fused (epx/core/numeric.hpp)
 
 // Per-token outcome written by the functors and read on the host after the launch.
 struct token_status {

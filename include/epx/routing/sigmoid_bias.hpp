@@ -143,11 +143,12 @@ struct sigmoid_bias_backward {
       if (normalize) {
         const float D = sum + 1e-20f;
         float dot = 0.0f;
-        for (int j = 0; j < k; ++j) dot += g[j] * s[j];
+        for (int j = 0; j < k; ++j) dot = detail::mul_add(dot, g[j], s[j]);
         const float mean = dot / D;
-        for (int j = 0; j < k; ++j) gl[id[j]] += scaling * (g[j] - mean) / D * s[j] * (1.0f - s[j]);
+        for (int j = 0; j < k; ++j)
+          gl[id[j]] = detail::mul_add(gl[id[j]], scaling * (g[j] - mean) / D * s[j], 1.0f - s[j]);
       } else {
-        for (int j = 0; j < k; ++j) gl[id[j]] += scaling * g[j] * s[j] * (1.0f - s[j]);
+        for (int j = 0; j < k; ++j) gl[id[j]] = detail::mul_add(gl[id[j]], scaling * g[j] * s[j], 1.0f - s[j]);
       }
     });
   }

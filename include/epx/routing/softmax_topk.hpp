@@ -133,15 +133,15 @@ struct softmax_topk_backward {
       }
       if (renormalize) {
         float gw = 0.0f;
-        for (int j = 0; j < k; ++j) gw += g[j] * (p[j] / S);
+        for (int j = 0; j < k; ++j) gw = detail::mul_add(gw, g[j], p[j] / S);
         for (int j = 0; j < k; ++j) gp[j] = (g[j] - gw) / S;
       } else {
         for (int j = 0; j < k; ++j) gp[j] = g[j];
       }
       float dot = 0.0f;
-      for (int j = 0; j < k; ++j) dot += p[j] * gp[j];
+      for (int j = 0; j < k; ++j) dot = detail::mul_add(dot, p[j], gp[j]);
       for (int e = 0; e < E; ++e) gl[e] = -sm.p(convert<float>(l[e])) * dot;
-      for (int j = 0; j < k; ++j) gl[id[j]] += p[j] * gp[j];
+      for (int j = 0; j < k; ++j) gl[id[j]] = detail::mul_add(gl[id[j]], p[j], gp[j]);
     });
   }
 };

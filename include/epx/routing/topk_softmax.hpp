@@ -81,8 +81,11 @@ struct topk_softmax_backward {
       float w[max_top_k];  // exp(l_{id_j} - mx), then the weights
       const softmax_f32 sm = softmax_of(k, [&](int j) { return convert<float>(l[id[j]]); }, w);
       float dot = 0.0f;
-      for (int j = 0; j < k; ++j) dot += (w[j] /= sm.z) * g[j];
-      for (int j = 0; j < k; ++j) gl[id[j]] += w[j] * (g[j] - dot);
+      for (int j = 0; j < k; ++j) {
+        w[j] /= sm.z;
+        dot = detail::mul_add(dot, w[j], g[j]);
+      }
+      for (int j = 0; j < k; ++j) gl[id[j]] = detail::mul_add(gl[id[j]], w[j], g[j] - dot);
     });
   }
 };
