@@ -160,23 +160,27 @@ struct node_chunk_totals {
   }
 };
 
-// Call once: tally = {tokens, sum, max} of nodes [n] (routing::token_nodes).
-struct node_tally_sum {
-  const std::int32_t* nodes;  // [n]
+// Call with b in [0, ceil(n / rows)): the {sum, max} of nodes over block b's rows, into
+// sums[2b] and sums[2b + 1] (node_chunk_totals adds the blocks up). Blocks, so that a device
+// does not walk all n rows with one thread.
+struct node_block_sums {
+  const std::int32_t* nodes;  // [n] (routing::token_nodes)
   std::size_t n;
-  std::int64_t* tally;  // [node_tally_size]
+  std::size_t rows;           // per block
+  std::int64_t* sums;         // [blocks, 2]
 
-  EPX_HOST_DEVICE void operator()(std::size_t) const {
+  EPX_HOST_DEVICE void operator()(std::size_t b) const {
+    const std::size_t t0 = b * rows, t1 = t0 + rows < n ? t0 + rows : n;
     std::int64_t sum = 0, mx = 0;
-    for (std::size_t t = 0; t < n; ++t) {
+    for (std::size_t t = t0; t < t1; ++t) {
       sum += nodes[t];
       mx = nodes[t] > mx ? nodes[t] : mx;
     }
-    tally[0] = static_cast<std::int64_t>(n);
-    tally[1] = sum;
-    tally[2] = mx;
+    sums[2 * b] = sum;
+    sums[2 * b + 1] = mx;
   }
 };
+inline constexpr std::size_t node_block_rows = 256;
 
 // What the plan counts besides the pairs: with experts_per_node > 0, the distinct nodes
 // of each row's good expert ids (node of e: e / experts_per_node), reduced to {rows, sum,
@@ -473,7 +477,10 @@ exec::buffer<std::int64_t, Exec> launch_token_nodes(const Exec& ex, const std::i
   if (ids == nullptr) n = 0;
   auto per_row = exec::make_buffer<std::int32_t>(ex, n);
   exec::for_each_n(ex, n, routing::token_nodes{ids, per_row.data(), k, E, d, routing::token_nodes::magic_for(E, d)});
-  exec::for_each_n(ex, 1, node_tally_sum{per_row.data(), n, tally.data()});
+  const std::size_t blocks = (n + node_block_rows - 1) / node_block_rows;
+  auto sums = exec::make_buffer<std::int64_t>(ex, 2 * blocks);
+  exec::for_each_n(ex, blocks, node_block_sums{per_row.data(), n, node_block_rows, sums.data()});
+  exec::for_each_n(ex, 1, node_chunk_totals{sums.data(), blocks, static_cast<std::int64_t>(n), tally.data()});
   return tally;
 }
 
