@@ -5,16 +5,18 @@
 #   bench/gpu/run.sh --quick    # smaller benchmark shapes
 #   bench/gpu/run.sh --build-only
 #
-# Builds every tests/cuda/*.cu and the two benchmarks of bench/gpu directly with nvcc, in
+# Builds every tests/cuda/*.cu and the three benchmarks of bench/gpu directly with nvcc, in
 # parallel (no CMake, no Google Benchmark). Then runs the tests, all at once (separate
 # processes sharing the GPU, 180 s each at most), then the benchmarks one after the other
-# (alone on the GPU): the kernels and the NCCL round trip at world size 1
-# (bench_kernels.cu), and the layer's forward and forward+backward with 8 ranks on the one
-# GPU at 4096 x 7168 and at the decode shape 128 x 7168, bf16, top-8, 256 experts
-# (bench_layer_ep.cu). Every measurement is one JSON line (`validated`, microseconds, GB/s
-# and the fraction of the device copy bandwidth). A target that fails to build, or a test
-# that fails, does not stop the others; the exit status is non-zero if anything failed, and
-# the summary at the end says what.
+# (alone on the GPU): the layout plan, the kernels and the NCCL round trip at world size 1
+# (bench_kernels.cu); the layer's forward and forward+backward with 8 ranks on the one GPU
+# at 4096 x 7168 and at the decode shape 128 x 7168, bf16, top-8, 256 experts
+# (bench_layer_ep.cu); and the decode forward at world size 1 against the device time of
+# its own kernels and copies (bench_decode.cu, through CUPTI where it is found). Every
+# measurement is one JSON line (`validated`, microseconds; GB/s and the fraction of the
+# device copy bandwidth where bytes move). A target that fails to build, or a test that
+# fails, does not stop the others; the exit status is non-zero if anything failed, and the
+# summary at the end says what.
 #
 # Logs, results.jsonl and summary.txt go to $EPX_GPU_BUILD (default build/gpu) and, where
 # $OUT is set (the device tool's output folder), are copied there as well.
@@ -22,7 +24,8 @@
 # Environment: EPX_CUDA_ARCH (default 90), EPX_GPU_BUILD, NVCC, DOCTEST_INCLUDE (a folder
 # holding doctest/doctest.h; also looked for in .gpu-deps/, which bench/gpu/prepare.sh
 # fills), NCCL_HOME (NCCL's prefix; otherwise the CUDA toolkit, /usr, then the
-# nvidia-nccl Python package of python3 are searched).
+# nvidia-nccl Python package of python3 are searched). CUPTI is looked for in the toolkit
+# and in the nvidia-cuda-cupti Python package.
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -34,7 +37,7 @@ for a in "$@"; do
   case "$a" in
     --quick) quick="--quick" ;;
     --build-only) build_only=1 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$a' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -90,6 +93,26 @@ echo "nccl: $nccl_inc, $nccl_lib"
 inc+=(-I"$nccl_inc")
 lib+=(-L"$(dirname "$nccl_lib")" "-l:$(basename "$nccl_lib")" -Xlinker -rpath -Xlinker "$(dirname "$nccl_lib")")
 
+# CUPTI, for the device time of bench_decode.cu (optional: without it that benchmark
+# reports wall times only).
+cupti=()
+cupti_prefixes=("$cuda_home" "$cuda_home/extras/CUPTI")
+if command -v python3 >/dev/null 2>&1; then
+  py_cupti=$(python3 -c 'import nvidia.cuda_cupti as m, os; print(os.path.dirname(m.__file__) if m.__file__ else list(m.__path__)[0])' 2>/dev/null || true)
+  [[ -n "$py_cupti" ]] && cupti_prefixes+=("$py_cupti")
+fi
+for p in "${cupti_prefixes[@]}"; do
+  [[ -f "$p/include/cupti.h" ]] || continue
+  for d in "$p/lib64" "$p/lib"; do
+    for f in libcupti.so libcupti.so.13; do
+      if [[ -e "$d/$f" ]]; then
+        cupti=(-DEPX_BENCH_CUPTI=1 -I"$p/include" -L"$d" "-l:$f" -Xlinker -rpath -Xlinker "$d"); break 3
+      fi
+    done
+  done
+done
+if [[ ${#cupti[@]} -gt 0 ]]; then echo "cupti: ${cupti[*]}"; else echo "cupti not found: bench_decode reports wall times only"; fi
+
 # doctest, for the tests.
 for d in "${DOCTEST_INCLUDE:-}" "$root/.gpu-deps"; do
   [[ -n "$d" && -f "$d/doctest/doctest.h" ]] && { inc+=(-I"$d"); break; }
@@ -110,12 +133,15 @@ if [[ $doctest_ok == 1 ]]; then
     targets+=("test_cuda_$(basename "$src" .cu)"); sources+=("$src tests/cuda/support/device_main.cpp")
   done
 fi
-targets+=(epx_bench_gpu_kernels epx_bench_gpu_layer_ep)
-sources+=(bench/gpu/bench_kernels.cu bench/gpu/bench_layer_ep.cu)
+targets+=(epx_bench_gpu_kernels epx_bench_gpu_layer_ep epx_bench_gpu_decode)
+sources+=(bench/gpu/bench_kernels.cu bench/gpu/bench_layer_ep.cu bench/gpu/bench_decode.cu)
 pids=()
 for i in "${!targets[@]}"; do
+  extra=()
+  [[ ${targets[$i]} == epx_bench_gpu_decode ]] && extra=(${cupti[@]+"${cupti[@]}"})
   # shellcheck disable=SC2086  # sources[i] is a list of paths without spaces
-  ( "$nvcc" "${inc[@]}" ${sources[$i]} "${flags[@]}" -o "$out/${targets[$i]}" >"$out/${targets[$i]}.build.log" 2>&1 ) &
+  ( "$nvcc" "${inc[@]}" ${sources[$i]} "${flags[@]}" ${extra[@]+"${extra[@]}"} -o "$out/${targets[$i]}" \
+      >"$out/${targets[$i]}.build.log" 2>&1 ) &
   pids+=($!)
 done
 declare -A built result
@@ -177,6 +203,7 @@ if [[ $build_only == 0 ]]; then
   }
   bench epx_bench_gpu_kernels 240
   bench epx_bench_gpu_layer_ep 240
+  bench epx_bench_gpu_decode 120
 fi
 
 say "summary"

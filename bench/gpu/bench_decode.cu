@@ -1,0 +1,271 @@
+// bench/gpu/bench_decode.cu: a decode step's forward against the device time of its own
+// kernels and copies: how much a call adds in launches and host synchronisation.
+//
+//   epx_bench_gpu_decode [--quick]
+//
+// One rank (the NCCL communicator at world size 1, exec::cuda on its stream), 128 tokens x
+// 7168 hidden, bf16, top-8 of 256 experts, identity experts that work in place (no kernel
+// of their own), inference forward; the normal mode (count exchange read back by the host)
+// and bounded mode (count_exchange::device, no host synchronisation). Per mode: the wall
+// time of a call (host clock around the call and its stream's synchronisation; median and
+// p99 over the timed calls) and, where the benchmark is built with CUPTI
+// (EPX_BENCH_CUPTI, which bench/gpu/run.sh sets when it finds cupti.h and libcupti), the
+// device time of as many calls again, traced apart (tracing slows launches): the durations
+// of every kernel, memcpy and memset CUPTI recorded while they ran, per call. `wall_over_device` is their ratio (issue target: at
+// most 2 at this shape). Every call's output is checked once against the input (identity
+// experts: out = sum_j w_j x). One JSON line per measurement ("JSON {...}").
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "epx/epx.hpp"
+#include "epx/comm/nccl.cuh"
+#include "epx/exec/cuda.cuh"
+
+#include "common.cuh"
+
+#if EPX_BENCH_CUPTI
+#include <cupti.h>
+#endif
+
+namespace {
+
+using epx::exec::device_buffer;
+using clock_type = std::chrono::steady_clock;
+
+#if EPX_BENCH_CUPTI
+// Device time of the activity CUPTI records between start() and stop(): kernels, memcpys,
+// memsets (their end - start, summed; one stream, so they do not overlap).
+namespace device_time {
+std::atomic<unsigned long long> g_ns{0}, g_records{0};
+
+void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+  *size = std::size_t{8} << 20;
+  *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, *size));
+  *max_records = 0;
+}
+
+void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  CUpti_Activity* rec = nullptr;
+  while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
+    unsigned long long ns = 0;
+    switch (rec->kind) {
+      case CUPTI_ACTIVITY_KIND_KERNEL:
+      case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
+        const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
+        ns = k->end - k->start;
+        break;
+      }
+      case CUPTI_ACTIVITY_KIND_MEMCPY: {
+        const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
+        ns = m->end - m->start;
+        break;
+      }
+      case CUPTI_ACTIVITY_KIND_MEMSET: {
+        const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
+        ns = m->end - m->start;
+        break;
+      }
+      default: continue;
+    }
+    g_ns += ns;
+    ++g_records;
+  }
+  std::free(buffer);
+}
+
+bool check(CUptiResult r, const char* what) {
+  if (r == CUPTI_SUCCESS) return true;
+  const char* s = nullptr;
+  cuptiGetResultString(r, &s);
+  std::fprintf(stderr, "epx_bench_gpu_decode: %s failed: %s (device time not measured)\n", what, s ? s : "?");
+  return false;
+}
+
+bool g_ok = false;
+void init() {
+  g_ok = check(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed), "cuptiActivityRegisterCallbacks");
+}
+void start() {
+  if (!g_ok) return;
+  cuptiActivityFlushAll(1);
+  g_ns = 0;
+  g_records = 0;
+  g_ok = check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enable kernels") &&
+         check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "enable memcpy") &&
+         check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enable memset");
+}
+// Seconds of device activity since start(), or a negative number when unmeasured.
+double stop() {
+  if (!g_ok) return -1.0;
+  cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
+  cuptiActivityDisable(CUPTI_ACTIVITY_KIND_MEMCPY);
+  cuptiActivityDisable(CUPTI_ACTIVITY_KIND_MEMSET);
+  cuptiActivityFlushAll(1);
+  return static_cast<double>(g_ns.load()) * 1e-9;
+}
+}  // namespace device_time
+#else
+namespace device_time {
+void init() {}
+void start() {}
+double stop() { return -1.0; }
+}  // namespace device_time
+#endif
+
+// out == in: nothing to do in inference (forward_in_place); training copies.
+struct identity_experts {
+  static constexpr bool forward_in_place = true;
+  template <class Exec, class T>
+  void forward(const Exec& ex, const epx::expert_rows<const T>& in, T* out) {
+    if (out != in.rows) epx::exec::copy_n(ex, in.rows, in.num_rows * in.hidden, out);
+  }
+  template <class Exec, class T>
+  void backward(const Exec& ex, const epx::expert_rows<const T>&, const T* g, T* gi) {
+    (void)ex;
+    (void)g;
+    (void)gi;
+  }
+};
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+double p99_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<std::size_t>(0.99 * static_cast<double>(v.size())))];
+}
+
+// One mode; returns false if the output check failed.
+bool bench_mode(cudaStream_t s, epx::nccl::communicator& comm, bool bounded, int calls) {
+  using T = epx::bf16;
+  const std::size_t N = 128, H = 7168;
+  const int k = 8, E = 256;
+  epx::mesh_config mc;
+  mc.experts = E;
+  const epx::mesh m(mc);
+  epx::layer_options lo;
+  lo.hidden = H;
+  lo.top_k = k;
+  lo.pad.rows_per_expert = 0;
+  if (bounded) {
+    lo.counts = epx::count_exchange::device;
+    lo.bound.cap = 16;
+  }
+  const epx::exec::cuda ex{s};
+  epx::moe_layer<epx::nccl::communicator, T, epx::impl::all_to_all, epx::exec::cuda> layer(m, comm, lo, ex);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<T> hx(N * H);
+  for (auto& v : hx) v = epx::convert<T>(u(rng));
+  std::vector<std::int32_t> hid(N * k);
+  std::vector<float> hw(N * k);
+  std::vector<int> perm(E);
+  for (int e = 0; e < E; ++e) perm[static_cast<std::size_t>(e)] = e;
+  for (std::size_t t = 0; t < N; ++t)
+    for (std::size_t j = 0; j < static_cast<std::size_t>(k); ++j) {
+      std::swap(perm[j], perm[j + rng() % (static_cast<std::size_t>(E) - j)]);
+      hid[t * k + j] = perm[j];
+      hw[t * k + j] = 0.1f + 0.9f * std::fabs(u(rng));
+    }
+  device_buffer<T> x(N * H, ex), out(N * H, ex);
+  device_buffer<std::int32_t> ids(N * k, ex);
+  device_buffer<float> w(N * k, ex);
+  epx::exec::copy_from_host(ex, hx.data(), hx.size(), x.data());
+  epx::exec::copy_from_host(ex, hid.data(), hid.size(), ids.data());
+  epx::exec::copy_from_host(ex, hw.data(), hw.size(), w.data());
+  identity_experts experts;
+  auto call = [&] {
+    layer.forward(epx::span<const T>(x.data(), N * H), epx::span<const std::int32_t>(ids.data(), N * k),
+                  epx::span<const float>(w.data(), N * k), epx::span<T>(out.data(), N * H), experts,
+                  epx::mode::inference);
+    EPX_CUDA_CHECK(cudaStreamSynchronize(s));
+  };
+  // The check: out[t] = sum_j w[t,j] x[t] (float accumulation, one rounding), within bf16's.
+  call();
+  std::vector<T> ho(N * H);
+  EPX_CUDA_CHECK(cudaMemcpy(ho.data(), out.data(), ho.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  double err = 0;
+  for (std::size_t t = 0; t < N; ++t) {
+    double ws = 0;
+    for (int j = 0; j < k; ++j) ws += hw[t * k + static_cast<std::size_t>(j)];
+    for (std::size_t h = 0; h < H; ++h) {
+      const double ref = ws * epx::convert<double>(hx[t * H + h]);
+      err = std::max(err, std::fabs(epx::convert<double>(ho[t * H + h]) - ref) / (1.0 + std::fabs(ref)));
+    }
+  }
+  const bool ok = err <= 1.0 / 128;
+  if (!ok) std::fprintf(stderr, "epx_bench_gpu_decode: output check failed (%s): %.3e\n", bounded ? "bounded" : "normal", err);
+  for (int i = 0; i < 10; ++i) call();
+  std::vector<double> wall;
+  for (int i = 0; i < calls; ++i) {
+    const auto t0 = clock_type::now();
+    call();
+    wall.push_back(std::chrono::duration<double>(clock_type::now() - t0).count());
+  }
+  // The device time in calls of their own: tracing slows the launches it records.
+  device_time::start();
+  for (int i = 0; i < calls; ++i) call();
+  const double dev = device_time::stop();
+  const double med = median_of(wall), dev_call = dev >= 0 ? dev / calls : -1.0;
+  char ratio[32] = "null", dev_us[32] = "null";
+  if (dev_call > 0) {
+    std::snprintf(ratio, sizeof ratio, "%.2f", med / dev_call);
+    std::snprintf(dev_us, sizeof dev_us, "%.1f", dev_call * 1e6);
+  }
+  std::printf("JSON {\"bench\": \"decode forward (inference)\", \"mode\": \"%s\", \"backend\": \"nccl ws1\", "
+              "\"route\": \"staged\", \"dtype\": \"bf16\", \"tokens\": %zu, \"hidden\": %zu, \"k\": %d, \"experts\": %d, "
+              "\"validated\": %s, \"us\": %.1f, \"p99_us\": %.1f, \"device_us\": %s, \"wall_over_device\": %s, "
+              "\"target_wall_over_device\": 2, \"host_syncs\": %lld}\n",
+              bounded ? "bounded" : "normal", N, H, k, E, ok ? "true" : "false", med * 1e6, p99_of(wall) * 1e6, dev_us,
+              ratio, static_cast<long long>(layer.stats().host_syncs));
+  std::fflush(stdout);
+  return ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else {
+      std::fprintf(stderr, "usage: %s [--quick]\n", argv[0]);
+      return 2;
+    }
+  }
+  try {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+      std::fprintf(stderr, "epx_bench_gpu_decode: no usable CUDA device\n");
+      return 77;
+    }
+    EPX_CUDA_CHECK(cudaSetDevice(0));
+    epx::bench::gpu::keep_freed_pool_memory(0);
+    device_time::init();
+    const epx::bench::gpu::owned_stream stream;  // outlives the communicator and the layers
+    ncclUniqueId id;
+    EPX_NCCL_CHECK(ncclGetUniqueId(&id));
+    auto comm = epx::nccl::communicator::from_unique_id(id, 1, 0, 0, stream.get());
+    const int calls = quick ? 20 : 200;
+    bool ok = bench_mode(stream.get(), comm, false, calls);
+    ok = bench_mode(stream.get(), comm, true, calls) && ok;
+    comm.barrier();
+    return ok ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "epx_bench_gpu_decode: %s\n", e.what());
+    return 1;
+  }
+}
