@@ -40,8 +40,11 @@
 //   T) and the source adds the returned rows in the order of each owner's first slot.
 //   Expert rows and grad_weights are bitwise the per-slot mode's; out and grad_x differ by
 //   that rounding. It takes the staged route even where peer access is available.
-// Before every communicator call the execution policy is synchronised (a no-op for host
-// policies), so a communicator never reads buffers a device stream is still writing.
+// Before every call of a host communicator (threads, MPI) over a device policy's buffers
+// the policy is synchronised, so the communicator never reads buffers a device stream is
+// still writing; a device communicator runs on the policy's queue, after its work, with no
+// wait. Every read-back of a collective's result waits through the communicator's bounded
+// wait first (detail::read_back).
 // Backward runs the same route in reverse with the saved layout (no count exchange, only
 // a small shape check exchange), in two stages as well: backward_dispatch (grad_weights
 // and the gradients of the experts' outputs, expert-major) and backward_combine (grad_x).
@@ -319,9 +322,12 @@ class all_to_all_impl {
       } else {  // one synchronisation: the received slot entries read back
         std::vector<std::int64_t> slot_row_h(Ur * k), from_h(R);
         std::vector<float> slot_weight_h(Ur * k), weight_h(R);
-        exec::copy_n(ex, static_cast<const std::int64_t*>(s.slot_row.data()), Ur * k, slot_row_h.data());
-        exec::copy_n(ex, static_cast<const float*>(s.slot_weight), Ur * k, slot_weight_h.data());
-        if (Ur > 0) host_sync(ex);
+        if (Ur > 0) {
+          settle(ex, *ctx_.ep);  // the exchange's wait, bounded by the communicator (detail::read_back)
+          exec::copy_n(ex, static_cast<const std::int64_t*>(s.slot_row.data()), Ur * k, slot_row_h.data());
+          exec::copy_n(ex, static_cast<const float*>(s.slot_weight), Ur * k, slot_weight_h.data());
+          exec::synchronize(ex);  // the queue was idle: not counted again
+        }
         receive_rows(Ur, a.top_k, slot_row_h.data(), slot_weight_h.data(), R, from_h.data(), weight_h.data());
         exec::copy_n(ex, static_cast<const std::int64_t*>(from_h.data()), R, s.recv_from.data());
         exec::copy_n(ex, static_cast<const float*>(weight_h.data()), R, s.recv_weight.data());
