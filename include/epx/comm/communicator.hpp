@@ -49,6 +49,14 @@
 //                                       // gathers them first; epx::has_indexed_sends_v)
 //   void wait();                        // bounded wait for the work the communicator queued on
 //                                       // a device stream (epx/comm/settle.hpp)
+//   Policy execution() const;           // a device communicator: the execution policy whose
+//                                       // queue its collectives run on, which then take
+//                                       // that policy's memory only (epx::nccl::communicator;
+//                                       // epx/comm/settle.hpp, epx/comm/host_arrays.hpp)
+//   bool device_buffers() const;        // a host communicator that can also move device
+//                                       // memory says whether this one does (threads over
+//                                       // threads::device_memory()); the layer refuses a
+//                                       // device policy with a host communicator otherwise
 //
 // and, for backends whose ranks can read each other's memory (threads::communicator: one
 // address space; mpi::communicator: MPI-3 shared memory when every rank is on one node):

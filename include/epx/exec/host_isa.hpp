@@ -9,7 +9,7 @@
 // -march=native one does. Every version gives the same bits: each runs the same operations
 // in the same order (only the instructions differ), and no version contracts a product and
 // a sum into a fused multiply-add (AVX-512 brings FMA instructions; GCC's versions are
-// compiled with fp-contract=off, and kernels::detail::mul_add forbids it to Clang), so each
+// compiled with fp-contract=off, and epx::detail::mul_add (epx/core/numeric.hpp) forbids it to Clang), so each
 // operation rounds as on the device. GCC's versions also ask for the loop vectoriser with
 // its dynamic cost model: at -O2 GCC 12 keeps the very cheap one, which leaves these loops
 // scalar (the FP8 quantisation ran 8-10 times slower). Tests run each version the CPU

@@ -7,7 +7,9 @@
 //   make_buffer<T>(const P&, std::size_t n)          one such buffer
 //   copy_n(const P&, const T* src, std::size_t n, T* dst), fill_zero(const P&, T* dst, std::size_t n)
 //   synchronize(const P&)                            waits for the policy's queued work
-// and, optionally, is_host_policy<P> (host memory, no queue) or row_shape_of<P>.
+// and, optionally, is_host_policy<P> (host memory, no queue), host_addressable<P> (the
+// host may read and write the policy's memory, as with the emulated device: host
+// communicators then take its buffers) or row_shape_of<P>.
 //
 //   static_assert(epx::exec::check_execution_policy<P>());   // names the missing part
 #pragma once

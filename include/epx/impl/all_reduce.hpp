@@ -7,8 +7,9 @@
 // rows move. Backward mirrors it: each rank produces the input and routing-weight
 // gradients of its own slots and the EP group sums them.
 //
-// One small all_gather of {status, N, H, k} per call checks the inputs on every rank so
-// that bad input raises everywhere instead of hanging in the all-reduce. Bounded mode
+// One small all_gather per call of every rank's record {status, N, H, k, rank, counts[E]}
+// checks the inputs on every rank, so that bad input raises everywhere instead of hanging
+// in the all-reduce, and gives this rank its own counts (its experts' row offsets). Bounded mode
 // (layer_options::counts == count_exchange::device) has no such exchange and no host read:
 // epx/impl/bounded_masked.hpp.
 #pragma once

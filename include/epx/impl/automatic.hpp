@@ -1,8 +1,9 @@
 // epx/impl/automatic.hpp: impl::automatic, the implementation chosen per call.
 //
 // Inference on a mesh whose EP group shares one batch (ep == tp) takes the masked
-// all-reduce path (no rows move, no count exchange); everything else (training, ep > tp)
-// takes the all-to-all path. Backward follows whichever path its saved state came from.
+// all-reduce path (no rows move; one record exchange), except in bounded mode; everything
+// else (training, ep > tp, bounded mode) takes the all-to-all path. Backward follows
+// whichever path its saved state came from.
 #pragma once
 
 #include <memory>

@@ -2,8 +2,9 @@
 //
 // A layer whose ranks disagree on the mesh or the options would move rows by different
 // layouts: a buffer overflow or silently zero rows. At construction every rank contributes
-// one small record (its world rank, the mesh, the options and the sizes and ranks of its
-// communicators) to an all_gather over a communicator; every rank compares all records with
+// one small record (its world rank, the mesh, the options and its own verdict on them) to
+// an all_gather over a communicator (detail::all_gather_host: through device copies on a
+// device communicator); every rank compares all records with
 // the first one and, on any difference, raises epx::error(errc::configuration) naming the
 // ranks and the values, on every rank (they all see the same records).
 #pragma once

@@ -24,9 +24,12 @@
 // Construction is collective over `world` (it makes the ep and tp sub-communicators once),
 // or, from communicators the caller already has, over the ep and tp groups. Either way it
 // checks that every rank built the same mesh and options, that the communicators match
-// the mesh (sizes, members) and that the implementation runs this mesh
-// (can_implement); any failure raises errc::configuration on every rank, naming the rank
-// and the values (epx/layer/agreement.hpp).
+// the mesh (sizes, members), that the implementation runs this mesh (can_implement),
+// that a device communicator runs on the policy's stream, and that a host communicator
+// (threads, MPI) is not handed a policy whose memory the host cannot touch
+// (exec::host_addressable_v false: exec::cuda) unless it moves device memory
+// (threads over threads::device_memory()); any failure raises errc::configuration on
+// every rank, naming the rank and the values (epx/layer/agreement.hpp).
 // Every call is collective over the EP group. Bad input on any rank (shapes, expert ids,
 // non-finite weights) raises epx::error(errc::input) on every rank of the EP group before
 // any row moves.
