@@ -8,24 +8,25 @@
 # Builds every tests/cuda/*.cu and the three benchmarks of bench/gpu directly with nvcc, in
 # parallel (no CMake, no Google Benchmark). Then runs the tests, all at once (separate
 # processes sharing the GPU, 180 s each at most), then the benchmarks one after the other
-# (alone on the GPU): the layout plan, the kernels and the NCCL round trip at world size 1
-# (bench_kernels.cu); the layer's forward and forward+backward with 8 ranks on the one GPU
-# at 4096 x 7168 and at the decode shape 128 x 7168, bf16, top-8, 256 experts
-# (bench_layer_ep.cu); and the decode forward at world size 1 against the device time of
-# its own kernels and copies (bench_decode.cu, through CUPTI where it is found). Every
-# measurement is one JSON line (`validated`, microseconds; GB/s and the fraction of the
-# device copy bandwidth where bytes move). A target that fails to build, or a test that
-# fails, does not stop the others; the exit status is non-zero if anything failed, and the
-# summary at the end says what.
+# (alone on the GPU; 240, 240 and 120 s at most), all within EPX_GPU_DEADLINE (480 s):
+# the layout plan, the kernels and the NCCL round trip at world size 1 (bench_kernels.cu);
+# the layer's forward and forward+backward with 8 ranks on the one GPU at 4096 x 7168 and
+# at the decode shape 128 x 7168, bf16, top-8, 256 experts (bench_layer_ep.cu); and the
+# decode forward at world size 1 against the device time of its own kernels and copies
+# (bench_decode.cu, through CUPTI where it is found). Every measurement is one JSON line
+# (`validated`, microseconds; GB/s and the fraction of the device copy bandwidth where
+# bytes move). A target that fails to build, or a test that fails, does not stop the
+# others; the exit status is zero only if every target passed (a skip, without a device,
+# counts as not passed), and the summary at the end says what.
 #
 # Logs, results.jsonl and summary.txt go to $EPX_GPU_BUILD (default build/gpu) and, where
 # $OUT is set (the device tool's output folder), are copied there as well.
 #
 # Environment: EPX_CUDA_ARCH (default 90), EPX_GPU_BUILD, NVCC, DOCTEST_INCLUDE (a folder
 # holding doctest/doctest.h; also looked for in .gpu-deps/, which bench/gpu/prepare.sh
-# fills), NCCL_HOME (NCCL's prefix; otherwise the CUDA toolkit, /usr, then the
-# nvidia-nccl Python package of python3 are searched). CUPTI is looked for in the toolkit
-# and in the nvidia-cuda-cupti Python package.
+# fills), NCCL_HOME (NCCL's prefix; otherwise the CUDA toolkit, /usr, /usr/local, then
+# the nvidia-nccl Python package of python3 are searched), EPX_GPU_DEADLINE. CUPTI is
+# looked for in the toolkit and in the nvidia-cuda-cupti Python package.
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -37,7 +38,7 @@ for a in "$@"; do
   case "$a" in
     --quick) quick="--quick" ;;
     --build-only) build_only=1 ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$a' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -52,6 +53,16 @@ have_timeout=$(command -v timeout || true)
 limited() {  # limited SECONDS cmd...: run with a time limit when `timeout` exists
   local s=$1; shift
   if [[ -n "$have_timeout" ]]; then timeout --kill-after=10 "$s" "$@"; else "$@"; fi
+}
+# The whole run ends by EPX_GPU_DEADLINE seconds (default 480) after its start, summary
+# included: each step's limit is cut to what is left (less 20 s for the summary), and a
+# step with under 30 s left does not start.
+deadline=${EPX_GPU_DEADLINE:-480}
+left() {  # left STEP_LIMIT: the limit a step gets now (0: do not start it)
+  local r=$(( deadline - ($(date +%s) - start) - 20 ))
+  (( r > $1 )) && r=$1
+  (( r < 30 )) && r=0
+  echo "$r"
 }
 
 say "environment"
@@ -165,11 +176,13 @@ copy_out() {  # the logs and results into $OUT, where the device tool returns th
 }
 
 if [[ $build_only == 0 ]]; then
-  say "tests (in parallel, 180 s each at most)"
+  tlimit=$(left 180)
+  say "tests (in parallel, ${tlimit} s each at most)"
   tpids=() tnames=()
   for name in "${targets[@]}"; do
     [[ $name == test_cuda_* && -n "${built[$name]:-}" ]] || continue
-    ( limited 180 "$out/$name" --duration=true >"$out/$name.log" 2>&1 ) &
+    if (( tlimit == 0 )); then result[$name]="NOT RUN (deadline)"; continue; fi
+    ( limited "$tlimit" "$out/$name" --duration=true >"$out/$name.log" 2>&1 ) &
     tpids+=($!); tnames+=("$name")
   done
   for i in "${!tpids[@]}"; do
@@ -181,16 +194,18 @@ if [[ $build_only == 0 ]]; then
     case $rc in
       0) result[$name]="passed${skipped:+ ($skipped test case(s) skipped: see the log)}" ;;
       77) result[$name]="SKIPPED (no usable CUDA device)" ;;
-      124|137) result[$name]="FAILED (timed out after 180 s)" ;;
+      124|137) result[$name]="FAILED (timed out after $tlimit s)" ;;
       *) result[$name]="FAILED (exit $rc)" ;;
     esac
   done
 
   : > "$out/results.jsonl"
   bench() {  # bench NAME LIMIT: one benchmark alone on the GPU
-    local name=$1 limit=$2 rc=0
+    local name=$1 limit rc=0
+    limit=$(left "$2")
     say "benchmark $name"
     if [[ -z "${built[$name]:-}" ]]; then return; fi
+    if (( limit == 0 )); then result[$name]="NOT RUN (deadline)"; return; fi
     limited "$limit" "$out/$name" $quick >"$out/$name.log" 2>&1 || rc=$?
     cat "$out/$name.log"
     grep -h '^JSON ' "$out/$name.log" | sed 's/^JSON //' >> "$out/results.jsonl" || true
