@@ -13,6 +13,7 @@
 // the plain threads communicator.
 #include <doctest/doctest.h>
 
+#include <csignal>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -26,6 +27,10 @@
 #endif
 #include "core/fp8_layer_cases.hpp"
 #include "epx/comm/threads.hpp"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
 // source, where another file may use the same names.
@@ -63,37 +68,44 @@ class device_only_comm {
   void all_to_all(const void* s, void* r, std::size_t n, datatype t) {
     check("all_to_all", "send", s, n * peers(), t);
     check("all_to_all", "recv", r, n * peers(), t);
+    const epx::exec::emulated_launch_scope on_device;  // the collective runs on the device
     c_.all_to_all(s, r, n, t);
   }
   void all_to_allv(const void* s, const std::size_t* sc, const std::size_t* sd, void* r, const std::size_t* rc,
                    const std::size_t* rd, datatype t) {
     check("all_to_allv", "send", s, extent(sc, sd, peers()), t);
     check("all_to_allv", "recv", r, extent(rc, rd, peers()), t);
+    const epx::exec::emulated_launch_scope on_device;  // the collective runs on the device
     c_.all_to_allv(s, sc, sd, r, rc, rd, t);
   }
   void all_to_allv_segments(const void* s, const std::size_t* sc, const std::size_t* sd, void* r,
                             const std::size_t* rc, const std::size_t* rd, std::size_t nseg, datatype t) {
     check("all_to_allv_segments", "send", s, extent(sc, sd, peers() * nseg), t);
     check("all_to_allv_segments", "recv", r, extent(rc, rd, peers() * nseg), t);
+    const epx::exec::emulated_launch_scope on_device;  // the collective runs on the device
     c_.all_to_allv_segments(s, sc, sd, r, rc, rd, nseg, t);
   }
   void all_reduce(const void* s, void* r, std::size_t n, datatype t, double scale) {
     check("all_reduce", "send", s, n, t);
     check("all_reduce", "recv", r, n, t);
+    const epx::exec::emulated_launch_scope on_device;  // the collective runs on the device
     c_.all_reduce(s, r, n, t, scale);
   }
   void reduce_scatter(const void* s, void* r, std::size_t n, datatype t, double scale) {
     check("reduce_scatter", "send", s, n * peers(), t);
     check("reduce_scatter", "recv", r, n, t);
+    const epx::exec::emulated_launch_scope on_device;  // the collective runs on the device
     c_.reduce_scatter(s, r, n, t, scale);
   }
   void all_gather(const void* s, void* r, std::size_t n, datatype t) {
     check("all_gather", "send", s, n, t);
     check("all_gather", "recv", r, n * peers(), t);
+    const epx::exec::emulated_launch_scope on_device;  // the collective runs on the device
     c_.all_gather(s, r, n, t);
   }
   void broadcast(void* d, std::size_t n, datatype t, int root) {
     check("broadcast", "data", d, n, t);
+    const epx::exec::emulated_launch_scope on_device;  // the collective runs on the device
     c_.broadcast(d, n, t, root);
   }
   void barrier() { c_.barrier(); }
@@ -128,13 +140,69 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
 template <class T>
 epx::exec::emulated_buffer<T> on_device(const std::vector<T>& v) {
   epx::exec::emulated_buffer<T> b(v.size());
+  const epx::exec::emulated_launch_scope copy;
   std::copy(v.begin(), v.end(), b.data());
   return b;
 }
 template <class T>
 std::vector<T> on_host(const epx::exec::emulated_buffer<T>& b) {
+  const epx::exec::emulated_launch_scope copy;
   return std::vector<T>(b.data(), b.data() + b.size());
 }
+
+// Experts run on the device: in strict mode their host loops open a launch scope.
+template <class Inner>
+struct on_device_experts {
+  Inner inner;
+  template <class Exec, class Rows, class T>
+  auto forward(const Exec& ex, const Rows& in, T* out) -> decltype(inner.forward(ex, in, out)) {
+    const epx::exec::emulated_launch_scope on_device;
+    inner.forward(ex, in, out);
+  }
+  template <class Exec, class Rows, class S, class T>
+  auto forward(const Exec& ex, const Rows& in, const S* scales, T* out) -> decltype(inner.forward(ex, in, scales, out)) {
+    const epx::exec::emulated_launch_scope on_device;
+    inner.forward(ex, in, scales, out);
+  }
+  template <class Exec, class Rows, class T>
+  auto backward(const Exec& ex, const Rows& in, const T* g, T* gi) -> decltype(inner.backward(ex, in, g, gi)) {
+    const epx::exec::emulated_launch_scope on_device;
+    inner.backward(ex, in, g, gi);
+  }
+};
+
+// Strict mode of the emulated device for a scope: a host access to its buffers outside a
+// launch scope faults, and the handler says so before the process ends.
+extern "C" inline void on_strict_fault(int, siginfo_t* info, void*) {
+  const bool device = epx::exec::emulated_device_memory(info->si_addr, 1);
+  const char* msg = device ? "test_device_memory: the host touched emulated device memory outside a launch scope "
+                             "(a host read of device memory on a GPU); the stack of this fault names the code\n"
+                           : "test_device_memory: segmentation fault\n";
+  (void)!::write(2, msg, std::strlen(msg));
+  std::signal(SIGSEGV, SIG_DFL);
+  std::raise(SIGSEGV);
+}
+class strict_memory {
+ public:
+  explicit strict_memory(bool on) : on_(on && epx::exec::emulated_strict_memory(true)) {
+    if (!on_) return;
+    struct sigaction sa {};
+    sa.sa_sigaction = &on_strict_fault;
+    sa.sa_flags = SA_SIGINFO;
+    sigaction(SIGSEGV, &sa, &old_);
+  }
+  ~strict_memory() {
+    if (!on_) return;
+    epx::exec::emulated_strict_memory(false);
+    sigaction(SIGSEGV, &old_, nullptr);
+  }
+  strict_memory(const strict_memory&) = delete;
+  strict_memory& operator=(const strict_memory&) = delete;
+
+ private:
+  bool on_;
+  struct sigaction old_ {};
+};
 template <class T>
 epx::span<const T> cspan(const epx::exec::emulated_buffer<T>& b) {
   return epx::span<const T>(b.data(), b.size());
@@ -174,15 +242,16 @@ rank_result<T> run_rank(Comm& comm, const epx::test::layer_case& c, const epx::l
   exec::emulated_buffer<float> gw(N * k);
   moe_layer<Comm, T, Impl, emu> layer(m, comm, o, policy);
   if (o.fp8_dispatch) {
-    test::fp8_scale_experts<T> experts;
-    experts.first = m.expert_begin(rank);
+    on_device_experts<test::fp8_scale_experts<T>> experts;
+    experts.inner.first = m.expert_begin(rank);
     auto saved = layer.forward(cspan(x), cspan(ids), cspan(w), mspan(out), experts, mode::train);
     layer.backward(std::move(saved), cspan(go), mspan(gx), mspan(gw), experts);
   } else {
-    ref::test_linear_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
+    on_device_experts<ref::test_linear_experts<T>> experts{
+        ref::test_linear_experts<T>(global, m.ep_rank(rank), m.local_experts())};
     auto saved = layer.forward(cspan(x), cspan(ids), cspan(w), mspan(out), experts, mode::train);
     layer.backward(std::move(saved), cspan(go), mspan(gx), mspan(gw), experts);
-    auto grads = on_device(experts.grads());
+    auto grads = on_device(experts.inner.grads());
     gradient_hooks<Comm> hooks(m, comm);
     hooks.reduce_expert(mspan(grads));
     r.expert_grads = on_host(grads);
@@ -231,7 +300,10 @@ std::string run_case(const epx::test::layer_case& c, const epx::layer_options& o
       }
     };
   };
-  epx::threads::run(P, body(true));
+  {
+    const strict_memory strict(true);  // the host may touch the policy's memory only where a GPU's host could
+    epx::threads::run(P, body(true));
+  }
   epx::threads::run(P, body(false));
   std::string f;
   std::map<std::string, std::string> logged;  // message -> the ranks that logged it
@@ -300,6 +372,62 @@ TEST_CASE("device memory: a device communicator gets only the policy's memory, o
     o.bound.cap = 64;
     CHECK(run_case<float, epx::impl::all_reduce>(m, o) == "");
   }
+}
+
+TEST_CASE("device memory: one rank in strict mode, where every host access outside a launch scope faults") {
+  // With one rank no other thread holds a scope open, so the check is exact.
+  using epx::test::options_for;
+  auto c = make_case(1, 1, 1, 8, 2, 16);
+  CHECK(run_case<float>(c, options_for(c)) == "");
+  CHECK(run_case<float, epx::impl::all_reduce>(c, options_for(c)) == "");
+  c.capacity.mode = epx::capacity_mode::global;
+  c.capacity.factor = 0.75;
+  c.ranks_per_node = 1;
+  CHECK(run_case<float>(c, options_for(c)) == "");
+  CHECK(run_case<float, epx::impl::all_reduce>(c, options_for(c)) == "");
+  c = make_case(1, 1, 1, 8, 2, 16);
+  c.stage_bytes = 256;
+  CHECK(run_case<epx::bf16>(c, options_for(c)) == "");
+  c.stage_bytes = 0;
+  c.sends = epx::row_sends::per_rank;
+  CHECK(run_case<float>(c, options_for(c)) == "");
+  c.sends = epx::row_sends::per_slot;
+  auto o = options_for(c);
+  o.counts = epx::count_exchange::device;
+  o.bound.cap = 64;
+  CHECK(run_case<float>(c, o) == "");
+  CHECK(run_case<float, epx::impl::all_reduce>(c, o) == "");
+  c.hidden = 256;
+  o = options_for(c);
+  o.fp8_dispatch = true;
+  CHECK(run_case<epx::bf16>(c, o) == "");
+}
+
+TEST_CASE("device memory: strict mode faults on a host access outside a launch scope, and only there") {
+  // In a child process: the parent must survive the fault it expects.
+  auto child_dies = [](bool touch_outside) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      // The fault ends the child with status 42, without the test framework's report (and
+      // under AddressSanitizer too, which honours a handler of the program's own).
+      struct sigaction sa {};
+      sa.sa_handler = [](int) { _exit(42); };
+      sigaction(SIGSEGV, &sa, nullptr);
+      if (!epx::exec::emulated_strict_memory(true)) _exit(3);
+      epx::exec::emulated_buffer<float> b(1000);
+      epx::exec::for_each_n(emu{}, 1000, [p = b.data()](std::size_t i) { p[i] = static_cast<float>(i); });
+      float v = 0;
+      epx::exec::copy_n(emu{}, b.data() + 999, 1, &v);
+      if (v != 999.0f) _exit(4);
+      if (touch_outside) v = *static_cast<volatile float*>(b.data() + 5);  // faults
+      _exit(v == 999.0f || v == 5.0f ? 0 : 5);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  CHECK(child_dies(false) == 0);   // inside the scopes: no fault, the values written
+  CHECK(child_dies(true) == 42);   // outside: the fault
 }
 
 TEST_CASE("device memory: a host communicator refuses a policy whose memory the host cannot touch") {

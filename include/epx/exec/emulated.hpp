@@ -16,7 +16,12 @@
 // GPU a device communicator (NCCL) reads and writes device memory only, and the host must
 // not read it; the emulated memory is host memory and forgives both, so tests ask the
 // registry instead (tests/emulated/test_device_memory.cpp hands every pointer a device
-// communicator gets to it).
+// communicator gets to it). For the second, exec::emulated_strict_memory(true) (POSIX)
+// maps the buffers allocated from then on as pages the host may touch only while some
+// thread is inside a launch scope: a launch, copy or fill of the policy, a Thrust call of
+// the library, or an exec::launch_scope the caller opens (experts, which run on the device,
+// and a device communicator's collectives). Any other host access faults at once, and the
+// stack names the host code that would read device memory on a GPU.
 #pragma once
 
 #include <cstddef>
@@ -25,7 +30,16 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <type_traits>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#include <unistd.h>
+#define EPX_EMULATED_STRICT 1
+#else
+#define EPX_EMULATED_STRICT 0
+#endif
 
 #include "epx/exec/host.hpp"
 
@@ -33,43 +47,99 @@ namespace epx::exec {
 
 namespace detail {
 
-// The live allocations of emulated device buffers: begin -> end addresses.
+// The live allocations of emulated device buffers (begin -> end addresses), and strict
+// mode: buffers allocated while it is on are whole pages of their own (`mapped`), readable
+// and writable only while some thread is inside a launch scope (`inside` > 0).
 class emulated_allocations {
  public:
   static emulated_allocations& get() {
     static emulated_allocations r;
     return r;
   }
-  void add(const void* p, std::size_t bytes) {
-    if (p == nullptr) return;
+  // n bytes of emulated device memory, registered.
+  void* allocate(std::size_t bytes) {
+    if (bytes == 0) return nullptr;
     const std::lock_guard<std::mutex> lock(m_);
-    live_[address(p)] = address(p) + bytes;
+    void* p = nullptr;
+    std::size_t mapped = 0;
+#if EPX_EMULATED_STRICT
+    if (strict_) {
+      const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+      mapped = (bytes + page - 1) / page * page;
+      p = ::mmap(nullptr, mapped, inside_ > 0 ? PROT_READ | PROT_WRITE : PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) throw std::bad_alloc();
+    }
+#endif
+    if (p == nullptr) p = ::operator new(bytes);
+    live_[address(p)] = entry{address(p) + bytes, mapped};
+    return p;
   }
-  void remove(const void* p) {
+  void release(void* p) noexcept {
     if (p == nullptr) return;
     const std::lock_guard<std::mutex> lock(m_);
-    live_.erase(address(p));
+    const auto it = live_.find(address(p));
+    const std::size_t mapped = it == live_.end() ? 0 : it->second.mapped;
+    if (it != live_.end()) live_.erase(it);
+#if EPX_EMULATED_STRICT
+    if (mapped != 0) {
+      ::munmap(p, mapped);
+      return;
+    }
+#endif
+    ::operator delete(p);
   }
   bool holds(const void* p, std::size_t bytes) const {
     const std::lock_guard<std::mutex> lock(m_);
     auto it = live_.upper_bound(address(p));
     if (it == live_.begin()) return false;
     --it;
-    return address(p) >= it->first && address(p) + bytes <= it->second;
+    return address(p) >= it->first && address(p) + bytes <= it->second.end;
+  }
+  // Strict mode on or off (process-wide; off opens every mapped buffer for good). Returns
+  // false where it is not available.
+  bool set_strict(bool on) {
+#if EPX_EMULATED_STRICT
+    const std::lock_guard<std::mutex> lock(m_);
+    strict_ = on;
+    protect_all(on && inside_ == 0);
+    return true;
+#else
+    return !on;
+#endif
+  }
+  void enter() {
+    const std::lock_guard<std::mutex> lock(m_);
+    if (inside_++ == 0 && strict_) protect_all(false);
+  }
+  void leave() {
+    const std::lock_guard<std::mutex> lock(m_);
+    if (--inside_ == 0 && strict_) protect_all(true);
   }
 
  private:
+  struct entry {
+    std::uintptr_t end;
+    std::size_t mapped;  // strict mode: the bytes mapped for it; 0: operator new
+  };
   static std::uintptr_t address(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p); }
+  void protect_all(bool closed) {
+#if EPX_EMULATED_STRICT
+    for (const auto& [begin, e] : live_)
+      if (e.mapped != 0)
+        ::mprotect(reinterpret_cast<void*>(begin), e.mapped, closed ? PROT_NONE : PROT_READ | PROT_WRITE);
+#else
+    (void)closed;
+#endif
+  }
   mutable std::mutex m_;
-  std::map<std::uintptr_t, std::uintptr_t> live_;
+  std::map<std::uintptr_t, entry> live_;
+  bool strict_ = false;
+  int inside_ = 0;
 };
 
 template <class T>
 struct emulated_delete {
-  void operator()(T* p) const noexcept {
-    emulated_allocations::get().remove(p);
-    delete[] p;
-  }
+  void operator()(T* p) const noexcept { emulated_allocations::get().release(p); }
 };
 
 }  // namespace detail
@@ -80,6 +150,19 @@ inline bool emulated_device_memory(const void* p, std::size_t bytes) {
   if (p == nullptr && bytes == 0) return true;
   return detail::emulated_allocations::get().holds(p, bytes == 0 ? 1 : bytes);
 }
+
+// Strict mode (see the header comment): on for the buffers allocated from now on, until
+// it is turned off. Returns false where it is not available (not POSIX).
+inline bool emulated_strict_memory(bool on) { return detail::emulated_allocations::get().set_strict(on); }
+
+// While it lives, the host plays the device: strict-mode buffers are open to it.
+class emulated_launch_scope {
+ public:
+  emulated_launch_scope() { detail::emulated_allocations::get().enter(); }
+  ~emulated_launch_scope() { detail::emulated_allocations::get().leave(); }
+  emulated_launch_scope(const emulated_launch_scope&) = delete;
+  emulated_launch_scope& operator=(const emulated_launch_scope&) = delete;
+};
 
 // A buffer of exec::emulated_device: host memory, registered as the policy's device memory
 // while it lives. The interface of host_buffer.
@@ -103,12 +186,12 @@ class emulated_buffer {
   }
 
  private:
+  static_assert(std::is_trivially_default_constructible_v<T> && std::is_trivially_destructible_v<T>,
+                "emulated_buffer holds plain values");
   using owner = std::unique_ptr<T[], detail::emulated_delete<T>>;
   static owner allocate(std::size_t n) {
     if (n == 0) return owner();
-    owner p(new T[n]);
-    detail::emulated_allocations::get().add(p.get(), n * sizeof(T));
-    return p;
+    return owner(static_cast<T*>(detail::emulated_allocations::get().allocate(n * sizeof(T))));
   }
   owner data_;
   std::size_t size_ = 0;
@@ -128,6 +211,7 @@ template <class F>
 void for_each_n(const emulated_device& p, std::size_t n, F&& f) {
   if (n == 0) return;
   ++p.counters->launches;
+  const emulated_launch_scope on_device;
   for (std::size_t i = n; i-- > 0;) f(i);
 }
 
@@ -148,13 +232,18 @@ emulated_buffer<T> make_buffer(const P&, std::size_t n) {
 
 template <class T>
 void copy_n(const emulated_device&, const T* src, std::size_t n, T* dst) {
+  const emulated_launch_scope on_device;
   if (n) std::memcpy(static_cast<void*>(dst), static_cast<const void*>(src), n * sizeof(T));
 }
 
 template <class T>
 void fill_zero(const emulated_device&, T* dst, std::size_t n) {
+  const emulated_launch_scope on_device;
   if (n) std::memset(static_cast<void*>(dst), 0, n * sizeof(T));
 }
+
+// Library code that runs device work through another door (Thrust) opens one of these.
+inline emulated_launch_scope launch_scope(const emulated_device&) { return {}; }
 
 inline void synchronize(const emulated_device& p) { ++p.counters->synchronizations; }
 

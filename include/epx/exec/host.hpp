@@ -222,6 +222,16 @@ bool same_queue(const A&, const B&) {
 inline void synchronize(const serial&) {}
 inline void synchronize(const openmp&) {}
 
+// Held by library code around device work it starts through another door than the
+// policy's functions (Thrust's algorithms): nothing, except for the emulated device in
+// strict mode (epx/exec/emulated.hpp), where the host may touch the policy's memory only
+// inside such a scope.
+struct no_launch_scope {};
+template <class P>
+no_launch_scope launch_scope(const P&) {
+  return {};
+}
+
 }  // namespace epx::exec
 
 // The emulated device policy is declared with the host policies, so that library code
