@@ -138,14 +138,8 @@ struct identity_experts {
   }
 };
 
-double median_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-double p99_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<std::size_t>(0.99 * static_cast<double>(v.size())))];
-}
+using epx::bench::gpu::median_of;
+using epx::bench::gpu::p99_of;
 
 // One mode; returns false if the output check failed.
 bool bench_mode(cudaStream_t s, epx::nccl::communicator& comm, bool bounded, int calls) {
@@ -238,20 +232,8 @@ bool bench_mode(cudaStream_t s, epx::nccl::communicator& comm, bool bounded, int
 
 int main(int argc, char** argv) {
   bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) {
-      quick = true;
-    } else {
-      std::fprintf(stderr, "usage: %s [--quick]\n", argv[0]);
-      return 2;
-    }
-  }
+  if (const int rc = epx::bench::gpu::start("epx_bench_gpu_decode", argc, argv, quick)) return rc;
   try {
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-      std::fprintf(stderr, "epx_bench_gpu_decode: no usable CUDA device\n");
-      return 77;
-    }
     EPX_CUDA_CHECK(cudaSetDevice(0));
     epx::bench::gpu::keep_freed_pool_memory(0);
     device_time::init();

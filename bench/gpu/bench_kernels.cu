@@ -451,19 +451,8 @@ void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, s
 
 int main(int argc, char** argv) {
   bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
-    else {
-      std::fprintf(stderr, "usage: %s [--quick]\n", argv[0]);
-      return 2;
-    }
-  }
+  if (const int rc = epx::bench::gpu::start("epx_bench_gpu_kernels", argc, argv, quick)) return rc;
   try {
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-      std::fprintf(stderr, "epx_bench_gpu_kernels: no usable CUDA device\n");
-      return 77;
-    }
     cudaDeviceProp prop{};
     EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     EPX_CUDA_CHECK(cudaSetDevice(0));

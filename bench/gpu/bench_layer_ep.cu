@@ -71,14 +71,8 @@ struct shape {
   int k, experts;
 };
 
-double median_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-double p99_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<std::size_t>(0.99 * static_cast<double>(v.size())))];
-}
+using epx::bench::gpu::median_of;
+using epx::bench::gpu::p99_of;
 
 double copy_bandwidth(int iters) {
   const std::size_t bytes = std::size_t{1} << 30;
@@ -224,20 +218,8 @@ bool bench_shape(const shape& s, int iters, double copy_gbps, const char* dtype)
 
 int main(int argc, char** argv) {
   bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) {
-      quick = true;
-    } else {
-      std::fprintf(stderr, "usage: %s [--quick]\n", argv[0]);
-      return 2;
-    }
-  }
+  if (const int rc = epx::bench::gpu::start("epx_bench_gpu_layer_ep", argc, argv, quick)) return rc;
   try {
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-      std::fprintf(stderr, "epx_bench_gpu_layer_ep: no usable CUDA device\n");
-      return 77;
-    }
     EPX_CUDA_CHECK(cudaSetDevice(0));
     epx::bench::gpu::keep_freed_pool_memory(0);
     const double copy = copy_bandwidth(quick ? 3 : 10);

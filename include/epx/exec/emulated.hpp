@@ -142,6 +142,18 @@ struct emulated_delete {
   void operator()(T* p) const noexcept { emulated_allocations::get().release(p); }
 };
 
+// Where the emulated device's buffers come from: the registry above.
+template <class T>
+struct emulated_storage {
+  static_assert(std::is_trivially_default_constructible_v<T> && std::is_trivially_destructible_v<T>,
+                "emulated_buffer holds plain values");
+  using owner = std::unique_ptr<T[], emulated_delete<T>>;
+  static owner allocate(std::size_t n) {
+    if (n == 0) return owner();
+    return owner(static_cast<T*>(emulated_allocations::get().allocate(n * sizeof(T))));
+  }
+};
+
 }  // namespace detail
 
 // Whether [p, p + bytes) lies inside one live buffer of exec::emulated_device (bytes 0:
@@ -167,36 +179,7 @@ class emulated_launch_scope {
 // A buffer of exec::emulated_device: host memory, registered as the policy's device memory
 // while it lives. The interface of host_buffer.
 template <class T>
-class emulated_buffer {
- public:
-  emulated_buffer() = default;
-  explicit emulated_buffer(std::size_t n) : data_(allocate(n)), size_(n), capacity_(n) {}
-  T* data() noexcept { return data_.get(); }
-  const T* data() const noexcept { return data_.get(); }
-  std::size_t size() const noexcept { return size_; }
-  T& operator[](std::size_t i) noexcept { return data_[i]; }
-  const T& operator[](std::size_t i) const noexcept { return data_[i]; }
-  // Grows (never shrinks) the allocation; contents are not preserved.
-  void reserve_discard(std::size_t n) {
-    if (n > capacity_) {
-      data_ = allocate(n);
-      capacity_ = n;
-    }
-    size_ = n;
-  }
-
- private:
-  static_assert(std::is_trivially_default_constructible_v<T> && std::is_trivially_destructible_v<T>,
-                "emulated_buffer holds plain values");
-  using owner = std::unique_ptr<T[], detail::emulated_delete<T>>;
-  static owner allocate(std::size_t n) {
-    if (n == 0) return owner();
-    return owner(static_cast<T*>(detail::emulated_allocations::get().allocate(n * sizeof(T))));
-  }
-  owner data_;
-  std::size_t size_ = 0;
-  std::size_t capacity_ = 0;
-};
+using emulated_buffer = basic_buffer<T, detail::emulated_storage<T>>;
 
 struct emulated_device {
   int queue = 0;  // which emulated queue (stream) the work goes to

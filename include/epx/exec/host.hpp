@@ -145,12 +145,22 @@ void for_each_row(const P& p, std::size_t rows, std::size_t cols, G g) {
   }
 }
 
-// Host memory owned by a host policy. Not value-initialised: callers fill what they read.
+namespace detail {
+// Where a host policy's buffers come from: new[] and delete[].
 template <class T>
-class host_buffer {
+struct heap_storage {
+  using owner = std::unique_ptr<T[]>;
+  static owner allocate(std::size_t n) { return owner(n ? new T[n] : nullptr); }
+};
+}  // namespace detail
+
+// n elements in memory from Storage (Storage::allocate(n): an owning unique_ptr). Not
+// value-initialised: callers fill what they read.
+template <class T, class Storage = detail::heap_storage<T>>
+class basic_buffer {
  public:
-  host_buffer() = default;
-  explicit host_buffer(std::size_t n) : data_(n ? new T[n] : nullptr), size_(n) {}
+  basic_buffer() = default;
+  explicit basic_buffer(std::size_t n) : data_(Storage::allocate(n)), size_(n), capacity_(n) {}
   T* data() noexcept { return data_.get(); }
   const T* data() const noexcept { return data_.get(); }
   std::size_t size() const noexcept { return size_; }
@@ -159,17 +169,21 @@ class host_buffer {
   // Grows (never shrinks) the allocation; contents are not preserved.
   void reserve_discard(std::size_t n) {
     if (n > capacity_) {
-      data_.reset(new T[n]);
+      data_ = Storage::allocate(n);
       capacity_ = n;
     }
     size_ = n;
   }
 
  private:
-  std::unique_ptr<T[]> data_;
+  typename Storage::owner data_;
   std::size_t size_ = 0;
-  std::size_t capacity_ = size_;
+  std::size_t capacity_ = 0;
 };
+
+// Host memory owned by a host policy.
+template <class T>
+using host_buffer = basic_buffer<T>;
 
 template <class T, class P>
 struct buffer_for;

@@ -504,7 +504,7 @@ send_plan<Exec> launch_sorted_counts(const Exec& ex, const std::int32_t* ids, co
   exec::for_each_n(ex, p.pairs, sort_keys{ids, weights, E, p.sorted_keys.data(), p.sorted_perm.data()});
   const auto tp = thrust_policy(ex);
   if (p.pairs > 0) {
-    const auto on_device = exec::launch_scope(ex);
+    [[maybe_unused]] const auto on_device = exec::launch_scope(ex);
     thrust::stable_sort_by_key(tp, p.sorted_keys.data(), p.sorted_keys.data() + p.pairs, p.sorted_perm.data());
     thrust::upper_bound(tp, p.sorted_keys.data(), p.sorted_keys.data() + p.pairs,
                         thrust::counting_iterator<std::int32_t>(0), thrust::counting_iterator<std::int32_t>(E),
