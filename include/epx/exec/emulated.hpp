@@ -24,6 +24,7 @@
 // stack names the host code that would read device memory on a GPU.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -49,7 +50,9 @@ namespace detail {
 
 // The live allocations of emulated device buffers (begin -> end addresses), and strict
 // mode: buffers allocated while it is on are whole pages of their own (`mapped`), readable
-// and writable only while some thread is inside a launch scope (`inside` > 0).
+// and writable only while some thread is inside a launch scope (`inside` > 0). Every new
+// buffer is filled with 0xff bytes (NaN in every float type), as a device pool hands out
+// what it held before: code that reads what it never wrote does not meet zeros.
 class emulated_allocations {
  public:
   static emulated_allocations& get() {
@@ -66,11 +69,15 @@ class emulated_allocations {
     if (strict_) {
       const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
       mapped = (bytes + page - 1) / page * page;
-      p = ::mmap(nullptr, mapped, inside_ > 0 ? PROT_READ | PROT_WRITE : PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (p == MAP_FAILED) throw std::bad_alloc();
     }
 #endif
     if (p == nullptr) p = ::operator new(bytes);
+    std::memset(p, 0xff, bytes);
+#if EPX_EMULATED_STRICT
+    if (mapped != 0 && inside_.load() == 0) ::mprotect(p, mapped, PROT_NONE);
+#endif
     live_[address(p)] = entry{address(p) + bytes, mapped};
     return p;
   }
@@ -97,23 +104,33 @@ class emulated_allocations {
   }
   // Strict mode on or off (process-wide; off opens every mapped buffer for good). Returns
   // false where it is not available.
+  // Call it while no launch scope is open.
   bool set_strict(bool on) {
 #if EPX_EMULATED_STRICT
     const std::lock_guard<std::mutex> lock(m_);
-    strict_ = on;
-    protect_all(on && inside_ == 0);
+    strict_.store(on);
+    protect_all(on && inside_.load() == 0);
     return true;
 #else
     return !on;
 #endif
   }
+  // Outside strict mode a scope only counts (no lock: rank threads do not serialise).
   void enter() {
+    if (!strict_.load()) {
+      inside_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
     const std::lock_guard<std::mutex> lock(m_);
-    if (inside_++ == 0 && strict_) protect_all(false);
+    if (inside_.fetch_add(1) == 0) protect_all(false);
   }
   void leave() {
+    if (!strict_.load()) {
+      inside_.fetch_sub(1, std::memory_order_relaxed);
+      return;
+    }
     const std::lock_guard<std::mutex> lock(m_);
-    if (--inside_ == 0 && strict_) protect_all(true);
+    if (inside_.fetch_sub(1) == 1) protect_all(true);
   }
 
  private:
@@ -133,9 +150,20 @@ class emulated_allocations {
   }
   mutable std::mutex m_;
   std::map<std::uintptr_t, entry> live_;
-  bool strict_ = false;
-  int inside_ = 0;
+  std::atomic<bool> strict_{false};
+  std::atomic<int> inside_{0};
 };
+
+// Per thread (a rank): whether a device communicator's collective is queued and not yet
+// waited for through its bounded wait, and the host waits made meanwhile.
+struct emulated_queue_state {
+  bool collective_pending = false;
+  long long unbounded_waits = 0;
+};
+inline emulated_queue_state& emulated_queue() {
+  thread_local emulated_queue_state s;
+  return s;
+}
 
 template <class T>
 struct emulated_delete {
@@ -166,6 +194,15 @@ inline bool emulated_device_memory(const void* p, std::size_t bytes) {
 // Strict mode (see the header comment): on for the buffers allocated from now on, until
 // it is turned off. Returns false where it is not available (not POSIX).
 inline bool emulated_strict_memory(bool on) { return detail::emulated_allocations::get().set_strict(on); }
+
+// For tests that emulate a device communicator: it says when it queues a collective and
+// when its bounded wait() has waited for it. A copy from the emulated device's memory into
+// other memory, or a synchronize(), while a collective is queued is a host wait that the
+// communicator's timeout does not bound (on a GPU a peer that never arrives holds the host
+// there); emulated_unbounded_waits() counts them on this thread.
+inline void emulated_collective_queued() { detail::emulated_queue().collective_pending = true; }
+inline void emulated_collective_waited() { detail::emulated_queue().collective_pending = false; }
+inline long long emulated_unbounded_waits() { return detail::emulated_queue().unbounded_waits; }
 
 // While it lives, the host plays the device: strict-mode buffers are open to it.
 class emulated_launch_scope {
@@ -215,6 +252,9 @@ emulated_buffer<T> make_buffer(const P&, std::size_t n) {
 
 template <class T>
 void copy_n(const emulated_device&, const T* src, std::size_t n, T* dst) {
+  auto& q = detail::emulated_queue();
+  if (q.collective_pending && n && emulated_device_memory(src, n * sizeof(T)) && !emulated_device_memory(dst, n * sizeof(T)))
+    ++q.unbounded_waits;  // a read-back that waits for the queued collective on its own
   const emulated_launch_scope on_device;
   if (n) std::memcpy(static_cast<void*>(dst), static_cast<const void*>(src), n * sizeof(T));
 }
@@ -225,10 +265,18 @@ void fill_zero(const emulated_device&, T* dst, std::size_t n) {
   if (n) std::memset(static_cast<void*>(dst), 0, n * sizeof(T));
 }
 
-// Library code that runs device work through another door (Thrust) opens one of these.
-inline emulated_launch_scope launch_scope(const emulated_device&) { return {}; }
+// Library code that runs device work through another door (Thrust) opens one of these
+// (also for policies derived from emulated_device).
+template <class P, std::enable_if_t<std::is_base_of_v<emulated_device, P>, int> = 0>
+emulated_launch_scope launch_scope(const P&) {
+  return {};
+}
 
-inline void synchronize(const emulated_device& p) { ++p.counters->synchronizations; }
+inline void synchronize(const emulated_device& p) {
+  ++p.counters->synchronizations;
+  auto& q = detail::emulated_queue();
+  if (q.collective_pending) ++q.unbounded_waits;
+}
 
 inline bool same_queue(const emulated_device& a, const emulated_device& b) { return a.queue == b.queue; }
 

@@ -241,7 +241,8 @@ inline void synchronize(const openmp&) {}
 // strict mode (epx/exec/emulated.hpp), where the host may touch the policy's memory only
 // inside such a scope.
 struct no_launch_scope {};
-template <class P>
+struct emulated_device;
+template <class P, std::enable_if_t<!std::is_base_of_v<emulated_device, P>, int> = 0>
 no_launch_scope launch_scope(const P&) {
   return {};
 }
