@@ -69,6 +69,7 @@ class device_only_comm {
     check("all_to_all", "send", s, n * peers(), t);
     check("all_to_all", "recv", r, n * peers(), t);
     const epx::exec::emulated_launch_scope on_device;  // the collective runs on the device
+    epx::exec::emulated_collective_queued();
     c_.all_to_all(s, r, n, t);
   }
   void all_to_allv(const void* s, const std::size_t* sc, const std::size_t* sd, void* r, const std::size_t* rc,
@@ -76,6 +77,7 @@ class device_only_comm {
     check("all_to_allv", "send", s, extent(sc, sd, peers()), t);
     check("all_to_allv", "recv", r, extent(rc, rd, peers()), t);
     const epx::exec::emulated_launch_scope on_device;  // the collective runs on the device
+    epx::exec::emulated_collective_queued();
     c_.all_to_allv(s, sc, sd, r, rc, rd, t);
   }
   void all_to_allv_segments(const void* s, const std::size_t* sc, const std::size_t* sd, void* r,
@@ -83,32 +85,39 @@ class device_only_comm {
     check("all_to_allv_segments", "send", s, extent(sc, sd, peers() * nseg), t);
     check("all_to_allv_segments", "recv", r, extent(rc, rd, peers() * nseg), t);
     const epx::exec::emulated_launch_scope on_device;  // the collective runs on the device
+    epx::exec::emulated_collective_queued();
     c_.all_to_allv_segments(s, sc, sd, r, rc, rd, nseg, t);
   }
   void all_reduce(const void* s, void* r, std::size_t n, datatype t, double scale) {
     check("all_reduce", "send", s, n, t);
     check("all_reduce", "recv", r, n, t);
     const epx::exec::emulated_launch_scope on_device;  // the collective runs on the device
+    epx::exec::emulated_collective_queued();
     c_.all_reduce(s, r, n, t, scale);
   }
   void reduce_scatter(const void* s, void* r, std::size_t n, datatype t, double scale) {
     check("reduce_scatter", "send", s, n * peers(), t);
     check("reduce_scatter", "recv", r, n, t);
     const epx::exec::emulated_launch_scope on_device;  // the collective runs on the device
+    epx::exec::emulated_collective_queued();
     c_.reduce_scatter(s, r, n, t, scale);
   }
   void all_gather(const void* s, void* r, std::size_t n, datatype t) {
     check("all_gather", "send", s, n, t);
     check("all_gather", "recv", r, n * peers(), t);
     const epx::exec::emulated_launch_scope on_device;  // the collective runs on the device
+    epx::exec::emulated_collective_queued();
     c_.all_gather(s, r, n, t);
   }
   void broadcast(void* d, std::size_t n, datatype t, int root) {
     check("broadcast", "data", d, n, t);
     const epx::exec::emulated_launch_scope on_device;  // the collective runs on the device
+    epx::exec::emulated_collective_queued();
     c_.broadcast(d, n, t, root);
   }
   void barrier() { c_.barrier(); }
+  // The bounded wait of a device communicator (NCCL's polls the stream with a timeout).
+  void wait() { epx::exec::emulated_collective_waited(); }
 
  private:
   std::size_t peers() const { return static_cast<std::size_t>(c_.size()); }
@@ -213,13 +222,17 @@ epx::span<T> mspan(epx::exec::emulated_buffer<T>& b) {
 }
 
 // What a rank computed: the fused training call's outputs and gradients, the expert
-// gradients after the hook, and what the communicator logged.
+// gradients after the hook, the inference output, the split-phase step's output and
+// gradients (or, in bounded mode, check()'s report), what the communicator logged, and
+// the host waits made while one of its collectives was queued but not waited for.
 template <class T>
 struct rank_result {
-  std::vector<T> out, grad_x;
-  std::vector<float> grad_w;
+  std::vector<T> out, grad_x, out_inference, out_split, grad_x_split;
+  std::vector<float> grad_w, grad_w_split;
   std::vector<double> expert_grads;
+  std::vector<std::int64_t> report;  // overflow pairs, calls, dropped per expert
   std::vector<std::string> log;
+  long long unbounded_waits = 0;
   std::string error;
 };
 
@@ -259,6 +272,7 @@ rank_result<T> run_rank(Comm& comm, const epx::test::layer_case& c, const epx::l
     exec::emulated_buffer<T> out2(N * H), gx2(N * H);
     exec::emulated_buffer<float> gw2(N * k);
     (void)layer.forward(cspan(x), cspan(ids), cspan(w), mspan(out2), experts, mode::inference);
+    r.out_inference = on_host(out2);
     if (o.counts == count_exchange::host) {
       auto h = layer.dispatch(cspan(x), cspan(ids), cspan(w), mode::train);
       experts.forward(policy, h.inputs(), h.outputs().data());
@@ -266,13 +280,19 @@ rank_result<T> run_rank(Comm& comm, const epx::test::layer_case& c, const epx::l
       auto g = layer.backward_dispatch(std::move(s), cspan(go), mspan(gw2));
       experts.backward(policy, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());
       layer.backward_combine(g, g.grad_inputs(), mspan(gx2));
+      r.out_split = on_host(out2);
+      r.grad_x_split = on_host(gx2);
+      r.grad_w_split = on_host(gw2);
     } else {
-      (void)layer.check();
+      const bound_report rep = layer.check();
+      r.report = {rep.overflow_pairs, rep.calls};
+      r.report.insert(r.report.end(), rep.dropped_per_expert.begin(), rep.dropped_per_expert.end());
     }
   }
   r.out = on_host(out);
   r.grad_x = on_host(gx);
   r.grad_w = on_host(gw);
+  r.unbounded_waits = exec::emulated_unbounded_waits();
   return r;
 }
 
@@ -315,8 +335,13 @@ std::string run_case(const epx::test::layer_case& c, const epx::layer_options& o
     for (const auto& l : std::set<std::string>(a.log.begin(), a.log.end()))
       logged[l] += epx::detail::concat(logged[l].empty() ? "" : ",", q);
     if (!(same_bits(a.out, b.out) && same_bits(a.grad_x, b.grad_x) && same_bits(a.grad_w, b.grad_w) &&
-          same_bits(a.expert_grads, b.expert_grads)))
+          same_bits(a.expert_grads, b.expert_grads) && same_bits(a.out_inference, b.out_inference) &&
+          same_bits(a.out_split, b.out_split) && same_bits(a.grad_x_split, b.grad_x_split) &&
+          same_bits(a.grad_w_split, b.grad_w_split) && a.report == b.report))
       f += where + "results differ from the plain threads communicator's\n";
+    if (a.unbounded_waits != 0)
+      f += where + epx::detail::concat(a.unbounded_waits, " host wait(s) while a collective was queued and not waited "
+                                       "for through the communicator's bounded wait\n");
   }
   for (const auto& [l, ranks] : logged) f += c.describe() + " ranks " + ranks + ": " + l + "\n";
   return f;
