@@ -119,6 +119,7 @@ class moe_layer {
     if (why.empty()) why = queue_check(ep, policy);
     if (why.empty()) why = queue_check(tp, policy);
     if (why.empty()) why = memory_check(ep);
+    if (why.empty()) why = memory_check(tp);
     detail::agree_on_layer(ep, m, options_, world_rank, "ep", why);
     detail::agree_on_layer(tp, m, options_, world_rank, "tp", why);
     detail::agree_on_group(ep, m, group_kind::ep, world_rank);
