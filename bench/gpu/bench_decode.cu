@@ -1,5 +1,6 @@
 // bench/gpu/bench_decode.cu: a decode step's forward against the device time of its own
-// kernels and copies: how much a call adds in launches and host synchronisation.
+// kernels and copies: how much a call adds in launches and host synchronisation; and the
+// layout plan of 32768 pairs, whose device time the issue bounds (see bench_layout).
 //
 //   epx_bench_gpu_decode [--quick]
 //
@@ -47,6 +48,16 @@ using clock_type = std::chrono::steady_clock;
 // Device time of the activity CUPTI records between start() and stop(): kernels, memcpys,
 // memsets (their end - start, summed; one stream, so they do not overlap).
 namespace device_time {
+// The record types of this CUPTI (each reads only start and end).
+#if CUPTI_API_VERSION >= 130000
+using kernel_record = CUpti_ActivityKernel10;
+using memcpy_record = CUpti_ActivityMemcpy6;
+#else
+using kernel_record = CUpti_ActivityKernel9;
+using memcpy_record = CUpti_ActivityMemcpy5;
+#endif
+using memset_record = CUpti_ActivityMemset4;
+
 std::atomic<unsigned long long> g_ns{0}, g_records{0};
 
 void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
@@ -62,17 +73,17 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
     switch (rec->kind) {
       case CUPTI_ACTIVITY_KIND_KERNEL:
       case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
-        const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
+        const auto* k = reinterpret_cast<const kernel_record*>(rec);
         ns = k->end - k->start;
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMCPY: {
-        const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
+        const auto* m = reinterpret_cast<const memcpy_record*>(rec);
         ns = m->end - m->start;
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMSET: {
-        const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
+        const auto* m = reinterpret_cast<const memset_record*>(rec);
         ns = m->end - m->start;
         break;
       }
@@ -93,6 +104,8 @@ bool check(CUptiResult r, const char* what) {
 }
 
 bool g_ok = false;
+constexpr CUpti_ActivityKind g_kinds[3] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
+                                           CUPTI_ACTIVITY_KIND_MEMSET};
 void init() {
   g_ok = check(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed), "cuptiActivityRegisterCallbacks");
 }
@@ -101,17 +114,14 @@ void start() {
   cuptiActivityFlushAll(1);
   g_ns = 0;
   g_records = 0;
-  g_ok = check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enable kernels") &&
-         check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "enable memcpy") &&
-         check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enable memset");
+  for (const auto kind : g_kinds) g_ok = check(cuptiActivityEnable(kind), "cuptiActivityEnable") && g_ok;
 }
-// Seconds of device activity since start(), or a negative number when unmeasured.
+// Seconds of device activity since start(), or a negative number when unmeasured. Every
+// kind is disabled again, whether or not all were enabled.
 double stop() {
-  if (!g_ok) return -1.0;
-  cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
-  cuptiActivityDisable(CUPTI_ACTIVITY_KIND_MEMCPY);
-  cuptiActivityDisable(CUPTI_ACTIVITY_KIND_MEMSET);
+  for (const auto kind : g_kinds) cuptiActivityDisable(kind);
   cuptiActivityFlushAll(1);
+  if (!g_ok) return -1.0;
   return static_cast<double>(g_ns.load()) * 1e-9;
 }
 }  // namespace device_time
@@ -140,6 +150,76 @@ struct identity_experts {
 
 using epx::bench::gpu::median_of;
 using epx::bench::gpu::p99_of;
+
+// The layout plan on the device for N tokens x k slots over E experts (32768 pairs at
+// 4096 x 8 over 256: issue target 20 us): the sorted plan (a stable radix sort by expert
+// id through Thrust, CUB on the device: what the layer takes on exec::cuda) and the
+// counting sort, each checked once against the host's plan, then `calls` plans back to
+// back timed with events (`us`: launches included, as a call pays them) and traced apart
+// with CUPTI (`device_us`: the plan's kernels, copies and fills alone). Returns false if a
+// plan differs from the host's.
+bool bench_layout(cudaStream_t s, std::size_t N, int k, int E, int calls) {
+  const std::size_t P = N * static_cast<std::size_t>(k);
+  std::mt19937 rng(11);
+  std::vector<std::int32_t> hid(P);
+  std::vector<float> hw(P);
+  std::uniform_real_distribution<float> u(0.1f, 1.0f);
+  std::vector<int> perm(static_cast<std::size_t>(E));
+  for (int e = 0; e < E; ++e) perm[static_cast<std::size_t>(e)] = e;
+  for (std::size_t t = 0; t < N; ++t)
+    for (std::size_t j = 0; j < static_cast<std::size_t>(k); ++j) {
+      std::swap(perm[j], perm[j + rng() % (static_cast<std::size_t>(E) - j)]);
+      hid[t * k + j] = perm[j];
+      hw[t * k + j] = u(rng);
+    }
+  const auto host = epx::layout::build_plan(epx::exec::serial{}, hid.data(), hw.data(), N, k, E);
+  const std::vector<std::int64_t> want_pos(host.pos.data(), host.pos.data() + P);
+  const std::vector<std::int64_t> want_src(host.src_row.data(), host.src_row.data() + P);
+  const epx::exec::cuda dev{s};
+  device_buffer<std::int32_t> ids(P, dev);
+  device_buffer<float> w(P, dev);
+  epx::exec::copy_from_host(dev, hid.data(), P, ids.data());
+  epx::exec::copy_from_host(dev, hw.data(), P, w.data());
+  cudaEvent_t a, b;
+  EPX_CUDA_CHECK(cudaEventCreate(&a));
+  EPX_CUDA_CHECK(cudaEventCreate(&b));
+  bool all_ok = true;
+  auto measure = [&](const char* name, auto&& plan) {
+    bool ok;
+    {
+      const auto p = plan();
+      std::vector<std::int64_t> pos(P), src(P);
+      EPX_CUDA_CHECK(cudaStreamSynchronize(s));
+      EPX_CUDA_CHECK(cudaMemcpy(pos.data(), p.pos.data(), P * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
+      EPX_CUDA_CHECK(cudaMemcpy(src.data(), p.src_row.data(), P * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
+      ok = pos == want_pos && src == want_src;
+    }
+    for (int i = 0; i < 5; ++i) (void)plan();
+    EPX_CUDA_CHECK(cudaStreamSynchronize(s));
+    EPX_CUDA_CHECK(cudaEventRecord(a, s));
+    for (int i = 0; i < calls; ++i) (void)plan();
+    EPX_CUDA_CHECK(cudaEventRecord(b, s));
+    EPX_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    device_time::start();
+    for (int i = 0; i < calls; ++i) (void)plan();
+    EPX_CUDA_CHECK(cudaStreamSynchronize(s));
+    const double dev_s = device_time::stop();
+    char dev_us[32] = "null";
+    if (dev_s >= 0) std::snprintf(dev_us, sizeof dev_us, "%.2f", dev_s / calls * 1e6);
+    std::printf("JSON {\"bench\": \"layout plan (%s)\", \"tokens\": %zu, \"k\": %d, \"experts\": %d, \"pairs\": %zu, "
+                "\"us\": %.2f, \"device_us\": %s, \"target_us\": 20, \"validated\": %s}\n",
+                name, N, k, E, P, static_cast<double>(ms) * 1e3 / calls, dev_us, ok ? "true" : "false");
+    std::fflush(stdout);
+    all_ok = all_ok && ok;
+  };
+  measure("sorted, CUB", [&] { return epx::layout::launch_sorted_plan(dev, ids.data(), w.data(), N, k, E); });
+  measure("counting sort", [&] { return epx::layout::launch_counting_plan(dev, ids.data(), w.data(), N, k, E); });
+  (void)cudaEventDestroy(a);
+  (void)cudaEventDestroy(b);
+  return all_ok;
+}
 
 // One mode; returns false if the output check failed.
 bool bench_mode(cudaStream_t s, epx::nccl::communicator& comm, bool bounded, int calls) {
@@ -242,7 +322,8 @@ int main(int argc, char** argv) {
     EPX_NCCL_CHECK(ncclGetUniqueId(&id));
     auto comm = epx::nccl::communicator::from_unique_id(id, 1, 0, 0, stream.get());
     const int calls = quick ? 20 : 200;
-    bool ok = bench_mode(stream.get(), comm, false, calls);
+    bool ok = bench_layout(stream.get(), 4096, 8, 256, calls);
+    ok = bench_mode(stream.get(), comm, false, calls) && ok;
     ok = bench_mode(stream.get(), comm, true, calls) && ok;
     comm.barrier();
     return ok ? 0 : 1;

@@ -234,48 +234,6 @@ std::vector<std::vector<T>> sample_rows(cudaStream_t s, const T* d, std::size_t 
   return out;
 }
 
-// The layout plan on the device for N tokens x k slots over E experts (32768 pairs at
-// 4096 x 8 over 256: issue target 20 us): the sorted plan (a stable radix sort by expert
-// id through Thrust, CUB on the device; what the layer takes on exec::cuda) and the
-// counting sort, each checked once against the host's counting sort of make_routing, then
-// timed with events: the queued plan only (launch_*_plan, its buffers allocated and freed
-// in stream order; build_plan adds one read-back).
-void bench_layout(cudaStream_t s, std::size_t N, std::size_t k, int E, int iters) {
-  const routing r = make_routing(N, k, E, 4321u);
-  const auto ids = upload(s, r.ids);
-  const auto w = upload(s, r.w);
-  const epx::exec::cuda dev{s};
-  const int kk = static_cast<int>(k);
-  event_timer tm(s);
-  auto same_as_host = [&](const auto& p) {
-    std::vector<std::int64_t> pos(r.S), src(r.S);
-    EPX_CUDA_CHECK(cudaStreamSynchronize(s));
-    EPX_CUDA_CHECK(cudaMemcpy(pos.data(), p.pos.data(), r.S * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
-    EPX_CUDA_CHECK(cudaMemcpy(src.data(), p.src_row.data(), r.S * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
-    return pos == r.pos && src == r.src_row;
-  };
-  auto report = [&](const char* name, bool ok, double secs) {
-    char line[512];
-    std::snprintf(line, sizeof line,
-                  "{\"bench\": \"layout plan (%s)\", \"tokens\": %zu, \"k\": %zu, \"experts\": %d, \"pairs\": %zu, "
-                  "\"us\": %.2f, \"target_us\": 20, \"validated\": %s}",
-                  name, N, k, E, r.S, secs * 1e6, ok ? "true" : "false");
-    g_json.emplace_back(line);
-    std::printf("layout plan (%s), %zu pairs over %d experts: %.2f us (target 20 us)%s\n", name, r.S, E, secs * 1e6,
-                ok ? "" : "  WRONG PLAN");
-  };
-  {
-    const bool ok = same_as_host(epx::layout::launch_sorted_plan(dev, ids.data(), w.data(), N, kk, E));
-    report("sorted, CUB", ok,
-           tm.time([&] { (void)epx::layout::launch_sorted_plan(dev, ids.data(), w.data(), N, kk, E); }, 3, iters));
-  }
-  {
-    const bool ok = same_as_host(epx::layout::launch_counting_plan(dev, ids.data(), w.data(), N, kk, E));
-    report("counting sort", ok,
-           tm.time([&] { (void)epx::layout::launch_counting_plan(dev, ids.data(), w.data(), N, kk, E); }, 3, iters));
-  }
-}
-
 template <class T>
 void bench_shape(cudaStream_t s, epx::nccl::communicator& comm, std::size_t N, std::size_t H, std::size_t k, int E,
                  double floor_gbps, int iters) {
@@ -493,7 +451,6 @@ int main(int argc, char** argv) {
     auto comm = epx::nccl::communicator::from_unique_id(id, 1, 0, 0, s);
     comm.barrier();
 
-    bench_layout(s, 4096, 8, 256, iters);
     std::printf("| %-26s | %-30s | %9s | %8s | %6s | output\n", "kernel", "shape", "ms", "GB/s", "frac");
     std::printf("|%s|%s|%s|%s|%s|\n", std::string(28, '-').c_str(), std::string(32, '-').c_str(),
                 std::string(11, '-').c_str(), std::string(10, '-').c_str(), std::string(8, '-').c_str());

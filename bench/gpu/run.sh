@@ -9,11 +9,11 @@
 # parallel (no CMake, no Google Benchmark). Then runs the tests, all at once (separate
 # processes sharing the GPU, 180 s each at most), then the benchmarks one after the other
 # (alone on the GPU; 240, 240 and 120 s at most), all within EPX_GPU_DEADLINE (480 s):
-# the layout plan, the kernels and the NCCL round trip at world size 1 (bench_kernels.cu);
-# the layer's forward and forward+backward with 8 ranks on the one GPU at 4096 x 7168 and
-# at the decode shape 128 x 7168, bf16, top-8, 256 experts (bench_layer_ep.cu); and the
-# decode forward at world size 1 against the device time of its own kernels and copies
-# (bench_decode.cu, through CUPTI where it is found). Every measurement is one JSON line
+# the kernels and the NCCL round trip at world size 1 (bench_kernels.cu); the layer's
+# forward and forward+backward with 8 ranks on the one GPU at 4096 x 7168 and at the
+# decode shape 128 x 7168, bf16, top-8, 256 experts (bench_layer_ep.cu); and the layout
+# plan and the decode forward at world size 1 against the device time of their own
+# kernels and copies (bench_decode.cu, through CUPTI where it is found). Every measurement is one JSON line
 # (`validated`, microseconds; GB/s and the fraction of the device copy bandwidth where
 # bytes move). A target that fails to build, or a test that fails, does not stop the
 # others; the exit status is zero only if every target passed (a skip, without a device,
@@ -109,15 +109,16 @@ lib+=(-L"$(dirname "$nccl_lib")" "-l:$(basename "$nccl_lib")" -Xlinker -rpath -X
 cupti=()
 cupti_prefixes=("$cuda_home" "$cuda_home/extras/CUPTI")
 if command -v python3 >/dev/null 2>&1; then
-  py_cupti=$(python3 -c 'import nvidia.cuda_cupti as m, os; print(os.path.dirname(m.__file__) if m.__file__ else list(m.__path__)[0])' 2>/dev/null || true)
-  [[ -n "$py_cupti" ]] && cupti_prefixes+=("$py_cupti")
+  # nvidia-cuda-cupti-cu12 installs nvidia/cuda_cupti, the CUDA 13 packages nvidia/cu13.
+  py_nvidia=$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
+  [[ -n "$py_nvidia" ]] && cupti_prefixes+=("$py_nvidia/cuda_cupti" "$py_nvidia/cu13")
 fi
 for p in "${cupti_prefixes[@]}"; do
   [[ -f "$p/include/cupti.h" ]] || continue
   for d in "$p/lib64" "$p/lib"; do
-    for f in libcupti.so libcupti.so.13; do
-      if [[ -e "$d/$f" ]]; then
-        cupti=(-DEPX_BENCH_CUPTI=1 -I"$p/include" -L"$d" "-l:$f" -Xlinker -rpath -Xlinker "$d"); break 3
+    for f in "$d"/libcupti.so "$d"/libcupti.so.[0-9]*; do
+      if [[ -e "$f" ]]; then
+        cupti=(-DEPX_BENCH_CUPTI=1 -I"$p/include" -L"$d" "-l:$(basename "$f")" -Xlinker -rpath -Xlinker "$d"); break 3
       fi
     done
   done
@@ -151,8 +152,8 @@ for i in "${!targets[@]}"; do
   extra=()
   [[ ${targets[$i]} == epx_bench_gpu_decode ]] && extra=(${cupti[@]+"${cupti[@]}"})
   # shellcheck disable=SC2086  # sources[i] is a list of paths without spaces
-  ( "$nvcc" "${inc[@]}" ${sources[$i]} "${flags[@]}" ${extra[@]+"${extra[@]}"} -o "$out/${targets[$i]}" \
-      >"$out/${targets[$i]}.build.log" 2>&1 ) &
+  ( limited "$(left 300)" "$nvcc" "${inc[@]}" ${sources[$i]} "${flags[@]}" ${extra[@]+"${extra[@]}"} \
+      -o "$out/${targets[$i]}" >"$out/${targets[$i]}.build.log" 2>&1 ) &
   pids+=($!)
 done
 declare -A built result
@@ -191,8 +192,10 @@ if [[ $build_only == 0 ]]; then
     say "test $name (exit $rc)"
     cat "$out/$name.log"
     skipped=$(grep -Eo '\| *[0-9]+ skipped' "$out/$name.log" | grep -Eo '[0-9]+' | head -1)
+    note=""
+    [[ ${skipped:-0} -gt 0 ]] && note=" ($skipped test case(s) skipped: see the log)"
     case $rc in
-      0) result[$name]="passed${skipped:+ ($skipped test case(s) skipped: see the log)}" ;;
+      0) result[$name]="passed$note" ;;
       77) result[$name]="SKIPPED (no usable CUDA device)" ;;
       124|137) result[$name]="FAILED (timed out after $tlimit s)" ;;
       *) result[$name]="FAILED (exit $rc)" ;;
