@@ -18,8 +18,10 @@
 //     s + bias) go to the lower expert id, so routing is deterministic and identical on
 //     every host execution policy (the CUDA policy's exp may round p or s differently, so
 //     a near tie can order the other way there); products and sums round separately on
-//     every policy (never a fused multiply-add, epx::detail::mul_add), so the CUDA policy's
-//     gradients differ from the host's only through its exp;
+//     the device and on hosts without fused multiply-add instructions
+//     (epx::detail::mul_add; a host build for FMA targets, -march=native, may fuse them
+//     unless built with -ffp-contract=off), so the CUDA policy's gradients differ from an
+//     x86-64 baseline host's only through its exp;
 //   - one EPX_HOST_DEVICE functor per token, launched with exec::for_each_n; the functors
 //     use fixed-size local arrays (k <= max_top_k, n_group <= max_groups);
 //   - non-finite logits raise epx::error(errc::input) naming the first bad token, the
