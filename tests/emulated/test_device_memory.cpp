@@ -233,6 +233,7 @@ struct rank_result {
   std::vector<std::int64_t> report;  // overflow pairs, calls, dropped per expert
   std::vector<std::string> log;
   long long unbounded_waits = 0;
+  bool direct = false;  // the training forward took the direct route (layer_stats::peer_access)
   std::string error;
 };
 
@@ -258,11 +259,13 @@ rank_result<T> run_rank(Comm& comm, const epx::test::layer_case& c, const epx::l
     on_device_experts<test::fp8_scale_experts<T>> experts;
     experts.inner.first = m.expert_begin(rank);
     auto saved = layer.forward(cspan(x), cspan(ids), cspan(w), mspan(out), experts, mode::train);
+    r.direct = layer.stats().peer_access;
     layer.backward(std::move(saved), cspan(go), mspan(gx), mspan(gw), experts);
   } else {
     on_device_experts<ref::test_linear_experts<T>> experts{
         ref::test_linear_experts<T>(global, m.ep_rank(rank), m.local_experts())};
     auto saved = layer.forward(cspan(x), cspan(ids), cspan(w), mspan(out), experts, mode::train);
+    r.direct = layer.stats().peer_access;
     layer.backward(std::move(saved), cspan(go), mspan(gx), mspan(gw), experts);
     auto grads = on_device(experts.inner.grads());
     gradient_hooks<Comm> hooks(m, comm);
@@ -347,6 +350,64 @@ std::string run_case(const epx::test::layer_case& c, const epx::layer_options& o
   return f;
 }
 
+// The threads communicator over the emulated device's memory, as threads::device_memory()
+// is over one GPU's (epx/comm/threads/cuda.cuh): blocks move by a copy the host may not
+// make itself (here a memcpy inside a launch scope, as a device copy), and sums are staged
+// through the host.
+bool device_copy(void* dst, const void* src, std::size_t bytes) noexcept {
+  const auto on_device = epx::exec::launch_scope(emu{});
+  std::memcpy(dst, src, bytes);
+  return true;
+}
+epx::threads::options emulated_device_memory() {
+  epx::threads::options o;
+  o.memory.copy = &device_copy;
+  o.memory.host_accessible = false;
+  o.memory.name = "emulated device";
+  return o;
+}
+
+// The direct route on the device policy: the threads communicator over the policy's memory
+// (above), in strict mode (the host builds the row tables from the layout and the peers'
+// pointers without touching the policy's memory; kernels::peer_table reads the senders'
+// positions), against the staged route over the same communicator, bitwise.
+template <class T>
+std::string run_direct_case(const epx::test::layer_case& c, epx::layer_options o) {
+  const int P = epx::mesh(c.topology).world();
+  std::vector<rank_result<T>> direct(static_cast<std::size_t>(P)), staged(direct.size());
+  auto body = [&](std::vector<rank_result<T>>& into, const epx::layer_options& opt) {
+    return [&into, opt, &c](epx::threads::communicator& world) {
+      auto& r = into[static_cast<std::size_t>(world.rank())];
+      try {
+        r = run_rank<T, epx::impl::all_to_all>(world, c, opt, emu{});
+      } catch (const std::exception& e) {
+        r.error = e.what();
+      }
+    };
+  };
+  o.peer_access = true;
+  {
+    const strict_memory strict(true);
+    epx::threads::run(P, body(direct, o), emulated_device_memory());
+  }
+  o.peer_access = false;
+  epx::threads::run(P, body(staged, o), emulated_device_memory());
+  std::string f;
+  for (int q = 0; q < P; ++q) {
+    const auto& a = direct[static_cast<std::size_t>(q)];
+    const auto& b = staged[static_cast<std::size_t>(q)];
+    const std::string where = epx::detail::concat(c.describe(), " rank ", q, ": ");
+    if (!a.error.empty() || !b.error.empty()) f += where + "raised: " + a.error + " / " + b.error + "\n";
+    if (!a.direct || b.direct) f += epx::detail::concat(where, "routes: direct run ", a.direct, ", staged run ", b.direct, "\n");
+    if (!(same_bits(a.out, b.out) && same_bits(a.grad_x, b.grad_x) && same_bits(a.grad_w, b.grad_w) &&
+          same_bits(a.expert_grads, b.expert_grads) && same_bits(a.out_inference, b.out_inference) &&
+          same_bits(a.out_split, b.out_split) && same_bits(a.grad_x_split, b.grad_x_split) &&
+          same_bits(a.grad_w_split, b.grad_w_split)))
+      f += where + "the direct route's results differ from the staged route's\n";
+  }
+  return f;
+}
+
 epx::test::layer_case make_case(int tp, int fsdp, int ep, int experts, int k, int hidden) {
   epx::test::layer_case c;
   c.topology = epx::mesh_config{tp, fsdp, 1, 1, ep, experts, 0};
@@ -426,6 +487,21 @@ TEST_CASE("device memory: one rank in strict mode, where every host access outsi
   o = options_for(c);
   o.fp8_dispatch = true;
   CHECK(run_case<epx::bf16>(c, o) == "");
+}
+
+TEST_CASE("device memory: the direct route on the device policy, in strict mode, bitwise the staged route") {
+  using epx::test::options_for;
+  auto one = make_case(1, 1, 1, 8, 2, 16);  // one rank: no other thread holds a scope open
+  CHECK(run_direct_case<float>(one, options_for(one)) == "");
+  auto c = make_case(2, 4, 4, 8, 2, 16);  // 8 ranks, tp 2
+  CHECK(run_direct_case<float>(c, options_for(c)) == "");
+  c.capacity.mode = epx::capacity_mode::local;
+  c.capacity.factor = 0.75;
+  CHECK(run_direct_case<epx::bf16>(c, options_for(c)) == "");
+  auto f = make_case(1, 4, 4, 8, 2, 256);
+  auto o = options_for(f);
+  o.fp8_dispatch = true;
+  CHECK(run_direct_case<epx::bf16>(f, o) == "");
 }
 
 TEST_CASE("device memory: strict mode faults on a host access outside a launch scope, and only there") {

@@ -151,12 +151,25 @@ TEST_CASE("device path: one host synchronisation per call with a device communic
     CHECK(s.split_forward == 5);
     CHECK(s.split_backward == 2);
   }
-  // Host communicator: each collective over device buffers waits for the policy first.
+  // Host communicator: each collective over device buffers waits for the policy first. The
+  // threads communicator has peer access, so this is the direct route, where the policy's
+  // reads of the peers' buffers must also have finished before the host leaves the access
+  // (the exit barrier is the host's): a wait on each side of each access.
   auto as_is = [](epx::threads::communicator c, const emu&) { return c; };
   for (const auto& s : count_syncs<epx::threads::communicator, epx::impl::all_to_all>(mc, as_is)) {
+    CHECK(s.forward == 6);   // the record's read-back, the pull (2), the combine (2), the TP all-reduce
+    CHECK(s.backward == 6);  // the pull of gradients (2), the weight gradients (1: their inputs are
+                             // settled), the input gradients' sum (2), the TP all-reduces
+    CHECK(s.split_forward == 6);  // the agreement on the handles travels in host memory
+    CHECK(s.split_backward == 6);
+  }
+  // The staged route on the same communicator: one wait before each collective.
+  epx::layer_options staged;
+  staged.peer_access = false;
+  for (const auto& s : count_syncs<epx::threads::communicator, epx::impl::all_to_all>(mc, as_is, staged)) {
     CHECK(s.forward == 4);   // the record's read-back, the dispatch, the return, the TP all-reduce
     CHECK(s.backward == 3);  // the dispatch of gradients, their return, the TP all-reduces
-    CHECK(s.split_forward == 4);  // the agreement on the handles travels in host memory
+    CHECK(s.split_forward == 4);
     CHECK(s.split_backward == 3);
   }
 }

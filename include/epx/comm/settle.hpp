@@ -55,4 +55,13 @@ void order_before_collective(const Exec& ex, Comm& comm) {
   if constexpr (!exec::is_host_policy_v<Exec> && !is_device_communicator_v<Comm>) settle(ex, comm);
 }
 
+// Inside access_peers, after the policy's work that reads the peers' buffers: a host
+// communicator's exit barrier lets the peers go on from the host, so that work must have
+// finished first (a host synchronisation); a device communicator's barrier is queued after
+// it.
+template <class Exec, class Comm>
+void order_after_peer_reads(const Exec& ex, Comm& comm) {
+  order_before_collective(ex, comm);
+}
+
 }  // namespace epx::detail

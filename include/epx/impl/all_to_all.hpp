@@ -26,12 +26,15 @@
 //      policies, the forward dispatch (not FP8's) sends the rows straight out of x, in one
 //      collective, with no gather (layer_options::indexed_sends): three passes;
 //   direct (communicators with peer access, epx::has_peer_access_v, whose ranks can use it
-//      now, epx::peer_access_available, and host policies; layer_options::peer_access):
-//      each owner copies its rows straight out of the senders' x (FP8: out of their
-//      quantised rows and scales), and combine reads every slot's output row in place at
-//      its owner (epx/layout/receive.hpp): two passes, no send buffer. (On MPI, the
-//      buffers published to the peers are first copied into the communicator's shared
-//      window: one more pass over x and the outputs.)
+//      now, epx::peer_access_available; layer_options::peer_access): each owner copies
+//      its rows straight out of the senders' x (FP8: out of their quantised rows and
+//      scales), and combine reads every slot's output row in place at its owner
+//      (epx/layout/receive.hpp): two passes, no send buffer. The row tables are made on
+//      the policy (kernels::peer_table reads the senders' send-position rows where they
+//      are), so device policies take it too: the threads communicator over one device's
+//      memory hands out the ranks' device pointers, as NVLink peer access would. (On
+//      MPI, the buffers published to the peers are first copied into the communicator's
+//      shared window: one more pass over x and the outputs.)
 // With per-rank sends (layer_options::sends == row_sends::per_rank, spec section 14;
 // epx/layout/per_rank.hpp) the staged route moves one row per (token, destination rank):
 //   gather the unique rows, all-to-all them with their slot entries (expert-major row and
@@ -255,34 +258,31 @@ class all_to_all_impl {
       s.x_recv = make_rows<T>(ws_, ex, R * H);
     }
 
-    if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
+    if constexpr (has_peer_access_v<Comm>) {
       if (s.direct) {
         // 4: every rank pulls its expert-major rows straight out of the owners' x (gather
         // and dispatch in one pass; padding rows come out zero). FP8: the bytes and the
         // scales of the owners' quantised rows, a row of H bytes copied as H/4 floats (H is
         // a multiple of 128); padding rows come out zero with scale 1. Buffer 0 of every
         // rank is its src_row.
-        const auto pull = [&](const auto& peers, std::size_t buffer, std::size_t width, auto* dst) {
-          using V = std::remove_pointer_t<decltype(dst)>;
-          auto table = ws_.template acquire<const V*>(R);
-          fill_receive_table(lay, me, table.data(), R, [&](int src, std::size_t p) {
-            const auto row = static_cast<std::size_t>(static_cast<const std::int64_t*>(peers(src, 0))[p]);
-            return static_cast<const V*>(peers(src, buffer)) + row * width;
-          });
-          kernels::copy(ex, R, width, static_cast<const V* const*>(table.data()), dst);
-        };
+        const auto from = received_from(ex, lay, me, R);
+        order_before_collective(ex, *ctx_.ep);
         if (s.fp8) {
           const void* mine[3] = {s.src_row.data(), rows8.data(), row_scales};
           const std::size_t bytes[3] = {S * sizeof(std::int64_t), n * H, n * B * sizeof(float)};
           ctx_.ep->access_peers(mine, bytes, 3, [&](const auto& peers) {
-            pull(peers, 1, H / sizeof(float), reinterpret_cast<float*>(s.x8.data()));
-            pull(peers, 2, B, s.scales);
+            pull_rows(ex, peers, from.data(), R, H / sizeof(float), 1, 0, -1, reinterpret_cast<float*>(s.x8.data()));
+            pull_rows(ex, peers, from.data(), R, B, 2, 0, -1, s.scales);
+            order_after_peer_reads(ex, *ctx_.ep);
           });
           unit_padding_scales(ex, s.scales, lay, me, B);
         } else {
           const void* mine[2] = {s.src_row.data(), x};
           const std::size_t bytes[2] = {S * sizeof(std::int64_t), n * H * sizeof(T)};
-          ctx_.ep->access_peers(mine, bytes, 2, [&](const auto& peers) { pull(peers, 1, H, s.x_recv.data()); });
+          ctx_.ep->access_peers(mine, bytes, 2, [&](const auto& peers) {
+            pull_rows(ex, peers, from.data(), R, H, 1, 0, -1, s.x_recv.data());
+            order_after_peer_reads(ex, *ctx_.ep);
+          });
         }
       }
     }
@@ -410,15 +410,16 @@ class all_to_all_impl {
     exec::fill_zero(ex, out_all, sl.begin * H);  // the slice's rows are all written below
     exec::fill_zero(ex, out_all + sl.end * H, (s.rows - sl.end) * H);
 
-    if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
+    if constexpr (has_peer_access_v<Comm>) {
       if (s.direct) {
         // 6-7: combine reads every slot's output row in place at its owner.
-        auto table = ws_.template acquire<const T*>(std::max(R, S));
         const void* mine_y[1] = {s.out_rows};
         const std::size_t bytes_y[1] = {R * H * sizeof(T)};
+        order_before_collective(ex, *ctx_.ep);  // the experts' outputs
         ctx_.ep->access_peers(mine_y, bytes_y, 1, [&](const auto& peers) {
-          fill_return_table(lay, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
+          const auto table = return_table<T>(ex, peers, lay, me, S, H);
           kernels::combine(ex, n, H, s.top_k, kernels::row_table<T>{table.data()}, w, s.pos.data(), out);
+          order_after_peer_reads(ex, *ctx_.ep);
         });
         s.y = std::move(s.outputs);  // training: the outputs stay at their owner for backward
       }
@@ -505,34 +506,28 @@ class all_to_all_impl {
     b.grad_recv = make_rows<T>(ws_, ex, R * H);
     b.grad_in = make_rows<T>(ws_, ex, R * H);
 
-    if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
+    if constexpr (has_peer_access_v<Comm>) {
       if (s.direct) {
-        auto table = ws_.template acquire<const T*>(std::max(R, S));
-        auto scale = ws_.template acquire<float>(R);
         // The owners make their grad_y rows straight from the token owners' grad_out
         // (scatter and dispatch in one pass); each token owner takes the dot products of its
         // grad_out rows with the slots' outputs kept at their owners (grad_w).
         const void* mine[3] = {grad_out, s.src_row.data(), s.weights.data()};
         const std::size_t bytes[3] = {n * H * sizeof(T), S * sizeof(std::int64_t), S * sizeof(float)};
+        const auto from = received_from(ex, lay, me, R);
+        order_before_collective(ex, *ctx_.ep);
         ctx_.ep->access_peers(mine, bytes, 3, [&](const auto& peers) {
           // Row i: send position q of member src, i.e. its grad_out row src_row[q] times its
-          // weight (padding rows: null, a zero row).
-          fill_receive_table(lay, me, table.data(), R, [&](int src, std::size_t p) {
-            const auto* src_row = static_cast<const std::int64_t*>(peers(src, 1));
-            return static_cast<const T*>(peers(src, 0)) + static_cast<std::size_t>(src_row[p]) * H;
-          });
-          for_each_received(lay, me, [&](std::size_t i, int src, std::size_t p) {
-            scale.data()[i] = static_cast<const float*>(peers(src, 2))[p];
-          });
-          kernels::copy(ex, R, H, static_cast<const T* const*>(table.data()), static_cast<const float*>(scale.data()),
-                        b.grad_recv.data());
+          // weight (padding rows: a zero row).
+          pull_rows(ex, peers, from.data(), R, H, 0, 1, 2, b.grad_recv.data());
+          order_after_peer_reads(ex, *ctx_.ep);
         });
         const void* mine_y[1] = {s.y.data()};
         const std::size_t bytes_y[1] = {R * H * sizeof(T)};
         ctx_.ep->access_peers(mine_y, bytes_y, 1, [&](const auto& peers) {
-          fill_return_table(lay, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
+          const auto table = return_table<T>(ex, peers, lay, me, S, H);
           kernels::weight_gradients(ex, n, H, s.top_k, kernels::row_table<T>{table.data()}, grad_out, s.pos.data(),
                                     grad_w);
+          order_after_peer_reads(ex, *ctx_.ep);
         });
       }
     }
@@ -607,15 +602,16 @@ class all_to_all_impl {
     exec::fill_zero(ex, grad_x_all, sl.begin * H);  // the slice's rows are all written below
     exec::fill_zero(ex, grad_x_all + sl.end * H, (s.rows - sl.end) * H);
 
-    if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>) {
+    if constexpr (has_peer_access_v<Comm>) {
       if (s.direct) {
         // Each token sums its slots' input gradients in place at their owners.
-        auto table = ws_.template acquire<const T*>(std::max(R, S));
         const void* mine_i[1] = {b.grad_in.data()};
         const std::size_t bytes_i[1] = {R * H * sizeof(T)};
+        order_before_collective(ex, *ctx_.ep);  // the experts' input gradients
         ctx_.ep->access_peers(mine_i, bytes_i, 1, [&](const auto& peers) {
-          fill_return_table(lay, me, table.data(), H, [&](int d) { return static_cast<const T*>(peers(d, 0)); });
+          const auto table = return_table<T>(ex, peers, lay, me, S, H);
           kernels::reduce(ex, n, H, s.top_k, kernels::row_table<T>{table.data()}, s.pos.data(), grad_x);
+          order_after_peer_reads(ex, *ctx_.ep);
         });
       }
     }
@@ -893,10 +889,70 @@ class all_to_all_impl {
   // the same answer on every member, collective the first time).
   template <class Exec>
   bool uses_peer_access() const {
-    if constexpr (has_peer_access_v<Comm> && exec::is_host_policy_v<Exec>)
+    if constexpr (has_peer_access_v<Comm>)
       return ctx_.options.peer_access && peer_access_available(*ctx_.ep);
     else
       return false;
+  }
+
+  // The direct route's row tables. Row i of this owner's expert-major buffer comes from
+  // send position q of member m: from[2i] = m, from[2i+1] = q (m = -1: a padding row),
+  // made on the host from the layout, in the policy's memory.
+  template <class Exec>
+  rows_buffer<std::int64_t, Exec> received_from(const Exec& ex, const receive_layout& lay, int me, std::size_t R) {
+    from_.assign(2 * R, -1);
+    for_each_received(lay, me, [&](std::size_t i, int m, std::size_t q) {
+      from_[2 * i] = m;
+      from_[2 * i + 1] = static_cast<std::int64_t>(q);
+    });
+    return to_policy(ex, from_);
+  }
+
+  // This owner's R expert-major rows of `width` elements, pulled out of the members'
+  // published buffers (kernels::peer_table, then the copy, both on the policy): row index
+  // [m][q] of member m's buffer `rows_at`, where buffer `index_at` holds each send
+  // position's row; scaled by buffer `weights_at`'s weight of the send position when it is
+  // not negative. Padding rows come out zero.
+  template <class Exec, class Peers, class V>
+  void pull_rows(const Exec& ex, const Peers& peers, const std::int64_t* from, std::size_t R, std::size_t width,
+                 std::size_t rows_at, std::size_t index_at, int weights_at, V* dst) {
+    const auto P = static_cast<std::size_t>(peers.size());
+    std::vector<const V*> rows(P);
+    std::vector<const std::int64_t*> index(P);
+    std::vector<const float*> weights(weights_at >= 0 ? P : 0);
+    for (std::size_t m = 0; m < P; ++m) {
+      rows[m] = static_cast<const V*>(peers(static_cast<int>(m), rows_at));
+      index[m] = static_cast<const std::int64_t*>(peers(static_cast<int>(m), index_at));
+      if (weights_at >= 0)
+        weights[m] = static_cast<const float*>(peers(static_cast<int>(m), static_cast<std::size_t>(weights_at)));
+    }
+    const auto rows_p = to_policy(ex, rows);
+    const auto index_p = to_policy(ex, index);
+    const auto weights_p = to_policy(ex, weights);
+    const float* const* wp = weights_at >= 0 ? weights_p.data() : nullptr;
+    auto table = make_rows<const V*>(ws_, ex, R);
+    auto scale = make_rows<float>(ws_, ex, weights_at >= 0 ? R : 0);
+    kernels::peer_table(ex, R, from, rows_p.data(), index_p.data(), wp, width, table.data(), scale.data());
+    kernels::copy(ex, R, width, static_cast<const V* const*>(table.data()),
+                  weights_at >= 0 ? static_cast<const float*>(scale.data()) : nullptr, dst);
+  }
+
+  // Send position p of this member <- its row of owner d's buffer 0 ([*, H]), for the
+  // positions that travel (kernels::row_table of combine, reduce and the weight gradients).
+  // Made on the host (every address follows from the layout), then in the policy's memory.
+  template <class V, class Exec, class Peers>
+  rows_buffer<const V*, Exec> return_table(const Exec& ex, const Peers& peers, const receive_layout& lay, int me,
+                                           std::size_t S, std::size_t H) {
+    const auto base = [&](int d) { return static_cast<const V*>(peers(d, 0)); };
+    if constexpr (exec::is_host_policy_v<Exec>) {
+      auto table = make_rows<const V*>(ws_, ex, S);
+      fill_return_table(lay, me, table.data(), H, base);
+      return table;
+    } else {
+      std::vector<const V*> h(S, nullptr);
+      fill_return_table(lay, me, h.data(), H, base);
+      return to_policy(ex, h);
+    }
   }
 
   layer_context<Comm> ctx_;
@@ -907,6 +963,7 @@ class all_to_all_impl {
   std::vector<std::int64_t> host_i64_;
   std::vector<std::int64_t> host_pos_, round_scratch_;  // staged rounds (host copies, scratch)
   std::vector<float> host_f32_;
+  std::vector<std::int64_t> from_;  // the direct route's received rows (received_from)
   bounded_route<Comm> bounded_;  // bounded mode (epx/impl/bounded.hpp)
 };
 

@@ -57,9 +57,12 @@ struct layer_options {
   bound_options bound = {};  // bounded mode (counts == count_exchange::device)
   std::size_t chunks = 0;  // chunks of the counting sort; 0: the execution policy's default
   // On communicators whose ranks share memory (epx::has_peer_access_v and, at run time,
-  // epx::peer_access_available: threads; MPI ranks all on one node) and host policies, the
-  // all-to-all path reads rows straight out of the peers' buffers: the gather
-  // is fused into the dispatch and the combine into the return, with no send buffer.
+  // epx::peer_access_available: threads, over host memory or one device's; MPI ranks all
+  // on one node), the all-to-all path reads rows straight out of the peers' buffers, on
+  // host and device policies alike: the gather is fused into the dispatch and the combine
+  // into the return, with no send buffer. With a host communicator a device policy waits
+  // for its queue on each side of each access (layer_stats::host_syncs). Bounded mode
+  // takes it for inference on host policies only.
   // false: always move rows through the communicator's all-to-all (same results, bitwise).
   bool peer_access = true;
   // On communicators that send rows by index (epx::has_indexed_sends_v: threads, MPI) and

@@ -9,6 +9,10 @@
 //   gather(ex, rows, H, x, index, scale, dst)    dst[r] = scale[r] * x[index[r]]
 //   copy(ex, rows, H, table, dst)                dst[r] = *table[r]              (zero for null)
 //   copy(ex, rows, H, table, scale, dst)         dst[r] = scale[r] * *table[r]
+//   peer_table(ex, R, from, rows, index, weights, width, table, scale)
+//                                                table[i] = rows[m] + index[m][q] * width for
+//                                                (m, q) = from[i] (null for m < 0); scale[i] =
+//                                                weights[m][q] when weights are given
 //   combine(ex, n, H, k, y, w, pos, out)         out[t] = sum_j w[t,j] * y[pos[t,j]]
 //   reduce(ex, n, H, k, y, pos, out)             out[t] = sum_j y[pos[t,j]]
 //   weight_gradients(ex, n, H, k, y, g, pos, gw) gw[t,j] = y[pos[t,j]] . g[t]   (host: a pair per call;
@@ -56,6 +60,13 @@ void copy(const Exec& ex, std::size_t rows, std::size_t H, const T* const* table
 template <class Exec, class T>
 void copy(const Exec& ex, std::size_t rows, std::size_t H, const T* const* table, T* dst) {
   copy(ex, rows, H, table, static_cast<const float*>(nullptr), dst);
+}
+
+template <class Exec, class V>
+void peer_table(const Exec& ex, std::size_t R, const std::int64_t* from, const V* const* rows,
+                const std::int64_t* const* index, const float* const* weights, std::size_t width, const V** table,
+                float* scale) {
+  if (R > 0) exec::for_each_n(ex, R, peer_row_table<V>{from, rows, index, weights, width, table, scale});
 }
 
 // y: `const T*` (dense) or row_table<T>.

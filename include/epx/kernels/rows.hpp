@@ -4,7 +4,8 @@
 //   dense_rows{base}          row r at base + r*H;
 //   indexed_rows{base, index} row r at base + index[r]*H, no row for index[r] < 0;
 //   row_table{rows}           row r at rows[r], anywhere (a peer's buffer), no row for null.
-// "No row" reads as a zero row.
+// "No row" reads as a zero row. peer_row_table makes the direct route's row_table from
+// the members' buffers.
 //
 // row_copy writes dst[r, h0:h1] = src(r)[h0:h1], or scale[r] * src(r)[h0:h1] rounded to T
 // (in accum_t<T>) when a scale is given. It is every row movement of the layer: gather into
@@ -110,6 +111,36 @@ struct row_copy {
     T* d = dst + r * hidden;
     const A w = static_cast<A>(scale[r]);
     for (std::size_t h = h0; h < h1; ++h) d[h] = convert<T>(w * convert<A>(s[h]));
+  }
+};
+
+// The direct route's receive table (epx/impl/all_to_all.hpp): row i of an owner's
+// expert-major buffer is send position q of member m (from[2i] = m, from[2i+1] = q; m < 0:
+// a padding row), i.e. row index[m][q] of member m's rows: table[i] = rows[m] +
+// index[m][q] * width, and scale[i] = weights[m][q] when weights are given (padding: null
+// and 0). The members' arrays are read where they are (peer memory on a device), so the
+// table is made by the policy that then copies the rows.
+template <class V>
+struct peer_row_table {
+  const std::int64_t* from;           // [R, 2]: member, send position
+  const V* const* rows;               // [members]: each member's rows
+  const std::int64_t* const* index;   // [members]: each member's row of a send position
+  const float* const* weights;        // [members]: each member's weight of a send position, or null
+  std::size_t width;                  // elements per row
+  const V** table;                    // [R]
+  float* scale;                       // [R] (with weights)
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    const std::int64_t m = from[2 * i];
+    if (m < 0) {
+      table[i] = nullptr;
+      if (weights != nullptr) scale[i] = 0.0f;
+      return;
+    }
+    const auto s = static_cast<std::size_t>(m);
+    const auto q = static_cast<std::size_t>(from[2 * i + 1]);
+    table[i] = rows[s] + static_cast<std::size_t>(index[s][q]) * width;
+    if (weights != nullptr) scale[i] = weights[s][q];
   }
 };
 

@@ -166,14 +166,6 @@ void for_each_returned(const receive_layout& r, int me, F&& f) {
     }
 }
 
-// table[i] = source(s, q) for every row of owner `me`'s expert-major buffer ([rows]), null
-// for padding rows.
-template <class T, class Source>
-void fill_receive_table(const receive_layout& r, int me, const T** table, std::size_t rows, Source&& source) {
-  for (std::size_t i = 0; i < rows; ++i) table[i] = nullptr;
-  for_each_received(r, me, [&](std::size_t i, int s, std::size_t q) { table[i] = source(s, q); });
-}
-
 // table[p] = base(d) + row * hidden for every send position p of source `me` ([sent]), where
 // `base(d)` is owner d's expert-major buffer.
 template <class T, class Base>
