@@ -1,7 +1,9 @@
 // bench/gpu/bench_layer_ep.cu: the MoE layer's real device path with ep ranks on one GPU:
 // ep threads of epx::threads::run over device memory (<epx/comm/threads/cuda.cuh>), each
-// with its own stream and exec::cuda policy, the staged route (the one device policies
-// take), forward (inference) and forward + backward (training), identity-like experts.
+// with its own stream and exec::cuda policy, on both routes: direct (the ranks' device
+// pointers read as NVLink peer access would, the threads communicator's default) and staged
+// (layer_options::peer_access = false: the one NCCL takes), forward (inference) and
+// forward + backward (training), identity-like experts.
 //
 //   epx_bench_gpu_layer_ep [--quick]
 //
@@ -9,8 +11,9 @@
 // 256 experts, ep 8, and the decode shape 128 tokens x 7168. One iteration: a barrier, the
 // call on every rank, its stream synchronised, a barrier; rank 0's wall time between the
 // barriers. Before timing, one call is checked against a float64 computation on sampled
-// tokens (`validated`). Bytes: every rank's staged route (gather 2S, dispatch 2R, experts
-// 2R, return 2S, combine S + n rows; backward about twice that), over all ranks, against
+// tokens (`validated`, which also requires the route asked for). Bytes: every rank's route
+// (staged: gather 2S, dispatch 2R, experts 2R, return 2S, combine S + n rows; direct: pull
+// 2R, experts 2R, combine S + n; backward about twice that), over all ranks, against
 // the device copy bandwidth measured in the same process (`copy_fraction`). Prints one JSON
 // line per measurement ("JSON {...}"), with median and p99 microseconds.
 #include <cuda_runtime.h>
@@ -89,21 +92,21 @@ double copy_bandwidth(int iters) {
   return 2.0 * static_cast<double>(bytes) / median_of(t) * 1e-9;  // read + write
 }
 
-void json(const char* bench, const shape& s, const char* dtype, bool validated, const std::vector<double>& t,
-          double bytes, double copy_gbps) {
+void json(const char* bench, const shape& s, const char* dtype, bool direct, bool validated,
+          const std::vector<double>& t, double bytes, double copy_gbps) {
   const double med = median_of(t), gbps = bytes / med * 1e-9;
-  std::printf("JSON {\"bench\": \"%s\", \"backend\": \"threads x%d on one GPU\", \"route\": \"staged\", "
+  std::printf("JSON {\"bench\": \"%s\", \"backend\": \"threads x%d on one GPU\", \"route\": \"%s\", "
               "\"dtype\": \"%s\", \"tokens\": %zu, \"hidden\": %zu, \"k\": %d, \"experts\": %d, \"ep\": %d, "
               "\"validated\": %s, \"us\": %.1f, \"p99_us\": %.1f, \"bytes\": %.0f, \"GBps\": %.1f, "
               "\"copy_fraction\": %.3f}\n",
-              bench, s.ep, dtype, s.tokens, s.hidden, s.k, s.experts, s.ep, validated ? "true" : "false", med * 1e6,
-              p99_of(t) * 1e6, bytes, gbps, gbps / copy_gbps);
+              bench, s.ep, direct ? "direct" : "staged", dtype, s.tokens, s.hidden, s.k, s.experts, s.ep,
+              validated ? "true" : "false", med * 1e6, p99_of(t) * 1e6, bytes, gbps, gbps / copy_gbps);
   std::fflush(stdout);
 }
 
 // Runs one shape; returns false if a check failed.
 template <class T>
-bool bench_shape(const shape& s, int iters, double copy_gbps, const char* dtype) {
+bool bench_shape(const shape& s, bool direct, int iters, double copy_gbps, const char* dtype) {
   epx::mesh_config mc{1, s.ep, 1, 1, s.ep, s.experts, 0};
   const std::size_t N = s.tokens, H = s.hidden, k = static_cast<std::size_t>(s.k);
   std::vector<double> t_fwd, t_train;
@@ -125,6 +128,7 @@ bool bench_shape(const shape& s, int iters, double copy_gbps, const char* dtype)
         lo.hidden = H;
         lo.top_k = s.k;
         lo.pad.rows_per_expert = 0;
+        lo.peer_access = direct;
         epx::moe_layer<epx::threads::communicator, T, epx::impl::all_to_all, epx::exec::cuda> layer(m, comm, lo, ex);
         // Inputs: uniform routing, k distinct experts per token.
         std::mt19937 rng(100u + static_cast<unsigned>(me));
@@ -175,15 +179,17 @@ bool bench_shape(const shape& s, int iters, double copy_gbps, const char* dtype)
           }
         }
         const double tol = std::is_same_v<T, float> ? 1e-5 : 1.0 / 128;
-        ok[static_cast<std::size_t>(me)] = err <= tol;
-        if (err > tol) std::fprintf(stderr, "rank %d: forward check failed: %.3e > %.1e\n", me, err, tol);
-        // Bytes of this rank's staged route, in rows of H elements.
         const auto& stats = layer.stats();
+        ok[static_cast<std::size_t>(me)] = err <= tol && stats.peer_access == direct;
+        if (err > tol) std::fprintf(stderr, "rank %d: forward check failed: %.3e > %.1e\n", me, err, tol);
+        if (stats.peer_access != direct)
+          std::fprintf(stderr, "rank %d: the layer took the %s route\n", me, stats.peer_access ? "direct" : "staged");
+        // Bytes of this rank's route, in rows of H elements.
         std::size_t R = 0;
         for (auto c : stats.tokens_per_local_expert) R += static_cast<std::size_t>(c);
         const double row_bytes = static_cast<double>(H * sizeof(T)), S = static_cast<double>(N * k);
-        const double fb = (2 * S + 2 * static_cast<double>(R) + 2 * static_cast<double>(R) + 2 * S + S +
-                           static_cast<double>(N)) * row_bytes;
+        const double Rd = static_cast<double>(R), Nd = static_cast<double>(N);
+        const double fb = (direct ? 2 * Rd + 2 * Rd + S + Nd : 2 * S + 2 * Rd + 2 * Rd + 2 * S + S + Nd) * row_bytes;
         bytes_fwd[static_cast<std::size_t>(me)] = fb;
         bytes_train[static_cast<std::size_t>(me)] = 2 * fb + 2 * S * row_bytes;  // + the weight-gradient dots
         auto timed = [&](auto&& call, std::vector<double>& times) {
@@ -209,8 +215,8 @@ bool bench_shape(const shape& s, int iters, double copy_gbps, const char* dtype)
     bf += bytes_fwd[i];
     bt += bytes_train[i];
   }
-  json("layer forward (inference)", s, dtype, all_ok, t_fwd, bf, copy_gbps);
-  json("layer forward+backward (training)", s, dtype, all_ok, t_train, bt, copy_gbps);
+  json("layer forward (inference)", s, dtype, direct, all_ok, t_fwd, bf, copy_gbps);
+  json("layer forward+backward (training)", s, dtype, direct, all_ok, t_train, bt, copy_gbps);
   return all_ok;
 }
 
@@ -227,8 +233,11 @@ int main(int argc, char** argv) {
                 copy);
     const int iters = quick ? 5 : 20;
     bool ok = true;
-    ok = bench_shape<epx::bf16>({8, quick ? std::size_t{1024} : std::size_t{4096}, 7168, 8, 256}, iters, copy, "bf16") && ok;
-    ok = bench_shape<epx::bf16>({8, 128, 7168, 8, 256}, quick ? 10 : 50, copy, "bf16") && ok;
+    for (const bool direct : {true, false}) {
+      ok = bench_shape<epx::bf16>({8, quick ? std::size_t{1024} : std::size_t{4096}, 7168, 8, 256}, direct, iters,
+                                  copy, "bf16") && ok;
+      ok = bench_shape<epx::bf16>({8, 128, 7168, 8, 256}, direct, quick ? 10 : 50, copy, "bf16") && ok;
+    }
     return ok ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "epx_bench_gpu_layer_ep: %s\n", e.what());
