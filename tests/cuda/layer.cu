@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -165,7 +166,9 @@ TEST_CASE_TEMPLATE("moe_layer with exec::cuda and the NCCL communicator at world
   test_stream ts;
   ncclUniqueId id;
   EPX_NCCL_CHECK(ncclGetUniqueId(&id));
-  auto world = epx::nccl::communicator::from_unique_id(id, 1, 0, -1, ts.s);
+  epx::nccl::options peers;
+  peers.peer_access = true;  // the direct route where NCCL can give it (off by default)
+  auto world = epx::nccl::communicator::from_unique_id(id, 1, 0, -1, ts.s, peers);
   // The layer's collectives and its kernels share one stream.
   const epx::exec::cuda dev{world.stream()};
   const int E = 8, k = 2;
@@ -206,6 +209,10 @@ TEST_CASE_TEMPLATE("moe_layer with exec::cuda and the NCCL communicator at world
   auto saved = layer.forward(epx::span<const T>(d_x.data(), N * H), epx::span<const std::int32_t>(d_ids.data(), N * k),
                              epx::span<const float>(d_w.data(), N * k), epx::span<T>(d_out.data(), N * H), experts,
                              epx::mode::train);
+  // The direct route where NCCL gives peer access (a symmetric window, NCCL >= 2.28).
+  const bool direct = layer.stats().peer_access;
+  CHECK(direct == epx::peer_access_available(world));
+  MESSAGE("route: ", direct ? "direct (NCCL symmetric window)" : "staged");
   layer.backward(std::move(saved), epx::span<const T>(d_g.data(), N * H), epx::span<T>(d_gx.data(), N * H),
                  epx::span<float>(d_gw.data(), N * k), experts);
   world.wait();
@@ -214,6 +221,29 @@ TEST_CASE_TEMPLATE("moe_layer with exec::cuda and the NCCL communicator at world
   const auto gw = to_host(dev, d_gw.data(), N * k);
   CHECK(experts.forward_calls == 1);
   CHECK(experts.backward_calls == 1);
+  {
+    // The staged route over the same communicator gives the same bits.
+    epx::layer_options staged_opt = opt;
+    staged_opt.peer_access = false;
+    epx::moe_layer<epx::nccl::communicator, T, epx::impl::all_to_all, epx::exec::cuda> staged(m, world, staged_opt,
+                                                                                             dev);
+    scaling_experts<T> e2;
+    device_buffer<T> s_out(N * H, dev), s_gx(N * H, dev);
+    device_buffer<float> s_gw(N * k, dev);
+    auto s2 = staged.forward(epx::span<const T>(d_x.data(), N * H), epx::span<const std::int32_t>(d_ids.data(), N * k),
+                             epx::span<const float>(d_w.data(), N * k), epx::span<T>(s_out.data(), N * H), e2,
+                             epx::mode::train);
+    CHECK(!staged.stats().peer_access);
+    staged.backward(std::move(s2), epx::span<const T>(d_g.data(), N * H), epx::span<T>(s_gx.data(), N * H),
+                    epx::span<float>(s_gw.data(), N * k), e2);
+    world.wait();
+    const auto so = to_host(dev, s_out.data(), N * H);
+    const auto sg = to_host(dev, s_gx.data(), N * H);
+    const auto sw = to_host(dev, s_gw.data(), N * k);
+    CHECK(std::memcmp(so.data(), out.data(), out.size() * sizeof(T)) == 0);
+    CHECK(std::memcmp(sg.data(), gx.data(), gx.size() * sizeof(T)) == 0);
+    CHECK(std::memcmp(sw.data(), gw.data(), gw.size() * sizeof(float)) == 0);
+  }
 
   // float64 reference that rounds where the GPU path stores T: the expert outputs
   // y = T(s_e * x), the row gradients T(w * g) and T(s_e * T(w * g)); sums are exact here

@@ -56,6 +56,76 @@ communicator world_of_one(bool blocking, cudaStream_t s) {
 }  // namespace
 
 static_assert(epx::is_communicator_v<communicator>);
+// Peer access (the layer's direct route) where NCCL has symmetric windows and its device API.
+static_assert(epx::has_peer_access_v<communicator> == (EPX_NCCL_PEER_ACCESS == 1));
+
+#if EPX_NCCL_PEER_ACCESS
+TEST_CASE("nccl access_peers at world size 1: buffers published through the symmetric window; bad arguments") {
+  test_stream ts;
+  {
+    auto off = world_of_one(true, ts.s);  // options::peer_access is off by default
+    CHECK(!epx::peer_access_available(off));
+  }
+  ncclUniqueId id;
+  EPX_NCCL_CHECK(ncclGetUniqueId(&id));
+  epx::nccl::options o;
+  o.peer_access = true;
+  auto c = communicator::from_unique_id(id, 1, 0, -1, ts.s, o);
+  if (!epx::peer_access_available(c)) {
+    MESSAGE("no peer access on this machine (ncclTeamLsa): nothing more to test");
+    return;
+  }
+  std::vector<float> a(1000);
+  std::vector<std::int64_t> b(77);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = 0.5f * static_cast<float>(i) - 3.0f;
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<std::int64_t>(i * i) - 40;
+  auto da = to_device(c, a);
+  auto db = to_device(c, b);
+  device_buffer<float> ra(a.size());
+  device_buffer<std::int64_t> rb(b.size());
+  // Twice: the second access reuses the window; the third needs a larger one.
+  for (int round = 0; round < 2; ++round) {
+    const void* mine[2] = {da.data(), db.data()};
+    const std::size_t bytes[2] = {a.size() * sizeof(float), b.size() * sizeof(std::int64_t)};
+    c.access_peers(mine, bytes, 2, [&](const communicator::peer_pointers& peers) {
+      CHECK(peers.size() == 1);
+      CHECK(peers(0, 0) != static_cast<const void*>(da.data()));  // a copy in the window
+      EPX_CUDA_CHECK(cudaMemcpyAsync(ra.data(), peers(0, 0), bytes[0], cudaMemcpyDefault, c.stream()));
+      EPX_CUDA_CHECK(cudaMemcpyAsync(rb.data(), peers(0, 1), bytes[1], cudaMemcpyDefault, c.stream()));
+    });
+    CHECK(to_host(c, ra) == a);
+    CHECK(to_host(c, rb) == b);
+  }
+  std::vector<float> big(3u << 20, 1.25f);  // 12 MiB: the window grows
+  auto dbig = to_device(c, big);
+  device_buffer<float> rbig(big.size());
+  const void* one[1] = {dbig.data()};
+  const std::size_t one_bytes[1] = {big.size() * sizeof(float)};
+  c.access_peers(one, one_bytes, 1, [&](const communicator::peer_pointers& peers) {
+    EPX_CUDA_CHECK(cudaMemcpyAsync(rbig.data(), peers(0, 0), one_bytes[0], cudaMemcpyDefault, c.stream()));
+  });
+  CHECK(to_host(c, rbig) == big);
+  // Bad arguments raise errc::input naming them; the communicator stays usable.
+  const void* nine[9] = {};
+  const std::size_t nine_bytes[9] = {};
+  try {
+    c.access_peers(nine, nine_bytes, 9, [](const communicator::peer_pointers&) {});
+    FAIL("nine buffers were accepted");
+  } catch (const epx::error& e) {
+    CHECK(e.category() == epx::errc::input);
+    CHECK(e.message().find("9 buffers") != std::string::npos);
+  }
+  const void* null_one[1] = {nullptr};
+  try {
+    c.access_peers(null_one, one_bytes, 1, [](const communicator::peer_pointers&) {});
+    FAIL("a null buffer with bytes was accepted");
+  } catch (const epx::error& e) {
+    CHECK(e.category() == epx::errc::input);
+    CHECK(e.message().find("null") != std::string::npos);
+  }
+  c.barrier();
+}
+#endif
 
 TEST_CASE("nccl communicator at world size 1: every collective, both NCCL modes") {
   for (bool blocking : {true, false}) {

@@ -59,7 +59,8 @@
 //                                       // device policy with a host communicator otherwise
 //
 // and, for backends whose ranks can read each other's memory (threads::communicator: one
-// address space; mpi::communicator: MPI-3 shared memory when every rank is on one node):
+// address space; mpi::communicator: MPI-3 shared memory when every rank is on one node;
+// nccl::communicator: a symmetric memory window, NCCL >= 2.28, nccl::options::peer_access):
 //
 //   class peer_pointers { const void* operator()(int r, std::size_t i) const; int size() const; };
 //   template <class F> void access_peers(const void* const* mine, const std::size_t* bytes,

@@ -37,6 +37,12 @@
 // all_to_allv and all_to_allv_segments run as one NCCL group of ncclSend/ncclRecv
 // (epx/comm/nccl/transport.cuh).
 //
+// Peer access (NCCL >= 2.28, options::peer_access, off by default): where every rank is in
+// one NVLink domain, access_peers publishes the ranks' buffers through a symmetric memory
+// window, so that the layer's direct route reads rows out of the peers' memory
+// (epx/comm/nccl/peers.cuh); peer_access_available() says whether it works (collective on
+// its first call).
+//
 // Errors: every NCCL call is checked (EPX_NCCL_CHECK): epx::error(errc::nccl) naming the
 // call, this rank, ncclGetErrorString, ncclGetLastError and the ncclResult_t code
 // (epx/comm/nccl/support.cuh).
@@ -45,22 +51,28 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "epx/comm/communicator.hpp"
 #include "epx/comm/datatype.hpp"
 #include "epx/comm/nccl/options.cuh"
+#include "epx/comm/nccl/peers.cuh"
 #include "epx/comm/nccl/support.cuh"
 #include "epx/comm/nccl/transport.cuh"
 #include "epx/comm/nccl/wait.cuh"
 #include "epx/core/error.hpp"
 #include "epx/core/numeric.hpp"
 #include "epx/exec/cuda.cuh"
+#include "epx/exec/host_copy.hpp"
 
 namespace epx::nccl {
 
@@ -143,6 +155,9 @@ class communicator {
     std::swap(stream_, o.stream_);
     std::swap(opt_, o.opt_);
     scratch_.swap(o.scratch_);
+#if EPX_NCCL_PEER_ACCESS
+    peers_.swap(o.peers_);
+#endif
   }
 
   int rank() const noexcept { return h_.rank; }
@@ -272,6 +287,102 @@ class communicator {
   // raises epx::error. For error paths of the caller's own (e.g. a peer is known dead).
   void abort() noexcept { h_.abort(); }
 
+#if EPX_NCCL_PEER_ACCESS
+  using peer_pointers = nccl::peer_pointers;
+
+  // Whether access_peers works: options::peer_access and every rank in one NCCL LSA team
+  // (ncclTeamLsa). With options::peer_access on, collective on the first call (an
+  // all_reduce of the ranks' answers and its read-back, so every rank answers alike), then
+  // remembered; off, false at once (every rank must set the same options::peer_access: a
+  // rank that differs leaves the others' agreement waiting until wait() times out).
+  bool peer_access_available() {
+    require_live_("peer_access_available");
+    if (!opt_.peer_access) return false;
+    if (!peers_) peers_ = std::make_unique<detail::peer_window>();
+    detail::peer_window& w = *peers_;
+    if (w.available < 0) {
+      detail::device_guard dg(h_.device);
+      const exec::cuda ex{stream_};
+      const std::int32_t mine = ncclTeamLsa(h_.comm).nRanks == h_.size ? 1 : 0;
+      if (w.flag.size() == 0) w.flag = exec::device_buffer<std::int32_t>(1, ex);
+      exec::copy_n(ex, &mine, 1, w.flag.data());
+      all_reduce(w.flag.data(), w.flag.data(), 1, datatype::int32, 1.0);
+      wait();
+      std::int32_t all = 0;
+      ::epx::detail::to_host(ex, w.flag.data(), 1, &all);  // counted in layer_stats::host_syncs
+      w.available = all == h_.size ? 1 : 0;
+    }
+    return w.available == 1;
+  }
+
+  // Collective: every rank publishes `count` buffers (bytes[i] bytes of device memory at
+  // mine[i]); f(peers) queues its reads of member r's buffer i at peers(r, i) on the
+  // communicator's stream. The buffers are copied into the window first; no rank's later
+  // work on the stream rewrites them before every member's reads have run. Bad arguments
+  // or mismatched counts raise on every rank. (Steps in epx/comm/nccl/peers.cuh.)
+  template <class F>
+  void access_peers(const void* const* mine, const std::size_t* bytes, std::size_t count, F&& f) {
+    require_live_("access_peers");
+    EPX_REQUIRE(peer_access_available(), errc::configuration, "nccl access_peers: the ranks of this communicator (",
+                h_.size, ") are not all in one NVLink domain (ncclTeamLsa), or options::peer_access is off");
+    detail::device_guard dg(h_.device);
+    detail::peer_window& w = *peers_;
+    const exec::cuda ex{stream_};
+    const auto n = static_cast<std::size_t>(h_.size), me = static_cast<std::size_t>(h_.rank);
+    constexpr std::size_t L = detail::peer_record, M = detail::max_peer_buffers;
+    // 1. The record exchange.
+    std::vector<std::int64_t> rec(n * L, 0);
+    std::int64_t* my = rec.data() + me * L;
+    if (count > M) {
+      my[0] = 1;
+    } else if (count != 0 && (mine == nullptr || bytes == nullptr)) {
+      my[0] = 2;
+    } else {
+      for (std::size_t i = 0; i < count; ++i) {
+        my[3 + i] = static_cast<std::int64_t>(bytes[i]);
+        if (mine[i] == nullptr && bytes[i] != 0 && my[0] == 0) {
+          my[0] = 3;
+          my[2] = static_cast<std::int64_t>(i);
+        }
+      }
+    }
+    my[1] = static_cast<std::int64_t>(count);
+    if (w.records.size() != n * L) w.records = exec::device_buffer<std::int64_t>(n * L, ex);
+    exec::copy_n(ex, static_cast<const std::int64_t*>(my), L, w.records.data() + me * L);
+    all_gather(w.records.data() + me * L, w.records.data(), L, datatype::int64);
+    wait();
+    ::epx::detail::to_host(ex, w.records.data(), n * L, rec.data());  // counted in layer_stats::host_syncs
+    check_peer_records(rec);
+    w.offset.assign(n * M, 0);
+    std::size_t most = 0;
+    for (std::size_t r = 0; r < n; ++r) {
+      std::size_t at = 0;
+      for (std::size_t i = 0; i < count; ++i) {
+        w.offset[r * M + i] = at;
+        at += detail::peer_round(static_cast<std::size_t>(rec[r * L + 3 + i]), detail::peer_align);
+      }
+      most = std::max(most, at);
+    }
+    if (most > w.capacity || w.window == nullptr) grow_window(std::max(most, std::size_t{1}));
+    // 2. This rank's buffers into its part.
+    for (std::size_t i = 0; i < count; ++i)
+      if (bytes[i] != 0)
+        EPX_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(w.memory) + w.offset[me * M + i], mine[i], bytes[i],
+                                       cudaMemcpyDefault, stream_));
+    // 3-5.
+    all_reduce(w.flag.data(), w.flag.data(), 1, datatype::int32, 1.0);
+    std::exception_ptr failure;
+    try {
+      const peer_pointers peers(&w);
+      f(peers);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    all_reduce(w.flag.data(), w.flag.data(), 1, datatype::int32, 1.0);
+    if (failure) std::rethrow_exception(failure);
+  }
+#endif
+
  private:
   communicator(ncclComm_t comm, bool owned, cudaStream_t stream, options opt)
       : owned_(owned), stream_(stream), opt_(opt) {
@@ -342,6 +453,59 @@ class communicator {
     if (h_.comm == nullptr) EPX_THROW(errc::communicator, "nccl ", what, ": empty communicator");
   }
 
+#if EPX_NCCL_PEER_ACCESS
+  // After the record exchange of access_peers: raises on every rank, with the same message.
+  void check_peer_records(const std::vector<std::int64_t>& rec) const {
+    constexpr std::size_t L = detail::peer_record;
+    for (int r = 0; r < h_.size; ++r) {
+      const std::int64_t* q = rec.data() + static_cast<std::size_t>(r) * L;
+      EPX_REQUIRE(q[0] != 1, errc::input, "nccl access_peers: rank ", r, " passed ", q[1], " buffers; at most ",
+                  detail::max_peer_buffers);
+      EPX_REQUIRE(q[0] != 2, errc::input, "nccl access_peers: rank ", r, " passed ", q[1],
+                  " buffers with a null pointer or byte list");
+      EPX_REQUIRE(q[0] != 3, errc::input, "nccl access_peers: rank ", r, ": buffer ", q[2],
+                  " is null but holds bytes");
+    }
+    std::string differ;
+    for (int r = 1; r < h_.size; ++r)
+      if (rec[static_cast<std::size_t>(r) * L + 1] != rec[1])
+        differ += ::epx::detail::concat(", rank ", r, " passed ", rec[static_cast<std::size_t>(r) * L + 1]);
+    EPX_REQUIRE(differ.empty(), errc::communicator, "nccl access_peers: mismatched counts: rank 0 passed ", rec[1],
+                differ);
+  }
+
+  // A window of at least `bytes` on every rank (all pass the same size), in place of the
+  // last one; the stream is idle (after the record exchange's wait). Collective.
+  void grow_window(std::size_t bytes) {
+    detail::peer_window& w = *peers_;
+    const exec::cuda ex{stream_};
+    free_window();
+    const std::size_t cap = detail::peer_round(std::max(bytes, 2 * w.capacity), detail::peer_grain);
+    EPX_NCCL_CHECK(ncclMemAlloc(&w.memory, cap));
+    check_(ncclCommWindowRegister(h_.comm, w.memory, cap, &w.window, NCCL_WIN_COLL_SYMMETRIC),
+           "ncclCommWindowRegister", EPX_HERE);
+    w.capacity = cap;
+    const auto n = static_cast<std::size_t>(h_.size);
+    if (w.bases.size() != n) w.bases = exec::device_buffer<char*>(n, ex);
+    detail::peer_bases_kernel<<<1, 1, 0, stream_>>>(w.window, h_.size, w.bases.data());
+    EPX_CUDA_CHECK(cudaGetLastError());
+    w.base.assign(n, nullptr);
+    ::epx::detail::to_host(ex, w.bases.data(), n, w.base.data());
+  }
+
+  // The window's registration and memory, if any (the stream is idle, or the communicator
+  // is being released).
+  void free_window() noexcept {
+    if (!peers_) return;
+    detail::peer_window& w = *peers_;
+    if (w.window != nullptr && h_.comm != nullptr && !h_.aborted) (void)ncclCommWindowDeregister(h_.comm, w.window);
+    w.window = nullptr;
+    if (w.memory != nullptr) (void)ncclMemFree(w.memory);
+    w.memory = nullptr;
+    w.capacity = 0;
+  }
+#endif
+
   // Calls on the communicator settle through its handle (epx/comm/nccl/wait.cuh), bounded
   // by the communicator's timeout.
   void check_(ncclResult_t r, const char* call, source_location where) const {
@@ -349,6 +513,18 @@ class communicator {
   }
 
   void release_() noexcept {
+#if EPX_NCCL_PEER_ACCESS
+    if (peers_) {
+      // On the communicator's device, then the caller's again.
+      int prev = -1;
+      const bool switched =
+          cudaGetDevice(&prev) == cudaSuccess && prev != h_.device && cudaSetDevice(h_.device) == cudaSuccess;
+      free_window();
+      peers_.reset();
+      if (switched) (void)cudaSetDevice(prev);
+      (void)cudaGetLastError();
+    }
+#endif
     if (scratch_.size() != 0) {
       // Free on the communicator's device, then restore the caller's.
       int prev = -1;
@@ -369,6 +545,9 @@ class communicator {
   cudaStream_t stream_ = 0;
   options opt_{};
   exec::device_buffer<std::int32_t> scratch_;  // [1] for barrier()
+#if EPX_NCCL_PEER_ACCESS
+  std::unique_ptr<detail::peer_window> peers_;  // peer access (epx/comm/nccl/peers.cuh), made when first asked
+#endif
 };
 
 static_assert(check_communicator<communicator>(),
