@@ -158,10 +158,10 @@ TEST_CASE("device path: one host synchronisation per call with a device communic
   auto as_is = [](epx::threads::communicator c, const emu&) { return c; };
   for (const auto& s : count_syncs<epx::threads::communicator, epx::impl::all_to_all>(mc, as_is)) {
     CHECK(s.forward == 6);   // the record's read-back, the pull (2), the combine (2), the TP all-reduce
-    CHECK(s.backward == 6);  // the pull of gradients (2), the weight gradients (1: their inputs are
-                             // settled), the input gradients' sum (2), the TP all-reduces
+    CHECK(s.backward == 5);  // the pull of gradients with the weight gradients (2), the input
+                             // gradients' sum (2), the TP all-reduces
     CHECK(s.split_forward == 6);  // the agreement on the handles travels in host memory
-    CHECK(s.split_backward == 6);
+    CHECK(s.split_backward == 5);
   }
   // The staged route on the same communicator: one wait before each collective.
   epx::layer_options staged;

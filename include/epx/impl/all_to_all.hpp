@@ -511,20 +511,17 @@ class all_to_all_impl {
         // The owners make their grad_y rows straight from the token owners' grad_out
         // (scatter and dispatch in one pass); each token owner takes the dot products of its
         // grad_out rows with the slots' outputs kept at their owners (grad_w).
-        const void* mine[3] = {grad_out, s.src_row.data(), s.weights.data()};
-        const std::size_t bytes[3] = {n * H * sizeof(T), S * sizeof(std::int64_t), S * sizeof(float)};
+        // One access for both: buffer 3 is the outputs kept since forward.
+        const void* mine[4] = {grad_out, s.src_row.data(), s.weights.data(), s.y.data()};
+        const std::size_t bytes[4] = {n * H * sizeof(T), S * sizeof(std::int64_t), S * sizeof(float),
+                                      R * H * sizeof(T)};
         const auto from = received_from(ex, lay, me, R);
         order_before_collective(ex, *ctx_.ep);
-        ctx_.ep->access_peers(mine, bytes, 3, [&](const auto& peers) {
+        ctx_.ep->access_peers(mine, bytes, 4, [&](const auto& peers) {
           // Row i: send position q of member src, i.e. its grad_out row src_row[q] times its
           // weight (padding rows: a zero row).
           pull_rows(ex, peers, from.data(), R, H, 0, 1, 2, b.grad_recv.data());
-          order_after_peer_reads(ex, *ctx_.ep);
-        });
-        const void* mine_y[1] = {s.y.data()};
-        const std::size_t bytes_y[1] = {R * H * sizeof(T)};
-        ctx_.ep->access_peers(mine_y, bytes_y, 1, [&](const auto& peers) {
-          const auto table = return_table<T>(ex, peers, lay, me, S, H);
+          const auto table = return_table<T>(ex, peers, lay, me, S, H, 3);
           kernels::weight_gradients(ex, n, H, s.top_k, kernels::row_table<T>{table.data()}, grad_out, s.pos.data(),
                                     grad_w);
           order_after_peer_reads(ex, *ctx_.ep);
@@ -937,13 +934,13 @@ class all_to_all_impl {
                   weights_at >= 0 ? static_cast<const float*>(scale.data()) : nullptr, dst);
   }
 
-  // Send position p of this member <- its row of owner d's buffer 0 ([*, H]), for the
+  // Send position p of this member <- its row of owner d's buffer `at` ([*, H]), for the
   // positions that travel (kernels::row_table of combine, reduce and the weight gradients).
   // Made on the host (every address follows from the layout), then in the policy's memory.
   template <class V, class Exec, class Peers>
   rows_buffer<const V*, Exec> return_table(const Exec& ex, const Peers& peers, const receive_layout& lay, int me,
-                                           std::size_t S, std::size_t H) {
-    const auto base = [&](int d) { return static_cast<const V*>(peers(d, 0)); };
+                                           std::size_t S, std::size_t H, std::size_t at = 0) {
+    const auto base = [&](int d) { return static_cast<const V*>(peers(d, at)); };
     if constexpr (exec::is_host_policy_v<Exec>) {
       auto table = make_rows<const V*>(ws_, ex, S);
       fill_return_table(lay, me, table.data(), H, base);
