@@ -494,13 +494,16 @@ class communicator {
   }
 
   // The window's registration and memory, if any (the stream is idle, or the communicator
-  // is being released).
+  // is being released). Deregistration is collective: while an exception unwinds (this
+  // rank may be alone in its destructor) or after an abort it is not attempted, and the
+  // memory stays with the process rather than be freed under a live registration.
   void free_window() noexcept {
     if (!peers_) return;
     detail::peer_window& w = *peers_;
-    if (w.window != nullptr && h_.comm != nullptr && !h_.aborted) (void)ncclCommWindowDeregister(h_.comm, w.window);
+    const bool alone = std::uncaught_exceptions() > 0 || h_.comm == nullptr || h_.aborted;
+    if (w.window != nullptr && !alone) (void)ncclCommWindowDeregister(h_.comm, w.window);
+    if (w.memory != nullptr && (w.window == nullptr || !alone)) (void)ncclMemFree(w.memory);
     w.window = nullptr;
-    if (w.memory != nullptr) (void)ncclMemFree(w.memory);
     w.memory = nullptr;
     w.capacity = 0;
   }
