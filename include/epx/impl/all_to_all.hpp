@@ -894,15 +894,26 @@ class all_to_all_impl {
 
   // The direct route's row tables. Row i of this owner's expert-major buffer comes from
   // send position q of member m: from[2i] = m, from[2i+1] = q (m = -1: a padding row),
-  // made on the host from the layout, in the policy's memory.
+  // made on the host from the layout, in the policy's memory (host policies: written
+  // straight into the pooled buffer; device policies: through `from_`, then one copy).
   template <class Exec>
   rows_buffer<std::int64_t, Exec> received_from(const Exec& ex, const receive_layout& lay, int me, std::size_t R) {
-    from_.assign(2 * R, -1);
-    for_each_received(lay, me, [&](std::size_t i, int m, std::size_t q) {
-      from_[2 * i] = m;
-      from_[2 * i + 1] = static_cast<std::int64_t>(q);
-    });
-    return to_policy(ex, from_);
+    const auto fill = [&](std::int64_t* from) {
+      std::fill(from, from + 2 * R, std::int64_t{-1});
+      for_each_received(lay, me, [&](std::size_t i, int m, std::size_t q) {
+        from[2 * i] = m;
+        from[2 * i + 1] = static_cast<std::int64_t>(q);
+      });
+    };
+    if constexpr (exec::is_host_policy_v<Exec>) {
+      auto b = make_rows<std::int64_t>(ws_, ex, 2 * R);
+      fill(b.data());
+      return b;
+    } else {
+      from_.resize(2 * R);
+      fill(from_.data());
+      return to_policy(ex, from_);
+    }
   }
 
   // This owner's R expert-major rows of `width` elements, pulled out of the members'
@@ -960,7 +971,7 @@ class all_to_all_impl {
   std::vector<std::int64_t> host_i64_;
   std::vector<std::int64_t> host_pos_, round_scratch_;  // staged rounds (host copies, scratch)
   std::vector<float> host_f32_;
-  std::vector<std::int64_t> from_;  // the direct route's received rows (received_from)
+  std::vector<std::int64_t> from_;  // the direct route's received rows on device policies (received_from)
   bounded_route<Comm> bounded_;  // bounded mode (epx/impl/bounded.hpp)
 };
 
