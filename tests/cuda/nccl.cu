@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -72,7 +73,8 @@ TEST_CASE("nccl access_peers at world size 1: buffers published through the symm
   o.peer_access = true;
   auto c = communicator::from_unique_id(id, 1, 0, -1, ts.s, o);
   if (!epx::peer_access_available(c)) {
-    MESSAGE("no peer access on this machine (ncclTeamLsa): nothing more to test");
+    MESSAGE("no peer access on this machine (ncclTeamLsa, or no device-accessible symmetric window): nothing more "
+            "to test");
     return;
   }
   std::vector<float> a(1000);
@@ -124,6 +126,20 @@ TEST_CASE("nccl access_peers at world size 1: buffers published through the symm
     CHECK(e.message().find("null") != std::string::npos);
   }
   c.barrier();
+  // NCCL told not to make symmetric memory: no peer access, and nothing registered. (NCCL
+  // read its own copy of the variable when the first communicator started.)
+  const char* was = std::getenv("NCCL_WIN_ENABLE");
+  const std::string saved = was != nullptr ? was : "";
+  setenv("NCCL_WIN_ENABLE", "0", 1);
+  {
+    ncclUniqueId id2;
+    EPX_NCCL_CHECK(ncclGetUniqueId(&id2));
+    auto d = communicator::from_unique_id(id2, 1, 0, -1, ts.s, o);
+    CHECK(!epx::peer_access_available(d));
+    CHECK_THROWS_AS(d.access_peers(one, one_bytes, 1, [](const communicator::peer_pointers&) {}), epx::error);
+  }
+  if (was != nullptr) setenv("NCCL_WIN_ENABLE", saved.c_str(), 1);
+  else unsetenv("NCCL_WIN_ENABLE");
 }
 #endif
 

@@ -38,7 +38,7 @@
 // (epx/comm/nccl/transport.cuh).
 //
 // Peer access (NCCL >= 2.28, options::peer_access, off by default): where every rank is in
-// one NVLink domain, access_peers publishes the ranks' buffers through a symmetric memory
+// one NCCL LSA team (one node, CUDA P2P between the GPUs), access_peers publishes the ranks' buffers through a symmetric memory
 // window, so that the layer's direct route reads rows out of the peers' memory
 // (epx/comm/nccl/peers.cuh); peer_access_available() says whether it works (collective on
 // its first call).
@@ -290,11 +290,17 @@ class communicator {
 #if EPX_NCCL_PEER_ACCESS
   using peer_pointers = nccl::peer_pointers;
 
-  // Whether access_peers works: options::peer_access and every rank in one NCCL LSA team
-  // (ncclTeamLsa). With options::peer_access on, collective on the first call (an
-  // all_reduce of the ranks' answers and its read-back, so every rank answers alike), then
-  // remembered; off, false at once (every rank must set the same options::peer_access: a
-  // rank that differs leaves the others' agreement waiting until wait() times out).
+  // Whether access_peers works: options::peer_access, every rank in one NCCL LSA team
+  // (ncclTeamLsa), and a symmetric window that NCCL really maps. The LSA team only says
+  // which ranks share a node: NCCL 2.28 registers a "window" without peer mappings where
+  // symmetric memory is unsupported (no CUDA P2P between the GPUs, NCCL_CUMEM_ENABLE=0,
+  // NCCL_WIN_ENABLE=0), and the device API would then read a host or null pointer. So the
+  // first call makes the first window and checks that NCCL's handle is device-accessible
+  // memory, on every rank. With options::peer_access on, collective on the first call (up
+  // to three agreements, each an all_reduce and its read-back, so every rank answers
+  // alike), then remembered; off, false at once (every rank must set the same
+  // options::peer_access: a rank that differs leaves the others' agreement waiting until
+  // wait() times out).
   bool peer_access_available() {
     require_live_("peer_access_available");
     if (!opt_.peer_access) return false;
@@ -302,15 +308,8 @@ class communicator {
     detail::peer_window& w = *peers_;
     if (w.available < 0) {
       detail::device_guard dg(h_.device);
-      const exec::cuda ex{stream_};
-      const std::int32_t mine = ncclTeamLsa(h_.comm).nRanks == h_.size ? 1 : 0;
-      if (w.flag.size() == 0) w.flag = exec::device_buffer<std::int32_t>(1, ex);
-      exec::copy_n(ex, &mine, 1, w.flag.data());
-      all_reduce(w.flag.data(), w.flag.data(), 1, datatype::int32, 1.0);
-      wait();
-      std::int32_t all = 0;
-      ::epx::detail::to_host(ex, w.flag.data(), 1, &all);  // counted in layer_stats::host_syncs
-      w.available = all == h_.size ? 1 : 0;
+      const bool mine = ncclTeamLsa(h_.comm).nRanks == h_.size && !detail::symmetric_memory_disabled();
+      w.available = agree_(mine) && grow_window(detail::peer_grain, false) ? 1 : 0;
     }
     return w.available == 1;
   }
@@ -324,7 +323,7 @@ class communicator {
   void access_peers(const void* const* mine, const std::size_t* bytes, std::size_t count, F&& f) {
     require_live_("access_peers");
     EPX_REQUIRE(peer_access_available(), errc::configuration, "nccl access_peers: the ranks of this communicator (",
-                h_.size, ") are not all in one NVLink domain (ncclTeamLsa), or options::peer_access is off");
+                h_.size, ") are not all in one NCCL LSA team (ncclTeamLsa) with symmetric memory, or options::peer_access is off");
     detail::device_guard dg(h_.device);
     detail::peer_window& w = *peers_;
     const exec::cuda ex{stream_};
@@ -474,35 +473,74 @@ class communicator {
                 differ);
   }
 
-  // A window of at least `bytes` on every rank (all pass the same size), in place of the
-  // last one; the stream is idle (after the record exchange's wait). Collective.
-  void grow_window(std::size_t bytes) {
+  // Whether every rank passes `ok` (an all_reduce of the flags and its read-back: one host
+  // synchronisation). Collective.
+  bool agree_(bool ok) {
     detail::peer_window& w = *peers_;
     const exec::cuda ex{stream_};
+    if (w.flag.size() == 0) w.flag = exec::device_buffer<std::int32_t>(1, ex);
+    const std::int32_t mine = ok ? 1 : 0;
+    exec::copy_n(ex, &mine, 1, w.flag.data());
+    all_reduce(w.flag.data(), w.flag.data(), 1, datatype::int32, 1.0);
+    wait();
+    std::int32_t all = 0;
+    ::epx::detail::to_host(ex, w.flag.data(), 1, &all);  // counted in layer_stats::host_syncs
+    return all == h_.size;
+  }
+
+  // A window of at least `bytes` on every rank (all pass the same size), in place of the
+  // last one, at least twice its size; the stream is idle (after the record exchange's
+  // wait). Collective. Every rank allocates first and the ranks agree before the
+  // registration (NCCL's registration waits for every rank with no time limit, so a rank
+  // that failed to allocate must not leave the others in it), then agree that NCCL's
+  // window is device-accessible memory (see peer_access_available). When a step fails on
+  // some rank every rank frees what it made and returns false, or raises with `raise`.
+  bool grow_window(std::size_t bytes, bool raise = true) {
+    detail::peer_window& w = *peers_;
+    const exec::cuda ex{stream_};
+    const std::size_t old = w.capacity;
     free_window();
-    const std::size_t cap = detail::peer_round(std::max(bytes, 2 * w.capacity), detail::peer_grain);
-    EPX_NCCL_CHECK(ncclMemAlloc(&w.memory, cap));
+    const std::size_t cap = detail::peer_round(std::max(bytes, 2 * old), detail::peer_grain);
+    const ncclResult_t got = ncclMemAlloc(&w.memory, cap);
+    if (got != ncclSuccess) w.memory = nullptr;
+    if (!agree_(got == ncclSuccess)) {
+      free_window();
+      EPX_REQUIRE(!raise, errc::communicator, "nccl access_peers: rank ", h_.rank, " of ", h_.size,
+                  ": a rank could not allocate a symmetric window of ", cap, " bytes (ncclMemAlloc",
+                  got != ncclSuccess ? ::epx::detail::concat(" on this rank: ", ncclGetErrorString(got)) : std::string(),
+                  ")");
+      return false;
+    }
     check_(ncclCommWindowRegister(h_.comm, w.memory, cap, &w.window, NCCL_WIN_COLL_SYMMETRIC),
            "ncclCommWindowRegister", EPX_HERE);
     w.capacity = cap;
+    if (!agree_(detail::is_device_accessible(w.window))) {
+      free_window();
+      EPX_REQUIRE(!raise, errc::communicator, "nccl access_peers: NCCL registered a symmetric window without "
+                  "device-accessible peer mappings on some rank (symmetric memory unsupported here)");
+      return false;
+    }
     const auto n = static_cast<std::size_t>(h_.size);
     if (w.bases.size() != n) w.bases = exec::device_buffer<char*>(n, ex);
     detail::peer_bases_kernel<<<1, 1, 0, stream_>>>(w.window, h_.size, w.bases.data());
     EPX_CUDA_CHECK(cudaGetLastError());
     w.base.assign(n, nullptr);
     ::epx::detail::to_host(ex, w.bases.data(), n, w.base.data());
+    return true;
   }
 
   // The window's registration and memory, if any (the stream is idle, or the communicator
-  // is being released). Deregistration is collective: while an exception unwinds (this
-  // rank may be alone in its destructor) or after an abort it is not attempted, and the
-  // memory stays with the process rather than be freed under a live registration.
+  // is being released and release_ waited for it). Deregistration is treated as collective
+  // (NCCL documents the registration as one): while an exception unwinds (this rank may be
+  // alone in its destructor) it is not attempted, and the memory stays with the process
+  // rather than be freed under a live registration. After an abort NCCL has dropped the
+  // window's mappings, so the memory is freed.
   void free_window() noexcept {
     if (!peers_) return;
     detail::peer_window& w = *peers_;
     const bool alone = std::uncaught_exceptions() > 0 || h_.comm == nullptr || h_.aborted;
     if (w.window != nullptr && !alone) (void)ncclCommWindowDeregister(h_.comm, w.window);
-    if (w.memory != nullptr && (w.window == nullptr || !alone)) (void)ncclMemFree(w.memory);
+    if (w.memory != nullptr && (w.window == nullptr || !alone || h_.aborted)) (void)ncclMemFree(w.memory);
     w.window = nullptr;
     w.memory = nullptr;
     w.capacity = 0;
@@ -522,7 +560,19 @@ class communicator {
       int prev = -1;
       const bool switched =
           cudaGetDevice(&prev) == cudaSuccess && prev != h_.device && cudaSetDevice(h_.device) == cudaSuccess;
-      free_window();
+      // access_peers returns without waiting: its copies, the caller's reads and the exit
+      // barrier may still be queued. Unmapping the window under them would fault, so the
+      // stream is waited for first (bounded by the timeout; a wait that fails leaves the
+      // window and its memory to the process).
+      bool idle = true;
+      if (peers_->window != nullptr && std::uncaught_exceptions() == 0 && h_.comm != nullptr && !h_.aborted) {
+        try {
+          h_.wait(stream_, opt_.timeout);
+        } catch (...) {
+          idle = false;
+        }
+      }
+      if (idle) free_window();
       peers_.reset();
       if (switched) (void)cudaSetDevice(prev);
       (void)cudaGetLastError();

@@ -14,7 +14,8 @@ struct options {
   // Split communicators inherit their parent's mode; ncclCommInitAll has no config.
   bool blocking = true;
   // Peer access (access_peers, the layer's direct route) through a symmetric memory window
-  // where every rank is in one NVLink domain (NCCL >= 2.28; epx/comm/nccl/peers.cuh). Off
+  // where every rank is in one NCCL LSA team with symmetric memory (one node, CUDA P2P
+  // between the GPUs; NCCL >= 2.28; epx/comm/nccl/peers.cuh). Off
   // by default: each access reads its record exchange back (a host synchronisation), so a
   // forward call on the direct route makes three where the staged route makes one; turn
   // it on where the copies it saves pay for that. false: peer_access_available() answers

@@ -2,8 +2,10 @@
 // through a symmetric memory window; NCCL 2.28 or newer (its device API), else none.
 //
 // Where every rank of the communicator is in one load/store-accessible team of NCCL
-// (ncclTeamLsa: GPUs of one NVLink domain), each rank's kernels can read every other
-// rank's window memory. The communicator keeps one window: ncclMemAlloc'd memory
+// (ncclTeamLsa: the ranks of one node, or of one multi-node NVLink clique) and NCCL maps
+// symmetric memory there (CUDA P2P between the GPUs; checked on the first window, see
+// communicator::peer_access_available), each rank's kernels can read every other rank's
+// window memory. The communicator keeps one window: ncclMemAlloc'd memory
 // registered collectively (ncclCommWindowRegister, NCCL_WIN_COLL_SYMMETRIC), the same size
 // on every rank, grown when an access needs more. Member r's part of it is at
 // ncclGetPeerPointer(window, 0, r) in this process, which a one-thread kernel reads once per
@@ -12,7 +14,9 @@
 //      all_gather and its read-back, the access's one host synchronisation: bad arguments
 //      and mismatched counts raise on every rank, naming the rank and the values; every
 //      rank places every member's buffers alike (each at a multiple of 256 bytes), and the
-//      window grows when some member needs more (the stream is idle then);
+//      window grows (at least doubling) when some member needs more (the stream is idle
+//      then): every rank allocates, the ranks agree, register, and agree that the window
+//      is device-accessible (two more synchronisations, on growth only);
 //   2. each rank copies its buffers into its part of the window (cudaMemcpyAsync);
 //   3. the entry barrier, a one-element all_reduce on the stream: when it completes on a
 //      rank, every member's copies have run, since each member's all_reduce starts after
@@ -33,6 +37,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
 #include <vector>
 
 #include "epx/exec/cuda.cuh"
@@ -59,6 +65,29 @@ inline constexpr std::size_t peer_align = 256;
 inline constexpr std::size_t peer_grain = std::size_t{2} << 20;  // windows grow in 2 MiB steps
 
 inline std::size_t peer_round(std::size_t bytes, std::size_t to) noexcept { return (bytes + to - 1) / to * to; }
+
+// Whether NCCL was told not to make symmetric memory (NCCL_CUMEM_ENABLE=0 or
+// NCCL_WIN_ENABLE=0 in the environment): then no window maps peers' memory.
+inline bool symmetric_memory_disabled() noexcept {
+  for (const char* name : {"NCCL_CUMEM_ENABLE", "NCCL_WIN_ENABLE"}) {
+    const char* v = std::getenv(name);
+    if (v != nullptr && *v != '\0' && std::strtol(v, nullptr, 10) == 0) return true;
+  }
+  return false;
+}
+
+// Whether `p` is memory the device can read (device, managed or page-locked host memory).
+// A window NCCL 2.28 registers without symmetric support is a host-heap handle (or null),
+// which the device API must not dereference.
+inline bool is_device_accessible(const void* p) noexcept {
+  if (p == nullptr) return false;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged || a.type == cudaMemoryTypeHost;
+}
 
 // Each member's part of window `w`, as this process addresses it (one thread).
 template <int = 0>
