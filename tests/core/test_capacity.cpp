@@ -450,4 +450,17 @@ TEST_CASE("capacity: by score, the digit selection on keys that share many bits,
     }
 }
 
+TEST_CASE("capacity: by score, a segment of 2^32 pairs or more is refused before the selection counts it") {
+  // The selection's histogram counts in 32 bits (its frame is local memory on a GPU).
+  CHECK_NOTHROW(epx::layout::drop_pairs::check_segment(0));
+  CHECK_NOTHROW(epx::layout::drop_pairs::check_segment(0xffffffffLL));
+  try {
+    epx::layout::drop_pairs::check_segment(0x100000000LL);
+    FAIL("a segment of 2^32 pairs was accepted");
+  } catch (const epx::error& e) {
+    CHECK(e.category() == epx::errc::input);
+    CHECK(e.message().find("4294967296 pairs") != std::string::npos);
+  }
+}
+
 }  // namespace test_capacity_cpp

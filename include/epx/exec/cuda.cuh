@@ -80,6 +80,18 @@ __global__ void __launch_bounds__(for_each_block) for_each_n_kernel(std::size_t 
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) f(i);
 }
 
+// Whether the current device has stream-ordered memory pools (cudaMallocAsync).
+inline bool memory_pools_supported() {
+  int dev = 0;
+  int supported = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return supported != 0;
+}
+
 }  // namespace detail
 
 // Calls f(i) for every i in [0, n) on the device, in any order, asynchronously on
@@ -150,16 +162,7 @@ class device_buffer {
   }
 
  private:
-  static bool pools_supported_() {
-    int dev = 0;
-    int supported = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, dev) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return supported != 0;
-  }
+  static bool pools_supported_() { return detail::memory_pools_supported(); }
 
   void allocate_(std::size_t n) {
     size_ = capacity_ = 0;
@@ -248,15 +251,25 @@ void copy_from_host(const cuda& p, const T* host_src, std::size_t n, T* dst) {
 namespace detail {
 // Temporary storage of Thrust calls on the policy's stream, allocated and freed in stream
 // order (cudaMallocAsync / cudaFreeAsync), so a call needs no device-wide synchronisation.
+// Without memory pools (device_buffer's fallback too): cudaMalloc, and cudaFree, which
+// waits for the device.
 struct thrust_stream_allocator {
   using value_type = char;
   cudaStream_t stream = 0;
+  bool pooled = memory_pools_supported();
   char* allocate(std::ptrdiff_t n) {
     void* p = nullptr;
-    EPX_CUDA_CHECK(cudaMallocAsync(&p, static_cast<std::size_t>(n), stream));
+    if (pooled) {
+      EPX_CUDA_CHECK(cudaMallocAsync(&p, static_cast<std::size_t>(n), stream));
+    } else {
+      EPX_CUDA_CHECK(cudaMalloc(&p, static_cast<std::size_t>(n)));
+    }
     return static_cast<char*>(p);
   }
-  void deallocate(char* p, std::size_t) noexcept { (void)cudaFreeAsync(p, stream); }
+  void deallocate(char* p, std::size_t) noexcept {
+    if (pooled) (void)cudaFreeAsync(p, stream);
+    else (void)cudaFree(p);
+  }
 };
 }  // namespace detail
 

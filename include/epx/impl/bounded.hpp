@@ -320,6 +320,7 @@ void sum_or_join_zeros(const Exec& ex, Comm& group, V* data, std::size_t count) 
   }
   auto zeros = exec::make_buffer<V>(ex, std::max<std::size_t>(count, 1));
   exec::fill_zero(ex, zeros.data(), count);
+  order_before_collective(ex, group);  // a host communicator reads the zeros from the host
   all_reduce(group, span<V>(zeros.data(), count));
 }
 
@@ -353,6 +354,7 @@ std::size_t bounded_plan(const Exec& ex, bound_buffers<T, Exec>& b, const std::i
   exec::for_each_n(ex, 1, layout::expert_offsets{at.counts, at.offset, E});
   exec::for_each_n(ex, C, layout::scatter_pairs{ids, w, P, per, E, k, at.offset, b.chunk_counts.data(), at.pos, at.src_row});
   exec::for_each_range(ex, e0, e1, layout::bound_keep{at.counts, at.offset, b.shape.cap, at.segments, at.kept});
+  if (b.rule.priority == drop_priority::score) layout::drop_pairs::check_segment(static_cast<std::int64_t>(P));
   if (P > 0)
     exec::for_each_range(ex, e0, e1,
                          layout::drop_pairs{ids, w, at.pos, at.src_row, at.segments, at.keyed, k, 1,

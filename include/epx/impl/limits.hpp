@@ -128,6 +128,7 @@ exec::buffer<layout::drop_segment, Exec> run_drop_pairs(const capacity_policy& c
   std::int64_t scratch = 0;
   if (by_score)
     for (auto& s : seg) {
+      layout::drop_pairs::check_segment(s.count);
       const std::int64_t n = layout::drop_pairs::scratch_size(s.count, s.keep);
       s.scratch = n > 0 ? scratch : -1;
       scratch += n;
@@ -207,8 +208,10 @@ void scatter_with_capacity(const capacity_policy& cap, const Exec& ex, const gro
   }
   // By score, many: the scatter also writes every pair's weight key and slot at its send
   // position, and each dropping segment's scratch is its own positions.
-  for (auto& sg : seg)
+  for (auto& sg : seg) {
+    layout::drop_pairs::check_segment(sg.count);
     if (sg.keep < sg.count) sg.scratch = sg.begin;
+  }
   auto table = exec::make_buffer<layout::drop_segment>(ex, Es);
   exec::copy_n(ex, static_cast<const layout::drop_segment*>(seg.data()), Es, table.data());
   auto keyed = exec::make_buffer<std::uint64_t>(ex, plan.pairs);

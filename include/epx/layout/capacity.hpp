@@ -177,6 +177,13 @@ struct drop_pairs {
   // Up to this many dropped pairs a segment keeps them in a sorted list in one pass; more,
   // and the digit selection costs less than the list's insertions.
   static constexpr int few = 4;
+  // The most pairs one segment may hold (the selection counts in 32 bits); callers check
+  // with check_segment before launching.
+  static constexpr std::int64_t max_segment_pairs = 0xffffffff;
+  static void check_segment(std::int64_t count) {
+    EPX_REQUIRE(count <= max_segment_pairs, errc::input, "capacity: one expert's segment holds ", count,
+                " pairs; at most ", max_segment_pairs, " are supported per call");
+  }
 
   const std::int32_t* ids;      // [pairs]
   const float* weights;         // [pairs] (score priority)
@@ -312,19 +319,21 @@ struct drop_pairs {
       for (; hi > 0; hi -= digit) {
         const int shift = hi > digit ? hi - digit : 0;
         const std::uint32_t dm = (std::uint32_t{1} << (hi - shift)) - 1u;
-        std::int64_t hist[std::size_t{1} << digit_max];
+        // 32-bit counts (a segment holds fewer than 2^32 pairs: max_segment_pairs): on a
+        // GPU the frame is local memory reserved for every resident thread.
+        std::uint32_t hist[std::size_t{1} << digit_max];
         for (std::uint32_t h = 0; h <= dm; ++h) hist[h] = 0;
         if (ng < 0) {
           for (std::int64_t p = b; p < end; ++p)
-            hist[(key(p) >> shift) & dm] += static_cast<std::int64_t>((key(p) & mask) == prefix);
+            hist[(key(p) >> shift) & dm] += static_cast<std::uint32_t>((key(p) & mask) == prefix);
         } else {
           for (std::int64_t i = 0; i < ng; ++i) ++hist[(gathered[i] >> shift) & dm];
         }
         std::uint32_t h = dm;
-        for (; h > 0 && need > hist[h]; --h) need -= hist[h];
+        for (; h > 0 && need > static_cast<std::int64_t>(hist[h]); --h) need -= static_cast<std::int64_t>(hist[h]);
         prefix |= h << shift;
         mask |= dm << shift;
-        if (need == hist[h] || shift == 0) break;
+        if (need == static_cast<std::int64_t>(hist[h]) || shift == 0) break;
         // Deeper: the chosen bucket's keys into `gathered` (without a branch: a store and
         // a compare per key), when they fit.
         if (ng < 0 && hist[h] <= gathered_max) {
