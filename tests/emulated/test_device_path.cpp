@@ -18,6 +18,9 @@
 // source, where another file may use the same names.
 namespace test_device_path_cpp {
 
+// This label's executables take the algorithms' device variants on the CPU.
+static_assert(EPX_DEVICE_ALGORITHMS == 1, "the emulated label builds the device variants (tests/CMakeLists.txt)");
+
 namespace {
 
 using emu = epx::exec::emulated_device;

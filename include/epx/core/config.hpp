@@ -22,6 +22,18 @@
 #define EPX_IS_DEVICE_CODE 0
 #endif
 
+// EPX_DEVICE_ALGORITHMS picks the variant of an algorithm where the host and the device
+// differ in shape but not in result (routing's key tables, which only the host keeps;
+// capacity's digit widths and gather array): 1 in device code, and on the host where the
+// build defines EPX_EMULATE_DEVICE_ALGORITHMS=1, so that the CPU runs the variants a GPU
+// runs (the emulated label's tests do). Intrinsics (::expf, the CUDA conversions) stay
+// with EPX_IS_DEVICE_CODE. Every translation unit of one program must agree on it.
+#if EPX_IS_DEVICE_CODE || (defined(EPX_EMULATE_DEVICE_ALGORITHMS) && EPX_EMULATE_DEVICE_ALGORITHMS)
+#define EPX_DEVICE_ALGORITHMS 1
+#else
+#define EPX_DEVICE_ALGORITHMS 0
+#endif
+
 // EPX_HOST_NOINLINE keeps a host compiler from inlining a hot loop into its caller, where
 // it would share the registers of the caller's other loops (and keep its pointers on the
 // stack). Nothing on the device, or for compilers without the attribute.

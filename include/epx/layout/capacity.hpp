@@ -294,8 +294,10 @@ struct drop_pairs {
     // and once the chosen bucket fits a local array its keys are gathered there, so that
     // the next digits read them instead of the whole segment; the segment is read three
     // times in all (shared bits, first digit, gather) before the pass that moves the pairs.
-    // The histogram adds the match (0 or 1) instead of branching on it.
-#if EPX_IS_DEVICE_CODE
+    // The histogram adds the match (0 or 1) instead of branching on it. The device's
+    // variant (EPX_DEVICE_ALGORITHMS: also the emulated tests') keeps a small frame: 8-bit
+    // digits, no gathering, every digit reads the segment.
+#if EPX_DEVICE_ALGORITHMS
     constexpr int digit_max = 8, gathered_max = 0;
     const int digit = 8;
 #else

@@ -55,7 +55,7 @@ EPX_HOST_DEVICE inline bool sigmoid_bias_select(const T* l, int E, const float* 
     return bias != nullptr ? s + bias[e] : s;
   };
   if (n_group <= 1) {
-#if !EPX_IS_DEVICE_CODE
+#if !EPX_DEVICE_ALGORITHMS
     if (E <= max_key_table) {
       // The keys in a key table (epx/routing/detail/topk.hpp): each sigmoid taken once,
       // the same selection from the few keys that reach each threshold.

@@ -69,7 +69,7 @@ struct softmax_topk_forward {
     // by the logits (p grows with them) and scored by p.
     topk_list<max_top_k> top(k);
     topk_list<max_top_k + 1> cand(k + 1);
-#if !EPX_IS_DEVICE_CODE
+#if !EPX_DEVICE_ALGORITHMS
     if (E <= max_key_table) {
       // The logits in a key table (epx/routing/detail/topk.hpp), which also gives their
       // maximum; with a limit the softmax keeps its terms exp(x - mx), and p of an expert

@@ -32,7 +32,7 @@ struct topk_softmax_forward {
     const int E = io.E, k = io.k;
     topk_list<max_top_k> top(k);
     std::uint64_t nodes = ~std::uint64_t{0};
-#if !EPX_IS_DEVICE_CODE
+#if !EPX_DEVICE_ALGORITHMS
     if (E <= max_key_table) {
       // The logits in a key table (epx/routing/detail/topk.hpp): the same selection from
       // the few logits that reach each threshold.
