@@ -20,6 +20,9 @@ namespace test_device_path_cpp {
 
 // This label's executables take the algorithms' device variants on the CPU.
 static_assert(EPX_DEVICE_ALGORITHMS == 1, "the emulated label builds the device variants (tests/CMakeLists.txt)");
+// With CCCL (Thrust), capacity by score selects with a sort here as under exec::cuda, so
+// the capacity tests of this label check that route against the float64 reference.
+static_assert(epx::detail::score_by_sort_v<epx::exec::emulated_device> == (EPX_HAS_CCCL == 1));
 
 namespace {
 

@@ -39,6 +39,12 @@
 #include "epx/layout/slicing.hpp"
 #include "epx/mesh/mesh.hpp"
 #include "epx/routing/node_limit.hpp"
+#include "epx/exec/thrust.hpp"
+
+#if EPX_HAS_CCCL
+#include <thrust/scan.h>
+#include <thrust/sort.h>
+#endif
 
 namespace epx::detail {
 
@@ -115,6 +121,58 @@ call_limits count_nodes(const mesh& m, const layer_options& o, const Exec& ex, c
   return c;
 }
 
+// Whether capacity by score selects with a sort (layout::score_entries and after it, on
+// policies with a Thrust execution policy) or with layout::drop_pairs, a thread per
+// segment.
+template <class Exec>
+inline constexpr bool score_by_sort_v = exec::has_thrust_policy_v<Exec> && EPX_HAS_CCCL;
+
+#if EPX_HAS_CCCL
+// Capacity by score on the Thrust route: the segments of `seg` (host; `sources` per
+// expert) that drop keep their best pairs (layout::score_entries: drop_pairs' result).
+template <class Exec>
+void sort_drop_by_score(const Exec& ex, const std::vector<layout::drop_segment>& seg, int sources,
+                        const std::int32_t* ids, const float* weights, int k, layout::send_plan<Exec>& plan) {
+  std::vector<layout::score_segment> d;
+  std::int64_t M = 0;
+  for (std::size_t g = 0; g < seg.size(); ++g) {
+    const layout::drop_segment& s = seg[g];
+    if (s.keep >= s.count) continue;
+    d.push_back({s.begin, s.count, s.keep, M, static_cast<int>(g / static_cast<std::size_t>(sources))});
+    M += s.count;
+  }
+  if (M == 0) return;
+  EPX_REQUIRE(d.size() < (std::size_t{1} << 31), errc::input, "capacity: ", d.size(), " segments drop; at most 2^31 - 1");
+  const auto Ms = static_cast<std::size_t>(M);
+  auto table = exec::make_buffer<layout::score_segment>(ex, d.size());
+  exec::copy_n(ex, static_cast<const layout::score_segment*>(d.data()), d.size(), table.data());
+  auto key = exec::make_buffer<std::uint64_t>(ex, Ms);
+  auto order = exec::make_buffer<std::int64_t>(ex, Ms);
+  auto pair = exec::make_buffer<std::int64_t>(ex, Ms);
+  auto row = exec::make_buffer<std::int64_t>(ex, Ms);
+  auto rank = exec::make_buffer<std::int64_t>(ex, Ms);
+  auto seg_of = exec::make_buffer<std::int32_t>(ex, Ms);
+  auto kept = exec::make_buffer<std::int32_t>(ex, Ms);
+  exec::for_each_n(ex, Ms,
+                   layout::score_entries{ids, weights, plan.pos.data(), plan.src_row.data(), table.data(),
+                                         static_cast<int>(d.size()), k, key.data(), order.data(), pair.data(),
+                                         row.data(), seg_of.data()});
+  const auto tp = exec::thrust_policy(ex);
+  {
+    [[maybe_unused]] const auto on_device = exec::launch_scope(ex);
+    thrust::stable_sort_by_key(tp, key.data(), key.data() + Ms, order.data());
+  }
+  exec::for_each_n(ex, Ms, layout::score_keep{key.data(), order.data(), table.data(), kept.data()});
+  {
+    [[maybe_unused]] const auto on_device = exec::launch_scope(ex);
+    thrust::exclusive_scan_by_key(tp, seg_of.data(), seg_of.data() + Ms, kept.data(), rank.data(), std::int64_t{0});
+  }
+  exec::for_each_n(ex, Ms,
+                   layout::score_place{table.data(), seg_of.data(), kept.data(), rank.data(), pair.data(), row.data(),
+                                       plan.pos.data(), plan.src_row.data()});
+}
+#endif
+
 // Launches layout::drop_pairs over the segments `seg` (host), with the scratch that score
 // priority needs for the segments that drop. Returns the segment table in the
 // policy's memory. `seg` may go after the call: the copy has read it (device policies
@@ -125,6 +183,16 @@ exec::buffer<layout::drop_segment, Exec> run_drop_pairs(const capacity_policy& c
                                                         const std::int32_t* ids, const float* weights, int k,
                                                         int sources, layout::send_plan<Exec>& plan) {
   const bool by_score = cap.priority == drop_priority::score;
+#if EPX_HAS_CCCL
+  if constexpr (score_by_sort_v<Exec>) {
+    if (by_score) {
+      sort_drop_by_score(ex, seg, sources, ids, weights, k, plan);
+      auto table = exec::make_buffer<layout::drop_segment>(ex, seg.size());
+      exec::copy_n(ex, static_cast<const layout::drop_segment*>(seg.data()), seg.size(), table.data());
+      return table;
+    }
+  }
+#endif
   std::int64_t scratch = 0;
   if (by_score)
     for (auto& s : seg) {
@@ -199,6 +267,14 @@ void scatter_with_capacity(const capacity_policy& cap, const Exec& ex, const gro
   std::vector<layout::drop_segment> seg(Es);
   for (std::size_t e = 0; e < Es; ++e) seg[e] = {plan.host_offset[e], plan.host_counts[e], keep[e], 0, -1};
   EPX_REQUIRE(weights != nullptr, errc::internal, "capacity by score needs the routing weights");
+#if EPX_HAS_CCCL
+  if constexpr (score_by_sort_v<Exec>) {
+    // The plain scatter, then the selection as a sort.
+    layout::launch_scatter(ex, plan, ids, weights);
+    sort_drop_by_score(ex, seg, 1, ids, weights, k, plan);
+    return;
+  }
+#endif
   if (overflowing * 8 <= static_cast<std::int64_t>(plan.pairs)) {
     // By score, few pairs in the segments that drop (at most an eighth): the plain
     // scatter, and drop_pairs finds each of their pairs from its row.

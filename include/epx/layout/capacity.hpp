@@ -375,6 +375,103 @@ struct drop_pairs {
   }
 };
 
+// Capacity by score as a sort (device policies with a Thrust execution policy,
+// epx/exec/thrust.hpp): drop_pairs' selection without a thread per segment. Over the M
+// positions of the segments that drop (`score_segment`s, in order, the d-th starting at
+// entry `at`), m in [0, M):
+//   score_entries writes each position's sort key (d above the complement of its pair's
+//     order_key: ascending keys are descending weights), its pair, its row and d;
+//   a stable sort by key (Thrust) keeps position order among equal weights, so the first
+//     `keep` entries of each segment are the pairs that stay (ties to the lower position,
+//     as drop_pairs);
+//   score_keep marks them at their positions; an exclusive scan by segment (Thrust)
+//     numbers the kept ones in position order;
+//   score_place moves the kept pairs to the front of their segment in that order, drops
+//     the others (pos = -1) and frees the segment's tail (src_row = -1): drop_pairs' result,
+//     bit for bit.
+struct score_segment {
+  std::int64_t begin;  // first position in the send order
+  std::int64_t count;
+  std::int64_t keep;
+  std::int64_t at;     // first entry of the M
+  int expert;
+};
+
+// Call with m in [0, M).
+struct score_entries {
+  const std::int32_t* ids;       // [pairs]
+  const float* weights;          // [pairs]
+  const std::int64_t* pos;       // [pairs]
+  const std::int64_t* src_row;   // [pairs] row of each send position
+  const score_segment* segments; // [D]
+  int D;
+  int top_k;
+  std::uint64_t* key;            // [M]
+  std::int64_t* order;           // [M] m (the sort's values)
+  std::int64_t* pair;            // [M]
+  std::int64_t* row;             // [M]
+  std::int32_t* seg_of;          // [M]
+
+  EPX_HOST_DEVICE void operator()(std::size_t mi) const {
+    const auto m = static_cast<std::int64_t>(mi);
+    int lo = 0, hi = D;  // the last segment with at <= m
+    while (hi - lo > 1) {
+      const int mid = lo + (hi - lo) / 2;
+      if (segments[mid].at <= m) lo = mid;
+      else hi = mid;
+    }
+    const score_segment s = segments[lo];
+    const std::int64_t p = s.begin + (m - s.at), r = src_row[p], base = r * top_k;
+    std::int64_t i = -1;
+    for (int j = 0; j < top_k && i < 0; ++j)
+      if (ids[base + j] == s.expert && pos[base + j] == p) i = base + j;
+    key[m] = static_cast<std::uint64_t>(lo) << 32 | static_cast<std::uint64_t>(~order_key(weights[i]));
+    order[m] = m;
+    pair[m] = i;
+    row[m] = r;
+    seg_of[m] = lo;
+  }
+};
+
+// Call with j in [0, M) after the sort: kept[order[j]] = whether rank j within its segment
+// is under the segment's keep.
+struct score_keep {
+  const std::uint64_t* key;       // [M] sorted
+  const std::int64_t* order;      // [M] sorted
+  const score_segment* segments;  // [D]
+  std::int32_t* kept;             // [M]
+
+  EPX_HOST_DEVICE void operator()(std::size_t j) const {
+    const score_segment s = segments[key[j] >> 32];
+    kept[order[j]] = static_cast<std::int64_t>(j) - s.at < s.keep ? 1 : 0;
+  }
+};
+
+// Call with m in [0, M) after the scan (rank[m]: kept entries of m's segment before m).
+struct score_place {
+  const score_segment* segments;  // [D]
+  const std::int32_t* seg_of;     // [M]
+  const std::int32_t* kept;       // [M]
+  const std::int64_t* rank;       // [M]
+  const std::int64_t* pair;       // [M]
+  const std::int64_t* row;        // [M]
+  std::int64_t* pos;              // [pairs]
+  std::int64_t* src_row;          // [pairs]
+
+  EPX_HOST_DEVICE void operator()(std::size_t mi) const {
+    const auto m = static_cast<std::int64_t>(mi);
+    const score_segment s = segments[seg_of[m]];
+    if (kept[m] != 0) {
+      const std::int64_t q = s.begin + rank[m];  // < begin + keep
+      pos[pair[m]] = q;
+      src_row[q] = row[m];
+    } else {
+      pos[pair[m]] = -1;
+    }
+    if (m - s.at >= s.keep) src_row[s.begin + (m - s.at)] = -1;  // the tail: >= begin + keep
+  }
+};
+
 // Call with i in [0, pairs) before drop_pairs (score priority, when many positions are in
 // segments that drop): the scratch entry (keyed_slot) of every such position, from one
 // sequential sweep over the pairs instead of a lookup per position.
