@@ -212,9 +212,9 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> torch_layer:
   s->row_source = epx::exec::make_buffer<std::int64_t>(ex, R);
   s->pos = epx::exec::make_buffer<std::int64_t>(ex, Nr * ks);
   epx::exec::copy_from_host(ex, off64.data(), off64.size(), local_offset.data());
-  epx::exec::for_each_n(ex, static_cast<std::size_t>(L),
+  epx::exec::for_each_n(ex, R,
                         epx::layout::masked_source_rows{plan.src_row.data(), plan.expert_offset(),
-                                                        local_offset.data(), s->row_source.data(), first});
+                                                        local_offset.data(), s->row_source.data(), first, L});
   epx::exec::for_each_n(ex, Nr * ks,
                         epx::layout::masked_positions{id, plan.pos.data(), plan.expert_offset(),
                                                       local_offset.data(), s->pos.data(), first, L});

@@ -128,9 +128,9 @@ class all_reduce_impl {
     s.row_source = exec::make_buffer<std::int64_t>(ex, R);
     s.local_pos = exec::make_buffer<std::int64_t>(ex, N * k);
     exec::copy_n(ex, static_cast<const std::int64_t*>(off64.data()), off64.size(), local_offset.data());  // queued, no wait
-    exec::for_each_n(ex, static_cast<std::size_t>(L),
+    exec::for_each_n(ex, R,
                      layout::masked_source_rows{r.plan.src_row.data(), r.plan.expert_offset(),
-                                                local_offset.data(), s.row_source.data(), first});
+                                                local_offset.data(), s.row_source.data(), first, L});
     exec::for_each_n(ex, N * k,
                      layout::masked_positions{a.ids, r.plan.pos.data(), r.plan.expert_offset(),
                                               local_offset.data(), s.local_pos.data(), first, L});

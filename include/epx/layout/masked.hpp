@@ -48,23 +48,29 @@ struct masked_positions {
   }
 };
 
-// row_source[r] = the token of local row r (-1 for padding). Call with l in [0, L).
+// row_source[r] = the token of local row r (-1 for padding). Call with r in [0, R), R =
+// local_offset[L]: one call per row (a search over the L + 1 offsets for its expert), so
+// a device spreads the rows of a large expert over threads.
 struct masked_source_rows {
   const std::int64_t* src_row;        // [n*k] from the plan: the token of each send position
   const std::int64_t* expert_offset;  // [E+1] from the plan
   const std::int64_t* local_offset;   // [L+1]
   std::int64_t* row_source;           // [R]
   int first_expert;
+  int num_local;                      // L
 
-  EPX_HOST_DEVICE void operator()(std::size_t l) const {
-    const std::int64_t b = expert_offset[first_expert + static_cast<int>(l)];
-    const std::int64_t count = expert_offset[first_expert + static_cast<int>(l) + 1] - b;
-    const std::int64_t r0 = local_offset[l];
-    const std::int64_t r1 = local_offset[l + 1];
-    for (std::int64_t r = r0; r < r1; ++r) {
-      const std::int64_t q = r - r0;
-      row_source[r] = q < count ? src_row[b + q] : -1;
+  EPX_HOST_DEVICE void operator()(std::size_t ri) const {
+    const auto r = static_cast<std::int64_t>(ri);
+    int lo = 0, hi = num_local;  // the last expert whose block starts at or before r
+    while (hi - lo > 1) {
+      const int mid = lo + (hi - lo) / 2;
+      if (local_offset[mid] <= r) lo = mid;
+      else hi = mid;
     }
+    const std::int64_t b = expert_offset[first_expert + lo];
+    const std::int64_t count = expert_offset[first_expert + lo + 1] - b;
+    const std::int64_t q = r - local_offset[lo];
+    row_source[r] = q < count ? src_row[b + q] : -1;
   }
 };
 
