@@ -142,7 +142,8 @@ void sort_drop_by_score(const Exec& ex, const std::vector<layout::drop_segment>&
     M += s.count;
   }
   if (M == 0) return;
-  EPX_REQUIRE(d.size() < (std::size_t{1} << 31), errc::input, "capacity: ", d.size(), " segments drop; at most 2^31 - 1");
+  EPX_REQUIRE(d.size() < (std::size_t{1} << 31), errc::input, "capacity: ", d.size(),
+              " segments drop; at most 2^31 - 1");
   const auto Ms = static_cast<std::size_t>(M);
   auto table = exec::make_buffer<layout::score_segment>(ex, d.size());
   exec::copy_n(ex, static_cast<const layout::score_segment*>(d.data()), d.size(), table.data());
@@ -183,18 +184,8 @@ exec::buffer<layout::drop_segment, Exec> run_drop_pairs(const capacity_policy& c
                                                         const std::int32_t* ids, const float* weights, int k,
                                                         int sources, layout::send_plan<Exec>& plan) {
   const bool by_score = cap.priority == drop_priority::score;
-#if EPX_HAS_CCCL
-  if constexpr (score_by_sort_v<Exec>) {
-    if (by_score) {
-      sort_drop_by_score(ex, seg, sources, ids, weights, k, plan);
-      auto table = exec::make_buffer<layout::drop_segment>(ex, seg.size());
-      exec::copy_n(ex, static_cast<const layout::drop_segment*>(seg.data()), seg.size(), table.data());
-      return table;
-    }
-  }
-#endif
   std::int64_t scratch = 0;
-  if (by_score)
+  if (by_score && !score_by_sort_v<Exec>)
     for (auto& s : seg) {
       layout::drop_pairs::check_segment(s.count);
       const std::int64_t n = layout::drop_pairs::scratch_size(s.count, s.keep);
@@ -203,6 +194,14 @@ exec::buffer<layout::drop_segment, Exec> run_drop_pairs(const capacity_policy& c
     }
   auto table = exec::make_buffer<layout::drop_segment>(ex, seg.size());
   exec::copy_n(ex, static_cast<const layout::drop_segment*>(seg.data()), seg.size(), table.data());
+#if EPX_HAS_CCCL
+  if constexpr (score_by_sort_v<Exec>) {
+    if (by_score) {
+      sort_drop_by_score(ex, seg, sources, ids, weights, k, plan);
+      return table;
+    }
+  }
+#endif
   exec::buffer<std::uint64_t, Exec> keyed;
   if (scratch > 0) keyed = exec::make_buffer<std::uint64_t>(ex, static_cast<std::size_t>(scratch));
   // Many positions to look at: one sweep over the pairs reads them in order.

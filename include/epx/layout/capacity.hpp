@@ -152,6 +152,17 @@ EPX_HOST_DEVICE inline std::uint64_t keyed_slot(float w, std::int64_t j) noexcep
   return static_cast<std::uint64_t>(order_key(w)) << 32 | static_cast<std::uint64_t>(j);
 }
 
+// The pair (row * k + slot) of expert e at send position p: the slot of p's row whose id is
+// e and whose position is p; -1 for an inconsistent plan.
+EPX_HOST_DEVICE inline std::int64_t pair_at_position(const std::int32_t* ids, const std::int64_t* pos,
+                                                     const std::int64_t* src_row, int top_k, std::int64_t p,
+                                                     int e) noexcept {
+  const std::int64_t base = src_row[p] * top_k;
+  for (int j = 0; j < top_k; ++j)
+    if (ids[base + j] == e && pos[base + j] == p) return base + j;
+  return -1;
+}
+
 // One segment of the send order: `count` pairs of one source for one expert from position
 // `begin`, of which `keep` stay; `shift` = pairs dropped in all earlier segments (for
 // compact_pairs); `scratch` = where the segment's `count` entries start in drop_pairs'
@@ -203,10 +214,7 @@ struct drop_pairs {
 
   // The pair at position p of expert e.
   EPX_HOST_DEVICE std::int64_t pair_at(std::int64_t p, int e) const noexcept {
-    const std::int64_t base = src_row[p] * top_k;
-    for (int j = 0; j < top_k; ++j)
-      if (ids[base + j] == e && pos[base + j] == p) return base + j;
-    return -1;  // not reached for a consistent plan
+    return pair_at_position(ids, pos, src_row, top_k, p, e);
   }
 
   // The scratch entry of position p of expert e found from its row (not prefilled);
@@ -421,14 +429,12 @@ struct score_entries {
       else hi = mid;
     }
     const score_segment s = segments[lo];
-    const std::int64_t p = s.begin + (m - s.at), r = src_row[p], base = r * top_k;
-    std::int64_t i = -1;
-    for (int j = 0; j < top_k && i < 0; ++j)
-      if (ids[base + j] == s.expert && pos[base + j] == p) i = base + j;
+    const std::int64_t p = s.begin + (m - s.at);
+    const std::int64_t i = pair_at_position(ids, pos, src_row, top_k, p, s.expert);
     key[m] = static_cast<std::uint64_t>(lo) << 32 | static_cast<std::uint64_t>(~order_key(weights[i]));
     order[m] = m;
     pair[m] = i;
-    row[m] = r;
+    row[m] = src_row[p];
     seg_of[m] = lo;
   }
 };

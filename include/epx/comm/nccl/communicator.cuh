@@ -38,8 +38,9 @@
 // (epx/comm/nccl/transport.cuh).
 //
 // Peer access (NCCL >= 2.28, options::peer_access, off by default): where every rank is in
-// one NCCL LSA team (one node, CUDA P2P between the GPUs), access_peers publishes the ranks' buffers through a symmetric memory
-// window, so that the layer's direct route reads rows out of the peers' memory
+// one NCCL LSA team (one node, CUDA P2P between the GPUs), access_peers publishes the
+// ranks' buffers through a symmetric memory window, so that the layer's direct route reads
+// rows out of the peers' memory
 // (epx/comm/nccl/peers.cuh); peer_access_available() says whether it works (collective on
 // its first call).
 //
@@ -323,7 +324,8 @@ class communicator {
   void access_peers(const void* const* mine, const std::size_t* bytes, std::size_t count, F&& f) {
     require_live_("access_peers");
     EPX_REQUIRE(peer_access_available(), errc::configuration, "nccl access_peers: the ranks of this communicator (",
-                h_.size, ") are not all in one NCCL LSA team (ncclTeamLsa) with symmetric memory, or options::peer_access is off");
+                h_.size, ") are not all in one NCCL LSA team (ncclTeamLsa) with symmetric memory, or "
+                "options::peer_access is off");
     detail::device_guard dg(h_.device);
     detail::peer_window& w = *peers_;
     const exec::cuda ex{stream_};
@@ -507,7 +509,8 @@ class communicator {
       free_window();
       EPX_REQUIRE(!raise, errc::communicator, "nccl access_peers: rank ", h_.rank, " of ", h_.size,
                   ": a rank could not allocate a symmetric window of ", cap, " bytes (ncclMemAlloc",
-                  got != ncclSuccess ? ::epx::detail::concat(" on this rank: ", ncclGetErrorString(got)) : std::string(),
+                  got != ncclSuccess ? ::epx::detail::concat(" on this rank: ", ncclGetErrorString(got))
+                                     : std::string(),
                   ")");
       return false;
     }
