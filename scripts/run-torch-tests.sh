@@ -4,8 +4,11 @@
 #      with the pinned packages of bindings/torch/requirements.txt (pip install --no-deps),
 #      reused while the list is unchanged; a failed install fails this script;
 #   2. the extension built (or found built) by importing epx_torch;
-#   3. the tests under torchrun (gloo, CPU) with 2, 4 and 8 processes: the ops suite on each,
-#      the docs example on 4, the transformers comparison and the benchmark on 8.
+#   3. the tests under torchrun (gloo, CPU) with 2, 4 and 8 processes: the ops suite and the
+#      emulated device layer against the host layer on each, the docs example on 4, the
+#      transformers comparison and the benchmark on 8;
+#   4. with nvcc, the CUDA build of the extension (EPX_TORCH_CUDA=1: compiled and imported;
+#      its layer runs only where torch sees GPUs: run.py --device cuda).
 # Prints every case as `torch[np=N] PASS|FAIL name` and ends with `N passed, N failed`; exits
 # non-zero on any failure. EPX_TORCH_RUN_TIMEOUT (seconds, default 900) bounds each torchrun;
 # EPX_TORCH_TIMEOUT (seconds, default 300) is the process group's timeout, after which a
@@ -85,9 +88,9 @@ passed=0
 failed=0
 noise='^\[rank[0-9]+\]:W[0-9]{4} |^W[0-9]{4} |^\*{10}|OMP_NUM_THREADS|^Writing model shards'
 for np in 2 4 8; do
-  extra=()
-  [ "$np" = 4 ] && extra=(--doc)
-  [ "$np" = 8 ] && extra=(--transformers --bench)
+  extra=(--device emulated)
+  [ "$np" = 4 ] && extra+=(--doc)
+  [ "$np" = 8 ] && extra+=(--transformers --bench)
   echo "==== torch: torchrun --nproc-per-node=$np ${extra[*]} ===="
   log=$(mktemp)
   t0=$(date +%s)
@@ -116,5 +119,22 @@ for np in 2 4 8; do
   echo "torch[np=$np] done in $(( $(date +%s) - t0 ))s (rc=$rc)"
   rm -f "$log"
 done
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  echo "==== torch: the CUDA build (EPX_TORCH_CUDA=1) ===="
+  t0=$(date +%s)
+  if EPX_TORCH_CUDA=1 "$venv/bin/python" - 9>&- <<'EOF'
+import epx_torch
+assert epx_torch._C.with_cuda and hasattr(epx_torch._C, "_CudaLayer"), "the CUDA build has no _CudaLayer"
+EOF
+  then
+    echo "torch[cuda] PASS the CUDA build compiles and imports ($(( $(date +%s) - t0 ))s)"
+    passed=$((passed + 1))
+  else
+    echo "torch[cuda] FAIL the CUDA build (see the compiler's message above)"
+    failed=$((failed + 1))
+  fi
+else
+  echo "torch[cuda] SKIP the CUDA build: no nvcc on this machine"
+fi
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

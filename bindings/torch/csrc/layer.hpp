@@ -8,6 +8,15 @@
 // bitwise those of epx::moe_layer with the same experts (test_ops.py checks it against the
 // fused layer over the same communicator).
 //
+// One template, three layers (basic_torch_layer<Exec, Comm>):
+//   torch_layer           CPU tensors, exec::openmp, torch_communicator (gloo; shared memory)
+//   emulated_torch_layer  CPU tensors, exec::emulated_device over torch_device_communicator:
+//                         the device path on the CPU, for the tests (layer.cpp)
+//   cuda_torch_layer      CUDA tensors on torch's current stream, exec::cuda over
+//                         torch_device_communicator (NCCL) (layer_cuda.cu)
+// The device layers read nothing of the policy's memory on the host except the count
+// exchange's records (one read-back per dispatch, through the communicator's bounded wait).
+//
 // Inputs are checked on each rank and the verdict travels in epx's record exchange
 // (epx::detail::exchange_records), so bad input on one rank raises on every rank of the EP
 // group before any row moves.
@@ -20,15 +29,15 @@
 #include <algorithm>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "epx/epx.hpp"
+#include "device_communicator.hpp"
 #include "torch_communicator.hpp"
 
 namespace epx_torch {
-
-using policy = epx::exec::openmp;
 
 enum class path_kind : int { all_to_all = 0, all_reduce = 1, automatic = 2 };
 enum class dtype_code : int { float32 = 0, float64 = 1, bfloat16 = 2, float16 = 3 };
@@ -66,17 +75,20 @@ T* ptr(const at::Tensor& t) {
 // initialised.
 class tensor_pool {
  public:
+  explicit tensor_pool(at::Device d = at::Device(at::kCPU)) : device_(d) {}
   enum : int { send = 0, back, grad_send, grad_back, rows, out, grad_rows, grad_w, grad_x, weights, count };
 
   at::Tensor get(int slot, std::int64_t rows, std::int64_t cols, at::ScalarType t) {
     at::Tensor& c = slots_[static_cast<std::size_t>(slot)];
     const auto bytes = static_cast<std::int64_t>(rows * cols * static_cast<std::int64_t>(c10::elementSize(t)));
-    if (!c.defined() || c.use_count() != 1 || c.numel() < bytes) c = at::empty({std::max<std::int64_t>(bytes, 1)}, at::kByte);
+    if (!c.defined() || c.use_count() != 1 || c.numel() < bytes)
+      c = at::empty({std::max<std::int64_t>(bytes, 1)}, at::TensorOptions().dtype(at::kByte).device(device_));
     at::Tensor keep = c;  // in use while the tensor below (or a view of it) lives
-    return at::from_blob(c.data_ptr(), {rows, cols}, [keep](void*) {}, at::TensorOptions().dtype(t));
+    return at::from_blob(c.data_ptr(), {rows, cols}, [keep](void*) {}, at::TensorOptions().dtype(t).device(device_));
   }
 
  private:
+  at::Device device_;
   at::Tensor slots_[count];
 };
 
@@ -91,21 +103,40 @@ struct dispatch_state {
   epx::detail::receive_layout layout;
   epx::detail::segments seg;                         // all-to-all: this rank's segments
   std::vector<std::size_t> offsets;                  // [L+1] expert-major offsets, padding included
-  epx::exec::buffer<std::int64_t, policy> pos;       // [n*k] all-to-all: send position; masked: local row or -1
-  epx::exec::buffer<std::int64_t, policy> src_row;   // all-to-all: [S] slice row of each send position
-  epx::exec::buffer<std::int64_t, policy> row_source;// masked: [R] token of each local row, -1 for padding
+  // int64 tensors on the layer's device, over the plan's buffers in the policy's memory:
+  at::Tensor pos;                                    // [n*k] all-to-all: send position; masked: local row or -1
+  at::Tensor src_row;                                // all-to-all: [S] slice row of each send position
+  at::Tensor row_source;                             // masked: [R] token of each local row, -1 for padding
   at::Tensor weights_at;                             // all-to-all: [S] weight of each send position; masked: [R]
   at::Tensor y;                                      // after a training combine: all-to-all [S, H] send order; masked [R, H]
 };
 
-class torch_layer {
+// How a layer reaches its policy and its tensors' device.
+template <class Exec>
+struct layer_side {  // a device policy (device_communicator.hpp's device_side)
+  static Exec current() { return device_side<Exec>::current(); }
+  static at::Device device() { return device_side<Exec>::device(); }
+};
+template <>
+struct layer_side<epx::exec::openmp> {
+  static epx::exec::openmp current() { return epx::exec::openmp{at::get_num_threads()}; }
+  static at::Device device() { return at::Device(at::kCPU); }
+};
+
+template <class Exec, class Comm>
+class basic_torch_layer {
  public:
+  using exec_type = Exec;
+  using comm_type = Comm;
+  static constexpr bool on_host = epx::exec::is_host_policy_v<Exec>;
+
   // transport: 0 auto (shared memory when the EP group's ranks share a host), 1 shared
-  // memory (required), 2 the process group's own all-to-all. timeout_s bounds the
-  // shared-memory barrier (the process group's collectives have the group's own timeout).
-  torch_layer(const epx::mesh_config& mc, const std::string& world_group, int world_rank, int world_size,
-              std::size_t hidden, int top_k, int pad_rows, int pad_align, int dtype, int path, int transport,
-              double timeout_s);
+  // memory (required), 2 the process group's own all-to-all (device layers: always).
+  // timeout_s bounds the shared-memory barrier and a device layer's waits (the process
+  // group's collectives have the group's own timeout).
+  basic_torch_layer(const epx::mesh_config& mc, const std::string& world_group, int world_rank, int world_size,
+                    std::size_t hidden, int top_k, int pad_rows, int pad_align, int dtype, int path, int transport,
+                    double timeout_s);
 
   std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> dispatch(const at::Tensor& x,
                                                                               const at::Tensor& ids,
@@ -124,10 +155,15 @@ class torch_layer {
   dtype_code dtype() const noexcept { return dtype_; }
   path_kind path() const noexcept { return path_; }
   int world_rank() const noexcept { return world_rank_; }
-  torch_communicator& ep() { return *ep_; }
-  torch_communicator& tp() { return *tp_; }
-  bool shared_memory() const noexcept { return ep_->shared_memory(); }
-  policy exec() const { return policy{at::get_num_threads()}; }
+  Comm& ep() { return *ep_; }
+  Comm& tp() { return *tp_; }
+  bool shared_memory() const noexcept {
+    if constexpr (std::is_same_v<Comm, torch_communicator>) return ep_->shared_memory();
+    return false;
+  }
+  Exec exec() const { return layer_side<Exec>::current(); }
+  // The device of the layer's tensors: for CUDA, the current device at construction.
+  at::Device device() const { return device_; }
 
  private:
   template <class T>
@@ -143,14 +179,22 @@ class torch_layer {
   template <class T>
   at::Tensor dispatch_backward_t(dispatch_state& s, const at::Tensor& grad_rows);
   // The return exchange of the all-to-all path (the owners' expert-major rows back to this
-  // rank's send positions): table[p] = send position p's row. With shared memory and
-  // `in_place`, where the row sits in its owner's buffer, read before the EP group's next
-  // collective (the sums of combine's inference and of dispatch's backward read each row
-  // once, with no copy into send order); else copied into send order in `back` (pool slot
-  // `slot`), which a training combine keeps for backward.
+  // rank's send positions). With shared memory and `in_place`, the rows are read where they
+  // sit in their owners' buffers, before the EP group's next collective (the sums of
+  // combine's inference and of dispatch's backward read each row once, with no copy into
+  // send order): true, and table[p] = send position p's row. Else false, and the rows are
+  // copied into send order in `back` (pool slot `slot`), which a training combine keeps for
+  // backward.
   template <class T>
-  std::vector<const T*> returned_rows(const dispatch_state& s, const T* expert_rows, bool in_place, int slot,
-                                      at::Tensor& back);
+  bool returned_rows(const dispatch_state& s, const T* expert_rows, bool in_place, int slot, at::Tensor& back,
+                     std::vector<const T*>& table);
+  // Where the S rows of H a rank sends in send order are written: the shared-memory
+  // exchange's buffer, else pool slot `slot` (held by `keep`).
+  template <class T>
+  T* send_buffer(std::size_t S, int slot, at::Tensor& keep);
+  // Adopts a buffer of the policy as an int64 tensor of `n` elements on the layer's device.
+  template <class B>
+  at::Tensor adopt(B&& b, std::size_t n) const;
 
   std::string check_tensor(const char* what, const at::Tensor& t, at::ScalarType want, std::int64_t rows,
                            std::int64_t cols) const;
@@ -160,8 +204,13 @@ class torch_layer {
   dtype_code dtype_ = dtype_code::float32;
   path_kind path_ = path_kind::all_to_all;
   int world_rank_ = 0;
-  std::unique_ptr<torch_communicator> world_, ep_, tp_, efsdp_, fsdp_, dp_replicate_;
-  tensor_pool pool_;
+  std::unique_ptr<Comm> world_, ep_, tp_, efsdp_, fsdp_, dp_replicate_;
+  at::Device device_ = layer_side<Exec>::device();
+  tensor_pool pool_{device_};
 };
+
+using torch_layer = basic_torch_layer<epx::exec::openmp, torch_communicator>;
+using emulated_torch_layer =
+    basic_torch_layer<epx::exec::emulated_device, torch_device_communicator<epx::exec::emulated_device>>;
 
 }  // namespace epx_torch

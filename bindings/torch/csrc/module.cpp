@@ -3,12 +3,20 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "bind_layer.hpp"
 #include "layer.hpp"
+
+#ifndef EPX_TORCH_WITH_CUDA
+#define EPX_TORCH_WITH_CUDA 0
+#endif
 
 namespace py = pybind11;
 
 namespace epx_torch {
 void bind_reference(py::module_& m);
+#if EPX_TORCH_WITH_CUDA
+void bind_cuda(py::module_& m);  // layer_cuda.cu: _CudaLayer
+#endif
 }
 
 namespace {
@@ -38,6 +46,62 @@ epx::datatype datatype_of(const at::Tensor& t) {
     default: break;
   }
   throw epx::error(epx::errc::input, "no epx datatype for this tensor", EPX_HERE);
+}
+
+// Typed collectives of a communicator over a torch group on 1-D CPU tensors, for the tests.
+template <class C, class Make>
+void bind_communicator(py::module_& m, const char* name, Make make) {
+  py::class_<C>(m, name)
+      .def(py::init(make))
+      .def("rank", &C::rank)
+      .def("size", &C::size)
+      .def_property_readonly("name", &C::name)
+      .def("split", &C::split, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_reduce",
+          [](C& c, at::Tensor t, double scale) {
+            check_1d(t);
+            c.all_reduce(t.data_ptr(), t.data_ptr(), static_cast<std::size_t>(t.numel()), datatype_of(t), scale);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "reduce_scatter",
+          [](C& c, const at::Tensor& send, at::Tensor recv, double scale) {
+            check_1d(send);
+            check_1d(recv);
+            EPX_REQUIRE(send.numel() == recv.numel() * c.size(), epx::errc::input, "reduce_scatter: sizes");
+            c.reduce_scatter(send.data_ptr(), recv.data_ptr(), static_cast<std::size_t>(recv.numel()),
+                             datatype_of(send), scale);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_gather",
+          [](C& c, const at::Tensor& send, at::Tensor recv) {
+            check_1d(send);
+            check_1d(recv);
+            EPX_REQUIRE(recv.numel() == send.numel() * c.size(), epx::errc::input, "all_gather: sizes");
+            c.all_gather(send.data_ptr(), recv.data_ptr(), static_cast<std::size_t>(send.numel()), datatype_of(send));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_to_allv",
+          [](C& c, const at::Tensor& send, const std::vector<std::size_t>& sc,
+             const std::vector<std::size_t>& sd, at::Tensor recv, const std::vector<std::size_t>& rc,
+             const std::vector<std::size_t>& rd) {
+            check_1d(send);
+            check_1d(recv);
+            c.all_to_allv(send.data_ptr(), sc.data(), sd.data(), recv.data_ptr(), rc.data(), rd.data(),
+                          datatype_of(send));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "broadcast",
+          [](C& c, at::Tensor t, int root) {
+            check_1d(t);
+            c.broadcast(t.data_ptr(), static_cast<std::size_t>(t.numel()), datatype_of(t), root);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def("barrier", &C::barrier, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace
@@ -106,74 +170,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("slice", [](const dispatch_state& s) { return py::make_tuple(s.slice.begin, s.slice.end); })
       .def_property_readonly("offsets", [](const dispatch_state& s) { return s.offsets; });
 
-  py::class_<torch_layer>(m, "_Layer")
-      .def(py::init([](const epx::mesh& mesh, const std::string& world_group, int world_rank, int world_size,
-                       std::size_t hidden, int top_k, int pad_rows, int pad_align, int dtype, int path, int transport,
-                       double timeout_s) {
-             return new torch_layer(mesh.config(), world_group, world_rank, world_size, hidden, top_k, pad_rows,
-                                    pad_align, dtype, path, transport, timeout_s);
-           }),
-           py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("shared_memory", &torch_layer::shared_memory)
-      .def_property_readonly("mesh", [](const torch_layer& l) { return l.topology(); })
-      .def("dispatch", &torch_layer::dispatch, py::call_guard<py::gil_scoped_release>())
-      .def("combine", &torch_layer::combine, py::call_guard<py::gil_scoped_release>())
-      .def("combine_backward", &torch_layer::combine_backward, py::call_guard<py::gil_scoped_release>())
-      .def("dispatch_backward", &torch_layer::dispatch_backward, py::call_guard<py::gil_scoped_release>())
-      .def("reduce_expert_gradients", &torch_layer::reduce_expert_gradients, py::call_guard<py::gil_scoped_release>())
-      .def("reduce_dense_gradients", &torch_layer::reduce_dense_gradients, py::call_guard<py::gil_scoped_release>());
+  m.attr("with_cuda") = static_cast<bool>(EPX_TORCH_WITH_CUDA);
+  bind_layer<torch_layer>(m, "_Layer");
+  bind_layer<emulated_torch_layer>(m, "_EmulatedLayer");
+#if EPX_TORCH_WITH_CUDA
+  bind_cuda(m);
+#endif
 
-  py::class_<torch_communicator>(m, "_Communicator")
-      .def(py::init<const std::string&, int, int>())
-      .def("rank", &torch_communicator::rank)
-      .def("size", &torch_communicator::size)
-      .def_property_readonly("name", &torch_communicator::name)
-      .def("split", &torch_communicator::split, py::call_guard<py::gil_scoped_release>())
-      .def(
-          "all_reduce",
-          [](torch_communicator& c, at::Tensor t, double scale) {
-            check_1d(t);
-            c.all_reduce(t.data_ptr(), t.data_ptr(), static_cast<std::size_t>(t.numel()), datatype_of(t), scale);
-          },
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "reduce_scatter",
-          [](torch_communicator& c, const at::Tensor& send, at::Tensor recv, double scale) {
-            check_1d(send);
-            check_1d(recv);
-            EPX_REQUIRE(send.numel() == recv.numel() * c.size(), epx::errc::input, "reduce_scatter: sizes");
-            c.reduce_scatter(send.data_ptr(), recv.data_ptr(), static_cast<std::size_t>(recv.numel()),
-                             datatype_of(send), scale);
-          },
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "all_gather",
-          [](torch_communicator& c, const at::Tensor& send, at::Tensor recv) {
-            check_1d(send);
-            check_1d(recv);
-            EPX_REQUIRE(recv.numel() == send.numel() * c.size(), epx::errc::input, "all_gather: sizes");
-            c.all_gather(send.data_ptr(), recv.data_ptr(), static_cast<std::size_t>(send.numel()), datatype_of(send));
-          },
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "all_to_allv",
-          [](torch_communicator& c, const at::Tensor& send, const std::vector<std::size_t>& sc,
-             const std::vector<std::size_t>& sd, at::Tensor recv, const std::vector<std::size_t>& rc,
-             const std::vector<std::size_t>& rd) {
-            check_1d(send);
-            check_1d(recv);
-            c.all_to_allv(send.data_ptr(), sc.data(), sd.data(), recv.data_ptr(), rc.data(), rd.data(),
-                          datatype_of(send));
-          },
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "broadcast",
-          [](torch_communicator& c, at::Tensor t, int root) {
-            check_1d(t);
-            c.broadcast(t.data_ptr(), static_cast<std::size_t>(t.numel()), datatype_of(t), root);
-          },
-          py::call_guard<py::gil_scoped_release>())
-      .def("barrier", &torch_communicator::barrier, py::call_guard<py::gil_scoped_release>());
+  bind_communicator<torch_communicator>(m, "_Communicator", [](const std::string& g, int r, int w) {
+    return new torch_communicator(g, r, w);
+  });
+  using emulated_communicator = torch_device_communicator<epx::exec::emulated_device>;
+  bind_communicator<emulated_communicator>(m, "_EmulatedCommunicator", [](const std::string& g, int r, int w) {
+    return new emulated_communicator(g, r, w, std::chrono::milliseconds(300000));
+  });
 
   bind_reference(m);
 }

@@ -1,7 +1,8 @@
 // bindings/torch/csrc/reference.cpp: for the tests only. The fused epx::moe_layer over the
 // same torch communicators as a torch_layer, with experts that scale each local expert's
 // rows by a constant (the same bits in C++ and in torch), so that the split torch ops can be
-// compared with the C++ layer bit for bit.
+// compared with the C++ layer bit for bit. For the emulated device layer, the fused layer
+// runs on the emulated device policy over the same device communicators.
 #include <pybind11/pybind11.h>
 
 #include "layer.hpp"
@@ -32,12 +33,19 @@ struct scale_experts {
   }
 };
 
-template <class T, class Impl>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> run_reference(torch_layer& layer, const at::Tensor& x,
+// The fused layer's policy: one thread on the host; the emulated device for its layer.
+template <class Layer>
+using fused_exec = std::conditional_t<Layer::on_host, epx::exec::serial, typename Layer::exec_type>;
+
+template <class T, class Impl, class Layer>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_reference(Layer& layer, const at::Tensor& x,
                                                               const at::Tensor& ids, const at::Tensor& w,
                                                               const at::Tensor& grad_out, const std::vector<float>& c) {
-  epx::moe_layer<torch_communicator, T, Impl, epx::exec::serial> fused(layer.topology(), layer.world_rank(), layer.ep(),
-                                                                       layer.tp(), layer.options());
+  using Exec = fused_exec<Layer>;
+  Exec ex{};
+  if constexpr (!Layer::on_host) ex = layer.exec();
+  epx::moe_layer<typename Layer::comm_type, T, Impl, Exec> fused(layer.topology(), layer.world_rank(), layer.ep(),
+                                                                 layer.tp(), layer.options(), ex);
   scale_experts<T> experts{c};
   const auto N = static_cast<std::size_t>(x.size(0)), H = layer.options().hidden;
   const auto k = static_cast<std::size_t>(layer.options().top_k);
@@ -51,12 +59,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_reference(torch_layer& layer,
   return {out, gx, gw};
 }
 
-}  // namespace
-
-void bind_reference(pybind11::module_& m) {
+template <class Layer>
+void bind_reference_for(pybind11::module_& m) {
   m.def(
       "_fused_reference",
-      [](torch_layer& layer, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w, const at::Tensor& g,
+      [](Layer& layer, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w, const at::Tensor& g,
          const std::vector<float>& c, bool masked) {
         const at::Tensor xc = x.contiguous(), ic = ids.contiguous(), wc = w.contiguous(), gc = g.contiguous();
         return with_type(layer.dtype(), [&](auto t) {
@@ -67,6 +74,13 @@ void bind_reference(pybind11::module_& m) {
       },
       pybind11::call_guard<pybind11::gil_scoped_release>(),
       "Tests only: epx::moe_layer over the layer's communicators with experts y = c[l] * x.");
+}
+
+}  // namespace
+
+void bind_reference(pybind11::module_& m) {
+  bind_reference_for<torch_layer>(m);
+  bind_reference_for<emulated_torch_layer>(m);
 }
 
 }  // namespace epx_torch

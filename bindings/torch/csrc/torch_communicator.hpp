@@ -25,16 +25,12 @@
 #pragma once
 
 #include <torch/extension.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -45,29 +41,9 @@
 #include "epx/comm/detail/reduce.hpp"
 #include "epx/core/error.hpp"
 #include "shm_exchange.hpp"
+#include "torch_group.hpp"
 
 namespace epx_torch {
-
-// Makes the group of `members` (world ranks) for every group of a split, on every rank of
-// the job, and returns the name of the one at index `mine` (set from Python at import).
-using split_callback = std::function<std::string(const std::vector<std::vector<int>>&, int)>;
-inline split_callback& split_hook() {
-  static split_callback f;
-  return f;
-}
-
-inline at::ScalarType scalar_type_of(epx::datatype t) {
-  switch (t) {
-    case epx::datatype::int32: return at::kInt;
-    case epx::datatype::int64: return at::kLong;
-    case epx::datatype::float32: return at::kFloat;
-    case epx::datatype::float64: return at::kDouble;
-    case epx::datatype::bfloat16: return at::kBFloat16;
-    case epx::datatype::float16: return at::kHalf;
-    case epx::datatype::byte: return at::kByte;
-  }
-  return at::kByte;
-}
 
 // Grow-only host buffers for the communicator's temporaries (pack, unpack, gather), kept
 // between calls: no zero-filling and no fresh pages per call. Shared by the copies of a
@@ -92,60 +68,15 @@ class scratch_pool {
   block slots_[count];
 };
 
-class torch_communicator {
+class torch_communicator : public torch_group {
  public:
-  // `group_name`: a registered c10d group (ProcessGroup.group_name); `world_rank` and
-  // `world_size`: this process in the default group (for split and messages).
   torch_communicator(const std::string& group_name, int world_rank, int world_size)
-      : name_(group_name), world_rank_(world_rank), world_size_(world_size) {
-    auto pg = group();
-    rank_ = pg->getRank();
-    size_ = pg->getSize();
-    backend_ = pg->getBackendName();
-    scratch_ = std::make_shared<scratch_pool>();
-  }
-
-  int rank() const { return rank_; }
-  int size() const { return size_; }
-  const std::string& name() const noexcept { return name_; }
-  const std::string& backend() const noexcept { return backend_; }
-  int world_rank() const noexcept { return world_rank_; }
+      : torch_group(group_name, world_rank, world_size), scratch_(std::make_shared<scratch_pool>()) {}
 
   torch_communicator split(int color, int key) const {
-    const int P = size();
-    std::vector<std::int64_t> mine = {color, key, world_rank_}, all(3 * static_cast<std::size_t>(P));
+    std::vector<std::int64_t> mine = {color, key, world_rank_}, all(3 * static_cast<std::size_t>(size()));
     const_cast<torch_communicator*>(this)->all_gather(mine.data(), all.data(), 3, epx::datatype::int64);
-    EPX_REQUIRE(P == world_size_, epx::errc::configuration, "split: the torch backend splits only a communicator over "
-                "the whole job (", world_size_, " ranks); this one (", name_, ") has ", P);
-    // Members of each color, ordered by (key, rank), as world ranks; colors ascending.
-    std::map<std::int64_t, std::vector<std::pair<std::pair<std::int64_t, int>, int>>> by_color;
-    for (int r = 0; r < P; ++r) {
-      const auto* rec = all.data() + 3 * static_cast<std::size_t>(r);
-      by_color[rec[0]].push_back({{rec[1], r}, static_cast<int>(rec[2])});
-    }
-    std::vector<std::vector<int>> groups;
-    int index = -1;
-    for (auto& [c, v] : by_color) {
-      std::sort(v.begin(), v.end());
-      std::vector<int> g;
-      for (const auto& m : v) g.push_back(m.second);
-      // torch.distributed.new_group numbers a group's members by their rank in the job.
-      EPX_REQUIRE(std::is_sorted(g.begin(), g.end()), epx::errc::configuration,
-                  "split: the keys of color ", c, " order its members differently from their ranks in the job, "
-                  "which a torch process group cannot (its ranks follow the job's)");
-      if (c == color) index = static_cast<int>(groups.size());
-      groups.push_back(std::move(g));
-    }
-    // One color holding every rank in order: the group itself (no new group; its timeout and
-    // shared memory stay its own).
-    if (groups.size() == 1) return torch_communicator(name_, world_rank_, world_size_);
-    EPX_REQUIRE(static_cast<bool>(split_hook()), epx::errc::internal, "split: no group maker registered");
-    std::string made;
-    {
-      pybind11::gil_scoped_acquire gil;
-      made = split_hook()(groups, index);
-    }
-    return torch_communicator(made, world_rank_, world_size_);
+    return torch_communicator(split_name(color, all), world_rank_, world_size_);
   }
 
   void all_gather(const void* send, void* recv, std::size_t count, epx::datatype t) {
@@ -429,14 +360,6 @@ class torch_communicator {
   static void copy(std::byte* d, const std::byte* s, std::size_t n) {
     if (n) std::memcpy(d, s, n);
   }
-  static bool packed(const std::size_t* c, const std::size_t* d, std::size_t P) {
-    std::size_t at = 0;
-    for (std::size_t p = 0; p < P; ++p) {
-      if (c[p] != 0 && d[p] != at) return false;
-      at += c[p];
-    }
-    return true;
-  }
   // A CPU tensor over `count` elements at `p` (not owned; may be empty).
   static at::Tensor view(const void* p, std::size_t count, epx::datatype t) {
     static std::byte dummy[16];
@@ -463,42 +386,8 @@ class torch_communicator {
     for (std::size_t r = 0; r < P; ++r) srcs[r] = all + r * count * epx::size_of(t);
     epx::detail::reduce_sum(t, srcs.data(), static_cast<int>(P), recv, count, scale);
   }
-  template <class F>
-  void run(const char* what, F&& start) {
-    try {
-      auto work = start();
-      work->wait();
-    } catch (const epx::error&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw epx::error(epx::errc::communicator,
-                       epx::detail::concat(what, " over torch process group '", name_, "' (", backend(), ", rank ",
-                                           rank(), " of ", size(), ") failed: ", e.what()),
-                       EPX_HERE);
-    }
-  }
-
-  // The group, looked up by name for each call: the communicator keeps no reference, so a
-  // group destroyed by torch.distributed.destroy_process_group is gone (its collectives then
-  // raise here) and is never destroyed late, at interpreter exit, through a layer.
-  c10::intrusive_ptr<c10d::ProcessGroup> group() const {
-    try {
-      return c10d::resolve_process_group(name_);
-    } catch (const std::exception& e) {
-      throw epx::error(epx::errc::configuration,
-                       epx::detail::concat("no torch process group named '", name_,
-                                           "' (destroyed, or never made): ", e.what()),
-                       EPX_HERE);
-    }
-  }
-
-  int rank_ = 0, size_ = 0;
-  std::string backend_;
   std::shared_ptr<scratch_pool> scratch_;
   std::shared_ptr<shm_exchange> shm_;
-  std::string name_;
-  int world_rank_ = 0;
-  int world_size_ = 0;
 };
 
 static_assert(epx::check_communicator<torch_communicator>());

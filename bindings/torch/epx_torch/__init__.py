@@ -9,6 +9,10 @@ torch.distributed process group.
     out.sum().backward()                     # through combine, the experts and dispatch
     layer.register_expert_hooks(my_experts.parameters())                 # 1/B mean (contract 6)
 
+On GPUs, `Layer(..., device="cuda")` keeps every tensor on the current CUDA device and runs
+epx's kernels on torch's current stream, with the collectives of the group's NCCL backend
+(the CUDA build of the extension, made where torch sees a GPU or with EPX_TORCH_CUDA=1).
+
 `rows` holds local expert l's rows at offsets[l]:offsets[l+1] (from every EP rank, in
 rank order, then the zero padding rows); global expert id = layer.first_expert + l.
 Gradients flow to x (input rows) and to the routing weights (through combine). Bad input on
@@ -41,12 +45,28 @@ _TRANSPORTS = {"auto": 0, "shm": 1, "group": 2}
 _GROUPS: dict[tuple, list] = {}
 
 
-def _timeout(group) -> timedelta:
-    """The timeout of a gloo process group (its collectives fail after it), else 30 min."""
+def _timeout(group, device: str = "cpu") -> timedelta:
+    """The timeout of a process group's backend for `device` (its collectives fail after
+    it), else 30 min."""
     try:
-        return group._get_backend(torch.device("cpu")).options._timeout
+        return group._get_backend(torch.device(device)).options._timeout
     except Exception:  # noqa: BLE001 - other backends keep their options elsewhere
         return timedelta(minutes=30)
+
+
+def _layer_class(device: str):
+    """The extension's layer for a device: "cpu" (epx's host path), "cuda" (the CUDA build)
+    or "emulated" (the device path on the CPU, with CPU tensors: for tests)."""
+    if device == "cpu":
+        return _C._Layer
+    if device == "emulated":
+        return _C._EmulatedLayer
+    if device == "cuda":
+        if not _C.with_cuda:
+            raise EpxError("epx_torch: Layer(device='cuda') needs the CUDA build of the extension, which is made "
+                           "where torch sees a GPU or with EPX_TORCH_CUDA=1 (this process loaded the CPU build)")
+        return _C._CudaLayer
+    raise ValueError(f"device must be 'cpu', 'cuda' or 'emulated', not {device!r}")
 
 
 def _make_groups(groups: Sequence[Sequence[int]], mine: int) -> str:
@@ -82,29 +102,38 @@ class Layer:
     transport how dispatch and combine move rows inside the EP group: "auto" (shared memory
               when all its ranks run on one host, else the process group's all_to_all),
               "shm" (shared memory, an error on every rank where impossible) or "group"
-              (always the process group's all_to_all)
+              (always the process group's all_to_all); on "cuda" and "emulated" always
+              the process group's
+    device    "cpu" (CPU tensors, gloo), "cuda" (CUDA tensors of the current device, NCCL;
+              the kernels run on torch's current stream) or "emulated" (CPU tensors over
+              gloo through the device path, for tests)
     """
 
     def __init__(self, mesh: Mesh, hidden: int, top_k: int, *, dtype: torch.dtype = torch.float32,
                  group: dist.ProcessGroup | None = None, padding: tuple[int, int] = (1, 1),
-                 path: str = "all_to_all", transport: str = "auto"):
+                 path: str = "all_to_all", transport: str = "auto", device: str | torch.device = "cpu"):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, not {dtype}")
         if path not in _PATHS:
             raise ValueError(f"path must be one of {list(_PATHS)}, not {path!r}")
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {list(_TRANSPORTS)}, not {transport!r}")
+        device = torch.device(device).type if isinstance(device, torch.device) else str(device)
+        cls = _layer_class(device)
+        if device != "cpu" and transport == "shm":
+            raise ValueError(f"transport='shm' is for device='cpu'; a {device} layer moves rows through the group")
         group = group if group is not None else dist.group.WORLD
         self.group = group
+        self.device = device
         self.dtype = dtype
         self.path = path
         self.hidden = int(hidden)
         self.top_k = int(top_k)
         self.padding = (int(padding[0]), int(padding[1]))
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self._impl = _C._Layer(mesh, group.group_name, rank, size, self.hidden, self.top_k, self.padding[0],
-                               self.padding[1], _DTYPES[dtype], _PATHS[path], _TRANSPORTS[transport],
-                               _timeout(group).total_seconds())
+        timeout = _timeout(group, "cuda" if device == "cuda" else "cpu").total_seconds()
+        self._impl = cls(mesh, group.group_name, rank, size, self.hidden, self.top_k, self.padding[0],
+                         self.padding[1], _DTYPES[dtype], _PATHS[path], _TRANSPORTS[transport], timeout)
         self.mesh = mesh
         self.rank = rank
 
@@ -188,7 +217,7 @@ class Handle:
 
 def local_expert_ids(offsets: torch.Tensor) -> torch.Tensor:
     counts = offsets[1:] - offsets[:-1]
-    return torch.repeat_interleave(torch.arange(counts.numel(), dtype=torch.long), counts)
+    return torch.repeat_interleave(torch.arange(counts.numel(), dtype=torch.long, device=offsets.device), counts)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -234,7 +263,7 @@ def _weights32(weights: torch.Tensor) -> torch.Tensor:
 def dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: Layer):
     """Sends each (token, slot) pair's row to the owner of its expert.
 
-    x [N, H] (layer.dtype, CPU), ids [N, k] global expert ids (int32 or int64), weights
+    x [N, H] (layer.dtype, on the layer's device), ids [N, k] global expert ids (int32 or int64), weights
     [N, k] routing weights (float32; other float dtypes are converted). Collective over the
     layer's EP group (and its TP group). Returns (rows [R, H] expert-major, offsets [L+1]
     int64, handle). Differentiable with respect to x; the weights' gradient comes from

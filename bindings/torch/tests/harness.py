@@ -25,10 +25,16 @@ import torch.distributed as dist
 _results: list[tuple[str, bool]] = []
 
 
-def init() -> tuple[int, int]:
+def init(cuda: bool = False) -> tuple[int, int]:
+    """gloo; with `cuda`, gloo for CPU tensors and NCCL for CUDA ones, each rank on GPU
+    local_rank % device_count (when there is one)."""
     if not dist.is_initialized():
         timeout = float(os.environ.get("EPX_TORCH_TIMEOUT", "300"))
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+        backend = "gloo"
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+            backend = "cpu:gloo,cuda:nccl"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     torch.set_num_threads(int(os.environ.get("EPX_TORCH_THREADS", "1")))
     return dist.get_rank(), dist.get_world_size()
 
@@ -57,6 +63,20 @@ def run(name: str, fn) -> bool:
         bad = [f"rank {r}: {v[1]}" for r, v in enumerate(all_verdicts) if not v[0]]
         say(f"torch[np={W}] FAIL {name} ({dt:.1f}s)\n  " + "\n  ".join(bad))
     return ok
+
+
+def enough_gpus() -> bool:
+    """Whether every rank has a GPU of its own (NCCL needs one per rank); the reason why
+    not is left in enough_gpus.reason."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    W = dist.get_world_size()
+    enough_gpus.reason = f"{n} GPU(s) visible for {W} rank(s) on this host" if n < W else ""
+    return n >= W
+
+
+def skip(name: str, reason: str) -> None:
+    """A case that cannot run here: SKIP with the reason, counted neither passed nor failed."""
+    say(f"torch[np={dist.get_world_size()}] SKIP {name}: {reason}")
 
 
 def summary() -> tuple[int, int]:

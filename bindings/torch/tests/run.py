@@ -1,10 +1,12 @@
 """Entry point of the torch tests, under torchrun (gloo, CPU):
 
     torchrun --nproc-per-node=N bindings/torch/tests/run.py [--transformers] [--bench] [--doc]
+                                                            [--device emulated|cuda]
 
 runs the ops suite (test_ops.py) and, when asked, the comparison with transformers'
 expert parallelism (test_transformers.py, 8 processes), the benchmark (bench.py, 8
-processes) and the example of docs/pytorch.md. Rank 0 prints one line per case and
+processes), the example of docs/pytorch.md and the device layers against the host layer
+(test_device.py: --device cuda on GPUs, NCCL; --device emulated on the CPU). Rank 0 prints one line per case and
 `torch[np=N] RESULT passed=P failed=F`; the exit status is non-zero on any failure.
 """
 
@@ -28,9 +30,10 @@ def main() -> None:
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--doc", action="store_true")
     ap.add_argument("--no-ops", action="store_true")
+    ap.add_argument("--device", choices=("emulated", "cuda"), default=None)
     ap.add_argument("--only", default="", help="run only the cases whose name holds this text")
     args = ap.parse_args()
-    rank, W = harness.init()
+    rank, W = harness.init(cuda=args.device == "cuda")
     import epx_torch  # noqa: F401  (builds or loads the extension)
 
     if not args.no_ops:
@@ -44,6 +47,16 @@ def main() -> None:
 
         for name, fn in test_doc.cases(W):
             harness.run(name, fn)
+    if args.device:
+        import test_device
+
+        if args.device == "cuda" and not harness.enough_gpus():
+            harness.skip(f"{args.device}: the device layer against the host layer",
+                         harness.enough_gpus.reason)
+        else:
+            for name, fn in test_device.cases(W, args.device):
+                if args.only in name:
+                    harness.run(name, fn)
     if args.transformers:
         import test_transformers
 

@@ -74,14 +74,15 @@ def grouped_experts(rows: torch.Tensor, offsets: torch.Tensor, A: torch.Tensor, 
 
 def layer_case(tp=1, fsdp=None, ep=None, dp_replicate=1, E=E_DEFAULT, k=3, N=12, dtype=torch.float64,
                path="all_to_all", padding=(1, 1), routing="random", train=True, check_padding=False,
-               transport="auto"):
+               transport="auto", device="cpu"):
     W = dist.get_world_size()
     rank = dist.get_rank()
     fsdp = fsdp if fsdp is not None else W // (tp * dp_replicate)
     ep = ep if ep is not None else fsdp * tp
     mesh = epx_torch.Mesh(tp=tp, fsdp=fsdp, ep=ep, dp_replicate=dp_replicate, experts=E)
-    layer = epx_torch.Layer(mesh, hidden=H, top_k=k, dtype=dtype, padding=padding, path=path, transport=transport)
-    if transport == "auto" and not layer.shared_memory:
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=k, dtype=dtype, padding=padding, path=path, transport=transport,
+                            device=device)
+    if device == "cpu" and transport == "auto" and not layer.shared_memory:
         raise AssertionError("transport='auto' did not take shared memory with every rank on one host")
     A, B = expert_params(E, dtype)
     L, first = layer.local_experts, layer.first_expert
@@ -129,15 +130,18 @@ def layer_case(tp=1, fsdp=None, ep=None, dp_replicate=1, E=E_DEFAULT, k=3, N=12,
 
 
 def bitwise_case(tp=1, ep=None, dtype=torch.float32, path="all_to_all", N=10, k=3, E=E_DEFAULT, padding=(1, 1),
-                 transport="auto", train=True):
+                 transport="auto", train=True, device="cpu"):
     """The split torch ops give the bits of epx::moe_layer (C++, same communicators) with
     experts y = c_l * x; train=False: the output of an inference call (no autograd), whose
-    combine reads the returned rows in place with shared memory."""
+    combine reads the returned rows in place with shared memory. device="emulated": the
+    device path on the CPU against epx::moe_layer on the emulated device policy over the
+    same device communicators."""
     W = dist.get_world_size()
     fsdp = W // tp
     ep = ep if ep is not None else W
     mesh = epx_torch.Mesh(tp=tp, fsdp=fsdp, ep=ep, experts=E)
-    layer = epx_torch.Layer(mesh, hidden=H, top_k=k, dtype=dtype, padding=padding, path=path, transport=transport)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=k, dtype=dtype, padding=padding, path=path, transport=transport,
+                            device=device)
     L = layer.local_experts
     c = [0.5 + 0.25 * ((layer.first_expert + l) % 7) for l in range(L)]  # exact in bf16
     x, ids, w, G = batch_data(layer.batch, N, k, E, dtype)
@@ -206,15 +210,15 @@ def error_cases(W: int):
             if rank == bad:
                 args[which] = on_cuda(args[which])
             expect_error(lambda: epx_torch.dispatch(*args, layer), "epx_torch dispatch", f"rank {bad}",
-                         f"{what} is on device cuda:0", "runs on the CPU")
+                         f"{what} is on device cuda:0", "but this layer runs on cpu")
         x, ids, w = data()
         rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
         y = on_cuda(rows) if rank == bad else rows
         expect_error(lambda: epx_torch.combine(y, h), "epx_torch combine", f"rank {bad}",
                      "expert output is on device cuda:0")
         g = on_cuda(torch.zeros(4))
-        expect_error(lambda: layer.reduce_expert_gradients(g), "reduce_expert_gradients", "contiguous CPU tensor")
-        expect_error(lambda: layer.reduce_dense_gradients(g), "reduce_dense_gradients", "contiguous CPU tensor")
+        expect_error(lambda: layer.reduce_expert_gradients(g), "reduce_expert_gradients", "contiguous tensor on cpu")
+        expect_error(lambda: layer.reduce_dense_gradients(g), "reduce_dense_gradients", "contiguous tensor on cpu")
 
     def wrong_shape():
         x, ids, w = data()
@@ -345,9 +349,11 @@ def error_cases(W: int):
 
 # ---- the communicator -------------------------------------------------------------------
 
-def communicator_case():
+def communicator_case(kind="_Communicator"):
+    """The communicator's collectives (kind: "_Communicator", host memory, or
+    "_EmulatedCommunicator", the device communicator on the emulated device)."""
     W, rank = dist.get_world_size(), dist.get_rank()
-    c = epx_torch._C._Communicator(dist.group.WORLD.group_name, rank, W)
+    c = getattr(epx_torch._C, kind)(dist.group.WORLD.group_name, rank, W)
     assert c.rank() == rank and c.size() == W
     # all_reduce: the sum in rank order with the scale before the one rounding, the same bits
     # on every rank.
@@ -411,6 +417,7 @@ def cases(W: int):
     f64, f32, bf16 = torch.float64, torch.float32, torch.bfloat16
     add = lambda name, fn: out.append((name, fn))  # noqa: E731
     add("communicator over the process group", communicator_case)
+    add("device communicator over the process group (emulated)", lambda: communicator_case("_EmulatedCommunicator"))
     for dt in (f64, f32, bf16):
         add(f"all_to_all tp1 ep{W} {dt}", lambda dt=dt: layer_case(tp=1, dtype=dt))
     add("all_to_all inference (no_grad)", lambda: layer_case(tp=1, train=False))
@@ -455,5 +462,58 @@ def cases(W: int):
         add("all_to_all tp2 fsdp4 ep4 (the seed's mesh) float32", lambda: layer_case(tp=2, fsdp=4, ep=4, dtype=f32))
         add("all_to_all tp2 fsdp4 ep8 efsdp1 bfloat16", lambda: layer_case(tp=2, fsdp=4, ep=8, dtype=bf16))
         add("bitwise = epx::moe_layer (tp2 ep4, float32)", lambda: bitwise_case(tp=2, ep=4, dtype=f32))
+    out.extend(emulated_cases(W))
     out.extend(error_cases(W))
     return out
+
+
+def emulated_cases(W: int):
+    """The device path on the CPU (Layer(device="emulated"): the code of the CUDA layer with
+    the emulated device policy over the device communicator): against the float64
+    reference and bitwise against epx::moe_layer on the same policy and communicators
+    (test_device.py compares it with the host layer bit for bit: run.py --device emulated)."""
+    out = []
+    f64, f32, bf16 = torch.float64, torch.float32, torch.bfloat16
+    add = lambda name, fn: out.append((f"emulated device: {name}", fn))  # noqa: E731
+    for dt in (f64, f32, bf16):
+        add(f"all_to_all tp1 ep{W} {dt}", lambda dt=dt: layer_case(tp=1, dtype=dt, device="emulated"))
+    add("all_to_all inference (no_grad)", lambda: layer_case(tp=1, train=False, device="emulated"))
+    add("padding 2 rows, align 4", lambda: layer_case(padding=(2, 4), check_padding=True, device="emulated"))
+    add("one expert takes every token", lambda: layer_case(routing="one_expert", device="emulated"))
+    add("bitwise = epx::moe_layer (all_to_all, float32)", lambda: bitwise_case(dtype=f32, device="emulated"))
+    add("bitwise = epx::moe_layer (all_to_all, bfloat16)", lambda: bitwise_case(dtype=bf16, device="emulated"))
+    if W >= 2:
+        add("all_to_all tp2 float64", lambda: layer_case(tp=2, dtype=f64, device="emulated"))
+        add("all_to_all tp2 one-token decode (empty slice)", lambda: layer_case(tp=2, N=1, device="emulated"))
+        add("all_reduce (masked) ep == tp == 2", lambda: layer_case(tp=2, ep=2, path="all_reduce", device="emulated"))
+        add("bitwise = epx::moe_layer (all_to_all, tp2, float64)",
+            lambda: bitwise_case(tp=2, dtype=f64, device="emulated"))
+        add("bitwise = epx::moe_layer, inference (all_to_all, float32)",
+            lambda: bitwise_case(dtype=f32, train=False, device="emulated"))
+        add("bitwise = epx::moe_layer (all_reduce, float32)",
+            lambda: bitwise_case(tp=2, ep=2, dtype=f32, path="all_reduce", device="emulated"))
+    if W >= 4:
+        add("all_to_all dp_replicate 2", lambda: layer_case(tp=1, fsdp=W // 2, ep=2, dp_replicate=2, device="emulated"))
+        add("all_to_all tp2 fsdp2 ep4 (efsdp 1)", lambda: layer_case(tp=2, fsdp=W // 2, ep=4, device="emulated"))
+    if W >= 8:
+        add("all_to_all tp2 fsdp4 ep8 bfloat16", lambda: layer_case(tp=2, fsdp=4, ep=8, dtype=bf16, device="emulated"))
+    add("error: device='cuda' without the CUDA build", cuda_without_build)
+    add("error: transport='shm' on a device layer", shm_on_device_layer)
+    return out
+
+
+def cuda_without_build():
+    if epx_torch._C.with_cuda:
+        return  # the CUDA build is loaded: device='cuda' is available (test_cuda.py runs it)
+    mesh = epx_torch.Mesh(ep=dist.get_world_size(), fsdp=dist.get_world_size(), experts=E_DEFAULT)
+    expect_error(lambda: epx_torch.Layer(mesh, hidden=H, top_k=2, device="cuda"), "", "needs the CUDA build")
+
+
+def shm_on_device_layer():
+    mesh = epx_torch.Mesh(ep=dist.get_world_size(), fsdp=dist.get_world_size(), experts=E_DEFAULT)
+    try:
+        epx_torch.Layer(mesh, hidden=H, top_k=2, device="emulated", transport="shm")
+    except ValueError as e:
+        assert "transport='shm' is for device='cpu'" in str(e), str(e)
+    else:
+        raise AssertionError("transport='shm' on an emulated layer was accepted")

@@ -1,0 +1,37 @@
+// bindings/torch/csrc/bind_layer.hpp: the Python class of one torch layer type (layer.hpp),
+// shared by the host module (module.cpp: _Layer, _EmulatedLayer) and the CUDA one
+// (layer_cuda.cu: _CudaLayer).
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "layer.hpp"
+
+namespace epx_torch {
+
+template <class Layer>
+void bind_layer(pybind11::module_& m, const char* name) {
+  namespace py = pybind11;
+  py::class_<Layer>(m, name)
+      .def(py::init([](const epx::mesh& mesh, const std::string& world_group, int world_rank, int world_size,
+                       std::size_t hidden, int top_k, int pad_rows, int pad_align, int dtype, int path, int transport,
+                       double timeout_s) {
+             return new Layer(mesh.config(), world_group, world_rank, world_size, hidden, top_k, pad_rows, pad_align,
+                              dtype, path, transport, timeout_s);
+           }),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("shared_memory", &Layer::shared_memory)
+      .def_property_readonly("mesh", [](const Layer& l) { return l.topology(); })
+      .def_property_readonly("device", [](const Layer& l) { return l.device().str(); })
+      .def("dispatch", &Layer::dispatch, py::call_guard<py::gil_scoped_release>())
+      .def("combine", &Layer::combine, py::call_guard<py::gil_scoped_release>())
+      .def("combine_backward", &Layer::combine_backward, py::call_guard<py::gil_scoped_release>())
+      .def("dispatch_backward", &Layer::dispatch_backward, py::call_guard<py::gil_scoped_release>())
+      .def("reduce_expert_gradients", &Layer::reduce_expert_gradients, py::call_guard<py::gil_scoped_release>())
+      .def("reduce_dense_gradients", &Layer::reduce_dense_gradients, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace epx_torch
