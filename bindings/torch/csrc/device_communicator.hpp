@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -53,7 +54,10 @@ namespace epx_torch {
 //   static Exec current();                 the policy on torch's current queue
 //   static at::Device device();            where the layer's tensors live
 //   static bool wait(const Exec&, std::chrono::milliseconds);  false on timeout
+//   static void copy(const Exec&, std::byte* d, const std::byte* s, std::size_t n);  on the queue
 //   static void collective_queued(), collective_waited();  bookkeeping (emulated only)
+//   scope                                  held while a collective runs on the device's
+//                                          memory (emulated: opens it to the host threads)
 template <class Exec>
 struct device_side;
 
@@ -66,13 +70,24 @@ struct device_side<epx::exec::emulated_device> {
   static at::Device device() { return at::Device(at::kCPU); }
   static const char* name() { return "emulated device (CPU)"; }
   static bool wait(const epx::exec::emulated_device& ex, std::chrono::milliseconds) {
+    epx::exec::emulated_collective_waited();  // this is the bounded wait
     epx::exec::synchronize(ex);
     return true;
+  }
+  // A copy between two buffers of the device's memory on the queue. (The layer's tensors are
+  // torch's CPU tensors, which the emulated device's registry does not know: exec::copy_n
+  // would count a copy into one as a read-back to the host.)
+  static void copy(const epx::exec::emulated_device&, std::byte* d, const std::byte* s, std::size_t n) {
+    const epx::exec::emulated_launch_scope on_device;
+    std::memcpy(d, s, n);
   }
   // The emulated queue runs each collective at once; these keep its record of which
   // host reads would wait for one on a GPU (epx/exec/emulated.hpp).
   static void collective_queued() { epx::exec::emulated_collective_queued(); }
   static void collective_waited() { epx::exec::emulated_collective_waited(); }
+  // In strict mode (epx::exec::emulated_strict_memory) the emulated buffers are open to the
+  // host only inside a launch scope: the group's threads run the collective inside this one.
+  using scope = epx::exec::emulated_launch_scope;
 };
 
 // dst[i] = round(scale * (all[0][i] + ... + all[P-1][i])) in rank order, in the
@@ -239,7 +254,7 @@ class torch_device_communicator : public torch_group {
   static std::size_t bytes(std::size_t n, epx::datatype t) { return n * epx::size_of(t); }
 
   static void copy(const Exec& ex, std::byte* d, const std::byte* s, std::size_t n) {
-    if (n) epx::exec::copy_n(ex, s, n, d);
+    if (n) side::copy(ex, d, s, n);
   }
 
   // A tensor of the policy's device over `count` elements at `p` (not owned; may be empty).
@@ -251,7 +266,10 @@ class torch_device_communicator : public torch_group {
 
   template <class F>
   void queue(const char* what, F&& start) {
-    run(what, start);
+    {
+      const typename side::scope on_device;  // the collective runs on the device
+      run(what, start);
+    }
     side::collective_queued();
   }
 

@@ -173,6 +173,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("with_cuda") = static_cast<bool>(EPX_TORCH_WITH_CUDA);
   bind_layer<torch_layer>(m, "_Layer");
   bind_layer<emulated_torch_layer>(m, "_EmulatedLayer");
+  // Tests only: the emulated device's checks (epx/exec/emulated.hpp). Strict memory maps the
+  // emulated buffers allocated from then on so that any host access outside a launch scope
+  // faults; unbounded waits counts this thread's host waits for a queued collective that no
+  // communicator timeout bounds.
+  m.def("_emulated_strict_memory", &epx::exec::emulated_strict_memory);
+  m.def("_emulated_unbounded_waits", &epx::exec::emulated_unbounded_waits);
+  // The host synchronisations epx has made on device policies on this thread.
+  m.def("_host_syncs", [] { return epx::detail::host_syncs_on_this_thread(); });
 #if EPX_TORCH_WITH_CUDA
   bind_cuda(m);
 #endif

@@ -497,9 +497,56 @@ def emulated_cases(W: int):
         add("all_to_all tp2 fsdp2 ep4 (efsdp 1)", lambda: layer_case(tp=2, fsdp=W // 2, ep=4, device="emulated"))
     if W >= 8:
         add("all_to_all tp2 fsdp4 ep8 bfloat16", lambda: layer_case(tp=2, fsdp=4, ep=8, dtype=bf16, device="emulated"))
+    add("strict memory: the host never touches the device's memory; every wait bounded", strict_memory_case)
+    add("host synchronisations: dispatch 1, combine 1, backward 0 (all_to_all)", lambda: host_syncs_case("all_to_all"))
+    if W >= 2:
+        add("host synchronisations: dispatch 1, combine 1, backward 0 (all_reduce)",
+            lambda: host_syncs_case("all_reduce"))
     add("error: device='cuda' without the CUDA build", cuda_without_build)
     add("error: transport='shm' on a device layer", shm_on_device_layer)
     return out
+
+
+def strict_memory_case():
+    """Under strict memory the emulated device's buffers (the plan, the communicator's
+    scratch) fault on any host access outside a launch scope, as device memory would on a
+    GPU; the layer's calls must also make no host wait for a queued collective outside the
+    communicator's bounded wait."""
+    C = epx_torch._C
+    waits = C._emulated_unbounded_waits()
+    C._emulated_strict_memory(True)
+    try:
+        layer_case(tp=1, dtype=torch.float32, device="emulated")
+        layer_case(tp=1, dtype=torch.bfloat16, train=False, device="emulated")
+        if dist.get_world_size() >= 2:
+            layer_case(tp=2, dtype=torch.float64, device="emulated")
+            layer_case(tp=2, ep=2, path="all_reduce", device="emulated")
+    finally:
+        C._emulated_strict_memory(False)
+    extra = C._emulated_unbounded_waits() - waits
+    assert extra == 0, f"{extra} host wait(s) for a queued collective outside the communicator's bounded wait"
+
+
+def host_syncs_case(path):
+    """The device layer waits on the host once in dispatch (the count exchange's records) and
+    once in combine (the check of the expert output), and never in backward."""
+    W = dist.get_world_size()
+    tp = 2 if path == "all_reduce" else 1
+    mesh = epx_torch.Mesh(tp=tp, fsdp=W // tp, ep=tp if path == "all_reduce" else W, experts=E_DEFAULT)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=3, path=path, device="emulated")
+    x, ids, w, G = batch_data(layer.batch, 12, 3, E_DEFAULT, torch.float32)
+    x.requires_grad_()
+    w.requires_grad_()
+    syncs = epx_torch._C._host_syncs
+    s0 = syncs()
+    rows, offsets, handle = epx_torch.dispatch(x, ids, w, layer)
+    s1 = syncs()
+    out = epx_torch.combine(rows * 2, handle)
+    s2 = syncs()
+    out.backward(G)
+    s3 = syncs()
+    got = (s1 - s0, s2 - s1, s3 - s2)
+    assert got == (1, 1, 0), f"host synchronisations (dispatch, combine, backward) = {got}, expected (1, 1, 0)"
 
 
 def cuda_without_build():
