@@ -10,9 +10,10 @@
 //   Exec = epx::exec::emulated_device  CPU tensors over gloo: the same calls on the CPU,
 //                                      run by the tests (Layer(device="emulated"))
 //
-//   all_gather            ProcessGroup::allgather (one output view per rank)
+//   all_gather            ProcessGroup::all_gather_single (one flat output)
 //   all_to_allv(_segments) ProcessGroup::all_to_all_single with split sizes; segments not
-//                         packed in peer order go through a scratch buffer by device copies
+//                         packed in peer order go through a scratch buffer, packed or placed
+//                         by one launch (copy_segments) whatever their number
 //   all_reduce            all_gather into scratch, then the rank-order sum on the policy
 //                         (sum_blocks): the bits of the host communicator and of every host
 //                         backend (epx/comm/detail/reduce.hpp), the same on every rank
@@ -117,6 +118,43 @@ struct sum_blocks {
   }
 };
 
+// m byte segments copied in one launch, `unit` bytes (U) per index: index i belongs to the
+// segment j with start[j] <= i < start[j + 1] (a binary search; empty segments are passed
+// over), at offset i - start[j] of it. table: [m + 1] start | [m] source | [m] destination,
+// in units.
+template <class U>
+struct copy_segments {
+  const std::int64_t* table;
+  std::size_t m;
+  const U* src;
+  U* dst;
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    const auto at = static_cast<std::int64_t>(i);
+    std::size_t lo = 0, hi = m;  // table[lo] <= i < table[hi]
+    while (hi - lo > 1) {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      if (table[mid] <= at) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    const std::int64_t r = at - table[lo];
+    dst[table[2 * m + 1 + lo] + r] = src[table[m + 1 + lo] + r];
+  }
+};
+
+// Copy units: the widest that divides every offset, length and both base addresses.
+struct alignas(16) unit16 {
+  std::uint64_t a, b;
+};
+struct alignas(8) unit8 {
+  std::uint64_t a;
+};
+struct alignas(4) unit4 {
+  std::uint32_t a;
+};
+
 template <class Exec>
 class torch_device_communicator : public torch_group {
   using side = device_side<Exec>;
@@ -137,13 +175,11 @@ class torch_device_communicator : public torch_group {
     return torch_device_communicator(split_name(color, all), world_rank_, world_size_, timeout_);
   }
 
+  // Into one flat buffer (ProcessGroup::all_gather_single: NCCL's all-gather in place).
   void all_gather(const void* send, void* recv, std::size_t count, epx::datatype t) {
     if (count == 0) return;
-    std::vector<at::Tensor> in = {view(send, count, t)};
-    std::vector<std::vector<at::Tensor>> out(1);
-    for (int r = 0; r < size(); ++r)
-      out[0].push_back(view(static_cast<std::byte*>(recv) + static_cast<std::size_t>(r) * bytes(count, t), count, t));
-    queue("all_gather", [&] { return group()->allgather(out, in); });
+    at::Tensor in = view(send, count, t), out = view(recv, static_cast<std::size_t>(size()) * count, t);
+    queue("all_gather", [&] { return group()->all_gather_single(out, in); });
   }
 
   void all_to_all(const void* send, void* recv, std::size_t count, epx::datatype t) {
@@ -187,23 +223,13 @@ class torch_device_communicator : public torch_group {
     std::byte* rbuf = nullptr;
     if (!send_packed && ns > 0) {
       sbuf = scratch_->get(ex, scratch::send, ns * es);
-      std::size_t at = 0;
-      for (std::size_t j = 0; j < m; ++j) {
-        copy(ex, sbuf + at * es, s + send_displs[j] * es, send_counts[j] * es);
-        at += send_counts[j];
-      }
+      place(ex, s, sbuf, send_counts, send_displs, nullptr, m, es);
       s = sbuf;
     }
     if (!recv_packed && nr > 0) r = rbuf = scratch_->get(ex, scratch::recv, nr * es);
     at::Tensor in = view(s, ns, t), out = view(r, nr, t);
     queue("all_to_all", [&] { return group()->all_to_all_single(out, in, rc, sc); });
-    if (rbuf != nullptr) {
-      std::size_t at = 0;
-      for (std::size_t j = 0; j < m; ++j) {
-        copy(ex, static_cast<std::byte*>(recv) + recv_displs[j] * es, rbuf + at * es, recv_counts[j] * es);
-        at += recv_counts[j];
-      }
-    }
+    if (rbuf != nullptr) place(ex, rbuf, static_cast<std::byte*>(recv), recv_counts, nullptr, recv_displs, m, es);
   }
 
   void all_reduce(const void* send, void* recv, std::size_t count, epx::datatype t, double scale) {
@@ -242,7 +268,7 @@ class torch_device_communicator : public torch_group {
   // communicator (which epx uses one at a time). A buffer may only be replaced when the
   // queue has finished with it: the policy's queue orders the free after its last use.
   struct scratch {
-    enum : int { send = 0, recv, reduce, count };
+    enum : int { send = 0, recv, reduce, table, count };
     std::byte* get(const Exec& ex, int slot, std::size_t n) {
       auto& b = bufs[static_cast<std::size_t>(slot)];
       if (n > b.size()) b = epx::exec::make_buffer<std::byte>(ex, n);
@@ -253,8 +279,59 @@ class torch_device_communicator : public torch_group {
 
   static std::size_t bytes(std::size_t n, epx::datatype t) { return n * epx::size_of(t); }
 
-  static void copy(const Exec& ex, std::byte* d, const std::byte* s, std::size_t n) {
-    if (n) side::copy(ex, d, s, n);
+  // Segment j (counts[j] elements of es bytes) from src + src_displs[j] to dst +
+  // dst_displs[j]; a null displacement array means the segments follow each other from 0.
+  // One segment: one copy; more: one launch over their units (copy_segments), its table
+  // copied to the device first (queued; from pageable memory the copy has read it when it
+  // returns).
+  void place(const Exec& ex, const std::byte* src, std::byte* dst, const std::size_t* counts,
+             const std::size_t* src_displs, const std::size_t* dst_displs, std::size_t m, std::size_t es) {
+    std::vector<std::int64_t> t(3 * m + 1);
+    std::size_t packed_at = 0, align = reinterpret_cast<std::uintptr_t>(src) | reinterpret_cast<std::uintptr_t>(dst);
+    std::size_t nonempty = 0, last = 0;
+    for (std::size_t j = 0; j < m; ++j) {
+      const std::size_t sd = (src_displs ? src_displs[j] : packed_at) * es;
+      const std::size_t dd = (dst_displs ? dst_displs[j] : packed_at) * es;
+      const std::size_t len = counts[j] * es;
+      packed_at += counts[j];
+      if (len != 0) {
+        align |= sd | dd | len;
+        ++nonempty;
+        last = j;
+      }
+      t[j] = static_cast<std::int64_t>(sd);  // bytes for now
+      t[m + 1 + j] = static_cast<std::int64_t>(dd);
+      t[2 * m + 1 + j] = static_cast<std::int64_t>(len);
+    }
+    if (nonempty == 0) return;
+    if (nonempty == 1) {
+      side::copy(ex, dst + t[m + 1 + last], src + t[last], static_cast<std::size_t>(t[2 * m + 1 + last]));
+      return;
+    }
+    const std::size_t unit = align % 16 == 0 ? 16 : align % 8 == 0 ? 8 : align % 4 == 0 ? 4 : 1;
+    // In units: [m + 1] start | [m] source | [m] destination.
+    std::vector<std::int64_t> u(3 * m + 1);
+    std::int64_t at = 0;
+    for (std::size_t j = 0; j < m; ++j) {
+      u[j] = at;
+      at += t[2 * m + 1 + j] / static_cast<std::int64_t>(unit);
+      u[m + 1 + j] = t[j] / static_cast<std::int64_t>(unit);
+      u[2 * m + 1 + j] = t[m + 1 + j] / static_cast<std::int64_t>(unit);
+    }
+    u[m] = at;
+    auto* table = reinterpret_cast<std::int64_t*>(scratch_->get(ex, scratch::table, u.size() * sizeof(std::int64_t)));
+    epx::exec::copy_n(ex, static_cast<const std::int64_t*>(u.data()), u.size(), table);
+    const auto go = [&](auto zero) {
+      using U = decltype(zero);
+      epx::exec::for_each_n(ex, static_cast<std::size_t>(at),
+                            copy_segments<U>{table, m, reinterpret_cast<const U*>(src), reinterpret_cast<U*>(dst)});
+    };
+    switch (unit) {
+      case 16: go(unit16{}); break;
+      case 8: go(unit8{}); break;
+      case 4: go(unit4{}); break;
+      default: go(std::byte{}); break;
+    }
   }
 
   // A tensor of the policy's device over `count` elements at `p` (not owned; may be empty).
