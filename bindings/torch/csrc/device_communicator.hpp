@@ -59,6 +59,7 @@ namespace epx_torch {
 //   static void collective_queued(), collective_waited();  bookkeeping (emulated only)
 //   scope                                  held while a collective runs on the device's
 //                                          memory (emulated: opens it to the host threads)
+//   guard(at::Device)                      makes the layer's device the current one
 template <class Exec>
 struct device_side;
 
@@ -89,6 +90,9 @@ struct device_side<epx::exec::emulated_device> {
   // In strict mode (epx::exec::emulated_strict_memory) the emulated buffers are open to the
   // host only inside a launch scope: the group's threads run the collective inside this one.
   using scope = epx::exec::emulated_launch_scope;
+  struct guard {
+    explicit guard(at::Device) {}
+  };
 };
 
 // dst[i] = round(scale * (all[0][i] + ... + all[P-1][i])) in rank order, in the

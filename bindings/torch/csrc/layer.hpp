@@ -116,11 +116,15 @@ template <class Exec>
 struct layer_side {  // a device policy (device_communicator.hpp's device_side)
   static Exec current() { return device_side<Exec>::current(); }
   static at::Device device() { return device_side<Exec>::device(); }
+  using guard = typename device_side<Exec>::guard;  // makes the layer's device current
 };
 template <>
 struct layer_side<epx::exec::openmp> {
   static epx::exec::openmp current() { return epx::exec::openmp{at::get_num_threads()}; }
   static at::Device device() { return at::Device(at::kCPU); }
+  struct guard {
+    explicit guard(at::Device) {}
+  };
 };
 
 template <class Exec, class Comm>
@@ -192,6 +196,8 @@ class basic_torch_layer {
   // exchange's buffer, else pool slot `slot` (held by `keep`).
   template <class T>
   T* send_buffer(std::size_t S, int slot, at::Tensor& keep);
+  // The expert-major offsets off[0..L] as an int64 tensor on the layer's device.
+  at::Tensor offsets_tensor(const std::size_t* off, int L);
   // Adopts a buffer of the policy as an int64 tensor of `n` elements on the layer's device.
   template <class B>
   at::Tensor adopt(B&& b, std::size_t n) const;
@@ -207,6 +213,7 @@ class basic_torch_layer {
   std::unique_ptr<Comm> world_, ep_, tp_, efsdp_, fsdp_, dp_replicate_;
   at::Device device_ = layer_side<Exec>::device();
   tensor_pool pool_{device_};
+  at::Tensor pinned_;  // on a GPU: the offsets' pinned staging buffer
 };
 
 using torch_layer = basic_torch_layer<epx::exec::openmp, torch_communicator>;

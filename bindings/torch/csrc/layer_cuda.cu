@@ -8,6 +8,7 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -41,6 +42,7 @@ struct device_side<epx::exec::cuda> {
   static void collective_queued() {}
   static void collective_waited() {}
   struct scope {};
+  using guard = c10::cuda::CUDAGuard;
 };
 
 using cuda_torch_layer = basic_torch_layer<epx::exec::cuda, torch_device_communicator<epx::exec::cuda>>;

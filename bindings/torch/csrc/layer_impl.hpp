@@ -170,6 +170,7 @@ std::string basic_torch_layer<Exec, Comm>::check_tensor(const char* what, const 
 template <class Exec, class Comm>
 std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> basic_torch_layer<Exec, Comm>::dispatch(
     const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, bool training, bool masked) {
+  const typename layer_side<Exec>::guard on_device(device_);
   const auto H = static_cast<std::int64_t>(options_.hidden);
   const auto k = static_cast<std::int64_t>(options_.top_k);
   std::string why = check_tensor("x", x, scalar_type_of(dtype_), -1, H);
@@ -205,13 +206,6 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> basic_torch_
   const float* w = ok ? ptr<const float>(weights) : nullptr;
   const T* xp = ok ? ptr<const T>(x) : nullptr;
 
-  // The offsets of the expert-major rows, as an int64 tensor on the layer's device.
-  const auto offsets_tensor = [&](const std::size_t* off) {
-    at::Tensor o = at::empty({L + 1}, at::kLong);
-    for (int l = 0; l <= L; ++l) ptr<std::int64_t>(o)[l] = static_cast<std::int64_t>(off[l]);
-    return on_host ? o : o.to(device());
-  };
-
   if (!masked) {
     // 1. This TP rank's slice and its send plan; 2. the count exchange, which raises on
     // every rank when any rank's input is bad; 3. the receive layout.
@@ -243,7 +237,7 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> basic_torch_
     s->src_row = adopt(std::move(plan.src_row), S);
     const std::size_t* off = s->layout.offsets(me);
     s->offsets.assign(off, off + L + 1);
-    return {recv, offsets_tensor(off), s};
+    return {recv, offsets_tensor(off, L), s};
   }
 
   // The masked path: every rank of the EP group holds the same rows; this rank keeps the
@@ -279,7 +273,22 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> basic_torch_
   s->row_source = adopt(std::move(row_source), R);
   s->pos = adopt(std::move(pos), Nr * ks);
   s->slice = epx::row_slice{0, Nr};
-  return {local, offsets_tensor(off), s};
+  return {local, offsets_tensor(off, L), s};
+}
+
+template <class Exec, class Comm>
+at::Tensor basic_torch_layer<Exec, Comm>::offsets_tensor(const std::size_t* off, int L) {
+  const auto n = static_cast<std::size_t>(L) + 1;
+  const bool on_cpu = device().is_cpu();
+  // On a GPU: through a pinned buffer kept by the layer, copied without a host wait (a
+  // pageable copy would wait for the stream, where the all-to-all is queued by now). The
+  // buffer is written again only after the next call's count exchange, which waits for the
+  // stream, so the copy has read it by then.
+  if (!on_cpu && (!pinned_.defined() || pinned_.numel() < static_cast<std::int64_t>(n)))
+    pinned_ = at::empty({static_cast<std::int64_t>(n)}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  at::Tensor o = on_cpu ? at::empty({static_cast<std::int64_t>(n)}, at::kLong) : pinned_.narrow(0, 0, n);
+  for (std::size_t l = 0; l < n; ++l) ptr<std::int64_t>(o)[l] = static_cast<std::int64_t>(off[l]);
+  return on_cpu ? o : o.to(device(), /*non_blocking=*/true);
 }
 
 template <class Exec, class Comm>
@@ -308,6 +317,7 @@ template <class Exec, class Comm>
 at::Tensor basic_torch_layer<Exec, Comm>::combine(const std::shared_ptr<dispatch_state>& s,
                                                   const at::Tensor& expert_out, const at::Tensor& weights) {
   EPX_REQUIRE(s != nullptr, epx::errc::input, "combine needs the handle of a dispatch");
+  const typename layer_side<Exec>::guard on_device(device_);
   return with_type(dtype_, [&](auto t) { return combine_t<decltype(t)>(*s, expert_out, weights); });
 }
 
@@ -374,6 +384,7 @@ std::tuple<at::Tensor, at::Tensor> basic_torch_layer<Exec, Comm>::combine_backwa
   std::string why = check_tensor("grad_out", grad_out, scalar_type_of(dtype_), static_cast<std::int64_t>(s->rows),
                                  static_cast<std::int64_t>(s->hidden));
   EPX_REQUIRE(why.empty(), epx::errc::input, why);
+  const typename layer_side<Exec>::guard on_device(device_);
   return with_type(dtype_, [&](auto t) { return combine_backward_t<decltype(t)>(*s, grad_out.contiguous()); });
 }
 
@@ -429,6 +440,7 @@ at::Tensor basic_torch_layer<Exec, Comm>::dispatch_backward(const std::shared_pt
   std::string why = check_tensor("grad of the expert rows", grad_rows, scalar_type_of(dtype_),
                                  static_cast<std::int64_t>(s->expert_rows), static_cast<std::int64_t>(s->hidden));
   EPX_REQUIRE(why.empty(), epx::errc::input, why);
+  const typename layer_side<Exec>::guard on_device(device_);
   return with_type(dtype_, [&](auto t) { return dispatch_backward_t<decltype(t)>(*s, grad_rows.contiguous()); });
 }
 
@@ -512,12 +524,14 @@ void with_grad_type(const at::Tensor& g, const at::Device& d, const char* what, 
 
 template <class Exec, class Comm>
 void basic_torch_layer<Exec, Comm>::reduce_expert_gradients(at::Tensor& grad) {
+  const typename layer_side<Exec>::guard on_device(device_);
   layer_detail::with_grad_type(grad, device(), "reduce_expert_gradients",
                  [&](auto g) { epx::reduce_expert_gradients(*efsdp_, *dp_replicate_, *mesh_, g); });
 }
 
 template <class Exec, class Comm>
 void basic_torch_layer<Exec, Comm>::reduce_dense_gradients(at::Tensor& grad) {
+  const typename layer_side<Exec>::guard on_device(device_);
   layer_detail::with_grad_type(grad, device(), "reduce_dense_gradients",
                  [&](auto g) { epx::reduce_dense_gradients(*fsdp_, *dp_replicate_, *mesh_, g); });
 }
