@@ -16,6 +16,9 @@
 //                         torch_device_communicator (NCCL) (layer_cuda.cu)
 // The device layers read nothing of the policy's memory on the host except the count
 // exchange's records (one read-back per dispatch, through the communicator's bounded wait).
+// Policy and communicator always match (a host policy with the host communicator, a device
+// policy with the device communicator on its queue), so the layer's kernels and the
+// collectives are ordered by that queue alone (no epx::detail::order_before_collective).
 //
 // Inputs are checked on each rank and the verdict travels in epx's record exchange
 // (epx::detail::exchange_records), so bad input on one rank raises on every rank of the EP

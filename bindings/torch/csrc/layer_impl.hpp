@@ -226,7 +226,6 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> basic_torch_
     at::Tensor recv = pool_.get(tensor_pool::rows, static_cast<std::int64_t>(R), static_cast<std::int64_t>(H), st);
     epx::kernels::gather(ex, S, H, xp + sl.begin * H, static_cast<const std::int64_t*>(plan.src_row.data()), sp);
     epx::detail::zero_padding(ex, ptr<T>(recv), s->layout, me, H);
-    epx::detail::order_before_collective(ex, *ep_);
     epx::all_to_allv_segments(*ep_, static_cast<const T*>(sp), epx::make_span(s->seg.send_counts),
                               epx::make_span(s->seg.send_displs), ptr<T>(recv), epx::make_span(s->seg.recv_counts),
                               epx::make_span(s->seg.recv_displs), static_cast<std::size_t>(L), H);
@@ -355,20 +354,15 @@ at::Tensor basic_torch_layer<Exec, Comm>::combine_t(dispatch_state& s, const at:
     at::Tensor back;
     std::vector<const T*> table;
     const auto* pos = ptr<const std::int64_t>(s.pos);
-    epx::detail::order_before_collective(ex, *ep_);
     if (returned_rows(s, static_cast<const T*>(ptr<T>(y)), !s.training, tensor_pool::back, back, table))
       epx::kernels::combine(ex, n, H, s.top_k, epx::kernels::row_table<T>{table.data()}, wp, pos, o + sl.begin * H);
     else
       epx::kernels::combine(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(back)), wp, pos, o + sl.begin * H);
     if (s.training) s.y = back;
-    if (tp > 1) {
-      epx::detail::order_before_collective(ex, *tp_);
-      epx::all_reduce(*tp_, epx::span<T>(o, N * H));
-    }
+    if (tp > 1) epx::all_reduce(*tp_, epx::span<T>(o, N * H));
   } else {
     epx::kernels::combine(ex, N, H, s.top_k, static_cast<const T*>(ptr<T>(y)), ptr<const float>(w),
                           ptr<const std::int64_t>(s.pos), ptr<T>(out));
-    epx::detail::order_before_collective(ex, *ep_);
     epx::all_reduce(*ep_, epx::span<T>(ptr<T>(out), N * H));
     if (s.training) s.y = y;
   }
@@ -415,7 +409,6 @@ std::tuple<at::Tensor, at::Tensor> basic_torch_layer<Exec, Comm>::combine_backwa
     epx::kernels::weight_gradients(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(s.y)), g + sl.begin * H,
                                    ptr<const std::int64_t>(s.pos), ptr<float>(grad_w) + sl.begin * ks);
     epx::detail::zero_padding(ex, ptr<T>(grad_rows), s.layout, me, H);
-    epx::detail::order_before_collective(ex, *ep_);
     epx::all_to_allv_segments(*ep_, static_cast<const T*>(sp), epx::make_span(s.seg.send_counts),
                               epx::make_span(s.seg.send_displs), ptr<T>(grad_rows),
                               epx::make_span(s.seg.recv_counts), epx::make_span(s.seg.recv_displs),
@@ -426,7 +419,6 @@ std::tuple<at::Tensor, at::Tensor> basic_torch_layer<Exec, Comm>::combine_backwa
                          ptr<const float>(s.weights_at), ptr<T>(grad_rows));
     epx::kernels::weight_gradients(ex, N, H, s.top_k, static_cast<const T*>(ptr<T>(s.y)), g,
                                    ptr<const std::int64_t>(s.pos), ptr<float>(grad_w));
-    epx::detail::order_before_collective(ex, *ep_);
     epx::all_reduce(*ep_, epx::span<float>(ptr<float>(grad_w), N * ks));
   }
   s.y = at::Tensor();  // read once
@@ -462,19 +454,14 @@ at::Tensor basic_torch_layer<Exec, Comm>::dispatch_backward_t(dispatch_state& s,
     at::Tensor back;
     std::vector<const T*> table;
     const auto* pos = ptr<const std::int64_t>(s.pos);
-    epx::detail::order_before_collective(ex, *ep_);
     if (returned_rows(s, static_cast<const T*>(ptr<T>(grad_rows)), true, tensor_pool::grad_back, back, table))
       epx::kernels::reduce(ex, n, H, s.top_k, epx::kernels::row_table<T>{table.data()}, pos, gx + sl.begin * H);
     else
       epx::kernels::reduce(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(back)), pos, gx + sl.begin * H);
-    if (tp > 1) {
-      epx::detail::order_before_collective(ex, *tp_);
-      epx::all_reduce(*tp_, epx::span<T>(gx, N * H));
-    }
+    if (tp > 1) epx::all_reduce(*tp_, epx::span<T>(gx, N * H));
   } else {
     epx::kernels::reduce(ex, N, H, s.top_k, static_cast<const T*>(ptr<T>(grad_rows)), ptr<const std::int64_t>(s.pos),
                          gx);
-    epx::detail::order_before_collective(ex, *ep_);
     epx::all_reduce(*ep_, epx::span<T>(gx, N * H));
   }
   return grad_x;
@@ -488,7 +475,7 @@ bool basic_torch_layer<Exec, Comm>::returned_rows(const dispatch_state& s, const
   const std::size_t H = s.hidden, S = s.slice.size() * static_cast<std::size_t>(s.top_k);
   const epx::detail::segments& g = s.seg;
   if constexpr (std::is_same_v<Comm, torch_communicator>) {
-    table.assign(S, nullptr);
+    if (in_place) table.assign(S, nullptr);
     if (in_place && ep_->all_to_allv_segments_in_place(expert_rows, g.recv_counts.data(), g.recv_displs.data(),
                                                        g.send_counts.data(), L, H,
                                                        [&](std::size_t q, std::size_t i, const T* rows) {

@@ -93,9 +93,8 @@ class torch_communicator : public torch_group {
 
   void all_to_all(const void* send, void* recv, std::size_t count, epx::datatype t) {
     const auto P = static_cast<std::size_t>(size());
-    std::vector<std::size_t> c(P, count), d(P);
-    for (std::size_t p = 0; p < P; ++p) d[p] = p * count;
-    all_to_allv(send, c.data(), d.data(), recv, c.data(), d.data(), t);
+    const std::vector<std::size_t> v = equal_blocks(P, count);
+    all_to_allv(send, v.data(), v.data() + P, recv, v.data(), v.data() + P, t);
   }
 
   // Collective: moves the all-to-alls to shared memory when every rank of the group runs on

@@ -124,6 +124,14 @@ class torch_group {
     }
   }
 
+  // all_to_all's blocks as all_to_allv's arrays: P counts of `count`, then their P
+  // displacements.
+  static std::vector<std::size_t> equal_blocks(std::size_t P, std::size_t count) {
+    std::vector<std::size_t> v(2 * P, count);
+    for (std::size_t p = 0; p < P; ++p) v[P + p] = p * count;
+    return v;
+  }
+
   // The packed split sizes of all_to_all_single: true when block p starts where block p-1
   // ends (empty blocks anywhere).
   static bool packed(const std::size_t* c, const std::size_t* d, std::size_t P) {
