@@ -1,5 +1,6 @@
 // detail::reduce_sum and detail::scale_in_place: the summation rule shared by the host
-// backends, against float64 references.
+// backends, against float64 references; detail::rank_order_sum, the same rule one element
+// at a time, against reduce_sum's bits.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -27,6 +28,10 @@ void check_reduce(int nsrcs, std::size_t count, double scale, bool in_place) {
     for (std::size_t i = 0; i < count; ++i) src[k][i] = comm_cases::value<T>(5, k, 0, i);
     ptrs.push_back(src[k].data());
   }
+  // The same sources stacked [nsrcs][count], for rank_order_sum (the element functor that
+  // device policies launch), before reduce_sum may overwrite one of them.
+  std::vector<T> stacked;
+  for (int k = 0; k < nsrcs; ++k) stacked.insert(stacked.end(), src[k].begin(), src[k].end());
   std::vector<T> out(count);
   void* dst = in_place ? static_cast<void*>(src[nsrcs / 2].data()) : out.data();
   epx::detail::reduce_sum(epx::datatype_of<T>(), ptrs.data(), nsrcs, dst, count, scale);
@@ -58,6 +63,14 @@ void check_reduce(int nsrcs, std::size_t count, double scale, bool in_place) {
     }
   }
   CHECK(bad == 0);
+  // rank_order_sum, one call per element (in place: into the first block), gives the same bits.
+  std::vector<T> one(count);
+  T* one_dst = in_place ? stacked.data() : one.data();
+  const epx::detail::rank_order_sum<T> f{stacked.data(), count, nsrcs, scale, one_dst};
+  for (std::size_t i = 0; i < count; ++i) f(i);
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < count; ++i) differ += !comm_cases::same_bits(one_dst[i], got[i]);
+  CHECK(differ == 0);
 }
 
 template <class T>

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda/support/device.hpp"
+#include "epx/comm/detail/reduce.hpp"
 #include "epx/core/numeric.hpp"
 #include "epx/exec/cuda.cuh"
 #include "epx/exec/host.hpp"
@@ -78,6 +79,37 @@ TEST_CASE("exec::cuda for_each_n covers more indices than one grid (grid-stride 
   std::size_t bad = 0;
   for (std::size_t i = 0; i < n; ++i) bad += h[i] != static_cast<unsigned char>((i * 31u) % 251u);
   CHECK(bad == 0);
+}
+
+namespace {
+
+// rank_order_sum launched on the device against reduce_sum on the host: the same bits.
+template <class T>
+void check_rank_order_sum(const epx::exec::cuda& dev, int P, std::size_t count, double scale) {
+  CAPTURE(P);
+  CAPTURE(count);
+  CAPTURE(scale);
+  std::mt19937 rng(7u + static_cast<unsigned>(P));
+  std::uniform_real_distribution<double> u(-1000.0, 1000.0);
+  std::vector<T> all(static_cast<std::size_t>(P) * count);
+  for (auto& v : all) v = epx::convert<T>(u(rng));
+  std::vector<const void*> srcs;
+  for (int r = 0; r < P; ++r) srcs.push_back(all.data() + static_cast<std::size_t>(r) * count);
+  std::vector<T> want(count);
+  epx::detail::reduce_sum(epx::datatype_of<T>(), srcs.data(), P, want.data(), count, scale);
+  auto d_all = to_device(dev, all);
+  device_buffer<T> d_out(count, dev);
+  epx::exec::for_each_n(dev, count, epx::detail::rank_order_sum<T>{d_all.data(), count, P, scale, d_out.data()});
+  CHECK(same_bits(to_host(dev, d_out.data(), count), want));
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("rank_order_sum on the device gives reduce_sum's bits", T, std::int32_t, std::int64_t, float,
+                   double, epx::bf16, epx::fp16) {
+  test_stream ts;
+  for (int P : {1, 3, 8})
+    for (double scale : {1.0, 1.0 / 3.0}) check_rank_order_sum<T>(ts.policy(), P, 4099, scale);
 }
 
 TEST_CASE("device_buffer: allocation, move, reserve_discard, copies in every direction, fill_zero") {

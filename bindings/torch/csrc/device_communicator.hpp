@@ -15,8 +15,9 @@
 //                         packed in peer order go through a scratch buffer, packed or placed
 //                         by one launch (copy_segments) whatever their number
 //   all_reduce            all_gather into scratch, then the rank-order sum on the policy
-//                         (sum_blocks): the bits of the host communicator and of every host
-//                         backend (epx/comm/detail/reduce.hpp), the same on every rank
+//                         (epx::detail::rank_order_sum, epx/comm/detail/reduce.hpp): the
+//                         bits of the host communicator and of every host backend, the
+//                         same on every rank
 //   reduce_scatter        all_to_all of the blocks, then the same sum
 //   broadcast, barrier    the group's own (barrier: then wait())
 //   split                 as torch_communicator (torch_group.hpp)
@@ -41,6 +42,7 @@
 
 #include "epx/comm/communicator.hpp"
 #include "epx/comm/datatype.hpp"
+#include "epx/comm/detail/reduce.hpp"
 #include "epx/comm/host_arrays.hpp"
 #include "epx/core/config.hpp"
 #include "epx/core/error.hpp"
@@ -93,33 +95,6 @@ struct device_side<epx::exec::emulated_device> {
   struct guard {
     explicit guard(at::Device) {}
   };
-};
-
-// dst[i] = round(scale * (all[0][i] + ... + all[P-1][i])) in rank order, in the
-// accumulation type (float for float, bf16 and fp16; double for double), one rounding:
-// epx::detail::reduce_sum's rule, element by element on the policy.
-template <class T>
-struct sum_blocks {
-  const T* all;  // [P][count]
-  std::size_t count;
-  int P;
-  double scale;
-  T* dst;
-  EPX_HOST_DEVICE void operator()(std::size_t i) const {
-    if constexpr (std::is_integral_v<T>) {
-      using U = std::make_unsigned_t<T>;  // wrap-around instead of signed overflow
-      U acc = 0;
-      for (int r = 0; r < P; ++r) acc = static_cast<U>(acc + static_cast<U>(all[static_cast<std::size_t>(r) * count + i]));
-      dst[i] = scale == 1.0 ? static_cast<T>(acc)
-                            : static_cast<T>(llround(static_cast<double>(static_cast<T>(acc)) * scale));
-    } else {
-      using A = epx::accum_t<T>;
-      A acc = epx::convert<A>(all[i]);
-      for (int r = 1; r < P; ++r) acc += epx::convert<A>(all[static_cast<std::size_t>(r) * count + i]);
-      if (scale != 1.0) acc *= static_cast<A>(scale);
-      dst[i] = epx::convert<T>(acc);
-    }
-  }
 };
 
 // m byte segments copied in one launch, `unit` bytes (U) per index: index i belongs to the
@@ -372,8 +347,8 @@ class torch_device_communicator : public torch_group {
     const int P = size();
     const auto go = [&](auto zero) {
       using T = decltype(zero);
-      epx::exec::for_each_n(ex, count, sum_blocks<T>{reinterpret_cast<const T*>(all), count, P, scale,
-                                                     static_cast<T*>(dst)});
+      epx::exec::for_each_n(ex, count, epx::detail::rank_order_sum<T>{reinterpret_cast<const T*>(all), count, P, scale,
+                                                                  static_cast<T*>(dst)});
     };
     switch (t) {
       case epx::datatype::int32: go(std::int32_t{}); break;

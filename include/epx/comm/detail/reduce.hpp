@@ -6,6 +6,11 @@
 // fp16, double for double. `scale` multiplies the sum before the one final rounding.
 // Integers sum exactly (two's complement wrap-around); with scale != 1 the scaled sum is
 // computed in double and rounded to the nearest integer.
+//
+// reduce_sum applies the rule to n separate buffers on the host, a block at a time;
+// rank_order_sum applies it to one element of P stacked blocks, for a backend that sums
+// on a device policy (one call per element, launched by any policy). Both give the same
+// bits (tests/comm/test_reduce.cpp).
 #pragma once
 
 #include <cmath>
@@ -14,6 +19,7 @@
 #include <type_traits>
 
 #include "epx/comm/datatype.hpp"
+#include "epx/core/config.hpp"
 #include "epx/core/error.hpp"
 #include "epx/core/numeric.hpp"
 
@@ -55,6 +61,32 @@ void reduce_sum_typed(const void* const* srcs, int nsrcs, void* dst, std::size_t
     }
   }
 }
+
+// The rule for one element i of P blocks of `count` elements stored one after the other
+// (`all` is [P][count], rank order): dst[i] = round(scale * (all[0][i] + ... + all[P-1][i])).
+// dst may alias the first block (each element is read before it is written). P >= 1.
+template <class T>
+struct rank_order_sum {
+  const T* all;
+  std::size_t count;
+  int P;
+  double scale;
+  T* dst;
+  EPX_HOST_DEVICE void operator()(std::size_t i) const {
+    if constexpr (std::is_integral_v<T>) {
+      using U = std::make_unsigned_t<T>;  // wrap-around instead of signed overflow
+      U acc = 0;
+      for (int r = 0; r < P; ++r) acc = static_cast<U>(acc + static_cast<U>(all[static_cast<std::size_t>(r) * count + i]));
+      dst[i] = scale == 1.0 ? static_cast<T>(acc) : static_cast<T>(llround(static_cast<double>(static_cast<T>(acc)) * scale));
+    } else {
+      using A = accum_t<T>;
+      A acc = convert<A>(all[i]);
+      for (int r = 1; r < P; ++r) acc += convert<A>(all[static_cast<std::size_t>(r) * count + i]);
+      if (scale != 1.0) acc *= static_cast<A>(scale);
+      dst[i] = convert<T>(acc);
+    }
+  }
+};
 
 // dst[i] = round(scale * sum over k of srcs[k][i]) for i in [0, count), in the order
 // k = 0..nsrcs-1. dst may be one of the sources (element-wise in place). nsrcs >= 1.
