@@ -7,8 +7,9 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
-
+#include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/bounded_cases.hpp"
@@ -482,6 +483,165 @@ TEST_CASE("bounded: a backward with other shapes than its forward raises errc::i
                     checked[static_cast<std::size_t>(r)]);
     }
   }
+}
+
+namespace {
+
+// Sums |g| over the gradient rows its backward receives (and doubles them).
+struct grad_recording_experts : doubling_experts {
+  double received = 0;
+  template <class Exec>
+  void backward(const Exec& ex, const epx::expert_rows<const float>& in, const float* g, float* gi) {
+    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i) received += std::fabs(static_cast<double>(g[i]));
+    doubling_experts::backward(ex, in, g, gi);
+  }
+};
+
+// One call of `layer` (hidden 4, top-2) over x[t] = t + 1, weights 0.5, after a warm call of
+// 6 rows that left every pair a position: ids, the NaN at pair `nan_pair`, then the output
+// rows' first elements and the routing-weight gradients (grad_out = 1).
+template <class Layer>
+std::pair<std::vector<float>, std::vector<float>> bad_pair_call(Layer& layer, std::vector<std::int32_t> ids,
+                                                                std::size_t nan_pair) {
+  doubling_experts e;
+  {
+    const std::size_t N = 6;
+    std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4);
+    std::vector<std::int32_t> warm(N * 2);
+    for (std::size_t i = 0; i < warm.size(); ++i) warm[i] = static_cast<std::int32_t>((i * 3) % 8);
+    (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(warm), epx::span<const float>(w),
+                        epx::span<float>(y), e, epx::mode::inference);
+    (void)layer.check();
+  }
+  const std::size_t N = ids.size() / 2;
+  std::vector<float> x(N * 4), w(N * 2, 0.5f), y(N * 4, -7.0f), g(N * 4, 1.0f), gx(N * 4), gw(N * 2, -7.0f);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i / 4 + 1);
+  w[nan_pair] = std::nanf("");
+  auto saved = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                             epx::span<float>(y), e, epx::mode::train);
+  layer.backward(std::move(saved), epx::span<const float>(g), epx::span<float>(gx), epx::span<float>(gw), e);
+  std::vector<float> first(N);
+  for (std::size_t t = 0; t < N; ++t) first[t] = y[t * 4];
+  return {first, gw};
+}
+
+}  // namespace
+
+TEST_CASE("bounded: a non-finite weight on an expert's pair after a warm call: that pair does not travel, the others keep their places") {
+  // Expert 3 gets pairs 0, 2, 4 and 5; pair 4's weight is NaN. Each rank sends its own rows
+  // on the all-to-all path (cap 2: pairs 0 and 2 stay, 5 is dropped by position); on the
+  // masked path each of the 4 slices holds at most one row (nothing dropped).
+  const std::vector<std::int32_t> ids = {3, 2, 3, 2, 3, 3};
+  for (bool masked : {false, true})
+    for (bool peers : {true, false}) {
+      CAPTURE(masked);
+      CAPTURE(peers);
+      std::vector<std::string> failures(4);
+      epx::threads::run(4, [&](comm_t& comm) {
+        epx::mesh_config mc;
+        mc.fsdp = masked ? 1 : 4;
+        mc.tp = masked ? 4 : 1;
+        mc.ep = 4;
+        mc.experts = 8;
+        epx::layer_options o;
+        o.hidden = 4;
+        o.top_k = 2;
+        o.counts = epx::count_exchange::device;
+        o.bound.cap = 2;
+        o.peer_access = peers;
+        std::pair<std::vector<float>, std::vector<float>> got;
+        std::string checked;
+        const auto run = [&](auto& layer) {
+          got = bad_pair_call(layer, ids, 4);
+          try {
+            (void)layer.check();
+          } catch (const epx::error& ex) {
+            checked = ex.message();
+          }
+        };
+        if (masked) {
+          epx::moe_layer<comm_t, float, epx::impl::all_reduce> layer(epx::mesh(mc), comm, o);
+          run(layer);
+        } else {
+          epx::moe_layer<comm_t, float> layer(epx::mesh(mc), comm, o);
+          run(layer);
+        }
+        // Doubling experts, weights 0.5: a kept slot adds x[t] = t + 1.
+        const std::vector<float> want_y = {2.0f, 4.0f, masked ? 3.0f : 0.0f};
+        // d out / d w = 2 x . grad_out = 8 (t + 1) for a kept slot, 0 for the bad and dropped ones.
+        const std::vector<float> want_gw = {8.0f, 8.0f, 16.0f, 16.0f, 0.0f, masked ? 24.0f : 0.0f};
+        std::string& f = failures[static_cast<std::size_t>(comm.rank())];
+        if (got.first != want_y) f += "outputs differ; ";
+        if (got.second != want_gw) f += "routing-weight gradients differ; ";
+        if (checked.find("non-finite routing weight") == std::string::npos) f += "check(): '" + checked + "'";
+      });
+      for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+    }
+  // One rank on the masked path, a warm call of 40 rows, then 4 rows (the stale positions of
+  // the warm call lie past the new plan).
+  epx::threads::run(1, [&](comm_t& comm) {
+    epx::mesh_config mc;
+    mc.experts = 4;
+    epx::layer_options o;
+    o.hidden = 2;
+    o.top_k = 1;
+    o.counts = epx::count_exchange::device;
+    o.bound.cap = 10;
+    epx::moe_layer<comm_t, float, epx::impl::all_reduce> layer(epx::mesh(mc), comm, o);
+    doubling_experts e;
+    std::vector<float> x(80, 1.0f), w(40, 0.5f), y(80);
+    std::vector<std::int32_t> warm(40);
+    for (std::size_t t = 0; t < 40; ++t) warm[t] = static_cast<std::int32_t>(t % 4);
+    (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(warm), epx::span<const float>(w),
+                        epx::span<float>(y), e, epx::mode::inference);
+    std::vector<std::int32_t> ids = {0, 1, 2, 3};
+    std::vector<float> w4(4, 0.5f), y4(8, -7.0f), g(8, 1.0f), gx(8), gw(4);
+    w4[3] = std::nanf("");
+    auto s = layer.forward(epx::span<const float>(x.data(), 8), epx::span<const std::int32_t>(ids),
+                           epx::span<const float>(w4), epx::span<float>(y4), e, epx::mode::train);
+    layer.backward(std::move(s), epx::span<const float>(g), epx::span<float>(gx), epx::span<float>(gw), e);
+    CHECK(y4 == std::vector<float>{1, 1, 1, 1, 1, 1, 0, 0});
+    CHECK(gx == std::vector<float>{1, 1, 1, 1, 1, 1, 0, 0});
+    CHECK(gw == std::vector<float>{4, 4, 4, 0});
+    CHECK_THROWS_AS((void)layer.check(), epx::error);
+  });
+}
+
+TEST_CASE("bounded: a rank whose backward has bad shapes sends its peers zero gradient rows") {
+  // Every row goes to expert 0 (rank 0's); rank 0's grad_out is zero and rank 1's has the
+  // wrong size, so rank 0's experts must receive nothing but zeros.
+  std::vector<double> received(2, -1.0);
+  epx::threads::run(2, [&](comm_t& comm) {
+    epx::mesh_config mc;
+    mc.fsdp = 2;
+    mc.ep = 2;
+    mc.experts = 2;
+    epx::layer_options o;
+    o.hidden = 4;
+    o.top_k = 1;
+    o.counts = epx::count_exchange::device;
+    o.bound.cap = 4;
+    epx::moe_layer<comm_t, float> layer(epx::mesh(mc), comm, o);
+    grad_recording_experts e;
+    const std::size_t N = 3;
+    std::vector<float> x(N * 4, 1.0f), w(N, 1.0f), y(N * 4), gw(N);
+    std::vector<std::int32_t> ids(N, 0);
+    auto s = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                           epx::span<float>(y), e, epx::mode::train);
+    const std::size_t rows = comm.rank() == 1 ? N - 1 : N;
+    std::vector<float> g(rows * 4, 0.0f), gx(rows * 4);
+    try {
+      layer.backward(std::move(s), epx::span<const float>(g), epx::span<float>(gx), epx::span<float>(gw), e);
+    } catch (const epx::error&) {
+    }
+    received[static_cast<std::size_t>(comm.rank())] = e.received;
+    try {
+      (void)layer.check();
+    } catch (const epx::error&) {
+    }
+  });
+  CHECK(received[0] == 0.0);
+  CHECK(received[1] == 0.0);
 }
 
 TEST_CASE("bounded, masked path: a rank with another N makes the all-reduce raise errc::communicator everywhere") {

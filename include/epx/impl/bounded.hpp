@@ -504,10 +504,14 @@ class bounded_route {
     T* send = b.send.data();
     T* recv = b.recv.data();
     // grad_y rows w * grad_out in the forward's slab rows; the owners read the counts saved.
+    // A rank with bad shapes sends zero rows (the buffer still holds the forward's rows,
+    // which its peers would take for gradients).
     if (ok)
       exec::for_each_row<T>(ex, SR, H,
                             layout::bound_gather<T>{a.grad_out + sl.begin * H, s.slot_row.data(), s.w_slot.data(), H,
                                                     send});
+    else
+      exec::fill_zero(ex, send, SR * H);
     order_before_collective(ex, *ctx_.ep);
     all_to_all(*ctx_.ep, span<const T>(send, SR * H), span<T>(recv, SR * H));
     auto grad_recv = make_rows<T>(ws_, ex, XR * H);

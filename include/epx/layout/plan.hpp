@@ -257,8 +257,9 @@ struct plan_cut {
 
 // Pass 3. Call with c in [0, C). Uses the scanned chunk_counts row of chunk c as its cursor
 // (so they are consumed). pos[i] is the send position of pair i = t*k+j; src_row[p] = t for
-// every send position p. Bad pairs (not counted by pass 1) get no position: the call that
-// found them raises before anything reads the plan. `cut`: see plan_cut.
+// every send position p. Bad pairs (not counted by pass 1) get pos[i] = -1, as dropped
+// ones do: the normal mode raises before anything reads the plan, bounded mode (which
+// counts them and goes on) reads them as pairs that do not travel. `cut`: see plan_cut.
 struct scatter_pairs {
   const std::int32_t* ids;             // [pairs]
   const float* weights;                // [pairs], or null
@@ -326,6 +327,8 @@ struct scatter_pairs {
           to_row[p] = t;
           if constexpr (Kind == by_score) keyed[p] = keyed_slot(w[i], static_cast<std::int64_t>(j));
         }
+      } else {
+        to_pos[i] = -1;  // a bad pair has no position (bounded mode reads on past it)
       }
       if (++j == k) {
         j = 0;
