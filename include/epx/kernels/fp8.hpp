@@ -194,6 +194,7 @@ struct fp8_dequantise {
 // scale [rows, H / 128], in the policy's memory.
 template <class Exec, class T, class Src>
 void quantise_e4m3_rows(const Exec& ex, std::size_t rows, std::size_t H, Src src, fp8_e4m3* q, float* scale) {
+  check_fp8_hidden(H);  // else the tail of each row would be left unwritten
   const std::size_t n = rows * (H / fp8_block);
   if (n) exec::for_each_n(ex, n, fp8_quantise<T, Src>{src, q, scale, H});
 }
