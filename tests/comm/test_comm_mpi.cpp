@@ -314,6 +314,10 @@ TEST_CASE("mpi: world communicator, environment guard and wrapping") {
   o = {};
   o.timeout = std::chrono::milliseconds(-1);
   check_error([&] { communicator bad(MPI_COMM_WORLD, o); }, epx::errc::input, "timeout (-1 ms) must not be negative");
+  // A guard that needs a higher thread level than MPI was started with raises.
+  if (env.thread_level() < MPI_THREAD_MULTIPLE)
+    check_error([] { epx::mpi::environment more(nullptr, nullptr, MPI_THREAD_MULTIPLE); }, epx::errc::configuration,
+                "MPI was started by the caller with a lower level");
 }
 
 TEST_CASE("mpi: the watchdog lets a late rank through, and is off with a zero timeout") {
@@ -469,7 +473,57 @@ TEST_CASE("mpi: native segmented all_to_allv (one MPI_Alltoallw) and its chunked
                                  epx::datatype::float32);
         },
         epx::errc::communicator, "rank 1 expects 2 float32 elements in segment 1 from rank 0, which sends 1");
+    // A segment count that differs between ranks (the count exchange's shape depends on it),
+    // 2 against 1 and 1 against 0: agreed first, so every rank raises instead of matching
+    // different calls.
+    for (std::size_t other : {std::size_t{1}, std::size_t{0}}) {
+      const std::size_t ns = me == n - 1 ? other : other + 1;
+      std::vector<std::size_t> c(n * ns, 1), d(n * ns);
+      for (std::size_t j = 0; j < d.size(); ++j) d[j] = j;
+      std::vector<float> in(n * ns + 1, 1.0f), out(n * ns + 1);
+      check_error([&] { w.all_to_allv_segments(in.data(), c.data(), d.data(), out.data(), c.data(), d.data(), ns,
+                                               epx::datatype::float32); },
+                  epx::errc::communicator, "all_to_allv_segments: ranks disagree on the segment count");
+    }
+    // A bad row size on one rank of all_to_allv_indexed raises on every rank.
+    std::vector<std::size_t> c(n, 0), d(n, 0);
+    std::vector<std::int64_t> rows(1, 0);
+    std::vector<float> in(4, 1.0f), out(4);
+    check_error([&] { w.all_to_allv_indexed(in.data(), rows.data(), me == 0 ? 0 : 4, c.data(), d.data(), out.data(),
+                                            c.data(), d.data(), 1, epx::datatype::float32); },
+                epx::errc::input, "all_to_allv_indexed: row_elems must be positive (rank 0)");
   }
+}
+
+TEST_CASE("mpi: an error that shows when a request completes names the call, the rank and the request's error") {
+  // Without the count check a receive shorter than its message is MPI's truncation error,
+  // which MPI reports in the request's status.
+  epx::mpi::options o;
+  o.check_counts = false;
+  communicator w(MPI_COMM_WORLD, o);
+  const auto n = static_cast<std::size_t>(w.size());
+  const int me = w.rank();
+  if (n < 2) return;
+  std::vector<std::size_t> sc(n, 0), sd(n, 0), rc(n, 0), rd(n, 0);
+  if (me == 0) sc[1] = 2;  // rank 0 sends 2 floats to rank 1,
+  if (me == 1) rc[0] = 1;  // which expects 1
+  std::vector<float> in(2, 1.0f), out(2);
+  const auto call = [&] {
+    w.all_to_allv(in.data(), sc.data(), sd.data(), out.data(), rc.data(), rd.data(), epx::datatype::float32);
+  };
+  if (me != 1) {
+    call();
+  } else {
+    std::string got = "no error";
+    try {
+      call();
+    } catch (const epx::error& e) {
+      got = e.category() == epx::errc::mpi ? e.message() : std::string("wrong category: ") + e.what();
+    }
+    CHECK_MESSAGE(got.find("MPI all_to_allv on rank 1 failed: ") != std::string::npos, got);
+    CHECK_MESSAGE(got.find("TRUNCATE") != std::string::npos, got);
+  }
+  w.barrier();
 }
 
 // Both host backends sum in rank order by the same rule, so a sum over MPI processes equals,
@@ -960,6 +1014,27 @@ TEST_CASE("mpi: watchdog on a stalled rank inside run" * doctest::skip()) {
     std::vector<float> x(4, 1.0f);
     epx::all_reduce(w, epx::make_span(x));
   });
+}
+
+// Run only by the ctest test_comm_mpi_late_split_np2 (--no-skip): rank 0's split times out
+// in its agreement (the last rank is late) and raises; the late rank's agreement then
+// matches the pending one, and the bounded barrier before the blocking MPI_Comm_split ends
+// the job instead of letting it block for good.
+TEST_CASE("mpi: a late rank after a caught timeout in split ends the job" * doctest::skip()) {
+  epx::mpi::options o;
+  o.timeout = std::chrono::milliseconds(1000);
+  communicator w(MPI_COMM_WORLD, o);
+  if (w.rank() == w.size() - 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  try {
+    (void)w.split(0, 0);
+  } catch (const epx::error&) {
+    // Alive and driving MPI's progress (as a program that goes on would), not in the split.
+    for (int i = 0; i < 20000; ++i) {
+      int flag = 0;
+      MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD, &flag, MPI_STATUS_IGNORE);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
 }
 
 // A failed assertion on one rank while the others wait: the test main aborts the job.

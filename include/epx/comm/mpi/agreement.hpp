@@ -124,11 +124,16 @@ inline bool mpi_check_counts_v(mpi_state& s, const mpi::options& opt, const std:
 }
 
 // all_to_allv_segments' count check: as mpi_check_counts_v, per peer and segment (arrays
-// [peers][nseg]); the segment count must agree too. Returns whether any rank needs the
-// chunked path.
+// [peers][nseg]). The datatype and the segment count are agreed first (the count exchange's
+// shape depends on them: ranks with different counts would match different calls), then
+// the counts. `local_error`: this rank's own argument error, raised (errc::input) on every
+// rank by the first agreement. Returns whether any rank needs the chunked path.
 inline bool mpi_check_segment_counts(mpi_state& s, const mpi::options& opt, const std::size_t* send_counts,
                                      const std::size_t* recv_counts, std::size_t nseg, datatype t, bool large,
-                                     const char* op = "all_to_allv_segments") {
+                                     const char* op = "all_to_allv_segments",
+                                     const std::string& local_error = std::string()) {
+  mpi_agree(s, opt, op, {{"the datatype", static_cast<long long>(t)}, {"the segment count", static_cast<long long>(nseg)}},
+            local_error, errc::input);
   const std::size_t m = static_cast<std::size_t>(s.size) * nseg;
   std::vector<unsigned long long> mine(m), theirs(m);  // theirs[p*nseg+i]: what p sends me in segment i
   for (std::size_t j = 0; j < m; ++j) mine[j] = send_counts[j];
@@ -145,9 +150,7 @@ inline bool mpi_check_segment_counts(mpi_state& s, const mpi::options& opt, cons
                    recv_counts[j], " ", to_string(t), " elements in segment ", j % nseg, " from rank ", j / nseg,
                    ", which sends ", theirs[j]);
   }
-  return mpi_agree(s, opt, op,
-                   {{"the datatype", static_cast<long long>(t)}, {"the segment count", static_cast<long long>(nseg)}},
-                   bad, errc::communicator, large ? 1 : 0) != 0;
+  return mpi_agree(s, opt, op, {}, bad, errc::communicator, large ? 1 : 0) != 0;
 }
 
 // Without the count check: whether any rank passed `mine` = true (one MPI_Allreduce(MAX)),

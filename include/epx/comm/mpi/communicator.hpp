@@ -117,6 +117,8 @@ class communicator {
                                                    " must be non-negative")
                                   : std::string(),
           errc::input);
+    // A gate before the blocking split (mpi_buffers::gate: a timeout ends the job).
+    EPX_MPI_BOUNDED_KEEP(*s_, opt_, detail::mpi_buffers::gate, nullptr, MPI_Ibarrier(s_->comm, &epx_req_));
     MPI_Comm out = MPI_COMM_NULL;
     EPX_MPI_CHECK(MPI_Comm_split(s_->comm, color, key, &out));
     return communicator(out, true, opt_);
@@ -207,7 +209,11 @@ class communicator {
                            const std::size_t* recv_counts, const std::size_t* recv_displs, std::size_t nseg,
                            datatype t) {
     detail::mpi_enter(*s_, "all_to_allv_indexed");
-    EPX_REQUIRE(row_elems != 0, errc::input, "all_to_allv_indexed: row_elems must be positive");
+    // Raised on every rank by the count check's first agreement (or here, without the check).
+    const std::string bad_rows =
+        row_elems == 0 ? detail::concat("all_to_allv_indexed: row_elems must be positive (rank ", rank(), ")")
+                       : std::string();
+    EPX_REQUIRE(opt_.check_counts || bad_rows.empty(), errc::input, bad_rows);
     const auto n = static_cast<std::size_t>(size());
     const std::size_t m = n * nseg;
     // The checks and the path in elements, as all_to_allv_segments takes them.
@@ -231,7 +237,7 @@ class communicator {
     }
     // Counts in elements (rows times row_elems), checked as the segmented exchange checks them.
     large = opt_.check_counts
-                ? detail::mpi_check_segment_counts(*s_, opt_, sc, rc, nseg, t, large, "all_to_allv_indexed")
+                ? detail::mpi_check_segment_counts(*s_, opt_, sc, rc, nseg, t, large, "all_to_allv_indexed", bad_rows)
                 : detail::mpi_any(*s_, opt_, large);
     if (nseg == 0) return;
     const std::size_t row_bytes = row_elems * size_of(t);
@@ -368,7 +374,10 @@ class communicator {
   // one node (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)) and options::shared_memory is on.
   // Collective on the first call on a communicator (and its copies): every rank must make
   // it; later calls return the kept answer, the same on every rank.
-  bool peer_access_available() { return detail::mpi_peer_access_available(*s_, opt_); }
+  bool peer_access_available() {
+    detail::mpi_enter(*s_, "peer_access_available");
+    return detail::mpi_peer_access_available(*s_, opt_);
+  }
 
   // Peer access (see epx::has_peer_access_v), when peer_access_available(). Collective:
   // every rank publishes `count` buffers (mine[i], bytes[i] bytes each; at most 16), which

@@ -10,17 +10,28 @@ namespace epx::mpi {
 
 // Initializes MPI on construction (MPI_Init_thread) unless it already is, and finalizes it on
 // destruction if and only if this guard initialized it. Neither copyable nor movable.
+// Raises errc::configuration when MPI provides a lower thread level than `required` (MPI
+// started by the caller with less, or an MPI without that support; a guard that started
+// MPI finalizes it first) and when MPI was finalized already.
 class environment {
  public:
   explicit environment(int* argc = nullptr, char*** argv = nullptr, int required = MPI_THREAD_FUNNELED) {
-    int initialized = 0;
+    int initialized = 0, finalized = 0;
     EPX_MPI_CHECK(MPI_Initialized(&initialized));
+    EPX_MPI_CHECK(MPI_Finalized(&finalized));
+    EPX_REQUIRE(!finalized, errc::configuration, "epx::mpi::environment: MPI was finalized already");
     if (initialized) {
       EPX_MPI_CHECK(MPI_Query_thread(&provided_));
-      return;
+    } else {
+      EPX_MPI_CHECK(MPI_Init_thread(argc, argv, required, &provided_));
+      owns_ = true;
     }
-    EPX_MPI_CHECK(MPI_Init_thread(argc, argv, required, &provided_));
-    owns_ = true;
+    if (provided_ < required) {
+      if (owns_) MPI_Finalize();
+      EPX_REQUIRE(false, errc::configuration, "epx::mpi::environment: MPI provides thread level ", provided_,
+                  " but ", required, " is required (MPI_THREAD_SINGLE 0 ... MPI_THREAD_MULTIPLE 3)",
+                  owns_ ? "" : "; MPI was started by the caller with a lower level");
+    }
   }
   environment(int& argc, char**& argv, int required = MPI_THREAD_FUNNELED)
       : environment(&argc, &argv, required) {}

@@ -51,8 +51,9 @@ inline std::size_t mpi_peer_round(std::size_t bytes) noexcept {
 inline bool mpi_peer_access_available(mpi_state& s, const mpi::options& opt) {
   if (!opt.shared_memory) return false;
   if (s.peer.available < 0) {
-    // Everyone is here before the blocking split (the watchdog bounds the barrier).
-    EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::own, nullptr, MPI_Ibarrier(s.comm, &epx_req_));
+    // Everyone is here before the blocking split (the watchdog bounds the barrier; a
+    // timeout ends the job, see mpi_buffers::gate).
+    EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::gate, nullptr, MPI_Ibarrier(s.comm, &epx_req_));
     MPI_Comm node = MPI_COMM_NULL;
     EPX_MPI_CHECK(MPI_Comm_split_type(s.comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
     int n = 0;
@@ -65,9 +66,11 @@ inline bool mpi_peer_access_available(mpi_state& s, const mpi::options& opt) {
 }
 
 // Replaces the window by one whose segments hold at least `need` bytes (the same on every
-// rank). Collective; every rank has passed the access_peers gather, so the blocking calls
-// cannot wait for an absent rank.
+// rank). Collective. A bounded barrier first (a gate: a timeout ends the job): a rank that
+// timed out in the gather before it and raised has left that gather pending, which a late
+// rank's gather matches; the late rank must not go on into the blocking calls below.
 inline void mpi_peer_grow(mpi_state& s, const mpi::options& opt, mpi_peer_window& w, std::size_t need) {
+  EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::gate, nullptr, MPI_Ibarrier(s.comm, &epx_req_));
   const std::size_t old = w.capacity;
   if (w.win != MPI_WIN_NULL) {
     MPI_Win_unlock_all(w.win);

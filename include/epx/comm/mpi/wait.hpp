@@ -42,6 +42,9 @@ namespace epx::detail {
 enum class mpi_buffers {
   own,     // only the library's (listed in an mpi_keep): a timeout raises
   caller,  // the caller's too: a timeout ends the job
+  gate,    // the library's, and a blocking MPI call follows (a window's allocation, a
+           // communicator split): a timeout ends the job, since a late rank would pass the
+           // pending call and then block in a call that this rank never makes
 };
 
 // The library's buffers of one nonblocking call (std::vectors, up to 4). On a timeout they
@@ -109,17 +112,33 @@ inline void mpi_enter(mpi_state& s, const char* op) {
 // 50 us between polls instead of spinning, so that ranks sharing cores (more ranks than
 // cores) leave them to the ranks still working. Calls that move data keep polling, which
 // is what drives their progress.
+// An MPI_Waitall / MPI_Testall return code `rc` other than MPI_SUCCESS as epx::error(errc::mpi)
+// naming the collective and the rank; for an error that shows only when a request completes
+// (MPI_ERR_IN_STATUS), each failing request's own error from `st`.
+[[noreturn]] inline void mpi_raise_wait(const mpi_state& s, int rc, const MPI_Status* st, int n) {
+  std::string why = mpi_error_string(rc);
+  int cls = rc;
+  if (MPI_Error_class(rc, &cls) == MPI_SUCCESS && cls == MPI_ERR_IN_STATUS)
+    for (int i = 0; i < n; ++i)
+      if (st[i].MPI_ERROR != MPI_SUCCESS && st[i].MPI_ERROR != MPI_ERR_PENDING)
+        why += concat("; request ", i, ": ", mpi_error_string(st[i].MPI_ERROR));
+  throw error(errc::mpi, concat("MPI ", s.op, " on rank ", s.rank, " failed: ", why), EPX_HERE, rc);
+}
+
 inline void mpi_wait_bounded(mpi_state& s, const mpi::options& opt, MPI_Request* reqs, int n,
                              mpi_buffers kind = mpi_buffers::caller, mpi_keep* keep = nullptr, bool idle = false) {
   if (n == 0) return;
+  std::vector<MPI_Status> st(static_cast<std::size_t>(n));
   if (opt.timeout.count() == 0) {
-    EPX_MPI_CHECK(MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE));
+    const int rc = MPI_Waitall(n, reqs, st.data());
+    if (rc != MPI_SUCCESS) mpi_raise_wait(s, rc, st.data(), n);
     return;
   }
   const auto deadline = std::chrono::steady_clock::now() + opt.timeout;
   for (unsigned spin = 1;; ++spin) {
     int done = 0;
-    EPX_MPI_CHECK(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE));
+    const int rc = MPI_Testall(n, reqs, &done, st.data());
+    if (rc != MPI_SUCCESS) mpi_raise_wait(s, rc, st.data(), n);
     if (done) return;
     const bool sleep = idle && spin >= 4096;
     if (spin % 64 == 0 || sleep) {
@@ -129,6 +148,8 @@ inline void mpi_wait_bounded(mpi_state& s, const mpi::options& opt, MPI_Request*
                                  " ms: a rank stalled, died, or returned without calling it");
         if (kind == mpi_buffers::caller)
           mpi_end_job(msg + " (the job ends: the pending call still reads or writes the caller's buffers)");
+        if (kind == mpi_buffers::gate)
+          mpi_end_job(msg + " (the job ends: a blocking MPI call follows, in which a late rank would wait forever)");
         mpi_orphan o;
         o.requests.assign(reqs, reqs + n);
         if (keep != nullptr) o.buffers = keep->take();
