@@ -17,6 +17,7 @@
 #include <functional>
 #include <limits>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -132,10 +133,13 @@ inline layer_options options_for(const layer_case& c) {
 
 // The pairs a capacity keeps (spec section 8), per batch [B][N_b * k]: every EP group of the
 // first pipeline stage, its members in ep-rank order, each sending its TP slice of its batch.
+// The groups, batches and slices come from the contract's formulas (sections 1 and 3), not
+// from the library's mesh, so that a fault there cannot move the reference with it.
 template <class T>
 std::vector<std::vector<char>> keep_masks(const layer_case& c) {
   const mesh m(c.topology);
-  const int k = c.top_k, tp = m.tp();
+  const int k = c.top_k, tp = c.topology.tp, fsdp = c.topology.fsdp, ep = c.topology.ep;
+  const int S = fsdp * tp, R = c.topology.dp_replicate;
   std::vector<std::vector<char>> keep(static_cast<std::size_t>(m.batches()));
   for (int b = 0; b < m.batches(); ++b) keep[static_cast<std::size_t>(b)].assign(c.rows_of(b) * k, 1);
   ref::capacity_params p;
@@ -143,17 +147,21 @@ std::vector<std::vector<char>> keep_masks(const layer_case& c) {
   p.factor = c.capacity.factor;
   p.rows = c.capacity.rows;
   p.by_score = c.capacity.priority == drop_priority::score;
-  const int stage = m.batches() * tp;  // ranks of pipeline stage 0
-  for (int first = 0; first < stage; ++first) {
-    if (m.ep_rank(first) != 0) continue;
-    const auto members = m.group_members(group_kind::ep, first);
+  // Pipeline stage 0: R blocks of S ranks, each made of EP groups of ep consecutive ranks.
+  for (int first = 0; first < R * S; first += ep) {
     std::vector<std::vector<std::int32_t>> ids;
     std::vector<std::vector<double>> w;
     std::vector<std::pair<int, row_slice>> where;
-    for (int r : members) {
-      const int b = m.batch(r);
+    for (int r = first; r < first + ep; ++r) {
+      const int rep = r / S, fsdp_i = (r % S) / tp, tp_i = r % tp;
+      const int b = rep * fsdp + fsdp_i;  // a batch per (replica, fsdp position)
+      if (b != m.batch(r))
+        throw std::runtime_error(
+            detail::concat("keep_masks: the mesh puts rank ", r, " on batch ", m.batch(r), ", the contract on batch ", b));
       const batch_data d = make_batch<T>(c, b);
-      const row_slice sl = slice_bounds(c.rows_of(b), tp, m.coords(r).tp);
+      const std::size_t N = c.rows_of(b);
+      const row_slice sl{N * static_cast<std::size_t>(tp_i) / static_cast<std::size_t>(tp),
+                         N * static_cast<std::size_t>(tp_i + 1) / static_cast<std::size_t>(tp)};
       ids.emplace_back(d.ids.begin() + static_cast<std::ptrdiff_t>(sl.begin * k),
                        d.ids.begin() + static_cast<std::ptrdiff_t>(sl.end * k));
       w.emplace_back(d.w.begin() + static_cast<std::ptrdiff_t>(sl.begin * k),
@@ -461,7 +469,9 @@ std::string check_paths_agree(Comm& world, const layer_case& c) {
 
 enum class bad_input {
   id_too_large, id_negative, weight_nan, weight_inf, x_size, ids_size, weights_size, out_size,
-  rows_differ_in_tp_group, hidden_differs, top_k_differs, grad_x_size, grad_weights_size
+  rows_differ_in_tp_group, hidden_differs, top_k_differs, grad_x_size, grad_weights_size,
+  empty_state,   // backward of an empty saved state
+  mode_differs   // an inference forward where the others train
 };
 
 inline const char* to_string(bad_input b) {
@@ -479,6 +489,8 @@ inline const char* to_string(bad_input b) {
     case bad_input::top_k_differs: return "top_k_differs";
     case bad_input::grad_x_size: return "grad_x_size";
     case bad_input::grad_weights_size: return "grad_weights_size";
+    case bad_input::empty_state: return "empty_state";
+    case bad_input::mode_differs: return "mode_differs";
   }
   return "?";
 }
@@ -563,12 +575,17 @@ raised run_bad_input(Comm& world, const layer_case& c, bad_input kind, int bad_r
       }
       case bad_input::grad_x_size: gx.pop_back(); break;
       case bad_input::grad_weights_size: gw.push_back(0.0f); break;
+      case bad_input::empty_state: break;   // below
+      case bad_input::mode_differs: break;  // below
     }
   }
   try {
     moe_layer<Comm, T, Impl, test_exec> layer(m, world, o);
+    const mode md = me && kind == bad_input::mode_differs ? mode::inference : mode::train;
     auto saved = layer.forward(span<const T>(x), span<const std::int32_t>(ids), span<const float>(w), span<T>(out),
-                               experts, mode::train);
+                               experts, md);
+    if (md == mode::inference) return raised{};
+    if (me && kind == bad_input::empty_state) saved.reset();
     layer.backward(std::move(saved), span<const T>(go), span<T>(gx), span<float>(gw), experts);
   } catch (const error& e) {
     raised r;

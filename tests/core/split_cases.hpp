@@ -9,6 +9,7 @@
 #pragma once
 
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -199,6 +200,9 @@ enum class split_misuse {
   combine_twice,                // combine_start on a combined handle (used twice)
   combine_other_layer,          // combine_start with a handle of another layer
   combine_moved_from,           // combine_start with a moved-from handle
+  combine_other_layer_type,     // combine_start with a handle of a layer of another type (same T)
+  combine_in_other_order,       // two calls in flight, combined in the other order
+  backward_empty_state,         // backward_dispatch_start with an empty saved state
   expert_outputs_size,          // expert outputs of the wrong size
   out_size,                     // out of the wrong size
   inputs_before_wait,           // h.inputs() before dispatch_wait
@@ -217,6 +221,9 @@ inline const char* to_string(split_misuse s) {
     case split_misuse::combine_twice: return "combine_twice";
     case split_misuse::combine_other_layer: return "combine_other_layer";
     case split_misuse::combine_moved_from: return "combine_moved_from";
+    case split_misuse::combine_other_layer_type: return "combine_other_layer_type";
+    case split_misuse::combine_in_other_order: return "combine_in_other_order";
+    case split_misuse::backward_empty_state: return "backward_empty_state";
     case split_misuse::expert_outputs_size: return "expert_outputs_size";
     case split_misuse::out_size: return "out_size";
     case split_misuse::inputs_before_wait: return "inputs_before_wait";
@@ -239,6 +246,10 @@ raised run_split_misuse(Comm& world, const layer_case& c, split_misuse kind, boo
   const std::size_t H = static_cast<std::size_t>(c.hidden);
   moe_layer<Comm, T, Impl, Exec> layer(m, world, options_for(c), policy);
   moe_layer<Comm, T, Impl, Exec> other(m, world, options_for(c), policy);
+  // Another layer type with the same T, whose first layer's id would have been `layer`'s
+  // had each type counted its own.
+  using other_impl = std::conditional_t<std::is_same_v<Impl, impl::automatic>, impl::all_to_all, impl::automatic>;
+  moe_layer<Comm, T, other_impl, Exec> other_type(m, world, options_for(c), policy);
   ref::test_linear_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
   const auto dispatch = [&](auto& l) {
     return l.dispatch_start(span<const T>(mb.x), span<const std::int32_t>(mb.d.ids), span<const float>(mb.w),
@@ -252,12 +263,14 @@ raised run_split_misuse(Comm& world, const layer_case& c, split_misuse kind, boo
     auto h = dispatch(layer);
     forward_handle<T> h_other;
     if (kind == split_misuse::combine_other_layer) h_other = dispatch(other);
+    if (kind == split_misuse::combine_other_layer_type) h_other = dispatch(other_type);
     if (bad && kind == split_misuse::inputs_before_wait) (void)h.inputs();
     if (bad && kind == split_misuse::combine_before_dispatch_wait) {
       layer.combine_start(h, span<const T>(), span<T>(mb.out));
     }
     layer.dispatch_wait(h);
     if (kind == split_misuse::combine_other_layer) other.dispatch_wait(h_other);
+    if (kind == split_misuse::combine_other_layer_type) other_type.dispatch_wait(h_other);
     if (bad && kind == split_misuse::dispatch_wait_twice) layer.dispatch_wait(h);
     if (bad && kind == split_misuse::combine_wait_without_start) (void)layer.combine_wait(h);
     experts.forward(policy, h.inputs(), h.outputs().data());
@@ -270,10 +283,22 @@ raised run_split_misuse(Comm& world, const layer_case& c, split_misuse kind, boo
     if (bad) {
       if (kind == split_misuse::expert_outputs_size) y = span<const T>(wrong_y);
       if (kind == split_misuse::out_size) out = span<T>(wrong_out);
-      if (kind == split_misuse::combine_other_layer) use = &h_other;
+      if (kind == split_misuse::combine_other_layer || kind == split_misuse::combine_other_layer_type) use = &h_other;
       if (kind == split_misuse::combine_moved_from) moved = std::move(h);
     }
-    if (bad && kind == split_misuse::combine_other_layer) y = span<const T>(h_other.outputs().data(), h_other.outputs().size());
+    if (bad && (kind == split_misuse::combine_other_layer || kind == split_misuse::combine_other_layer_type))
+      y = span<const T>(h_other.outputs().data(), h_other.outputs().size());
+    forward_handle<T> h2;
+    if (kind == split_misuse::combine_in_other_order) {
+      // A second call of the same inputs; the bad rank combines it first.
+      h2 = dispatch(layer);
+      layer.dispatch_wait(h2);
+      experts.forward(policy, h2.inputs(), h2.outputs().data());
+      if (bad) {
+        use = &h2;
+        y = span<const T>(h2.outputs().data(), h2.outputs().size());
+      }
+    }
     layer.combine_start(*use, y, out);
     saved_state<T> saved = layer.combine_wait(*use);
     if (kind == split_misuse::combine_twice) {
@@ -288,6 +313,7 @@ raised run_split_misuse(Comm& world, const layer_case& c, split_misuse kind, boo
       backward_handle<T> none;
       layer.backward_dispatch_wait(none);
     }
+    if (bad && kind == split_misuse::backward_empty_state) saved.reset();
     auto g = layer.backward_dispatch_start(std::move(saved), span<const T>(mb.go), span<float>(mb.gw));
     layer.backward_dispatch_wait(g);
     experts.backward(policy, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());

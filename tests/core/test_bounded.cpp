@@ -6,6 +6,7 @@
 // counter and check(); bad options and bad input.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <string>
@@ -642,6 +643,100 @@ TEST_CASE("bounded: a rank whose backward has bad shapes sends its peers zero gr
   });
   CHECK(received[0] == 0.0);
   CHECK(received[1] == 0.0);
+}
+
+TEST_CASE("bounded: a backward of an empty saved state raises on its rank, the others at check(), nothing hangs") {
+  for (bool masked : {false, true}) {
+    CAPTURE(masked);
+    std::vector<std::string> threw(4), checked(4);
+    epx::threads::run(4, [&](comm_t& comm) {
+      on_path(masked, comm, 4, false, [&](auto& layer) {
+        const std::size_t N = 6;
+        std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4), gx(N * 4), gw(N * 2), g(N * 4, 1.0f);
+        std::vector<std::int32_t> ids(N * 2);
+        for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 3) % 8);
+        doubling_experts e;
+        auto s = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                               epx::span<float>(y), e, epx::mode::train);
+        if (comm.rank() == 2) s.reset();
+        try {
+          layer.backward(std::move(s), epx::span<const float>(g), epx::span<float>(gx), epx::span<float>(gw), e);
+        } catch (const epx::error& ex) {
+          threw[static_cast<std::size_t>(comm.rank())] = ex.category() == epx::errc::input ? ex.message() : "wrong";
+        }
+        try {
+          (void)layer.check();
+        } catch (const epx::error& ex) {
+          checked[static_cast<std::size_t>(comm.rank())] = ex.category() == epx::errc::input ? ex.message() : "wrong";
+        }
+      });
+    });
+    for (int r = 0; r < 4; ++r) {
+      CAPTURE(r);
+      const auto& t = threw[static_cast<std::size_t>(r)];
+      if (r == 2)
+        CHECK_MESSAGE(t.find("backward needs the saved state of a training forward") != std::string::npos, t);
+      else
+        CHECK_MESSAGE(t.empty(), t);
+      CHECK_MESSAGE(checked[static_cast<std::size_t>(r)].find("1 call(s) had bad shapes") != std::string::npos,
+                    checked[static_cast<std::size_t>(r)]);
+    }
+  }
+}
+
+TEST_CASE("bounded: check() raises in the EP group, check(world) on every rank of the world") {
+  // fsdp 4, ep 2: two EP groups. Rank 0 overflows its bound (cap 2) in each of two calls.
+  std::vector<std::string> group_check(4), world_check(4);
+  epx::threads::run(4, [&](comm_t& comm) {
+    epx::mesh_config mc;
+    mc.fsdp = 4;
+    mc.ep = 2;
+    mc.experts = 4;
+    epx::layer_options o;
+    o.hidden = 4;
+    o.top_k = 2;
+    o.counts = epx::count_exchange::device;
+    o.bound.cap = 2;
+    o.bound.raise_on_overflow = true;
+    epx::moe_layer<comm_t, float> layer(epx::mesh(mc), comm, o);
+    doubling_experts e;
+    std::vector<float> x(12, 1.0f), w(6, 0.5f), y(12);
+    std::vector<std::int32_t> ids = {0, 1, 2, 3, 0, 2};   // at most 2 pairs per expert
+    if (comm.rank() == 0) ids = {0, 1, 0, 1, 0, 1};     // 3 each for experts 0 and 1
+    const auto call = [&] {
+      (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                          epx::span<float>(y), e, epx::mode::inference);
+    };
+    const auto seen = [](auto check) {
+      try {
+        (void)check();
+      } catch (const epx::error& ex) {
+        return ex.category() == epx::errc::input ? ex.message() : std::string("wrong category");
+      }
+      return std::string();
+    };
+    call();
+    group_check[static_cast<std::size_t>(comm.rank())] = seen([&] { return layer.check(); });
+    call();
+    world_check[static_cast<std::size_t>(comm.rank())] = seen([&] { return layer.check(comm); });
+  });
+  const epx::mesh m([] {
+    epx::mesh_config mc;
+    mc.fsdp = 4;
+    mc.ep = 2;
+    mc.experts = 4;
+    return mc;
+  }());
+  const auto group = m.group_members(epx::group_kind::ep, 0);
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    const bool in_group = std::find(group.begin(), group.end(), r) != group.end();
+    const auto& g = group_check[static_cast<std::size_t>(r)];
+    CHECK_MESSAGE((g.find("2 (token, slot) pair(s) overflowed the bound cap=2") != std::string::npos) == in_group, g);
+    CHECK_MESSAGE(world_check[static_cast<std::size_t>(r)].find("2 (token, slot) pair(s) overflowed the bound cap=2") !=
+                      std::string::npos,
+                  world_check[static_cast<std::size_t>(r)]);
+  }
 }
 
 TEST_CASE("bounded, masked path: a rank with another N makes the all-reduce raise errc::communicator everywhere") {

@@ -68,6 +68,7 @@ void expect_everyone_raises(const layer_case& c, bad_input kind, int bad_rank) {
     CHECK(s.category == (config ? epx::errc::configuration : epx::errc::input));
     CHECK(s.message.find("rank " + std::to_string(bad_rank)) != std::string::npos);
     if (config) CHECK(s.message.find(kind == bad_input::hidden_differs ? "hidden=" : "top_k=") != std::string::npos);
+    if (kind == bad_input::mode_differs) CHECK(s.message.find("must pass the same mode") != std::string::npos);
   }
 }
 
@@ -78,7 +79,8 @@ TEST_CASE("bad input on any rank raises on every rank of its EP group (all-to-al
   for (auto kind : {bad_input::id_too_large, bad_input::id_negative, bad_input::weight_nan, bad_input::weight_inf,
                     bad_input::x_size, bad_input::ids_size, bad_input::weights_size, bad_input::out_size,
                     bad_input::rows_differ_in_tp_group, bad_input::hidden_differs, bad_input::top_k_differs,
-                    bad_input::grad_x_size, bad_input::grad_weights_size})
+                    bad_input::grad_x_size, bad_input::grad_weights_size, bad_input::empty_state,
+                    bad_input::mode_differs})
     for (int bad = 0; bad < 4; ++bad) expect_everyone_raises(c, kind, bad);
 }
 
@@ -86,21 +88,25 @@ TEST_CASE("bad input with per-rank sends raises on every rank of its EP group") 
   auto c = small(2, 2, 4, 8, 4);
   c.sends = epx::row_sends::per_rank;
   for (auto kind : {bad_input::id_too_large, bad_input::weight_nan, bad_input::ids_size, bad_input::out_size,
-                    bad_input::rows_differ_in_tp_group, bad_input::grad_x_size, bad_input::grad_weights_size})
+                    bad_input::rows_differ_in_tp_group, bad_input::grad_x_size, bad_input::grad_weights_size,
+                    bad_input::empty_state})
     for (int bad : {0, 3}) expect_everyone_raises(c, kind, bad);
 }
 
 TEST_CASE("bad input raises only in the EP group that holds the bad rank") {
   const auto c = small(1, 4, 2);  // two EP groups of two ranks
-  for (auto kind : {bad_input::id_too_large, bad_input::weight_nan, bad_input::out_size, bad_input::hidden_differs})
+  for (auto kind : {bad_input::id_too_large, bad_input::weight_nan, bad_input::out_size, bad_input::hidden_differs,
+                    bad_input::empty_state, bad_input::mode_differs})
     for (int bad : {0, 3}) expect_everyone_raises(c, kind, bad);
 }
 
 TEST_CASE("bad input on the masked all-reduce path") {
   const auto c = small(2, 2, 2);
   for (auto kind : {bad_input::id_too_large, bad_input::id_negative, bad_input::weight_inf, bad_input::ids_size,
-                    bad_input::rows_differ_in_tp_group, bad_input::top_k_differs, bad_input::grad_weights_size})
+                    bad_input::rows_differ_in_tp_group, bad_input::top_k_differs, bad_input::grad_weights_size,
+                    bad_input::empty_state, bad_input::mode_differs})
     for (int bad : {0, 1, 3}) expect_everyone_raises<epx::impl::all_reduce>(c, kind, bad);
+  for (int bad : {0, 3}) expect_everyone_raises<epx::impl::automatic>(c, bad_input::empty_state, bad);
 }
 
 TEST_CASE("the error message names the token, slot and value") {
@@ -420,6 +426,63 @@ TEST_CASE("saved state: inference keeps nothing; backward of an empty state rais
     if (!t.empty()) throw std::runtime_error("backward did not consume the saved state");
   });
   CHECK(true);
+}
+
+TEST_CASE("a backward that the group rejects for bad sizes keeps the saved states: the retry gives the fused result") {
+  const auto c = small(2, 2, 4);  // world 4, one EP group
+  for (bool split : {false, true}) {
+    CAPTURE(split);
+    std::vector<std::string> failures(4);
+    epx::threads::run(4, [&](comm_t& comm) {
+      const epx::mesh m(c.topology);
+      const int rank = comm.rank(), b = m.batch(rank);
+      const auto d = epx::test::make_batch<float>(c, b);
+      const std::size_t N = c.rows_of(b), H = 4, k = 2;
+      const auto global = epx::ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+      std::vector<float> x(d.x.begin(), d.x.end()), w(d.w.begin(), d.w.end()), go(d.grad_out.begin(), d.grad_out.end());
+      epx::moe_layer<comm_t, float> layer(m, comm, epx::test::options_for(c));
+      // One call: forward, then backward with grad_weights one element too long on rank 3.
+      const auto call = [&](bool bad_once, std::vector<float>& gx, std::vector<float>& gw, std::string& first_error) {
+        epx::ref::test_linear_experts<float> experts(global, m.ep_rank(rank), m.local_experts());
+        std::vector<float> out(N * H);
+        auto saved = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(d.ids),
+                                   epx::span<const float>(w), epx::span<float>(out), experts, epx::mode::train);
+        std::vector<float> wrong(N * k + 1);
+        const auto backward = [&](epx::span<float> grad_w) {
+          if (!split) {
+            layer.backward(std::move(saved), epx::span<const float>(go), epx::span<float>(gx), grad_w, experts);
+            return;
+          }
+          auto g = layer.backward_dispatch_start(std::move(saved), epx::span<const float>(go), grad_w);
+          layer.backward_dispatch_wait(g);
+          experts.backward(epx::test::test_exec{}, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());
+          layer.backward_combine(g, epx::span<const float>(g.grad_inputs().data(), g.grad_inputs().size()),
+                                 epx::span<float>(gx));
+        };
+        if (bad_once) {
+          try {
+            backward(rank == 3 ? epx::span<float>(wrong) : epx::span<float>(gw));
+          } catch (const epx::error& e) {
+            first_error = e.category() == epx::errc::input ? e.message() : "wrong category";
+          }
+          if (saved.empty()) first_error += " [the saved state was consumed]";
+        }
+        backward(epx::span<float>(gw));
+      };
+      std::vector<float> gx1(N * H), gw1(N * k), gx2(N * H), gw2(N * k);
+      std::string first, none;
+      std::string& f = failures[static_cast<std::size_t>(rank)];
+      try {
+        call(true, gx1, gw1, first);
+        call(false, gx2, gw2, none);
+      } catch (const std::exception& e) {
+        f += std::string("raised: ") + e.what();
+      }
+      if (first.find("rank 3: grad_weights have 13 elements") == std::string::npos) f += "first call: '" + first + "'; ";
+      if (gx1 != gx2 || gw1 != gw2) f += "the retried backward differs from a fresh one; ";
+    });
+    for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+  }
 }
 
 }  // namespace test_layer_errors_cpp

@@ -190,6 +190,12 @@ TEST_CASE("split phase: misuse raises on every rank, nothing hangs") {
     check_misuse(c, split_misuse::combine_other_layer, last, errc::configuration,
                  "rank 3: combine_start got a handle made by another layer");
     check_misuse(c, split_misuse::combine_moved_from, last, errc::configuration, "rank 3: combine_start got an empty handle");
+    check_misuse(c, split_misuse::combine_other_layer_type, last, errc::configuration,
+                 "rank 3: combine_start got a handle made by another layer");
+    check_misuse(c, split_misuse::combine_in_other_order, last, errc::configuration,
+                 "combine different calls (rank 0: its call 1, rank 1: its call 1, rank 2: its call 1, rank 3: its call 2");
+    check_misuse(c, split_misuse::backward_empty_state, last, errc::input,
+                 "rank 3: backward needs the saved state of a training forward");
     check_misuse(c, split_misuse::expert_outputs_size, last, errc::input, "rank 3: combine_start: the expert outputs have");
     check_misuse(c, split_misuse::out_size, last, errc::input, "rank 3: combine_start: out has");
     check_misuse(c, split_misuse::backward_combine_twice, last, errc::configuration,

@@ -7,7 +7,7 @@
 // rows move. Backward mirrors it: each rank produces the input and routing-weight
 // gradients of its own slots and the EP group sums them.
 //
-// One small all_gather per call of every rank's record {status, N, H, k, rank, counts[E]}
+// One small all_gather per call of every rank's record {status, N, H, k, rank, mode, counts[E]}
 // checks the inputs on every rank, so that bad input raises everywhere instead of hanging
 // in the all-reduce, and gives this rank its own counts (its experts' row offsets). Bounded mode
 // (layer_options::counts == count_exchange::device) has no such exchange and no host read:
@@ -108,6 +108,7 @@ class all_reduce_impl {
     const auto k = static_cast<std::size_t>(a.top_k);
     route_request q;
     q.n = N;
+    q.training = training;
     q.gather_counts = false;
     q.agree_rows = ctx_.ep_size();
     q.path = name;
@@ -175,12 +176,17 @@ class all_reduce_impl {
   expert_grad_batch<T> backward_dispatch(const Exec& ex, const backward_args<T>& a, saved_state<T>& saved,
                                          saved_state<T>& flight) {
     require_unbounded(ctx_, "backward_dispatch");
-    saved.template get<state<T, Exec>>();  // raises on an empty or foreign state
+    // As all_to_all's: the checks before the state is moved out of `saved`.
+    if (const char* why = saved_state_error<state<T, Exec>>(saved); *why)
+      reject_saved_state(*ctx_.ep, a, why, ctx_.rank, ctx_.ep_size());
+    {
+      const auto& s0 = saved.template get<state<T, Exec>>();
+      exchange_backward_status(*ctx_.ep, a, s0.rows, s0.hidden, s0.top_k, ctx_.rank, ctx_.ep_size());
+    }
     auto& b = flight.template emplace<backward_state<T, Exec>>();
     b.forward = std::move(saved);
     auto& s = b.forward.template get<state<T, Exec>>();
     const int L = ctx_.local_experts();
-    exchange_backward_status(*ctx_.ep, a, s.rows, s.hidden, s.top_k, ctx_.rank, ctx_.ep_size());
     const std::size_t N = s.rows, H = s.hidden, R = s.local_rows;
     b.grad_y = make_rows<T>(ws_, ex, R * H);
     b.grad_in = make_rows<T>(ws_, ex, R * H);

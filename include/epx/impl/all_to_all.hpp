@@ -4,7 +4,7 @@
 //   1. TP slice [b, e) of the N rows (empty slices join everything below);
 //   2-3. the shared prologue (epx/impl/prologue.hpp): counting-sort send layout of the
 //      slice's (row, slot) pairs, count exchange (all_gather of {status, N, H, k,
-//      counts[E]} over the EP group; bad input anywhere raises on every rank here, before
+//      rank, mode, counts[E]} over the EP group; bad input anywhere raises on every rank here, before
 //      rows move) and the receive layout (epx/layout/receive.hpp);
 //   4. rows land expert-major (with zero padding rows) at the owner of their expert, with
 //      no second permutation;
@@ -219,6 +219,7 @@ class all_to_all_impl {
     q.n = n;
     q.agree_rows = tp;
     q.path = name;
+    q.training = training;
     routed<Exec> r = route_forward(ctx_, ex, a, q);
     auto& s = flight.template emplace<state<T, Exec>>();
     s.rows = a.rows;
@@ -482,14 +483,19 @@ class all_to_all_impl {
   expert_grad_batch<T> backward_dispatch(const Exec& ex, const backward_args<T>& a, saved_state<T>& saved,
                                          saved_state<T>& flight) {
     require_unbounded(ctx_, "backward_dispatch");
-    saved.template get<state<T, Exec>>();  // raises on an empty or foreign state
+    const int L = ctx_.local_experts(), tp = ctx_.tp_size(), me = ctx_.ep_rank();
+    // Every rank checks its input (and its state) before the state is moved out of `saved`:
+    // a call that the group rejects leaves the states for a retry.
+    if (const char* why = saved_state_error<state<T, Exec>>(saved); *why) reject_saved_state(*ctx_.ep, a, why, ctx_.rank, tp);
+    {
+      const auto& s0 = saved.template get<state<T, Exec>>();
+      exchange_backward_status(*ctx_.ep, a, s0.rows, s0.hidden, s0.top_k, ctx_.rank, tp);
+    }
     auto& b = flight.template emplace<backward_state<T, Exec>>();
     b.forward = std::move(saved);
     auto& s = b.forward.template get<state<T, Exec>>();
-    const int L = ctx_.local_experts(), tp = ctx_.tp_size(), me = ctx_.ep_rank();
     const std::size_t H = s.hidden;
     const auto k = static_cast<std::size_t>(s.top_k);
-    exchange_backward_status(*ctx_.ep, a, s.rows, s.hidden, s.top_k, ctx_.rank, tp);
     const row_slice sl = s.slice;
     const receive_layout& lay = s.layout;
     const std::size_t n = sl.size(), S = n * k, R = lay.rows(me);

@@ -488,6 +488,7 @@ class bounded_route {
 
   template <class T, class Exec, class Experts>
   void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
+    if (const char* why = saved_state_error<state<T, Exec>>(saved); *why) return join_without_state(ex, a, why);
     auto& s = saved.template get<state<T, Exec>>();
     auto& b = *static_cast<bound_buffers<T, Exec>*>(ctx_.bound);
     const layout::bound_shape& sh = b.shape;
@@ -541,6 +542,31 @@ class bounded_route {
   }
 
  private:
+  // A backward whose saved state is unusable (`why`): this rank counts a shape failure,
+  // joins both all-to-alls with zero rows (as an owner it has no rows to run its experts'
+  // backward on: its peers get zero rows back) and the TP sums with zeros, then raises.
+  template <class T, class Exec>
+  void join_without_state(const Exec& ex, const backward_args<T>& a, const char* why) {
+    auto& b = *static_cast<bound_buffers<T, Exec>*>(ctx_.bound);
+    const layout::bound_shape& sh = b.shape;
+    const std::size_t H = sh.hidden, SR = sh.send_rows();
+    exec::for_each_n(ex, 1, layout::bound_shape_failed{b.counters.data()});
+    b.staged(ex);
+    T* send = b.send.data();
+    T* recv = b.recv.data();
+    exec::fill_zero(ex, send, SR * H);
+    for (int direction = 0; direction < 2; ++direction) {
+      order_before_collective(ex, *ctx_.ep);
+      all_to_all(*ctx_.ep, span<const T>(send, SR * H), span<T>(recv, SR * H));
+    }
+    if (ctx_.tp_size() > 1) {
+      order_before_collective(ex, *ctx_.ep);
+      finish_tp(ex, static_cast<T*>(nullptr), a.rows * H, false);
+      finish_tp(ex, static_cast<float*>(nullptr), a.rows * static_cast<std::size_t>(a.top_k), false);
+    }
+    raise_bounded_shape(1, why);
+  }
+
   // The TP group sums the slices (a rank with bad shapes joins with zeros); the caller
   // has ordered the policy's work before it.
   template <class Exec, class V>
@@ -623,18 +649,20 @@ class bounded_route {
   workspace ws_;
 };
 
-// moe_layer::check(): the EP group's counters since the last check (then reset); raises
-// errc::input on every rank for counted bad input, and for overflow when asked to.
+// moe_layer::check(): the counters of the ranks of `group` (the EP group, or a union of
+// whole EP groups named `group_name`) since the last check (then reset); raises
+// errc::input on every rank of `group` for counted bad input, and for overflow when asked to.
 template <class Comm, class T, class Exec>
-bound_report check_bound(const Exec& ex, Comm& ep, bound_buffers<T, Exec>& b, int rank) {
+bound_report check_bound(const Exec& ex, Comm& group, bound_buffers<T, Exec>& b, int rank,
+                         const char* group_name = "the EP group") {
   const std::size_t E = static_cast<std::size_t>(b.shape.experts()), n = layout::bound_counter_fields + E;
   auto sum = exec::make_buffer<std::int64_t>(ex, n);
   exec::copy_n(ex, static_cast<const std::int64_t*>(b.counters.data()), n, sum.data());
   exec::fill_zero(ex, b.counters.data(), n);
-  order_before_collective(ex, ep);
-  all_reduce(ep, span<std::int64_t>(sum.data(), n));
+  order_before_collective(ex, group);
+  all_reduce(group, span<std::int64_t>(sum.data(), n));
   std::vector<std::int64_t> h(n);
-  read_back(ex, ep, static_cast<const std::int64_t*>(sum.data()), n, h.data());
+  read_back(ex, group, static_cast<const std::int64_t*>(sum.data()), n, h.data());
   bound_report r;
   r.overflow_pairs = h[layout::bound_overflow];
   r.bad_input_calls = h[layout::bound_bad_input];
@@ -643,7 +671,7 @@ bound_report check_bound(const Exec& ex, Comm& ep, bound_buffers<T, Exec>& b, in
   r.dropped_per_expert.assign(h.begin() + layout::bound_counter_fields, h.end());
   EPX_REQUIRE(r.bad_input_calls == 0 && r.shape_error_calls == 0, errc::input, "moe_layer::check (rank ", rank,
               "): bounded mode: since the last check, ", r.bad_input_calls,
-              " call(s) of the EP group had an expert id out of range or a non-finite routing weight (those pairs "
+              " call(s) of ", group_name, " had an expert id out of range or a non-finite routing weight (those pairs "
               "did not travel) and ",
               r.shape_error_calls, " call(s) had bad shapes");
   if (b.raise_on_overflow && r.overflow_pairs > 0) {

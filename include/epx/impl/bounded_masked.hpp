@@ -160,8 +160,16 @@ class bounded_masked_route {
 
   template <class T, class Exec, class Experts>
   void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
-    auto& s = saved.template get<state<T, Exec>>();
     auto& b = *static_cast<bound_buffers<T, Exec>*>(ctx_.bound);
+    if (const char* why = saved_state_error<state<T, Exec>>(saved); *why) {
+      // No state: count a shape failure, join both sums with zeros, raise (as bad shapes do).
+      exec::for_each_n(ex, 1, layout::bound_shape_failed{b.counters.data()});
+      order_before_collective(ex, *ctx_.ep);
+      sum_or_join_zeros(ex, *ctx_.ep, static_cast<T*>(nullptr), a.rows * b.shape.hidden);
+      sum_or_join_zeros(ex, *ctx_.ep, static_cast<float*>(nullptr), a.rows * static_cast<std::size_t>(a.top_k));
+      raise_bounded_shape(1, why);
+    }
+    auto& s = saved.template get<state<T, Exec>>();
     const layout::bound_shape& sh = b.shape;
     const std::size_t N = s.rows, H = s.hidden, XR = sh.expert_rows();
     const auto k = static_cast<std::size_t>(s.top_k);

@@ -11,7 +11,7 @@
 namespace epx {
 
 // How the all-to-all path learns the receive counts.
-//   host:   one all_gather of a small record per rank {status, N, H, k, counts[E]}; the one
+//   host:   one all_gather of a small record per rank {status, N, H, k, rank, mode, counts[E]}; the one
 //           host synchronisation per layer call. Bad input and shape disagreement are seen
 //           by every rank of the EP group before any row moves.
 //   device: bounded mode (spec section 11; epx/impl/bounded.hpp): buffers sized at

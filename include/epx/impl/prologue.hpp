@@ -50,6 +50,7 @@ struct route_request {
   int agree_rows = 1;         // N must agree within runs of this many consecutive EP ranks
   const char* path = "";      // the implementation's name, for the statistics
   bool moves_rows = true;
+  bool training = false;      // the ranks of the group must agree on it (their routes differ)
 };
 
 template <class Comm, class Exec, class T>
@@ -63,7 +64,7 @@ routed<Exec> route_forward(const layer_context<Comm>& ctx, const Exec& ex, const
   const float* weights = ok ? a.weights + q.row0 * k : nullptr;
   routed<Exec> r;
   // Queued, nothing read back: the plan's counts and node figures, this rank's record of
-  // the exchange built from them on the device ([status, N, H, k, rank | counts[E] |
+  // the exchange built from them on the device ([status, N, H, k, rank, mode | counts[E] |
   // nodes]). The plan's scatter waits for the exchange (capacity cuts it).
   r.plan = layout::launch_plan_counts(ex, ids, weights, ok ? q.n : 0, a.top_k, E, ctx.options.chunks,
                                       nodes_to_count(*ctx.topology, ctx.options));
@@ -76,7 +77,7 @@ routed<Exec> route_forward(const layer_context<Comm>& ctx, const Exec& ex, const
                    plan_record{a.status, static_cast<std::int64_t>(a.rows), static_cast<std::int64_t>(a.hidden),
                                a.top_k, ctx.rank, r.plan.chunk_bad(), r.plan.chunks, r.plan.expert_counts(), Es,
                                lim.nodes ? static_cast<const std::int64_t*>(r.plan.node_tally.data()) : nullptr, nextra,
-                               record.data()});
+                               record.data(), q.training ? 1 : 0});
   // The call's one host synchronisation: every rank's record (bad-input flag, shapes,
   // counts) reaches the host together; bad input anywhere raises on every rank here.
   const auto message = [&]() -> std::string {

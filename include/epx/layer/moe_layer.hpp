@@ -35,7 +35,6 @@
 // any row moves.
 #pragma once
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -166,15 +165,15 @@ class moe_layer {
 
   // grad_out: [N, H]; grad_x: [N, H]; grad_weights: [N, k] (both fully written, per batch,
   // unscaled). The user's experts accumulate their parameter gradients; reduce them with
-  // epx/grad/hooks.hpp. Consumes the saved state.
+  // epx/grad/hooks.hpp. Consumes the saved state, except when every rank of the group
+  // raises at the call's input check (bad sizes on some rank; in the normal mode): then
+  // the states stay, and the call may be made again. An empty or foreign state on one rank
+  // raises errc::input on every rank of the group (bounded mode: on that rank; the others
+  // at their next check()).
   template <class Experts>
   void backward(saved_state<T>&& saved, span<const T> grad_out, span<T> grad_x, span<float> grad_weights,
                 Experts& experts) {
     check_experts_backward<Experts, Exec, T>();
-    saved_state<T> s = std::move(saved);
-    EPX_REQUIRE(!s.empty(), errc::input,
-                "backward needs the saved state of a training forward (this one is empty: an inference call, "
-                "already consumed, or default-constructed)");
     const std::size_t H = options_.hidden, N = grad_out.size() / H;
     const auto k = static_cast<std::size_t>(options_.top_k);
     backward_args<T> a;
@@ -185,7 +184,7 @@ class moe_layer {
                                                                      {"grad_weights have", grad_weights.size(), N, k, "N*k"}});
     set_shape(a, N, msg);
     const long long syncs = detail::host_syncs_on_this_thread();
-    impl_->backward(exec_, a, experts, s);
+    consume(saved, [&] { impl_->backward(exec_, a, experts, saved); });
     stats_->host_syncs = detail::host_syncs_on_this_thread() - syncs;
   }
 
@@ -205,6 +204,7 @@ class moe_layer {
   // handle's expert-major buffer (h.inputs() after dispatch_wait).
   forward_handle<T> dispatch_start(span<const T> x, span<const std::int32_t> ids, span<const float> weights, mode m) {
     static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
+    const std::uint64_t serial = ++forward_starts_;
     const std::size_t H = options_.hidden, N = x.size() / H;
     const auto k = static_cast<std::size_t>(options_.top_k);
     forward_args<T> a;
@@ -219,6 +219,7 @@ class moe_layer {
     h.batch_ = impl_->dispatch(exec_, a, h.call_.flight, m == mode::train, false);
     h.call_.host_syncs = detail::host_syncs_on_this_thread() - syncs;
     h.call_.layer = id_;
+    h.call_.serial = serial;
     h.call_.tokens = N;
     h.training_ = m == mode::train;
     h.call_.phase = detail::split_phase::dispatching;
@@ -249,7 +250,7 @@ class moe_layer {
         why = detail::concat("combine_start: out has ", out.size(), " elements but N*H = ", N, "*", H, " = ", N * H);
     }
     const long long syncs = detail::host_syncs_on_this_thread();
-    detail::agree_on_phase(*ep_, !why.empty(), category, why, rank_, "moe_layer combine_start");
+    detail::agree_on_phase(*ep_, !why.empty(), category, why, rank_, h.call_.serial, "moe_layer combine_start");
     if (expert_outputs.size() > 0 && expert_outputs.data() != h.batch_.out)
       exec::copy_n(exec_, expert_outputs.data(), expert_outputs.size(), h.batch_.out);
     h.call_.phase = detail::split_phase::combining;  // spent from here, whatever happens below
@@ -276,10 +277,7 @@ class moe_layer {
   // then). The experts read g.inputs() and g.grad_outputs() and write g.grad_inputs().
   backward_handle<T> backward_dispatch_start(saved_state<T>&& saved, span<const T> grad_out, span<float> grad_weights) {
     static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
-    saved_state<T> s = std::move(saved);
-    EPX_REQUIRE(!s.empty(), errc::input,
-                "backward needs the saved state of a training forward (this one is empty: an inference call, "
-                "already consumed, or default-constructed)");
+    const std::uint64_t serial = ++backward_starts_;
     const std::size_t H = options_.hidden, N = grad_out.size() / H;
     const auto k = static_cast<std::size_t>(options_.top_k);
     backward_args<T> a;
@@ -290,9 +288,10 @@ class moe_layer {
     set_shape(a, N, msg);
     backward_handle<T> h;
     const long long syncs = detail::host_syncs_on_this_thread();
-    h.batch_ = impl_->backward_dispatch(exec_, a, s, h.call_.flight);
+    consume(saved, [&] { h.batch_ = impl_->backward_dispatch(exec_, a, saved, h.call_.flight); });
     h.call_.host_syncs = detail::host_syncs_on_this_thread() - syncs;
     h.call_.layer = id_;
+    h.call_.serial = serial;
     h.call_.tokens = N;
     h.call_.phase = detail::split_phase::dispatching;
     return h;
@@ -323,7 +322,8 @@ class moe_layer {
                              " = ", N * H);
     }
     const long long syncs = detail::host_syncs_on_this_thread();
-    detail::agree_on_phase(*ep_, !why.empty(), category, why, rank_, "moe_layer backward_combine_start");
+    detail::agree_on_phase(*ep_, !why.empty(), category, why, rank_, h.call_.serial,
+                           "moe_layer backward_combine_start");
     if (grad_inputs.size() > 0 && grad_inputs.data() != h.batch_.grad_in)
       exec::copy_n(exec_, grad_inputs.data(), grad_inputs.size(), h.batch_.grad_in);
     h.call_.phase = detail::split_phase::combining;
@@ -352,6 +352,19 @@ class moe_layer {
     if (!bound_) return {};
     return detail::check_bound(exec_, *ep_, *static_cast<detail::bound_buffers<T, Exec>*>(bound_.get()), rank_);
   }
+  // The same over `group`, a communicator made of whole EP groups (typically the world):
+  // the counters of all its ranks, raised on all of them. With several EP groups
+  // (dp_replicate > 1, or efsdp > 1) check() raises in one group only, and the others go on
+  // into collectives (the gradient hooks) that wait for the raising ranks until their
+  // timeout; a check over the world raises everywhere at once. Collective over `group`.
+  bound_report check(Comm& group) {
+    if (!bound_) return {};
+    EPX_REQUIRE(group.size() % ep_->size() == 0, errc::configuration, "moe_layer::check(group) (rank ", rank_,
+                "): the group has ", group.size(), " ranks, not a multiple of the EP group's ", ep_->size(),
+                ": it must be made of whole EP groups");
+    return detail::check_bound(exec_, group, *static_cast<detail::bound_buffers<T, Exec>*>(bound_.get()), rank_,
+                               "the group");
+  }
   // Bounded mode: this rank's counters in the execution policy's memory, read when the
   // caller likes (no synchronisation here): [0] pairs it dropped beyond the bound as a
   // sender, [1] calls with bad expert ids or weights, [2] calls with bad shapes, [3] calls,
@@ -377,6 +390,21 @@ class moe_layer {
     a.top_k = options_.top_k;
     a.status = msg.empty() ? 0 : 1;
     a.status_message = msg.c_str();
+  }
+
+  // Runs a backward call that consumes `saved`. The built-in implementations move the state
+  // out only once every rank's input has passed the call's check, so a call that the whole
+  // group rejects leaves it for a retry; in bounded mode (no such check: the peers go on)
+  // and once the call has run it is consumed.
+  template <class Call>
+  void consume(saved_state<T>& saved, Call call) {
+    try {
+      call();
+    } catch (...) {
+      if (bound_) saved.reset();
+      throw;
+    }
+    saved.reset();
   }
 
   // Why a split call's handle cannot take phase `want` here ("" when it can).
@@ -489,8 +517,7 @@ class moe_layer {
   }
 
   void start(int world_rank) {
-    static std::atomic<std::uint64_t> next_id{1};
-    id_ = next_id.fetch_add(1);
+    id_ = detail::next_layer_id();
     rank_ = world_rank;
     stats_ = std::make_unique<layer_stats>();
     layer_context<Comm> ctx;
@@ -518,6 +545,7 @@ class moe_layer {
   std::shared_ptr<void> bound_;  // bounded mode: detail::bound_buffers<T, Exec>
   std::unique_ptr<impl_type> impl_;
   std::uint64_t id_ = 0;  // names the layer in its split-phase handles
+  std::uint64_t forward_starts_ = 0, backward_starts_ = 0;  // split calls started (their serials)
   int rank_ = 0;          // in the world
 };
 

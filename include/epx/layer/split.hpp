@@ -23,6 +23,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -56,10 +57,18 @@ inline const char* to_string(split_phase p) noexcept {
   return "?";
 }
 
+// A new layer's id, unique in the process over every layer type (handles name the layer
+// that made them; handles depend on T only, so the ids must not repeat across types).
+inline std::uint64_t next_layer_id() noexcept {
+  static std::atomic<std::uint64_t> next{1};
+  return next.fetch_add(1);
+}
+
 // What one split call keeps between its phases (both directions).
 template <class T>
 struct split_call {
   std::uint64_t layer = 0;  // the id of the layer that made it
+  std::uint64_t serial = 0; // its start's number among the layer's starts of its direction
   split_phase phase = split_phase::empty;
   saved_state<T> flight;    // the implementation's state between its stages
   std::size_t tokens = 0;   // N
@@ -68,6 +77,7 @@ struct split_call {
   split_call() = default;
   split_call(split_call&& o) noexcept
       : layer(std::exchange(o.layer, 0)),
+        serial(std::exchange(o.serial, 0)),
         phase(std::exchange(o.phase, split_phase::empty)),
         flight(std::move(o.flight)),
         tokens(std::exchange(o.tokens, 0)),
@@ -75,6 +85,7 @@ struct split_call {
   split_call& operator=(split_call&& o) noexcept {
     if (this != &o) {
       layer = std::exchange(o.layer, 0);
+      serial = std::exchange(o.serial, 0);
       phase = std::exchange(o.phase, split_phase::empty);
       flight = std::move(o.flight);
       tokens = std::exchange(o.tokens, 0);
@@ -85,22 +96,36 @@ struct split_call {
 };
 
 // Collective over `comm`: every rank says whether its own part of a split call is wrong
-// (`category` and `message`; errc::internal with an empty message: fine). When any rank's
-// is, every rank raises: errc::configuration if any rank misused a handle, else
-// errc::input, naming each failing rank and its reason. One all_gather of two integers per
-// rank; a second one with the messages only on the error path.
+// (`category` and `message`; errc::internal with an empty message: fine) and which of its
+// calls it combines (`serial`, split_call::serial). When any rank's part is wrong, every
+// rank raises: errc::configuration if any rank misused a handle, else errc::input, naming
+// each failing rank and its reason. When all are fine but the ranks combine different
+// calls (they started the phases of their calls in different orders), every rank raises
+// errc::configuration naming each rank's call. One all_gather of three integers per rank;
+// a second one with the messages only on the error path.
 template <class Comm>
-void agree_on_phase(Comm& comm, bool failed, errc category, const std::string& message,
-                    int world_rank, const char* what) {
+void agree_on_phase(Comm& comm, bool failed, errc category, const std::string& message, int world_rank,
+                    std::uint64_t serial, const char* what) {
   const int n = comm.size();
-  std::int64_t mine[2] = {failed ? 1 + static_cast<std::int64_t>(category) : 0, world_rank};
-  std::vector<std::int64_t> all(2 * static_cast<std::size_t>(n), 0);
-  all_gather_host(comm, mine, 2, all.data());
-  bool any = false, configuration = false;
+  const auto at = [](int r, int f) { return 3 * static_cast<std::size_t>(r) + static_cast<std::size_t>(f); };
+  std::int64_t mine[3] = {failed ? 1 + static_cast<std::int64_t>(category) : 0, world_rank,
+                          static_cast<std::int64_t>(serial)};
+  std::vector<std::int64_t> all(3 * static_cast<std::size_t>(n), 0);
+  all_gather_host(comm, mine, 3, all.data());
+  bool any = false, configuration = false, same_call = true;
   for (int r = 0; r < n; ++r) {
-    const std::int64_t c = all[2 * static_cast<std::size_t>(r)];
+    const std::int64_t c = all[at(r, 0)];
     any = any || c != 0;
     configuration = configuration || c == 1 + static_cast<std::int64_t>(errc::configuration);
+    same_call = same_call && all[at(r, 2)] == all[at(0, 2)];
+  }
+  if (!any && !same_call) {
+    std::string full = concat(what, ": the ranks of the expert-parallel group combine different calls (");
+    for (int r = 0; r < n; ++r)
+      full += concat(r ? ", " : "", "rank ", all[at(r, 1)], ": its call ", all[at(r, 2)]);
+    throw error(errc::configuration,
+                full + " since the layer was made); every rank must start the phases of its calls in the same order",
+                EPX_HERE);
   }
   if (!any) return;
   std::vector<char> msg(message_bytes, '\0');
@@ -109,10 +134,9 @@ void agree_on_phase(Comm& comm, bool failed, errc category, const std::string& m
   all_gather_host(comm, msg.data(), message_bytes, texts.data());
   std::string full = concat(what, ": a split-phase call failed in the expert-parallel group");
   for (int r = 0; r < n; ++r) {
-    if (all[2 * static_cast<std::size_t>(r)] == 0) continue;
+    if (all[at(r, 0)] == 0) continue;
     const char* m = texts.data() + static_cast<std::size_t>(r) * message_bytes;
-    full += concat("; rank ", all[2 * static_cast<std::size_t>(r) + 1], ": ",
-                   std::string(m, std::find(m, m + message_bytes, '\0')));
+    full += concat("; rank ", all[at(r, 1)], ": ", std::string(m, std::find(m, m + message_bytes, '\0')));
   }
   throw error(configuration ? errc::configuration : errc::input, full, EPX_HERE);
 }

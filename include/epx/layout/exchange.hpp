@@ -1,10 +1,11 @@
 // epx/layout/exchange.hpp: the count exchange and group-wide input checks.
 //
 // Every rank of the EP group contributes one int64 record
-//   [status, N, H, k, world rank, counts[0..ncounts)]
+//   [status, N, H, k, world rank, mode, counts[0..ncounts)]
 // and all_gathers them. status != 0 means the rank found bad input (shapes, expert ids,
-// non-finite weights). H and k must agree across the group, N within each TP group (tp
-// consecutive ep ranks). If anything is wrong every rank sees it in the same records, so
+// non-finite weights). H, k and the mode (1 for a training forward, else 0: the two take
+// different routes) must agree across the group, N within each TP group (tp consecutive
+// ep ranks). If anything is wrong every rank sees it in the same records, so
 // every rank raises epx::error(errc::input) naming the offending ranks and values before
 // any row moves, and nobody hangs. Only on that error path a second all_gather carries
 // each failing rank's own message (fixed 256 bytes).
@@ -32,7 +33,7 @@
 
 namespace epx::detail {
 
-inline constexpr std::size_t record_header = 5;
+inline constexpr std::size_t record_header = 6;
 inline constexpr std::size_t message_bytes = 256;
 
 // The gathered records of a group: [size][record_header + ncounts].
@@ -46,6 +47,7 @@ struct group_records {
   std::int64_t hidden(int r) const { return data[static_cast<std::size_t>(r) * stride + 2]; }
   std::int64_t top_k(int r) const { return data[static_cast<std::size_t>(r) * stride + 3]; }
   std::int64_t world_rank(int r) const { return data[static_cast<std::size_t>(r) * stride + 4]; }
+  std::int64_t mode(int r) const { return data[static_cast<std::size_t>(r) * stride + 5]; }
   const std::int64_t* counts(int r) const { return data.data() + static_cast<std::size_t>(r) * stride + record_header; }
 };
 
@@ -76,6 +78,12 @@ void check_records(Comm& comm, const group_records& g, int me, Message&& message
     if (g.top_k(r) != g.top_k(ref)) {
       why += concat("; rank ", g.world_rank(r), " has top_k=", g.top_k(r), " but rank ", g.world_rank(ref),
                     " has top_k=", g.top_k(ref));
+      failed = true;
+    }
+    if (g.mode(r) != g.mode(ref)) {
+      const auto name = [](std::int64_t m) { return m == 1 ? "a training call (mode::train)" : "an inference call"; };
+      why += concat("; rank ", g.world_rank(r), " makes ", name(g.mode(r)), " but rank ", g.world_rank(ref), " makes ",
+                    name(g.mode(ref)), " (every rank of the group must pass the same mode)");
       failed = true;
     }
     if (g.rows(r) != g.rows(tref)) {
@@ -109,7 +117,7 @@ void check_records(Comm& comm, const group_records& g, int me, Message&& message
 template <class Comm>
 group_records exchange_records(Comm& comm, std::int64_t status, std::size_t N, std::size_t H, int k,
                                int world_rank, const std::int64_t* counts, std::size_t ncounts,
-                               const std::string& message, const char* what, int tp) {
+                               const std::string& message, const char* what, int tp, std::int64_t mode = 0) {
   group_records g;
   g.size = comm.size();
   g.stride = record_header + ncounts;
@@ -119,6 +127,7 @@ group_records exchange_records(Comm& comm, std::int64_t status, std::size_t N, s
   mine[2] = static_cast<std::int64_t>(H);
   mine[3] = k;
   mine[4] = world_rank;
+  mine[5] = mode;
   if (ncounts) std::memcpy(mine.data() + record_header, counts, ncounts * sizeof(std::int64_t));
   const std::size_t total = g.stride * static_cast<std::size_t>(g.size);
   g.data.assign(total, 0);
@@ -129,7 +138,7 @@ group_records exchange_records(Comm& comm, std::int64_t status, std::size_t N, s
 
 // This rank's record of the count exchange, built where the send plan lives (so the plan
 // needs no read-back of its own): record[0] = `status`, or 2 when the plan's pass 1 found a
-// bad pair (chunk_bad[c] >= 0 for some chunk); then N, H, k, the world rank; then
+// bad pair (chunk_bad[c] >= 0 for some chunk); then N, H, k, the world rank, the mode; then
 // `ncounts` counts and `nextra` further figures (node statistics). Call with i in
 // [0, record_header + ncounts + nextra).
 struct plan_record {
@@ -141,6 +150,7 @@ struct plan_record {
   const std::int64_t* extra;      // [nextra] or null
   std::size_t nextra;
   std::int64_t* record;           // [record_header + ncounts + nextra]
+  std::int64_t mode = 0;          // 1: a training forward
 
   EPX_HOST_DEVICE void operator()(std::size_t i) const {
     if (i >= record_header) {
@@ -158,7 +168,8 @@ struct plan_record {
       case 1: v = rows; break;
       case 2: v = hidden; break;
       case 3: v = top_k; break;
-      default: v = world_rank; break;
+      case 4: v = world_rank; break;
+      default: v = mode; break;
     }
     record[i] = v;
   }
@@ -218,6 +229,28 @@ void exchange_backward_status(Comm& comm, const Args& a, std::size_t rows, std::
   }
   exchange_records(comm, status, a.rows, a.hidden, a.top_k, world_rank, nullptr, 0, msg, "moe_layer backward",
                    tp);
+}
+
+// Why a backward cannot use `saved` (its state type S): "" when it can.
+template <class S, class Saved>
+const char* saved_state_error(const Saved& saved) {
+  if (saved.empty())
+    return "backward needs the saved state of a training forward (this one is empty: an inference call, already "
+           "consumed, or default-constructed)";
+  if (!saved.template holds<S>()) return "the saved state was made by a different implementation";
+  return "";
+}
+
+// Backward's agreement check when this rank's saved state is unusable (`why`): this rank
+// joins the exchange of exchange_backward_status with a failed status, so that every rank
+// of the group raises errc::input naming it.
+template <class Comm, class Args>
+[[noreturn]] void reject_saved_state(Comm& comm, const Args& a, const char* why, int world_rank, int tp) {
+  Args bad = a;
+  bad.status = 1;
+  bad.status_message = why;
+  exchange_backward_status(comm, bad, a.rows, a.hidden, a.top_k, world_rank, tp);
+  throw error(errc::internal, "reject_saved_state: the exchange did not raise", EPX_HERE);
 }
 
 }  // namespace epx::detail
