@@ -447,43 +447,59 @@ TEST_CASE("bounded: bad expert ids, non-finite weights and bad shapes raise errc
     }
 }
 
-TEST_CASE("bounded: a backward with other shapes than its forward raises errc::input there, check() on every rank") {
+namespace {
+
+// Four ranks on both paths (on_path, cap 4): a training forward of 6 rows, then a backward
+// that rank `bad` gets wrong (`empty_state`: its saved state is reset; else its gradient
+// tensors have two rows fewer). That rank raises errc::input with `text` and the others
+// nothing; then every rank's check() raises for the one call with bad shapes.
+void check_one_bad_backward(int bad, bool empty_state, const std::string& text) {
   for (bool masked : {false, true}) {
     CAPTURE(masked);
     std::vector<std::string> threw(4), checked(4);
+    const auto input_error = [](const epx::error& ex) {
+      return ex.category() == epx::errc::input ? ex.message() : std::string("wrong");
+    };
     epx::threads::run(4, [&](comm_t& comm) {
       on_path(masked, comm, 4, false, [&](auto& layer) {
-        const std::size_t N = 6, n = comm.rank() == 1 ? N - 2 : N;  // rank 1: two rows fewer in backward
-        std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4), gx(n * 4), gw(n * 2);
+        const bool me = comm.rank() == bad;
+        const std::size_t N = 6, n = me && !empty_state ? N - 2 : N;
+        std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4), g(n * 4, 1.0f), gx(n * 4), gw(n * 2);
         std::vector<std::int32_t> ids(N * 2);
         for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 3) % 8);
         doubling_experts e;
         auto s = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
                                epx::span<float>(y), e, epx::mode::train);
-        std::vector<float> g(n * 4, 1.0f);
+        if (me && empty_state) s.reset();
         try {
           layer.backward(std::move(s), epx::span<const float>(g), epx::span<float>(gx), epx::span<float>(gw), e);
         } catch (const epx::error& ex) {
-          threw[static_cast<std::size_t>(comm.rank())] = ex.category() == epx::errc::input ? ex.message() : "wrong";
+          threw[static_cast<std::size_t>(comm.rank())] = input_error(ex);
         }
         try {
           (void)layer.check();
         } catch (const epx::error& ex) {
-          checked[static_cast<std::size_t>(comm.rank())] = ex.category() == epx::errc::input ? ex.message() : "wrong";
+          checked[static_cast<std::size_t>(comm.rank())] = input_error(ex);
         }
       });
     });
     for (int r = 0; r < 4; ++r) {
       CAPTURE(r);
       const auto& t = threw[static_cast<std::size_t>(r)];
-      if (r == 1)
-        CHECK_MESSAGE(t.find("backward shapes N=4 H=4 k=2 differ from the forward call's N=6") != std::string::npos, t);
+      if (r == bad)
+        CHECK_MESSAGE(t.find(text) != std::string::npos, t);
       else
-        CHECK(t.empty());
+        CHECK_MESSAGE(t.empty(), t);
       CHECK_MESSAGE(checked[static_cast<std::size_t>(r)].find("1 call(s) had bad shapes") != std::string::npos,
                     checked[static_cast<std::size_t>(r)]);
     }
   }
+}
+
+}  // namespace
+
+TEST_CASE("bounded: a backward with other shapes than its forward raises errc::input there, check() on every rank") {
+  check_one_bad_backward(1, false, "backward shapes N=4 H=4 k=2 differ from the forward call's N=6");
 }
 
 namespace {
@@ -646,42 +662,7 @@ TEST_CASE("bounded: a rank whose backward has bad shapes sends its peers zero gr
 }
 
 TEST_CASE("bounded: a backward of an empty saved state raises on its rank, the others at check(), nothing hangs") {
-  for (bool masked : {false, true}) {
-    CAPTURE(masked);
-    std::vector<std::string> threw(4), checked(4);
-    epx::threads::run(4, [&](comm_t& comm) {
-      on_path(masked, comm, 4, false, [&](auto& layer) {
-        const std::size_t N = 6;
-        std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4), gx(N * 4), gw(N * 2), g(N * 4, 1.0f);
-        std::vector<std::int32_t> ids(N * 2);
-        for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 3) % 8);
-        doubling_experts e;
-        auto s = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
-                               epx::span<float>(y), e, epx::mode::train);
-        if (comm.rank() == 2) s.reset();
-        try {
-          layer.backward(std::move(s), epx::span<const float>(g), epx::span<float>(gx), epx::span<float>(gw), e);
-        } catch (const epx::error& ex) {
-          threw[static_cast<std::size_t>(comm.rank())] = ex.category() == epx::errc::input ? ex.message() : "wrong";
-        }
-        try {
-          (void)layer.check();
-        } catch (const epx::error& ex) {
-          checked[static_cast<std::size_t>(comm.rank())] = ex.category() == epx::errc::input ? ex.message() : "wrong";
-        }
-      });
-    });
-    for (int r = 0; r < 4; ++r) {
-      CAPTURE(r);
-      const auto& t = threw[static_cast<std::size_t>(r)];
-      if (r == 2)
-        CHECK_MESSAGE(t.find("backward needs the saved state of a training forward") != std::string::npos, t);
-      else
-        CHECK_MESSAGE(t.empty(), t);
-      CHECK_MESSAGE(checked[static_cast<std::size_t>(r)].find("1 call(s) had bad shapes") != std::string::npos,
-                    checked[static_cast<std::size_t>(r)]);
-    }
-  }
+  check_one_bad_backward(2, true, "backward needs the saved state of a training forward");
 }
 
 TEST_CASE("bounded: check() raises in the EP group, check(world) on every rank of the world") {

@@ -145,12 +145,19 @@ class saved_state {
   bool holds() const noexcept {
     return state_ != nullptr && type_ == type_id<S>();
   }
+  // Why this state cannot serve a backward that needs an S ("" when it can).
+  template <class S>
+  const char* unusable_as() const noexcept {
+    if (empty())
+      return "backward needs the saved state of a training forward (this one is empty: an inference call, already "
+             "consumed by backward, or default-constructed)";
+    if (!holds<S>()) return "the saved state was made by a different implementation";
+    return "";
+  }
   template <class S>
   S& get() {
-    EPX_REQUIRE(!empty(), errc::input,
-                "backward needs the saved state of a training forward (this one is empty: an inference "
-                "call, already consumed by backward, or default-constructed)");
-    EPX_REQUIRE(holds<S>(), errc::input, "the saved state was made by a different implementation");
+    const char* why = unusable_as<S>();
+    EPX_REQUIRE(*why == '\0', errc::input, why);
     return *static_cast<S*>(state_.get());
   }
   void reset() noexcept {

@@ -231,17 +231,8 @@ void exchange_backward_status(Comm& comm, const Args& a, std::size_t rows, std::
                    tp);
 }
 
-// Why a backward cannot use `saved` (its state type S): "" when it can.
-template <class S, class Saved>
-const char* saved_state_error(const Saved& saved) {
-  if (saved.empty())
-    return "backward needs the saved state of a training forward (this one is empty: an inference call, already "
-           "consumed, or default-constructed)";
-  if (!saved.template holds<S>()) return "the saved state was made by a different implementation";
-  return "";
-}
-
-// Backward's agreement check when this rank's saved state is unusable (`why`): this rank
+// Backward's agreement check when this rank's saved state is unusable (`why`,
+// saved_state::unusable_as): this rank
 // joins the exchange of exchange_backward_status with a failed status, so that every rank
 // of the group raises errc::input naming it.
 template <class Comm, class Args>
