@@ -15,7 +15,8 @@
 # plan and the decode forward at world size 1 against the device time of their own
 # kernels and copies (bench_decode.cu, through CUPTI where it is found). Every measurement is one JSON line
 # (`validated`, microseconds; GB/s and the fraction of the device copy bandwidth where
-# bytes move). A target that fails to build, or a test that fails, does not stop the
+# bytes move). Where python3 has torch with CUDA, the PyTorch bindings' CUDA extension
+# builds meanwhile and their device cases run last (world size 1). A target that fails to build, or a test that fails, does not stop the
 # others; the exit status is zero only if every target passed (a skip, without a device,
 # counts as not passed), and the summary at the end says what.
 #
@@ -138,6 +139,21 @@ fi
 flags=(-std=c++17 -O3 "-gencode=arch=compute_${arch},code=sm_${arch}" --extended-lambda --expt-relaxed-constexpr
        -Xcompiler=-Wall,-Wextra "${lib[@]}" -L"$cuda_home/lib64" -Xlinker -rpath -Xlinker "$cuda_home/lib64")
 
+# The PyTorch bindings' CUDA layer (bindings/torch, docs/pytorch.md): where python3 has a
+# torch that sees the GPU, its extension builds in the background (sm_${arch} only) while
+# the targets below build, and its device cases run after the benchmarks, at world size 1
+# (one GPU: NCCL needs a GPU per rank).
+torch_build_pid=""
+if [[ $build_only == 0 ]] && command -v python3 >/dev/null 2>&1 &&
+   python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+  echo "torch: $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+  export EPX_TORCH_CUDA=1 TORCH_CUDA_ARCH_LIST="${arch:0:1}.${arch:1}" PYTHONPATH="$root/bindings/torch${PYTHONPATH:+:$PYTHONPATH}"
+  ( limited "$(left 360)" python3 -c 'import epx_torch' >"$out/torch_build.log" 2>&1 ) &
+  torch_build_pid=$!
+else
+  echo "torch with CUDA not found in python3: the bindings' device cases do not run"
+fi
+
 say "build (nvcc, sm_${arch}) into $out"
 targets=() sources=()
 if [[ $doctest_ok == 1 ]]; then
@@ -222,6 +238,34 @@ if [[ $build_only == 0 ]]; then
   bench epx_bench_gpu_kernels 240
   bench epx_bench_gpu_layer_ep 240
   bench epx_bench_gpu_decode 120
+
+  # The bindings' device layer against the host layer (test_device.py), world size 1.
+  name=torch_cuda_layer
+  if [[ -z "$torch_build_pid" ]]; then
+    result[$name]="SKIPPED (python3 has no torch with CUDA)"
+  else
+    rc=0
+    wait "$torch_build_pid" || rc=$?
+    say "$name (extension build exit $rc)"
+    if (( rc != 0 )); then
+      tail -n 40 "$out/torch_build.log"
+      result[$name]="NOT BUILT (exit $rc, log: $out/torch_build.log)"
+    else
+      limit=$(left 150)
+      if (( limit == 0 )); then
+        result[$name]="NOT RUN (deadline)"
+      else
+        EPX_TORCH_TIMEOUT=120 limited "$limit" python3 -m torch.distributed.run --standalone --nproc-per-node=1 \
+          bindings/torch/tests/run.py --no-ops --device cuda >"$out/$name.log" 2>&1 || rc=$?
+        cat "$out/$name.log"
+        case $rc in
+          0) result[$name]="passed ($(grep -Eo 'RESULT passed=[0-9]+ failed=[0-9]+' "$out/$name.log" | tail -1))" ;;
+          124|137) result[$name]="FAILED (timed out after $limit s)" ;;
+          *) result[$name]="FAILED (exit $rc)" ;;
+        esac
+      fi
+    fi
+  fi
 fi
 
 say "summary"
