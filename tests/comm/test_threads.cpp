@@ -3,6 +3,9 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <limits>
+#include <cstring>
+#include <cmath>
 #include <chrono>
 #include <mutex>
 #include <stdexcept>
@@ -172,7 +175,17 @@ TEST_CASE("threads: all_to_allv_indexed: an index outside src is errc::input bef
                                                   epx::span<const std::size_t>(sc), epx::span<const std::size_t>(sd),
                                                   recv.data(), epx::span<const std::size_t>(rc),
                                                   epx::span<const std::size_t>(rd), 1, 4),
-                         doctest::Contains("segment 0 to peer 0 reads rows[0, 2) of 1"), epx::error);
+                         doctest::Contains("segment 0 to peer 0 reads rows[0, 0 + 2) of 1"), epx::error);
+    // A displacement whose end does not fit in size_t: still refused, before anything moves.
+    const std::vector<std::size_t> far{SIZE_MAX};
+    const std::vector<std::int64_t> two{0, 1};
+    CHECK_THROWS_WITH_AS(epx::all_to_allv_indexed(comm, epx::span<const float>(src), epx::span<const std::int64_t>(two),
+                                                  epx::span<const std::size_t>(sc), epx::span<const std::size_t>(far),
+                                                  recv.data(), epx::span<const std::size_t>(rc),
+                                                  epx::span<const std::size_t>(rd), 1, 4),
+                         doctest::Contains("reads rows[18446744073709551615, 18446744073709551615 + 2) of 2"),
+                         epx::error);
+    CHECK(recv == std::vector<float>(2 * 4, 0.0f));
   });
 }
 
@@ -1078,6 +1091,220 @@ TEST_CASE("threads: a failure that escapes one rank still aborts the run, after 
     }, o), doctest::Contains("watchdog: barrier"), epx::error);
   }
   check_next_run_works(n);
+}
+
+// --- a member's own faults, raised on every member -----------------------------------------
+
+namespace {
+
+// Runs `call` on every rank of an n-rank run; every rank must catch errc::input naming
+// `text`, and the communicator must work afterwards.
+template <class Call>
+void every_rank_refuses(int n, const std::string& text, Call call) {
+  seen_errors seen(n);
+  std::atomic<int> works{0};
+  epx::threads::run(n, [&](epx::threads::communicator& comm) {
+    try {
+      call(comm);
+    } catch (const epx::error& e) {
+      seen.record(comm.rank(), e);
+    }
+    if (still_works(comm)) ++works;
+  }, short_options());
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r);
+    CHECK(seen.categories[static_cast<std::size_t>(r)] == epx::errc::input);
+    CHECK(contains(seen.messages[static_cast<std::size_t>(r)], text));
+  }
+  CHECK(works.load() == n);
+}
+
+}  // namespace
+
+TEST_CASE("threads: buffers that overlap other than in place raise errc::input on every rank") {
+  const std::string overlap = "rank 1 passes send and recv buffers that overlap";
+  SUBCASE("all_gather: send inside recv, not at this rank's block") {
+    every_rank_refuses(3, "all_gather: " + overlap, [](epx::threads::communicator& comm) {
+      std::vector<int> buf(3 * 4, comm.rank());
+      const int* send = comm.rank() == 1 ? buf.data() : buf.data() + 4 * comm.rank();  // rank 1: block 0
+      comm.all_gather(send, buf.data(), 4, epx::datatype::int32);
+    });
+  }
+  SUBCASE("all_gather: the same buffer") {
+    every_rank_refuses(2, "all_gather: " + overlap, [](epx::threads::communicator& comm) {
+      std::vector<int> a(2 * 4, 0), b(2 * 4, 0);
+      if (comm.rank() == 1) comm.all_gather(b.data(), b.data() + 1, 4, epx::datatype::int32);
+      else comm.all_gather(a.data(), b.data(), 4, epx::datatype::int32);
+    });
+  }
+  SUBCASE("reduce_scatter: recv inside send, not at this rank's block") {
+    every_rank_refuses(3, "reduce_scatter: " + overlap, [](epx::threads::communicator& comm) {
+      std::vector<float> buf(3 * 4, 1.0f);
+      float* recv = buf.data() + 4 * (comm.rank() == 1 ? 2 : comm.rank());
+      comm.reduce_scatter(buf.data(), recv, 4, epx::datatype::float32, 1.0);
+    });
+  }
+  SUBCASE("all_reduce: overlapping, not the same") {
+    every_rank_refuses(2, "all_reduce: " + overlap, [](epx::threads::communicator& comm) {
+      std::vector<double> buf(8, 1.0);
+      comm.all_reduce(buf.data(), buf.data() + (comm.rank() == 1 ? 2 : 0), 4, epx::datatype::float64, 1.0);
+    });
+  }
+  SUBCASE("all_to_all and all_to_allv in place") {
+    every_rank_refuses(2, "all_to_all: " + overlap, [](epx::threads::communicator& comm) {
+      std::vector<int> a(4, 0), b(4, 0);
+      comm.all_to_all(a.data(), comm.rank() == 1 ? a.data() : b.data(), 2, epx::datatype::int32);
+    });
+    every_rank_refuses(2, "all_to_allv: " + overlap, [](epx::threads::communicator& comm) {
+      std::vector<int> a(8, 0), b(8, 0);
+      const std::size_t c[2] = {2, 2}, d[2] = {0, 2}, rd[2] = {4, 6};
+      comm.all_to_allv(a.data(), c, d, comm.rank() == 1 ? a.data() + 1 : b.data(), c, rd, epx::datatype::int32);
+    });
+  }
+  SUBCASE("one rank: in place only where every block lands on itself") {
+    every_rank_refuses(1, "all_to_allv: rank 0 passes send and recv buffers that overlap",
+                       [](epx::threads::communicator& comm) {
+                         std::vector<int> a{10, 11, 12, 13};
+                         const std::size_t c[1] = {2}, d[1] = {0}, rd[1] = {1};
+                         comm.all_to_allv(a.data(), c, d, a.data(), c, rd, epx::datatype::int32);
+                       });
+    every_rank_refuses(1, "all_to_allv_indexed: rank 0 passes send and recv buffers that overlap",
+                       [](epx::threads::communicator& comm) {
+                         std::vector<int> a{10, 11, 12, 13};
+                         const std::int64_t rows[4] = {3, 2, 1, 0};
+                         const std::size_t c[1] = {4}, d[1] = {0};
+                         comm.all_to_allv_indexed(a.data(), rows, 1, c, d, a.data(), c, d, 1, epx::datatype::int32);
+                       });
+    epx::threads::run(1, [](epx::threads::communicator& comm) {
+      std::vector<int> a{10, 11, 12, 13};
+      const std::size_t c[2] = {2, 1}, d[2] = {0, 3};
+      comm.all_to_allv_segments(a.data(), c, d, a.data(), c, d, 2, epx::datatype::int32);  // each block onto itself
+      CHECK(a == std::vector<int>{10, 11, 12, 13});
+      comm.all_to_all(a.data(), a.data(), 4, epx::datatype::int32);
+      CHECK(a == std::vector<int>{10, 11, 12, 13});
+    });
+  }
+}
+
+TEST_CASE("threads: all_gather and reduce_scatter in place (this rank's own block) give the right results") {
+  for (int n : {2, 3, 5}) {
+    CAPTURE(n);
+    for (int rep = 0; rep < 20; ++rep) {
+      std::atomic<int> wrong{0};
+      epx::threads::run(n, [&](epx::threads::communicator& comm) {
+        const int me = comm.rank();
+        const std::size_t c = 1000;
+        std::vector<int> g(c * static_cast<std::size_t>(n), -1);
+        for (std::size_t i = 0; i < c; ++i) g[static_cast<std::size_t>(me) * c + i] = me * 100000 + static_cast<int>(i);
+        comm.all_gather(g.data() + static_cast<std::size_t>(me) * c, g.data(), c, epx::datatype::int32);
+        for (int p = 0; p < n; ++p)
+          for (std::size_t i = 0; i < c; ++i)
+            if (g[static_cast<std::size_t>(p) * c + i] != p * 100000 + static_cast<int>(i)) ++wrong;
+        std::vector<float> r(c * static_cast<std::size_t>(n));
+        for (std::size_t i = 0; i < r.size(); ++i) r[i] = static_cast<float>(me + 1) * static_cast<float>(i % 7);
+        float* mine = r.data() + static_cast<std::size_t>(me) * c;
+        comm.reduce_scatter(r.data(), mine, c, epx::datatype::float32, 1.0);
+        const float ranks = static_cast<float>(n * (n + 1) / 2);
+        for (std::size_t i = 0; i < c; ++i)
+          if (mine[i] != ranks * static_cast<float>((static_cast<std::size_t>(me) * c + i) % 7)) ++wrong;
+      }, normal_options());
+      CHECK(wrong.load() == 0);
+    }
+  }
+}
+
+TEST_CASE("threads: access_peers: a null buffer that claims bytes, and a collective inside its function") {
+  every_rank_refuses(3, "access_peers: rank 2 publishes buffer 1 as null but claims 64 bytes for it",
+                     [](epx::threads::communicator& comm) {
+                       int v = 0;
+                       const void* mine[2] = {&v, comm.rank() == 2 ? nullptr : &v};
+                       const std::size_t bytes[2] = {4, 64};
+                       comm.access_peers(mine, bytes, 2, [](const auto&) { FAIL("the function ran"); });
+                     });
+  // A null buffer of no bytes is fine.
+  epx::threads::run(2, [](epx::threads::communicator& comm) {
+    const void* mine[1] = {nullptr};
+    const std::size_t bytes[1] = {0};
+    bool ran = false;
+    comm.access_peers(mine, bytes, 1, [&](const auto& peers) { ran = peers(1 - comm.rank(), 0) == nullptr; });
+    CHECK(ran);
+  });
+  // Inside f, a collective on the same communicator would replace the pointers the peers
+  // read: every member that tries raises errc::input, after the others' f are done.
+  every_rank_refuses(3, "barrier on rank", [](epx::threads::communicator& comm) {
+    int v = comm.rank();
+    const void* mine[1] = {&v};
+    comm.access_peers(mine, 1, [&](const auto& peers) {
+      CHECK(*static_cast<const int*>(peers((comm.rank() + 1) % 3, 0)) == (comm.rank() + 1) % 3);
+      comm.barrier();
+    });
+  });
+}
+
+TEST_CASE("threads: an unknown datatype and NaN scales") {
+  every_rank_refuses(2, "all_reduce: rank 0 passes datatype 42, which is none of epx::datatype's",
+                     [](epx::threads::communicator& comm) {
+                       std::vector<float> x(4, 1.0f);
+                       comm.all_reduce(x.data(), x.data(), 4, static_cast<epx::datatype>(42), 1.0);
+                     });
+  // The same NaN scale on every rank is the same call (e.g. 1 / 0 tokens): no mismatch.
+  epx::threads::run(2, [](epx::threads::communicator& comm) {
+    std::vector<float> x(4, 1.0f);
+    comm.all_reduce(x.data(), x.data(), 4, epx::datatype::float32, std::numeric_limits<double>::quiet_NaN());
+    CHECK(std::isnan(x[0]));
+  }, short_options());
+}
+
+TEST_CASE("threads: a timeout too long for the clock never fires") {
+  epx::threads::options o;
+  o.timeout = milliseconds::max();
+  epx::threads::run(2, [](epx::threads::communicator& comm) {
+    if (comm.rank() == 1) std::this_thread::sleep_for(milliseconds(50));
+    std::vector<double> x{1.0};
+    epx::all_reduce(comm, epx::span<double>(x));
+    CHECK(x[0] == 2.0);
+    std::vector<int> a(2, comm.rank()), b(2, -1);
+    if (comm.rank() == 0) std::this_thread::sleep_for(milliseconds(50));
+    comm.all_to_all(a.data(), b.data(), 1, epx::datatype::int32);
+    CHECK(b == std::vector<int>{0, 1});
+  }, o);
+}
+
+namespace {
+std::atomic<int> fail_next_copy{0};
+bool flaky_copy(void* d, const void* s, std::size_t b) noexcept {
+  if (fail_next_copy.exchange(0) != 0) return false;
+  std::memcpy(d, s, b);
+  return true;
+}
+}  // namespace
+
+TEST_CASE("threads: a copy that failed in a call that raised something else is not raised again by the next call") {
+  epx::threads::options o = short_options();
+  o.memory.copy = &flaky_copy;
+  o.memory.name = "flaky";
+  seen_errors first(2);
+  std::atomic<int> second_ok{0};
+  epx::threads::run(2, [&](epx::threads::communicator& comm) {
+    const int me = comm.rank();
+    std::vector<int> s(8, me), r(16, -1);
+    // Counts that disagree for the pair (0 <- 1) only: rank 0 copies its own block (the copy
+    // fails), then the mismatch is raised on both.
+    std::size_t sc[2] = {4, 4}, sd[2] = {0, 4}, rc[2] = {4, 4}, rd[2] = {0, 4};
+    if (me == 1) sc[0] = 3;
+    if (me == 0) fail_next_copy = 1;
+    try {
+      comm.all_to_allv(s.data(), sc, sd, r.data(), rc, rd, epx::datatype::int32);
+    } catch (const epx::error& e) {
+      first.record(me, e);
+    }
+    comm.barrier();
+    std::vector<int> x(2, 1);
+    comm.all_gather(x.data(), r.data(), 2, epx::datatype::int32);  // no copy fails here
+    ++second_ok;
+  }, o);
+  every_rank_saw(first, 2, "all_to_allv: mismatched counts");
+  CHECK(second_ok.load() == 2);
 }
 
 }  // namespace test_threads_cpp

@@ -450,7 +450,7 @@ TEST_CASE_TEMPLATE("quantise_e4m3 and dequantise_e4m3: the same bits on serial, 
   run_all(dev, rows, H, x, index, c);
   CHECK(a == b);
   CHECK(a == c);
-  CHECK(dev.counters->launches == 5);  // three quantisations, one gather and one dequantisation
+  CHECK(dev.counters->launches.load() == 5);  // three quantisations, one gather and one dequantisation
   // the serial results are those of the model
   std::vector<std::uint8_t> mq;
   std::vector<float> ms;
@@ -462,7 +462,7 @@ TEST_CASE("quantise_e4m3: no rows, no launch") {
   epx::exec::emulated_device dev;
   epx::kernels::quantise_e4m3(dev, 0, 256, static_cast<const float*>(nullptr), nullptr, nullptr);
   epx::kernels::dequantise_e4m3(dev, 0, 256, nullptr, nullptr, static_cast<float*>(nullptr));
-  CHECK(dev.counters->launches == 0);
+  CHECK(dev.counters->launches.load() == 0);
 }
 
 }  // namespace

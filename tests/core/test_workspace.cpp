@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <string>
 #include <utility>
 #include <vector>
@@ -69,6 +70,13 @@ TEST_CASE("workspace: blocks are reused, best fit, bounded, aligned") {
     CHECK(e.size() == 0);
     CHECK(ws.pool()->free_blocks() == 1);
   }
+}
+
+TEST_CASE("workspace: a request whose bytes do not fit in size_t is refused, as operator new[] refuses it") {
+  workspace ws;
+  CHECK_THROWS_AS(ws.acquire<char>(SIZE_MAX - 100), std::bad_array_new_length);
+  CHECK_THROWS_AS(ws.acquire<float>((std::size_t{1} << 62) + 1), std::bad_array_new_length);
+  CHECK(ws.acquire<float>(16).size() == 16);  // the pool still works
 }
 
 TEST_CASE("workspace: handles are move-only and outlive the workspace") {

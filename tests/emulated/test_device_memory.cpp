@@ -17,6 +17,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <new>
 #include <set>
 #include <string>
 #include <utility>
@@ -595,6 +596,28 @@ TEST_CASE("device memory: routing::sum_over_batches takes a host load over a dev
     CHECK(logs[r].empty());
     for (std::size_t e = 0; e < 8; ++e) CHECK(sums[r][e] == static_cast<std::int64_t>((0 + 1 + 2 + 3) * 10 + 4 * e));
   }
+}
+
+TEST_CASE("device memory: one policy shared by the ranks counts every launch and synchronisation") {
+  // Every copy of exec::emulated_device sees the same counters; ranks of threads::run that
+  // share one policy count concurrently.
+  const emu shared{};
+  const int n = 4, each = 20000;
+  epx::threads::run(n, [&](epx::threads::communicator&) {
+    const emu mine = shared;
+    for (int i = 0; i < each; ++i) {
+      epx::exec::for_each_n(mine, 1, [](std::size_t) {});
+      epx::exec::synchronize(mine);
+    }
+  });
+  CHECK(shared.counters->launches.load() == static_cast<long long>(n) * each);
+  CHECK(shared.counters->synchronizations.load() == static_cast<long long>(n) * each);
+}
+
+TEST_CASE("device memory: a buffer whose bytes do not fit in size_t is refused, as operator new[] refuses it") {
+  const emu dev{};
+  CHECK_THROWS_AS(epx::exec::make_buffer<float>(dev, (std::size_t{1} << 62) + 1), std::bad_array_new_length);
+  CHECK(epx::exec::make_buffer<float>(dev, 4).size() == 4);
 }
 
 }  // namespace test_device_memory_cpp

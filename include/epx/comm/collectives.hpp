@@ -157,9 +157,9 @@ void all_to_allv_indexed(Comm& comm, span<const T> src, span<const std::int64_t>
               " elements, not a whole number of rows of ", row_elems);
   const auto src_rows = static_cast<std::int64_t>(src.size() / row_elems);
   for (std::size_t j = 0; j < m; ++j) {
-    EPX_REQUIRE(send_seg_displs[j] + send_seg_counts[j] <= rows.size(), errc::input,
+    EPX_REQUIRE(send_seg_displs[j] <= rows.size() && send_seg_counts[j] <= rows.size() - send_seg_displs[j], errc::input,
                 "all_to_allv_indexed: segment ", j % nseg, " to peer ", j / nseg, " reads rows[",
-                send_seg_displs[j], ", ", send_seg_displs[j] + send_seg_counts[j], ") of ", rows.size());
+                send_seg_displs[j], ", ", send_seg_displs[j], " + ", send_seg_counts[j], ") of ", rows.size());
     for (std::size_t r = send_seg_displs[j]; r < send_seg_displs[j] + send_seg_counts[j]; ++r)
       EPX_REQUIRE(rows[r] >= 0 && rows[r] < src_rows, errc::input, "all_to_allv_indexed: rows[", r, "] = ", rows[r],
                   " (segment ", j % nseg, " to peer ", j / nseg, ") is not a row of src (", src_rows, " rows)");

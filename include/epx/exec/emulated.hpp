@@ -178,6 +178,7 @@ struct emulated_storage {
   using owner = std::unique_ptr<T[], emulated_delete<T>>;
   static owner allocate(std::size_t n) {
     if (n == 0) return owner();
+    if (n > SIZE_MAX / sizeof(T)) throw std::bad_array_new_length();
     return owner(static_cast<T*>(emulated_allocations::get().allocate(n * sizeof(T))));
   }
 };
@@ -220,9 +221,9 @@ using emulated_buffer = basic_buffer<T, detail::emulated_storage<T>>;
 
 struct emulated_device {
   int queue = 0;  // which emulated queue (stream) the work goes to
-  struct counters_t {
-    long long synchronizations = 0;
-    long long launches = 0;
+  struct counters_t {  // atomic: ranks of threads::run may share one policy
+    std::atomic<long long> synchronizations{0};
+    std::atomic<long long> launches{0};
   };
   std::shared_ptr<counters_t> counters = std::make_shared<counters_t>();
 };

@@ -179,6 +179,7 @@ class workspace {
   pooled_buffer<T> acquire(std::size_t n) {
     if (pool_ == nullptr) pool_ = std::make_shared<workspace_pool>();
     if (n == 0) return pooled_buffer<T>(pool_, {}, 0);
+    if (n > SIZE_MAX / 2 / sizeof(T)) throw std::bad_array_new_length();  // room for the pool's rounding
     return pooled_buffer<T>(pool_, pool_->take(n * sizeof(T)), n);
   }
 

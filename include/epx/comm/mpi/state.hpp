@@ -23,6 +23,8 @@
 #include <utility>
 #include <vector>
 
+#include "epx/comm/detail/deadline.hpp"
+
 namespace epx::detail {
 
 // Timed-out requests and the buffers they touch (see epx/comm/mpi/wait.hpp).
@@ -88,7 +90,7 @@ struct mpi_state {
     MPI_Request req = MPI_REQUEST_NULL;
     if (MPI_Ibarrier(comm, &req) != MPI_SUCCESS) return;
     const auto timeout = std::max(peer.timeout, arena.timeout);
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const auto deadline = deadline_after(timeout);
     for (unsigned spin = 1;; ++spin) {
       int done = 0;
       if (MPI_Test(&req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;

@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "epx/comm/detail/deadline.hpp"
 #include "epx/comm/mpi/options.hpp"
 #include "epx/comm/mpi/state.hpp"
 #include "epx/comm/mpi/support.hpp"
@@ -134,7 +135,7 @@ inline void mpi_wait_bounded(mpi_state& s, const mpi::options& opt, MPI_Request*
     if (rc != MPI_SUCCESS) mpi_raise_wait(s, rc, st.data(), n);
     return;
   }
-  const auto deadline = std::chrono::steady_clock::now() + opt.timeout;
+  const auto deadline = deadline_after(opt.timeout);
   for (unsigned spin = 1;; ++spin) {
     int done = 0;
     const int rc = MPI_Testall(n, reqs, &done, st.data());

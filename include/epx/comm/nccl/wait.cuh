@@ -21,6 +21,7 @@
 #include <string>
 #include <thread>
 
+#include "epx/comm/detail/deadline.hpp"
 #include "epx/comm/nccl/support.cuh"
 #include "epx/core/error.hpp"
 
@@ -66,14 +67,14 @@ struct handle {
   void check(ncclResult_t r, const char* call, source_location where, std::chrono::milliseconds timeout) const {
     if (r == ncclSuccess) return;
     if (r != ncclInProgress) fail(r, call, where);
-    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = ::epx::detail::deadline_after(timeout);
     for (;;) {
       ncclResult_t async = ncclSuccess;
       const ncclResult_t q = ncclCommGetAsyncError(comm, &async);
       if (q != ncclSuccess) abort_and_fail(q, "ncclCommGetAsyncError", where);
       if (async == ncclSuccess) return;
       if (async != ncclInProgress) abort_and_fail(async, call, where);
-      if (std::chrono::steady_clock::now() - start > timeout) {
+      if (std::chrono::steady_clock::now() > deadline) {
         abort();
         throw error(errc::communicator,
                     ::epx::detail::concat(call, " on rank ", rank, " of ", size, " did not complete within ",
@@ -89,7 +90,7 @@ struct handle {
   // (ncclCommAbort) and raise epx::error: errc::communicator for the timeout, errc::nccl
   // or errc::cuda otherwise. The caller makes `device` current.
   void wait(cudaStream_t stream, std::chrono::milliseconds timeout) const {
-    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = ::epx::detail::deadline_after(timeout);
     for (unsigned spin = 0;; ++spin) {
       ncclResult_t async = ncclSuccess;
       const ncclResult_t q = ncclCommGetAsyncError(comm, &async);
@@ -107,8 +108,7 @@ struct handle {
                                           static_cast<int>(s), "); the NCCL communicator was aborted"),
                     EPX_HERE, static_cast<long>(s));
       }
-      const auto waited = std::chrono::steady_clock::now() - start;
-      if (waited > timeout) {
+      if (std::chrono::steady_clock::now() > deadline) {
         abort();
         EPX_THROW(errc::communicator, "nccl wait timed out after ", timeout.count(), " ms on rank ", rank, " of ",
                   size, " (device ", device,
@@ -130,7 +130,7 @@ inline void settle_new(ncclComm_t& c, ncclResult_t r, const char* call, std::chr
     nccl_check(r, call, EPX_HERE);
   }
   EPX_REQUIRE(c != nullptr, errc::nccl, call, " returned no communicator");
-  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = ::epx::detail::deadline_after(timeout);
   for (;;) {
     ncclResult_t async = ncclSuccess;
     const ncclResult_t q = ncclCommGetAsyncError(c, &async);
@@ -142,7 +142,7 @@ inline void settle_new(ncclComm_t& c, ncclResult_t r, const char* call, std::chr
       c = nullptr;
       throw error(errc::nccl, ::epx::detail::concat(call, " failed: ", what), EPX_HERE, static_cast<long>(bad));
     }
-    if (std::chrono::steady_clock::now() - start > timeout) {
+    if (std::chrono::steady_clock::now() > deadline) {
       (void)ncclCommAbort(c);
       c = nullptr;
       EPX_THROW(errc::communicator, call, " did not complete within ", timeout.count(),

@@ -6,12 +6,15 @@
 // every member reads every slot and reaches the same verdict: calls that disagree
 // (different collectives, datatypes, counts, segment counts, roots or scales, or what a
 // sender sends against what its receiver expects) raise epx::error(errc::communicator) on
-// every member, naming the ranks and values. Before that, a member that copies from a peer
+// every member, naming the ranks and values; a member's own fault (overlapping buffers, a
+// null buffer that claims bytes, an unknown datatype) raises errc::input on every member.
+// Before that, a member that copies from a peer
 // as soon as the peer has published checks only the pair (threads_pair_matches).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "epx/comm/datatype.hpp"
@@ -32,7 +35,7 @@ inline std::string threads_who(const threads_group& g, int r) {
 inline bool threads_pair_matches(threads_group& g, std::uint64_t seq, int me, int p) noexcept {
   const auto& mine = g.slot(seq, me);
   const auto& s = g.slot(seq, p);
-  if (s.op != mine.op || s.type != mine.type) return false;
+  if (s.op != mine.op || s.type != mine.type || !s.fault.empty() || !mine.fault.empty()) return false;
   switch (mine.op) {
     case threads_op::all_to_allv:
     case threads_op::all_to_allv_segments:
@@ -48,6 +51,21 @@ inline bool threads_pair_matches(threads_group& g, std::uint64_t seq, int me, in
     case threads_op::broadcast: return s.count == mine.count && s.root == mine.root;
     default: return s.count == mine.count;
   }
+}
+
+// The first member's fault in collective `seq` of group `g` (threads_slot::fault), named:
+// empty if none. Every member reads the same slots, so every member reaches the same verdict.
+inline std::string threads_check_faults(threads_group& g, std::uint64_t seq) {
+  for (int r = 0; r < g.size(); ++r) {
+    const auto& s = g.slot(seq, r);
+    if (!s.fault.empty()) return concat(to_string(s.op), ": ", threads_who(g, r), " ", s.fault);
+  }
+  return {};
+}
+
+// Two scales agree when their bits do (two NaN scales alike agree).
+inline bool threads_same_scale(double a, double b) noexcept {
+  return std::memcmp(&a, &b, sizeof a) == 0;
 }
 
 // Empty if every member's published call (collective `seq` of group `g`) agrees; otherwise
@@ -107,7 +125,7 @@ inline std::string threads_check_match(threads_group& g, std::uint64_t seq) {
       return concat("broadcast: mismatched roots: ", who(0), " passed ", s0.root, ", ", who(r),
                     " passed ", s.root);
     if ((op == threads_op::all_reduce || op == threads_op::reduce_scatter) &&
-        s.scale != s0.scale)
+        !threads_same_scale(s.scale, s0.scale))
       return concat(to_string(op), ": mismatched scales: ", who(0), " passed ", s0.scale, ", ", who(r),
                     " passed ", s.scale);
   }

@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -41,6 +42,7 @@
 
 #include "epx/comm/communicator.hpp"
 #include "epx/comm/datatype.hpp"
+#include "epx/comm/detail/deadline.hpp"
 #include "epx/comm/detail/reduce.hpp"
 #include "epx/comm/threads/agreement.hpp"
 #include "epx/comm/threads/options.hpp"
@@ -61,7 +63,7 @@ struct threads_access;
 namespace threads {
 
 // One rank's handle on a group of threads. Only the thread that runs this rank may use it.
-// Movable, not copyable.
+// Movable, not copyable; a moved-from communicator may only be assigned to or destroyed.
 class communicator {
  public:
   communicator(communicator&&) noexcept = default;
@@ -124,10 +126,10 @@ class communicator {
   void all_to_all(const void* send, void* recv, std::size_t count, datatype t) {
     require_buffer(send, count * static_cast<std::size_t>(size()), "all_to_all", "send");
     require_buffer(recv, count * static_cast<std::size_t>(size()), "all_to_all", "recv");
-    EPX_REQUIRE(send != recv || count == 0 || size() == 1, errc::input,
-                "all_to_all: send and recv must be distinct buffers (in place is not supported)");
     detail::threads_slot d = make_slot(detail::threads_op::all_to_all, t, send, recv, count);
     const std::size_t bytes = count * size_of(t);
+    const std::size_t all = bytes * static_cast<std::size_t>(size());
+    if (overlap(send, all, recv, all) && !(size() == 1 && send == recv)) d.fault = not_in_place;
     enter_pull(d, [&](int p) {
       const auto* src = static_cast<const char*>(slot(p).send) + static_cast<std::size_t>(rank_) * bytes;
       copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, src, bytes);
@@ -175,6 +177,8 @@ class communicator {
   void all_reduce(const void* send, void* recv, std::size_t count, datatype t, double scale) {
     detail::threads_slot d = reduction_slot(detail::threads_op::all_reduce, "all_reduce", t, send, count, recv, count,
                                             scale);
+    if (send != recv && overlap(send, count * size_of(t), recv, count * size_of(t)))
+      d.fault = "passes send and recv buffers that overlap without being the same (in place: send == recv)";
     const int n = size();
     std::vector<const void*> srcs(static_cast<std::size_t>(n));
     const std::size_t es = size_of(t);
@@ -221,6 +225,10 @@ class communicator {
     const int n = size();
     std::vector<const void*> srcs(static_cast<std::size_t>(n));
     const std::size_t es = size_of(t);
+    // In place: recv is this rank's own block of send, which no peer reads.
+    const char* own = static_cast<const char*>(send) + static_cast<std::size_t>(rank_) * recv_count * es;
+    if (recv != own && overlap(send, static_cast<std::size_t>(n) * recv_count * es, recv, recv_count * es))
+      d.fault = "passes send and recv buffers that overlap other than in place (recv = send + rank * recv_count)";
     const bool direct = world_->memory().host_accessible;
     std::vector<char> staged;
     if (!direct) staged.resize((static_cast<std::size_t>(n) + 1) * recv_count * es);
@@ -251,6 +259,10 @@ class communicator {
     require_buffer(recv, count * static_cast<std::size_t>(size()), "all_gather", "recv");
     detail::threads_slot d = make_slot(detail::threads_op::all_gather, t, send, recv, count);
     const std::size_t bytes = count * size_of(t);
+    // In place: send is this rank's own block of recv, which no peer writes.
+    const char* own = static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * bytes;
+    if (send != own && overlap(send, bytes, recv, bytes * static_cast<std::size_t>(size())))
+      d.fault = "passes send and recv buffers that overlap other than in place (send = recv + rank * count)";
     enter_pull(d, [&](int p) {
       copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, slot(p).send, bytes);
     });
@@ -279,10 +291,14 @@ class communicator {
   // different counts all fail with the values.
   // `bytes` (the size of each buffer) is what backends that copy the buffers need; threads
   // ranks read the buffers themselves, so it may be null here.
+  // A null buffer that claims bytes fails on every member (errc::input), with its index.
   template <class F>
   void access_peers(const void* const* mine, const std::size_t* bytes, std::size_t count, F&& f) {
-    (void)bytes;
-    access_peers(mine, count, std::forward<F>(f));
+    std::string fault;
+    for (std::size_t i = 0; i < count && bytes != nullptr && mine != nullptr && fault.empty(); ++i)
+      if (mine[i] == nullptr && bytes[i] > 0)
+        fault = detail::concat("publishes buffer ", i, " as null but claims ", bytes[i], " bytes for it");
+    peers_call(mine, count, std::move(fault), std::forward<F>(f));
   }
   // Threads ranks share one address space: peer access always works.
   bool peer_access_available() const noexcept { return true; }
@@ -293,22 +309,7 @@ class communicator {
 
   template <class F>
   void access_peers(const void* const* mine, std::size_t count, F&& f) {
-    require_buffer(mine, count, "access_peers", "pointer list");
-    detail::threads_slot d;
-    d.op = detail::threads_op::access_peers;
-    d.send = static_cast<const void*>(mine);
-    d.count = count;
-    std::exception_ptr failure;
-    enter(d, [&] {
-      const peer_pointers peers(this);
-      try {
-        f(peers);
-      } catch (...) {
-        failure = std::current_exception();
-      }
-    });
-    wait_exit();
-    if (failure) std::rethrow_exception(failure);
+    peers_call(mine, count, std::string(), std::forward<F>(f));
   }
 
   // The view access_peers hands to its function.
@@ -334,6 +335,41 @@ class communicator {
 
  private:
   friend struct epx::detail::threads_access;
+
+  static constexpr const char* not_in_place = "passes send and recv buffers that overlap (in place is not supported)";
+
+  // Whether the bytes [a, a + na) and [b, b + nb) share one.
+  static bool overlap(const void* a, std::size_t na, const void* b, std::size_t nb) noexcept {
+    if (na == 0 || nb == 0) return false;
+    const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
+    return x < y + nb && y < x + na;
+  }
+
+  // access_peers, with this member's fault (if any). While f runs, this rank's slot holds
+  // the pointers the peers read: a collective on this communicator inside f would replace
+  // them, so it raises errc::input (publish).
+  template <class F>
+  void peers_call(const void* const* mine, std::size_t count, std::string fault, F&& f) {
+    require_buffer(mine, count, "access_peers", "pointer list");
+    detail::threads_slot d;
+    d.op = detail::threads_op::access_peers;
+    d.send = static_cast<const void*>(mine);
+    d.count = count;
+    d.fault = std::move(fault);
+    std::exception_ptr failure;
+    enter(d, [&] {
+      const peer_pointers peers(this);
+      in_access_ = true;
+      try {
+        f(peers);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      in_access_ = false;
+    });
+    wait_exit();
+    if (failure) std::rethrow_exception(failure);
+  }
 
   communicator(std::shared_ptr<detail::threads_world> world, std::shared_ptr<detail::threads_group> group,
                int rank) noexcept
@@ -363,9 +399,26 @@ class communicator {
     require_buffer(send, total_send, name, indexed ? "src" : "send");
     require_buffer(rows, indexed ? total_send : 0, name, "rows");
     require_buffer(recv, total_recv, name, "recv");
-    EPX_REQUIRE(send != recv || total_send + total_recv == 0 || n == 1, errc::input, name,
-                ": send and recv must be distinct buffers (in place is not supported)");
     detail::threads_slot d = make_slot(op, t, send, recv, nseg);
+    {
+      // The bytes each side spans (indexed: up to the last row named), in units of the counts.
+      std::size_t send_end = 0, recv_end = 0;
+      bool identity = n == 1 && !indexed && send == recv;  // one rank copying each block onto itself
+      for (std::size_t j = 0; j < m; ++j) {
+        if (send_counts[j] > 0) {
+          if (indexed) {
+            for (std::size_t r = 0; r < send_counts[j]; ++r)
+              send_end = std::max(send_end, static_cast<std::size_t>(rows[send_displs[j] + r]) + 1);
+          } else {
+            send_end = std::max(send_end, send_displs[j] + send_counts[j]);
+          }
+        }
+        if (recv_counts[j] > 0) recv_end = std::max(recv_end, recv_displs[j] + recv_counts[j]);
+        identity = identity && (send_counts[j] == 0 || send_displs[j] == recv_displs[j]);
+      }
+      const std::size_t unit = size_of(t) * row_elems;
+      if (!identity && overlap(send, send_end * unit, recv, recv_end * unit)) d.fault = not_in_place;
+    }
     d.send_counts = send_counts;
     d.send_displs = send_displs;
     d.recv_counts = recv_counts;
@@ -390,6 +443,15 @@ class communicator {
     });
   }
 
+  // The first member's fault (threads_slot::fault), named; empty if none.
+  std::string checked_faults() const {
+    try {
+      return detail::threads_check_faults(*group_, group_->entered(rank_));
+    } catch (...) {
+      return "could not read the members' calls";
+    }
+  }
+
   // check_match, with a failure to compare reported as a mismatch.
   std::string checked_match() const {
     try {
@@ -408,6 +470,7 @@ class communicator {
     d.send = send;
     d.recv = recv;
     d.count = count;
+    if (size_of(t) == 0) d.fault = detail::concat("passes datatype ", static_cast<int>(t), ", which is none of epx::datatype's");
     return d;
   }
 
@@ -510,7 +573,11 @@ class communicator {
 
   // Makes `d` this rank's call number `seq` (the next one) and returns seq.
   std::uint64_t publish(const detail::threads_slot& d) const {
+    EPX_REQUIRE(!in_access_, errc::input, to_string(d.op), " on ", who(rank_),
+                ": a collective on this communicator inside the function of its access_peers (which reads the "
+                "pointers this rank published for it)");
     world_->throw_if_aborted(world_rank());
+    copy_failed_ = false;  // the flag of this call only
     const std::uint64_t seq = group_->entered(rank_) + 1;
     group_->slot(seq, rank_) = d;
     group_->set_entered(rank_, seq);
@@ -526,12 +593,14 @@ class communicator {
   template <class Work>
   void enter(const detail::threads_slot& d, Work&& work) const {
     const std::uint64_t seq = publish(d);
-    const auto deadline = std::chrono::steady_clock::now() + world_->timeout();
+    const auto deadline = detail::deadline_after(world_->timeout());
     const auto w = group_->arrive_and_wait(true, deadline, seq);
     if (w != detail::wait_result::passed) on_wait_failure(w, d.op);
-    const std::string mismatch = checked_match();
-    if (!mismatch.empty()) {
+    const std::string fault = checked_faults();
+    const std::string mismatch = fault.empty() ? checked_match() : std::string();
+    if (!fault.empty() || !mismatch.empty()) {
       wait_exit();
+      if (!fault.empty()) EPX_THROW(errc::input, fault);
       EPX_THROW(errc::communicator, mismatch);
     }
     work();
@@ -549,7 +618,7 @@ class communicator {
     const int n = size();
     std::vector<char> done(static_cast<std::size_t>(n), 0);
     const std::uint64_t seq = publish(d);
-    const auto deadline = std::chrono::steady_clock::now() + world_->timeout();
+    const auto deadline = detail::deadline_after(world_->timeout());
     const auto a = group_->arrive();
     if (a.done && a.result != detail::wait_result::passed) on_wait_failure(a.result, d.op);
     bool all_in = a.done;  // the entry barrier has passed: every member has published
@@ -581,8 +650,10 @@ class communicator {
       const auto w = group_->wait_gen(a.gen, true, deadline, seq);
       if (w != detail::wait_result::passed) on_wait_failure(w, d.op);
     }
-    const std::string mismatch = checked_match();
+    const std::string fault = checked_faults();
+    const std::string mismatch = fault.empty() ? checked_match() : std::string();
     wait_exit();
+    if (!fault.empty()) EPX_THROW(errc::input, fault);
     if (!mismatch.empty()) EPX_THROW(errc::communicator, mismatch);
     throw_if_copy_failed(to_string(d.op));
   }
@@ -607,6 +678,7 @@ class communicator {
   std::shared_ptr<detail::threads_group> group_;
   int rank_ = 0;
   mutable bool copy_failed_ = false;  // a memory copy of the collective in progress failed
+  bool in_access_ = false;            // the function of this rank's access_peers is running
 };
 
 }  // namespace threads

@@ -21,8 +21,9 @@
 // collective's exit barrier, when every peer's copies have completed, so no event is
 // needed.
 // Sums (all_reduce, reduce_scatter) are staged through the host and computed there in rank
-// order, as on host memory. The layer takes the staged route (device policies do not take
-// the direct route).
+// order, as on host memory. With layer_options::peer_access (the default) the layer takes
+// the direct route here too: its kernels read the peers' device rows, which share the one
+// GPU's memory (epx/impl/options.hpp).
 #pragma once
 
 #include <cuda_runtime.h>

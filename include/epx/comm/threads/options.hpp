@@ -26,7 +26,8 @@ struct memory {
 // Settings of one epx::threads::run.
 struct options {
   // A collective that some members have not entered after this long fails with an error
-  // listing them (on every rank).
+  // listing them (on every rank). Must be positive; one too long for the clock to add
+  // (e.g. std::chrono::milliseconds::max()) never fires.
   std::chrono::milliseconds timeout = std::chrono::seconds(60);
   // The memory of the buffers the ranks pass to collectives (see memory above).
   threads::memory memory = {};

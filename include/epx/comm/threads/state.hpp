@@ -102,6 +102,10 @@ struct alignas(64) threads_slot {
   int color = 0;
   int key = 0;
   std::shared_ptr<threads_group> new_group;  // split: created by the lowest rank of a color
+  // What is wrong with this member's own call (its buffers overlap, a null buffer claims
+  // bytes, an unknown datatype), as the rest of "rank r ...": published like the rest, so
+  // that every member raises it (errc::input) instead of only this one. Empty: nothing.
+  std::string fault;
 };
 
 struct alignas(64) padded_counter {
