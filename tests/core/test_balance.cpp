@@ -165,6 +165,26 @@ TEST_CASE("balance: loads summed over every batch give a bias that is bitwise eq
     CHECK(std::memcmp(biases[0].data(), biases[static_cast<std::size_t>(r)].data(), E * sizeof(float)) == 0);
 }
 
+TEST_CASE("balance: a token whose sigmoids all underflow gives a finite sequence loss and zero gradient") {
+  // Every float32 sigmoid of token 0 is 0 below about -104: S_t = 1e-20, not 0.
+  const epx::exec::serial ex;
+  const std::size_t N = 4;
+  const int E = 4, k = 2, T_len = 2;
+  std::vector<float> l = {-110.0f, -111.0f, -112.0f, -113.0f, 0.5f, -0.5f, 1.0f, 0.0f,
+                          0.25f,   -1.0f,   2.0f,    -2.0f,   0.0f, 0.1f,  0.2f, 0.3f};
+  const std::vector<std::int32_t> ids = {0, 1, 2, 0, 1, 3, 2, 3};
+  const double loss = routing::sequence_balance_loss(ex, l.data(), ids.data(), N, E, k, T_len, 0.1);
+  CHECK(std::isfinite(loss));
+  std::vector<float> grad(N * E, -1.0f);
+  routing::sequence_balance_loss_backward(ex, l.data(), ids.data(), N, E, k, T_len, 0.1, 1.0, grad.data());
+  for (float g : grad) CHECK(std::isfinite(g));
+  for (int e = 0; e < E; ++e) CHECK(grad[static_cast<std::size_t>(e)] == 0.0f);  // s (1 - s) = 0
+  // The other sequence is what it is without token 0's: the second half alone.
+  const double second = routing::sequence_balance_loss(ex, l.data() + 2 * E, ids.data() + 2 * k, 2, E, k, T_len, 0.1);
+  CHECK(std::isfinite(second));
+  CHECK(loss >= second / 2 - 1e-12);
+}
+
 TEST_CASE("balance: bad inputs and parameters") {
   const epx::exec::serial ex;
   std::vector<float> l(12, 0.5f), g(12);

@@ -251,6 +251,18 @@ TEST_CASE("node limit: bad limits raise errc::configuration naming the values") 
                                         "experts each = 4") != std::string::npos);
   CHECK(route_error({4, 2}, 16, 2, 4).find("a node limit (max_nodes 2) and group-limited selection (n_group 4)") !=
         std::string::npos);
+  // A limit that removes no choice (max_nodes = nodes, as layer.node_limit() gives for
+  // max_nodes = ep / ranks_per_node) is no limit: it combines with groups, bit for bit.
+  {
+    const int E = 16, k = 4, N = 50;
+    const auto l = ref::from_double<float>(ref::random_logits(N, E, 9));
+    routing::sigmoid_bias grouped{nullptr, 4, 2};
+    const auto plain = epx::test::run_route(grouped, epx::exec::serial{}, l, N, E, k);
+    grouped.limit = {4, 4};
+    const auto unlimited = epx::test::run_route(grouped, epx::exec::serial{}, l, N, E, k);
+    CHECK(unlimited.ids == plain.ids);
+    CHECK(unlimited.weights == plain.weights);
+  }
   epx::mesh_config mc;
   mc.fsdp = 8;
   mc.ep = 8;

@@ -619,6 +619,39 @@ TEST_CASE("route_backward: bad ids, gradients and shapes") {
   CHECK(has(m, "top_k (7)"));
 }
 
+TEST_CASE("route: the span forms name a bad k or E before the sizes") {
+  const epx::exec::serial ex;
+  std::vector<float> l(32, 0.0f), w(8), gw(8), gl(32);
+  std::vector<std::int32_t> ids(8);
+  auto m = error_of([&] {
+    routing::route(routing::softmax_topk{}, ex, epx::make_span(l), 8, 0, epx::make_span(ids), epx::make_span(w));
+  }, epx::errc::input);
+  CHECK(has(m, "route: top_k (0) must be in [1, E] with E = 8"));
+  m = error_of([&] {
+    routing::route(routing::softmax_topk{}, ex, epx::make_span(l), 0, 2, epx::make_span(ids), epx::make_span(w));
+  }, epx::errc::input);
+  CHECK(has(m, "route: number of experts E (0) must be at least 1"));
+  m = error_of([&] {
+    routing::route_backward(routing::softmax_topk{}, ex, epx::make_span(l), 8, 9, epx::span<const std::int32_t>(ids),
+                            epx::span<const float>(w), epx::span<const float>(gw), epx::make_span(gl));
+  }, epx::errc::input);
+  CHECK(has(m, "route_backward: top_k (9) must be in [1, E] with E = 8"));
+}
+
+TEST_CASE("route: sigmoid_bias divides by the sum before the scaling (a large scaling stays finite)") {
+  const epx::exec::serial ex;
+  const int E = 4, k = 2;
+  const std::vector<float> l = {-30.0f, -31.0f, -40.0f, -45.0f};  // sigmoids near 1e-13: the sum is tiny
+  const auto r = run_route(routing::sigmoid_bias{nullptr, 1, 1, 1e20f, true}, ex, l, 1, E, k);
+  const float s0 = 1.0f / (1.0f + std::exp(30.0f)), s1 = 1.0f / (1.0f + std::exp(31.0f));
+  for (int j = 0; j < k; ++j) {
+    CAPTURE(j);
+    CHECK(std::isfinite(r.weights[static_cast<std::size_t>(j)]));
+    const float s = j == 0 ? s0 : s1;
+    CHECK(r.weights[static_cast<std::size_t>(j)] == doctest::Approx(s / (s0 + s1) * 1e20f).epsilon(1e-5));
+  }
+}
+
 TEST_CASE("route: span forms accept mutable and const logits alike") {
   const epx::exec::serial ex;
   const std::size_t N = 9;

@@ -13,7 +13,8 @@
 //       (sum_over_batches); P stays local
 //   sequence_balance_loss(exec, logits, ids, N, E, k, T, alpha)   DeepSeek-V3, per sequence
 //       of T tokens: L = alpha * sum_e f'_e P'_e, f'_e = E / (k T) * #{t : e selected for t},
-//       P'_e = mean_t s[t, e] / sum_e' s[t, e']; the mean over the N / T sequences
+//       P'_e = mean_t s[t, e] / S_t, S_t = sum_e' s[t, e'] + 1e-20 (finite when every
+//       sigmoid of a token underflows); the mean over the N / T sequences
 //   z_loss(exec, logits, N, E, beta)                        ST-MoE: L = beta * mean_t lse_t^2,
 //       lse_t = logsumexp_e logits[t, e]
 //   update_bias(exec, bias, load, gamma)                   DeepSeek-V3, without a loss:
@@ -207,6 +208,7 @@ struct sequence_token {
     const float* f = fp + (t / seq_len) * static_cast<std::size_t>(E);
     float S = 0.0f;
     for (int e = 0; e < E; ++e) S += sigmoid_f32(convert<float>(l[e]));
+    S += 1e-20f;  // every sigmoid of the token may underflow to 0
     float s = 0.0f;
     for (int e = 0; e < E; ++e) s = detail::mul_add(s, f[e], sigmoid_f32(convert<float>(l[e])) / S);
     if (q != nullptr) q[t] = s;
@@ -392,7 +394,7 @@ double sequence_balance_loss(const Exec& ex, const T* logits, const std::int32_t
 }
 
 // grad[t, e] = grad_loss * alpha / N * (f'_e - sum_e' f'_e' r[t, e']) * s_e (1 - s_e) / S_t,
-// r = s / S_t, S_t = sum_e s[t, e].
+// r = s / S_t, S_t = sum_e s[t, e] + 1e-20.
 template <class Exec, class T>
 void sequence_balance_loss_backward(const Exec& ex, const T* logits, const std::int32_t* ids, std::size_t N, int E,
                                     int k, std::size_t T_len, double alpha, float grad_loss, float* grad_logits) {

@@ -119,8 +119,10 @@ struct sigmoid_bias_forward {
       id[j] = top.id[j];
       sum += s;
     }
-    const float scale = normalize ? scaling / (sum + 1e-20f) : scaling;
-    for (int j = 0; j < k; ++j) w[j] *= scale;
+    // s / D, then times the scaling (as written: scaling / D first could overflow).
+    if (normalize)
+      for (int j = 0; j < k; ++j) w[j] /= sum + 1e-20f;
+    for (int j = 0; j < k; ++j) w[j] *= scaling;
     io.done(t);
   }
 };
@@ -174,7 +176,7 @@ inline void validate(const sigmoid_bias& policy, const char* call, int E, int k)
   EPX_REQUIRE(is_finite_f32(policy.scaling), errc::configuration, call, "(sigmoid_bias): scaling (", policy.scaling,
               ") is not finite");
   validate_node_limit(call, policy_name(policy), policy.limit, E, k);
-  EPX_REQUIRE(ng == 1 || policy.limit.max_nodes == 0, errc::configuration, call,
+  EPX_REQUIRE(ng == 1 || !policy.limit.active(), errc::configuration, call,
               "(sigmoid_bias): a node limit (max_nodes ", policy.limit.max_nodes, ") and group-limited selection (n_group ",
               ng, ") do not combine: use one or the other");
 }
