@@ -100,6 +100,7 @@ struct dispatch_state {
   bool masked = false;      // the all_reduce path (ep == tp)
   bool training = false;    // keep what backward needs
   bool combined = false;    // combine ran (once per dispatch)
+  bool backed = false;      // combine's backward ran (once per combine: it frees `y`)
   std::size_t rows = 0, hidden = 0, expert_rows = 0;
   int top_k = 0;
   epx::row_slice slice;                              // all-to-all: this TP rank's rows

@@ -373,7 +373,14 @@ at::Tensor basic_torch_layer<Exec, Comm>::combine_t(dispatch_state& s, const at:
 template <class Exec, class Comm>
 std::tuple<at::Tensor, at::Tensor> basic_torch_layer<Exec, Comm>::combine_backward(
     const std::shared_ptr<dispatch_state>& s, const at::Tensor& grad_out) {
-  EPX_REQUIRE(s != nullptr && s->training && s->y.defined(), epx::errc::input,
+  EPX_REQUIRE(s != nullptr, epx::errc::input, "combine backward needs the handle of a dispatch");
+  EPX_REQUIRE(s->training, epx::errc::input,
+              "combine backward: the dispatch of this handle ran without gradients (under torch.no_grad or "
+              "torch.inference_mode); run dispatch and combine under the same grad mode");
+  EPX_REQUIRE(!s->backed, epx::errc::input,
+              "combine backward already ran for this dispatch: one backward per forward (a second backward "
+              "through combine with retain_graph=True, or torch.autograd.gradcheck, is not supported)");
+  EPX_REQUIRE(s->combined && s->y.defined(), epx::errc::input,
               "combine backward needs the handle of a training dispatch and combine");
   std::string why = check_tensor("grad_out", grad_out, scalar_type_of(dtype_), static_cast<std::int64_t>(s->rows),
                                  static_cast<std::int64_t>(s->hidden));
@@ -422,6 +429,7 @@ std::tuple<at::Tensor, at::Tensor> basic_torch_layer<Exec, Comm>::combine_backwa
     epx::all_reduce(*ep_, epx::span<float>(ptr<float>(grad_w), N * ks));
   }
   s.y = at::Tensor();  // read once
+  s.backed = true;
   return {grad_rows, grad_w};
 }
 

@@ -166,6 +166,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("top_k", &dispatch_state::top_k)
       .def_readonly("expert_rows", &dispatch_state::expert_rows)
       .def_readonly("masked", &dispatch_state::masked)
+      .def_readonly("training", &dispatch_state::training)
       .def_readonly("combined", &dispatch_state::combined)
       .def_property_readonly("slice", [](const dispatch_state& s) { return py::make_tuple(s.slice.begin, s.slice.end); })
       .def_property_readonly("offsets", [](const dispatch_state& s) { return s.offsets; });

@@ -102,13 +102,22 @@ class torch_communicator : public torch_group {
   // rank). `required`: raise errc::configuration on every rank instead of falling back.
   bool enable_shared_memory(double timeout_s, bool required) {
     // One exchange per process group, shared by every layer over it (their calls are ordered
-    // like any collectives on the group). Kept for the life of the process: whether a group
-    // has one then depends only on the calls made so far, the same on every rank.
-    static std::map<std::string, std::pair<std::shared_ptr<shm_exchange>, std::string>> made;
-    if (auto it = made.find(name_); it != made.end()) {
-      EPX_REQUIRE(it->second.first || !required, epx::errc::configuration,
-                  "transport='shm': the group's ranks cannot share memory: ", it->second.second);
-      shm_ = it->second.first;
+    // like any collectives on the group). Kept for the life of the group: whether a group
+    // has one then depends only on the calls made so far, the same on every rank. Found by
+    // the group's name and object: after destroy_process_group and a new
+    // init_process_group, names start again at "0", and a group of the same name is
+    // another group (the entry's weak reference has expired, or names another object).
+    struct entry {
+      std::shared_ptr<shm_exchange> x;
+      std::string why;
+      c10::weak_intrusive_ptr<c10d::ProcessGroup> group;
+    };
+    static std::map<std::string, entry> made;
+    const auto pg = group();
+    if (auto it = made.find(name_); it != made.end() && it->second.group.lock().get() == pg.get()) {
+      EPX_REQUIRE(it->second.x || !required, epx::errc::configuration,
+                  "transport='shm': the group's ranks cannot share memory: ", it->second.why);
+      shm_ = it->second.x;
       return shm_ != nullptr;
     }
     constexpr std::size_t rec = 16 + shm_exchange::name_len;
@@ -160,7 +169,7 @@ class torch_communicator : public torch_group {
         if (why.empty()) why = epx::detail::concat("rank ", r, " could not map its peers' shared memory");
       }
     if (usable) x->unlink_control();  // every rank has mapped every control segment
-    made[name_] = {usable ? x : nullptr, why};
+    made.insert_or_assign(name_, entry{usable ? x : nullptr, why, c10::weak_intrusive_ptr<c10d::ProcessGroup>(pg)});
     EPX_REQUIRE(usable || !required, epx::errc::configuration,
                 "transport='shm': the group's ranks cannot share memory: ", why);
     shm_ = usable ? x : nullptr;

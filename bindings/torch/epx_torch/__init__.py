@@ -41,8 +41,11 @@ _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16:
 _PATHS = {"all_to_all": 0, "all_reduce": 1, "auto": 2}
 _TRANSPORTS = {"auto": 0, "shm": 1, "group": 2}
 
-# Groups made for splits, by their members (every rank of the job makes every group once).
+# Groups made for splits, by their members (every rank of the job makes every group once),
+# for the job's default group `_GROUPS_WORLD`: a job that destroys its process groups and
+# initialises new ones (whose names start again at "0") gets new groups.
 _GROUPS: dict[tuple, list] = {}
+_GROUPS_WORLD = None
 
 
 def _timeout(group, device: str = "cpu") -> timedelta:
@@ -70,6 +73,10 @@ def _layer_class(device: str):
 
 
 def _make_groups(groups: Sequence[Sequence[int]], mine: int) -> str:
+    global _GROUPS_WORLD
+    if _GROUPS_WORLD is not dist.group.WORLD:  # a new default group: the cached ones are gone
+        _GROUPS.clear()
+        _GROUPS_WORLD = dist.group.WORLD
     key = tuple(tuple(g) for g in groups)
     if key not in _GROUPS:
         world = list(range(dist.get_world_size()))
@@ -123,6 +130,12 @@ class Layer:
         if device != "cpu" and transport == "shm":
             raise ValueError(f"transport='shm' is for device='cpu'; a {device} layer moves rows through the group")
         group = group if group is not None else dist.group.WORLD
+        job = dist.get_world_size()
+        if dist.get_world_size(group) != job:
+            # The mesh's groups are made over the job's ranks (its pp and dp_replicate
+            # dimensions cover what lies outside one pipeline stage or replica).
+            raise EpxError(f"epx_torch.Layer: the group must hold every rank of the job ({job}); this one holds "
+                           f"{dist.get_world_size(group)} (a mesh with pp or dp_replicate covers the rest of the job)")
         self.group = group
         self.device = device
         self.dtype = dtype
@@ -175,26 +188,40 @@ class Layer:
         """In place: the sum over efsdp and dp_replicate divided by B (the mean over all
         batches) of an expert weight's gradient. Collective over the efsdp and dp_replicate
         groups."""
-        self._impl.reduce_expert_gradients(grad)
-        return grad
+        return _in_place(self._impl.reduce_expert_gradients, grad)
 
     def reduce_dense_gradients(self, grad: torch.Tensor) -> torch.Tensor:
         """In place: the mean over the B batches of a dense (router, attention) gradient.
         Collective over the fsdp and dp_replicate groups."""
-        self._impl.reduce_dense_gradients(grad)
-        return grad
+        return _in_place(self._impl.reduce_dense_gradients, grad)
 
     def register_expert_hooks(self, params: Iterable[torch.nn.Parameter]) -> list:
         """Reduces each parameter's gradient with reduce_expert_gradients as soon as backward
         has accumulated it. One reduction per backward: with gradient accumulation over
         several backward passes, call reduce_expert_gradients yourself instead."""
-        return [p.register_post_accumulate_grad_hook(lambda p: self._impl.reduce_expert_gradients(p.grad))
-                for p in params]
+        def hook(p):
+            self.reduce_expert_gradients(p.grad)
+
+        return [p.register_post_accumulate_grad_hook(hook) for p in params]
 
     def register_dense_hooks(self, params: Iterable[torch.nn.Parameter]) -> list:
         """As register_expert_hooks, with reduce_dense_gradients."""
-        return [p.register_post_accumulate_grad_hook(lambda p: self._impl.reduce_dense_gradients(p.grad))
-                for p in params]
+        def hook(p):
+            self.reduce_dense_gradients(p.grad)
+
+        return [p.register_post_accumulate_grad_hook(hook) for p in params]
+
+
+def _in_place(reduce, grad: torch.Tensor) -> torch.Tensor:
+    """reduce(grad) in place; a gradient that is not contiguous (a channels_last or
+    transposed parameter's) is reduced in a contiguous copy, copied back."""
+    if grad.is_contiguous():
+        reduce(grad)
+    else:
+        dense = grad.contiguous()
+        reduce(dense)
+        grad.copy_(dense)
+    return grad
 
 
 class Handle:
@@ -239,10 +266,15 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, weights, impl, state):
         ctx.impl, ctx.state = impl, state
+        if state.masked:
+            # The masked path's backward reads expert_out itself (the all-to-all path keeps
+            # a copy): saved, so that an in-place change after combine raises torch's error.
+            ctx.save_for_backward(expert_out)
         return impl.combine(state, expert_out.detach(), weights.detach())
 
     @staticmethod
     def backward(ctx, grad_out):
+        _ = ctx.saved_tensors  # torch's check that a saved expert_out was not modified in place
         grad_rows, grad_w = ctx.impl.combine_backward(ctx.state, grad_out.contiguous())
         return grad_rows, grad_w, None, None
 
@@ -282,5 +314,12 @@ def combine(expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
     included; their values are discarded) back to their tokens and returns
     out[t] = sum_j w[t, j] * y[t, j] ([N, H]; every rank of a TP group gets the full
     output). Collective over the EP (and TP) group; once per dispatch. Differentiable with
-    respect to expert_out and the routing weights given to dispatch."""
+    respect to expert_out and the routing weights given to dispatch, once per dispatch
+    (retain_graph=True for a second backward through combine is not supported)."""
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (expert_out, handle.weights))
+    if needs_grad and not handle.state.training:
+        raise EpxError("epx_torch combine: gradients are enabled here, but the dispatch of this handle ran "
+                       "without them (under torch.no_grad or torch.inference_mode): run dispatch and combine "
+                       "under the same grad mode")
     return _Combine.apply(expert_out, handle.weights, handle.layer._impl, handle.state)

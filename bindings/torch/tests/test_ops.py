@@ -264,12 +264,33 @@ def error_cases(W: int):
                      f"communicator size ({W}) must equal")
 
     def subgroup_size_disagrees():
-        # A process group of half the job under a mesh of the whole job.
+        # A process group of half the job, under a mesh of the whole job and under a mesh of
+        # the half: refused on every rank (the mesh's groups are made over the job's ranks).
         halves = [dist.new_group(list(range(0, W // 2))), dist.new_group(list(range(W // 2, W)))]
         mine = halves[rank // (W // 2)]
-        m = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=E_DEFAULT)
-        expect_error(lambda: epx_torch.Layer(m, hidden=H, top_k=2, group=mine), "configuration",
-                     f"communicator size ({W // 2}) must equal")
+        for world in (W, W // 2):
+            m = epx_torch.Mesh(tp=1, fsdp=world, ep=world, experts=2 * world)
+            expect_error(lambda: epx_torch.Layer(m, hidden=H, top_k=2, group=mine),
+                         f"the group must hold every rank of the job ({W}); this one holds {W // 2}")
+
+    def backward_twice():
+        # One backward per forward through combine: a second one (retain_graph) says so.
+        x, ids, w = data()
+        x.requires_grad_()
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        out = epx_torch.combine(rows * 2, h)
+        out.sum().backward(retain_graph=True)
+        expect_error(lambda: out.sum().backward(), "combine backward already ran for this dispatch",
+                     "retain_graph=True")
+
+    def grad_mode_mixed():
+        # A dispatch without gradients, then a combine that needs them: refused at combine.
+        x, ids, w = data()
+        with torch.no_grad():
+            rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        y = rows.clone().requires_grad_()
+        expect_error(lambda: epx_torch.combine(y, h), "epx_torch combine", "ran without them",
+                     "same grad mode")
 
     def meshes_disagree():
         m = epx_torch.Mesh(tp=1, fsdp=W, ep=W if rank != bad else 1, experts=E_DEFAULT)
@@ -337,6 +358,8 @@ def error_cases(W: int):
             ("error: a handle combined twice", combine_twice),
             ("error: process group size disagrees with the mesh", group_size_disagrees),
             ("error: sub-group size disagrees with the mesh", subgroup_size_disagrees),
+            ("error: a second backward through combine", backward_twice),
+            ("error: combine needs gradients, its dispatch ran without", grad_mode_mixed),
             ("error: ranks built different meshes", meshes_disagree),
             ("error: ranks built different dtypes", dtypes_disagree),
             ("error: masked path needs ep == tp", masked_needs_ep_eq_tp),
@@ -412,6 +435,71 @@ def dense_hook_case():
     check_close("dense gradient mean", p.grad, torch.full((4,), want), 1e-15)
 
 
+def noncontiguous_hook_case():
+    """Hooks and reductions on a gradient that is not contiguous (a transposed or
+    channels_last parameter's): reduced in a copy, copied back, as for a contiguous one."""
+    W, rank = dist.get_world_size(), dist.get_rank()
+    mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=W)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=1)
+    p = torch.nn.Parameter(torch.zeros(3, 4).t())  # [4, 3], strides (1, 4)
+    conv = torch.nn.Parameter(torch.zeros(2, 3, 4, 4).to(memory_format=torch.channels_last))
+    layer.register_dense_hooks([p, conv])
+    ((p * float(rank + 1)).sum() + (conv * float(rank + 1)).sum()).backward()
+    want = sum(range(1, W + 1)) / W
+    if p.grad.is_contiguous() and conv.grad.is_contiguous():
+        raise AssertionError("the test's gradients are contiguous")
+    check_close("transposed gradient mean", p.grad, torch.full((4, 3), want), 1e-15)
+    check_close("channels_last gradient mean", conv.grad, torch.full((2, 3, 4, 4), want), 1e-15)
+    g = torch.full((5, 2), float(rank + 1)).t()
+    layer.reduce_expert_gradients(g)
+    check_close("transposed expert gradient (sum over efsdp 1 / B)", g, torch.full((2, 5), (rank + 1) / W), 1e-15)
+
+
+def masked_in_place_case():
+    """The masked path's backward reads the experts' output itself: changing it in place
+    after combine raises torch's in-place error (as the all-to-all path, which keeps a copy,
+    gives the right gradient)."""
+    mesh = epx_torch.Mesh(tp=2, fsdp=dist.get_world_size() // 2, ep=2, experts=4)
+    for path in ("all_reduce", "all_to_all"):
+        layer = epx_torch.Layer(mesh, hidden=H, top_k=2, dtype=torch.float64, path=path)
+        x, ids, w, _ = batch_data(layer.batch, 6, 2, 4, torch.float64)
+        w.requires_grad_()
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        y = rows * 3.0
+        out = epx_torch.combine(y, h)
+        y.mul_(0)
+        if path == "all_reduce":
+            expect_error(lambda: out.sum().backward(), "modified by an inplace operation", error=RuntimeError)
+        else:
+            out.sum().backward()
+            ref = (x.unsqueeze(1).expand(-1, 2, -1) * 3.0).sum(-1)  # <y, grad_out> per slot, grad_out = 1
+            check_close("routing-weight gradient after an in-place change (all_to_all keeps a copy)", w.grad,
+                        ref.float(), 1e-6)
+
+
+def reinit_case():
+    """The job destroys its process groups and initialises new ones (torch's group names
+    start again at "0"), then makes groups of its own, which take the old names: a new Layer
+    makes new groups and a new shared-memory exchange, not the ones of the old names."""
+    import datetime
+
+    W, rank = dist.get_world_size(), dist.get_rank()
+    mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=2 * W)
+    epx_torch.Layer(mesh, hidden=H, top_k=2)  # groups and an exchange under the old names
+    path = os.path.join("/tmp", f"epx-torch-reinit-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{W}")
+    dist.barrier()
+    dist.destroy_process_group()
+    timeout = datetime.timedelta(seconds=float(os.environ.get("EPX_TORCH_TIMEOUT", "300")))
+    dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=W, timeout=timeout)
+    _ = [dist.new_group(list(range(W))) for _ in range(W)]  # the user's own groups, with the old names
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=2)
+    g = torch.full((4,), float(rank + 1))
+    layer.reduce_expert_gradients(g)  # efsdp 1, B = W: g / W
+    check_close("expert gradient after the new init", g, torch.full((4,), (rank + 1) / W), 1e-15)
+    layer_case(tp=1, dtype=torch.float64)  # a whole layer, through a new shared-memory exchange
+    layer_case(tp=1, dtype=torch.float32, transport="group")
+
+
 def cases(W: int):
     out = []
     f64, f32, bf16 = torch.float64, torch.float32, torch.bfloat16
@@ -426,6 +514,7 @@ def cases(W: int):
     add("all_to_all one expert takes every token", lambda: layer_case(routing="one_expert"))
     add("all_to_all experts of upper ranks get nothing", lambda: layer_case(routing="first_half"))
     add("dense gradient hook", dense_hook_case)
+    add("hooks on gradients that are not contiguous", noncontiguous_hook_case)
     # The process group's own all-to-all (transport='group') instead of shared memory.
     add("transport group: all_to_all float64", lambda: layer_case(transport="group"))
     add("transport group: all_to_all float32, padding 2 rows align 4",
@@ -437,6 +526,7 @@ def cases(W: int):
         add("all_to_all tp2 one-token decode (empty slice)", lambda: layer_case(tp=2, N=1))
         add("all_reduce (masked) ep == tp == 2", lambda: layer_case(tp=2, ep=2, path="all_reduce"))
         add("all_reduce (masked) float32", lambda: layer_case(tp=2, ep=2, path="all_reduce", dtype=f32))
+        add("an expert output changed in place after combine", masked_in_place_case)
         add("auto: masked for inference when ep == tp", lambda: layer_case(tp=2, ep=2, path="auto", train=False))
         add("auto: all_to_all for training", lambda: layer_case(tp=2, ep=2, path="auto"))
         add("bitwise = epx::moe_layer (all_to_all, float32)", lambda: bitwise_case(dtype=f32))
@@ -464,6 +554,8 @@ def cases(W: int):
         add("bitwise = epx::moe_layer (tp2 ep4, float32)", lambda: bitwise_case(tp=2, ep=4, dtype=f32))
     out.extend(emulated_cases(W))
     out.extend(error_cases(W))
+    # Last: it replaces the job's process groups.
+    out.append(("process groups destroyed and made again: a new Layer makes new groups", reinit_case))
     return out
 
 
