@@ -73,7 +73,7 @@ template <class Exec, class Comm>
 planned<Exec> plan_and_exchange(const Exec& ex, Comm& comm, const std::int32_t* ids,
                                                const float* weights, std::size_t n, std::size_t row0, int k, int E,
                                                std::size_t chunks, bool ok, const std::string& why, std::size_t N,
-                                               std::size_t H, int world_rank, int agree_rows) {
+                                               std::size_t H, int world_rank, int agree_rows, bool training) {
   using namespace epx::detail;
   planned<Exec> out{epx::layout::launch_plan_counts(ex, ids, weights, n, k, E, chunks), {}};
   auto& plan = out.plan;
@@ -83,7 +83,7 @@ planned<Exec> plan_and_exchange(const Exec& ex, Comm& comm, const std::int32_t* 
   epx::exec::for_each_n(ex, stride,
                         plan_record{ok ? 0 : 1, static_cast<std::int64_t>(N), static_cast<std::int64_t>(H), k,
                                     world_rank, plan.chunk_bad(), plan.chunks, plan.expert_counts(), Es, nullptr, 0,
-                                    record.data()});
+                                    record.data(), training ? epx::detail::record_training : epx::detail::record_inference});
   const auto message = [&]() -> std::string {
     if (!ok) return why;
     return epx::layout::describe(epx::layout::find_bad_pair(ex, plan, ids, weights), k, E, row0);
@@ -213,7 +213,8 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> basic_torch_
     const std::size_t n = sl.size();
     auto [plan, records] = layer_detail::plan_and_exchange(ex, *ep_, ok ? id + sl.begin * ks : nullptr,
                                                            ok ? w + sl.begin * ks : nullptr, ok ? n : 0, sl.begin, k,
-                                                           E, options_.chunks, ok, why, N, H, world_rank_, tp);
+                                                           E, options_.chunks, ok, why, N, H, world_rank_, tp,
+                                                           s->training);
     s->layout = epx::detail::make_receive_layout(ep, ep, L, options_.pad, [&](int r) { return records.counts(r); });
     s->slice = sl;
     const std::size_t S = n * ks, R = s->layout.rows(me);
@@ -244,7 +245,7 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> basic_torch_
   const std::size_t Nr = ok ? N : 0;
   const int first = m.expert_begin(world_rank_);
   auto plan = layer_detail::plan_and_exchange(ex, *ep_, ok ? id : nullptr, ok ? w : nullptr, Nr, 0, k, E,
-                                              options_.chunks, ok, why, N, H, world_rank_, ep)
+                                              options_.chunks, ok, why, N, H, world_rank_, ep, s->training)
                   .plan;
   s->layout = epx::detail::make_receive_layout(1, ep, L, options_.pad, [&](int) { return plan.host_counts.data(); });
   const std::size_t* off = s->layout.offsets(me);
@@ -335,8 +336,12 @@ at::Tensor basic_torch_layer<Exec, Comm>::combine_t(dispatch_state& s, const at:
   if (why.empty())
     why = check_tensor("routing weights", weights, at::kFloat, static_cast<std::int64_t>(N),
                        static_cast<std::int64_t>(ks));
-  epx::detail::exchange_records(*ep_, why.empty() ? 0 : 1, N, H, s.top_k, world_rank_, nullptr, 0, why,
-                                "epx_torch combine", s.masked ? m.ep() : tp);
+  // A record of dispatch's size and kind `combine`: ranks whose calls got out of step (one
+  // in dispatch, one in combine) raise on every rank instead of mismatching sizes.
+  const std::vector<std::int64_t> no_counts(static_cast<std::size_t>(m.experts()), 0);
+  epx::detail::exchange_records(*ep_, why.empty() ? 0 : 1, N, H, s.top_k, world_rank_, no_counts.data(),
+                                no_counts.size(), why, "epx_torch combine", s.masked ? m.ep() : tp,
+                                epx::detail::record_combine);
   s.combined = true;
   const at::Tensor y = y_in.contiguous(), w = weights.contiguous();
   const at::ScalarType st = scalar_type_of(dtype_);

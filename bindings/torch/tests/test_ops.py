@@ -283,6 +283,15 @@ def error_cases(W: int):
         expect_error(lambda: out.sum().backward(), "combine backward already ran for this dispatch",
                      "retain_graph=True")
 
+    def out_of_step():
+        # Rank `bad` skips a combine (its own code raised between dispatch and combine) and
+        # goes on to the next dispatch while the others combine: the records have one size
+        # and name the call, so every rank raises, naming both.
+        x, ids, w = data()
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        call = (lambda: epx_torch.dispatch(x, ids, w, layer)) if rank == bad else (lambda: epx_torch.combine(rows, h))
+        expect_error(call, "makes a combine", "makes a training call")
+
     def grad_mode_mixed():
         # A dispatch without gradients, then a combine that needs them: refused at combine.
         x, ids, w = data()
@@ -359,6 +368,7 @@ def error_cases(W: int):
             ("error: process group size disagrees with the mesh", group_size_disagrees),
             ("error: sub-group size disagrees with the mesh", subgroup_size_disagrees),
             ("error: a second backward through combine", backward_twice),
+            ("error: calls out of step (one rank skipped a combine)", out_of_step),
             ("error: combine needs gradients, its dispatch ran without", grad_mode_mixed),
             ("error: ranks built different meshes", meshes_disagree),
             ("error: ranks built different dtypes", dtypes_disagree),

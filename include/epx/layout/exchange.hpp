@@ -3,8 +3,10 @@
 // Every rank of the EP group contributes one int64 record
 //   [status, N, H, k, world rank, mode, counts[0..ncounts)]
 // and all_gathers them. status != 0 means the rank found bad input (shapes, expert ids,
-// non-finite weights). H, k and the mode (1 for a training forward, else 0: the two take
-// different routes) must agree across the group, N within each TP group (tp consecutive
+// non-finite weights). H, k and the mode (record_training for a training forward,
+// record_inference for an inference one: the two take different routes; record_combine for
+// the combine of the PyTorch bindings, whose record has dispatch's size, so that ranks whose
+// calls got out of step raise) must agree across the group, N within each TP group (tp consecutive
 // ep ranks). If anything is wrong every rank sees it in the same records, so
 // every rank raises epx::error(errc::input) naming the offending ranks and values before
 // any row moves, and nobody hangs. Only on that error path a second all_gather carries
@@ -34,6 +36,10 @@
 namespace epx::detail {
 
 inline constexpr std::size_t record_header = 6;
+// The kinds of call a record's mode names (its field 5).
+inline constexpr std::int64_t record_inference = 0;
+inline constexpr std::int64_t record_training = 1;
+inline constexpr std::int64_t record_combine = 2;
 inline constexpr std::size_t message_bytes = 256;
 
 // The gathered records of a group: [size][record_header + ncounts].
@@ -81,7 +87,11 @@ void check_records(Comm& comm, const group_records& g, int me, Message&& message
       failed = true;
     }
     if (g.mode(r) != g.mode(ref)) {
-      const auto name = [](std::int64_t m) { return m == 1 ? "a training call (mode::train)" : "an inference call"; };
+      const auto name = [](std::int64_t m) {
+        return m == record_training ? "a training call (mode::train)"
+               : m == record_combine ? "a combine"
+                                     : "an inference call";
+      };
       why += concat("; rank ", g.world_rank(r), " makes ", name(g.mode(r)), " but rank ", g.world_rank(ref), " makes ",
                     name(g.mode(ref)), " (every rank of the group must pass the same mode)");
       failed = true;
