@@ -3,7 +3,7 @@
 # Installs the build tools first if they are missing. Arguments replace the defaults.
 #
 #   scripts/run-example.sh
-#   scripts/run-example.sh --tp 2 --fsdp 2 --pp 2 --experts 8 --ep 4 --json
+#   scripts/run-example.sh --tp 4 --fsdp 2 --ep 4 --experts 8 --top-k 1
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"

@@ -59,7 +59,7 @@ class error : public std::runtime_error {
   // The message alone, without the "epx <category> error" prefix and location.
   const std::string& message() const noexcept { return message_; }
   const source_location& where() const noexcept { return where_; }
-  // Backend status code (cudaError_t, ncclResult_t, MPI error class), 0 if none.
+  // Backend status code (cudaError_t, ncclResult_t, MPI error code), 0 if none.
   long status() const noexcept { return status_; }
 
  private:

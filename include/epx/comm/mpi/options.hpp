@@ -29,7 +29,8 @@ struct options {
   // epx::mpi::run, or returned without calling it) raises epx::error(errc::communicator) on
   // the ranks that wait, naming the collective; the communicator cannot be used after that
   // (epx::mpi::run then ends the job with the message). Zero: wait forever, as MPI does.
-  // split() is not covered (MPI has no nonblocking split). (epx/comm/mpi/wait.hpp)
+  // split() waits for its ranks in a bounded barrier whose timeout ends the job (MPI has no
+  // nonblocking split). (epx/comm/mpi/wait.hpp)
   std::chrono::milliseconds timeout = std::chrono::minutes(10);
   // Peer access (access_peers, the layer's direct route) through MPI-3 shared memory when
   // every rank of the communicator runs on one node; false: never (peer_access_available()
