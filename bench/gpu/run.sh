@@ -147,8 +147,8 @@ torch_build_pid=""
 if [[ $build_only == 0 ]] && command -v python3 >/dev/null 2>&1 &&
    python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
   echo "torch: $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)')"
-  export EPX_TORCH_CUDA=1 TORCH_CUDA_ARCH_LIST="${arch:0:1}.${arch:1}" PYTHONPATH="$root/bindings/torch${PYTHONPATH:+:$PYTHONPATH}"
-  ( limited "$(left 360)" python3 -c 'import epx_torch' >"$out/torch_build.log" 2>&1 ) &
+  export EPX_TORCH_CUDA=1 TORCH_CUDA_ARCH_LIST="${arch%?}.${arch: -1}" PYTHONPATH="$root/bindings/torch${PYTHONPATH:+:$PYTHONPATH}"
+  ( limited "$(left 360)" nice -n 10 python3 -c 'import epx_torch' >"$out/torch_build.log" 2>&1 ) &
   torch_build_pid=$!
 else
   echo "torch with CUDA not found in python3: the bindings' device cases do not run"
