@@ -626,16 +626,16 @@ TEST_CASE("route: the span forms name a bad k or E before the sizes") {
   auto m = error_of([&] {
     routing::route(routing::softmax_topk{}, ex, epx::make_span(l), 8, 0, epx::make_span(ids), epx::make_span(w));
   }, epx::errc::input);
-  CHECK(has(m, "route: top_k (0) must be in [1, E] with E = 8"));
+  CHECK(has(m, "route(softmax_topk): top_k (0) must be in [1, E] with E = 8"));
   m = error_of([&] {
     routing::route(routing::softmax_topk{}, ex, epx::make_span(l), 0, 2, epx::make_span(ids), epx::make_span(w));
   }, epx::errc::input);
-  CHECK(has(m, "route: number of experts E (0) must be at least 1"));
+  CHECK(has(m, "route(softmax_topk): number of experts E (0) must be at least 1"));
   m = error_of([&] {
     routing::route_backward(routing::softmax_topk{}, ex, epx::make_span(l), 8, 9, epx::span<const std::int32_t>(ids),
                             epx::span<const float>(w), epx::span<const float>(gw), epx::make_span(gl));
   }, epx::errc::input);
-  CHECK(has(m, "route_backward: top_k (9) must be in [1, E] with E = 8"));
+  CHECK(has(m, "route_backward(softmax_topk): top_k (9) must be in [1, E] with E = 8"));
 }
 
 TEST_CASE("route: sigmoid_bias divides by the sum before the scaling (a large scaling stays finite)") {

@@ -91,8 +91,7 @@ static_assert(std::is_trivially_copyable_v<softmax_topk_forward<bf16>> &&
 
 // The span forms' N: the number of rows of E in `size` logits.
 inline std::size_t token_count(const char* call, std::size_t size, int E) {
-  EPX_REQUIRE(E >= 1, errc::input, call, ": number of experts E (", E, ") must be at least 1");
-  EPX_REQUIRE(size % static_cast<std::size_t>(E) == 0, errc::input, call, ": logits hold ", size,
+  EPX_REQUIRE(E >= 1 && size % static_cast<std::size_t>(E) == 0, errc::input, call, ": logits hold ", size,
               " values, not a multiple of E (", E, ")");
   return size / static_cast<std::size_t>(E);
 }
@@ -129,8 +128,8 @@ template <class Policy, class Exec, class L>
 void route(const Policy& policy, const Exec& exec, span<L> logits, int E, int k, span<std::int32_t> ids,
            span<float> weights) {
   using T = std::remove_const_t<L>;
+  detail::validate_top_k("route", detail::policy_name(policy), E, k);  // before the sizes, which follow from them
   const std::size_t N = detail::token_count("route", logits.size(), E);
-  EPX_REQUIRE(k >= 1 && k <= E, errc::input, "route: top_k (", k, ") must be in [1, E] with E = ", E);
   EPX_REQUIRE(ids.size() == N * static_cast<std::size_t>(k) && weights.size() == ids.size(), errc::input,
               "route: ids (", ids.size(), ") and weights (", weights.size(), ") must hold N * k = ", N, " * ", k,
               " values");
@@ -171,8 +170,8 @@ template <class Policy, class Exec, class L>
 void route_backward(const Policy& policy, const Exec& exec, span<L> logits, int E, int k,
                     span<const std::int32_t> ids, span<const float> weights, span<const float> grad_weights,
                     span<float> grad_logits) {
+  detail::validate_top_k("route_backward", detail::policy_name(policy), E, k);
   const std::size_t N = detail::token_count("route_backward", logits.size(), E);
-  EPX_REQUIRE(k >= 1 && k <= E, errc::input, "route_backward: top_k (", k, ") must be in [1, E] with E = ", E);
   EPX_REQUIRE(ids.size() == N * static_cast<std::size_t>(k) && grad_weights.size() == ids.size() &&
                   (weights.empty() || weights.size() == ids.size()),
               errc::input, "route_backward: ids (", ids.size(), "), weights (", weights.size(), ") and grad_weights (",

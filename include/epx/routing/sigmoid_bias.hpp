@@ -120,9 +120,8 @@ struct sigmoid_bias_forward {
       sum += s;
     }
     // s / D, then times the scaling (as written: scaling / D first could overflow).
-    if (normalize)
-      for (int j = 0; j < k; ++j) w[j] /= sum + 1e-20f;
-    for (int j = 0; j < k; ++j) w[j] *= scaling;
+    const float D = sum + 1e-20f;
+    for (int j = 0; j < k; ++j) w[j] = (normalize ? w[j] / D : w[j]) * scaling;
     io.done(t);
   }
 };
