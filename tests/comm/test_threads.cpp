@@ -1175,6 +1175,14 @@ TEST_CASE("threads: buffers that overlap other than in place raise errc::input o
                          const std::size_t c[1] = {4}, d[1] = {0};
                          comm.all_to_allv_indexed(a.data(), rows, 1, c, d, a.data(), c, d, 1, epx::datatype::int32);
                        });
+    // recv starting before src and reaching into it (found without a pass over the rows).
+    every_rank_refuses(1, "all_to_allv_indexed: rank 0 passes send and recv buffers that overlap",
+                       [](epx::threads::communicator& comm) {
+                         std::vector<int> a{10, 11, 12, 13, 14, 15};
+                         const std::int64_t rows[3] = {0, 1, 2};
+                         const std::size_t c[1] = {3}, d[1] = {0};
+                         comm.all_to_allv_indexed(a.data() + 2, rows, 1, c, d, a.data(), c, d, 1, epx::datatype::int32);
+                       });
     epx::threads::run(1, [](epx::threads::communicator& comm) {
       std::vector<int> a{10, 11, 12, 13};
       const std::size_t c[2] = {2, 1}, d[2] = {0, 3};

@@ -129,7 +129,7 @@ class communicator {
     detail::threads_slot d = make_slot(detail::threads_op::all_to_all, t, send, recv, count);
     const std::size_t bytes = count * size_of(t);
     const std::size_t all = bytes * static_cast<std::size_t>(size());
-    if (overlap(send, all, recv, all) && !(size() == 1 && send == recv)) d.fault = not_in_place;
+    check_overlap(d, send, all, recv, all, size() == 1 && send == recv, "in place is not supported");
     enter_pull(d, [&](int p) {
       const auto* src = static_cast<const char*>(slot(p).send) + static_cast<std::size_t>(rank_) * bytes;
       copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, src, bytes);
@@ -177,8 +177,7 @@ class communicator {
   void all_reduce(const void* send, void* recv, std::size_t count, datatype t, double scale) {
     detail::threads_slot d = reduction_slot(detail::threads_op::all_reduce, "all_reduce", t, send, count, recv, count,
                                             scale);
-    if (send != recv && overlap(send, count * size_of(t), recv, count * size_of(t)))
-      d.fault = "passes send and recv buffers that overlap without being the same (in place: send == recv)";
+    check_overlap(d, send, count * size_of(t), recv, count * size_of(t), send == recv, "in place: send == recv");
     const int n = size();
     std::vector<const void*> srcs(static_cast<std::size_t>(n));
     const std::size_t es = size_of(t);
@@ -227,8 +226,8 @@ class communicator {
     const std::size_t es = size_of(t);
     // In place: recv is this rank's own block of send, which no peer reads.
     const char* own = static_cast<const char*>(send) + static_cast<std::size_t>(rank_) * recv_count * es;
-    if (recv != own && overlap(send, static_cast<std::size_t>(n) * recv_count * es, recv, recv_count * es))
-      d.fault = "passes send and recv buffers that overlap other than in place (recv = send + rank * recv_count)";
+    check_overlap(d, send, static_cast<std::size_t>(n) * recv_count * es, recv, recv_count * es, recv == own,
+                  "in place: recv = send + rank * recv_count");
     const bool direct = world_->memory().host_accessible;
     std::vector<char> staged;
     if (!direct) staged.resize((static_cast<std::size_t>(n) + 1) * recv_count * es);
@@ -261,8 +260,8 @@ class communicator {
     const std::size_t bytes = count * size_of(t);
     // In place: send is this rank's own block of recv, which no peer writes.
     const char* own = static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * bytes;
-    if (send != own && overlap(send, bytes, recv, bytes * static_cast<std::size_t>(size())))
-      d.fault = "passes send and recv buffers that overlap other than in place (send = recv + rank * count)";
+    check_overlap(d, send, bytes, recv, bytes * static_cast<std::size_t>(size()), send == own,
+                  "in place: send = recv + rank * count");
     enter_pull(d, [&](int p) {
       copy_bytes(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, slot(p).send, bytes);
     });
@@ -336,13 +335,15 @@ class communicator {
  private:
   friend struct epx::detail::threads_access;
 
-  static constexpr const char* not_in_place = "passes send and recv buffers that overlap (in place is not supported)";
-
-  // Whether the bytes [a, a + na) and [b, b + nb) share one.
-  static bool overlap(const void* a, std::size_t na, const void* b, std::size_t nb) noexcept {
-    if (na == 0 || nb == 0) return false;
-    const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
-    return x < y + nb && y < x + na;
+  // d's fault (unless it has one) when send bytes [send, + ns) and recv bytes [recv, + nr)
+  // share a byte, unless `in_place` (the collective's own in-place layout); `rule` says
+  // what is allowed.
+  static void check_overlap(detail::threads_slot& d, const void* send, std::size_t ns, const void* recv,
+                            std::size_t nr, bool in_place, const char* rule) {
+    const auto x = reinterpret_cast<std::uintptr_t>(send), y = reinterpret_cast<std::uintptr_t>(recv);
+    const bool shared = ns > 0 && nr > 0 && x < y + nr && y < x + ns;
+    if (shared && !in_place && d.fault.empty())
+      d.fault = detail::concat("passes send and recv buffers that overlap (", rule, ")");
   }
 
   // access_peers, with this member's fault (if any). While f runs, this rank's slot holds
@@ -401,23 +402,22 @@ class communicator {
     require_buffer(recv, total_recv, name, "recv");
     detail::threads_slot d = make_slot(op, t, send, recv, nseg);
     {
-      // The bytes each side spans (indexed: up to the last row named), in units of the counts.
+      // The bytes each side spans, in units of the counts. Indexed, send spans up to its last
+      // row named, which only matters when recv starts inside or after src: otherwise one
+      // byte of src is as good (no pass over the rows).
+      const bool scan_rows = indexed && recv >= send;
       std::size_t send_end = 0, recv_end = 0;
       bool identity = n == 1 && !indexed && send == recv;  // one rank copying each block onto itself
       for (std::size_t j = 0; j < m; ++j) {
-        if (send_counts[j] > 0) {
-          if (indexed) {
-            for (std::size_t r = 0; r < send_counts[j]; ++r)
-              send_end = std::max(send_end, static_cast<std::size_t>(rows[send_displs[j] + r]) + 1);
-          } else {
-            send_end = std::max(send_end, send_displs[j] + send_counts[j]);
-          }
-        }
+        if (send_counts[j] > 0 && !indexed) send_end = std::max(send_end, send_displs[j] + send_counts[j]);
+        if (send_counts[j] > 0 && indexed) send_end = std::max<std::size_t>(send_end, 1);
+        for (std::size_t r = 0; scan_rows && r < send_counts[j]; ++r)
+          send_end = std::max(send_end, static_cast<std::size_t>(rows[send_displs[j] + r]) + 1);
         if (recv_counts[j] > 0) recv_end = std::max(recv_end, recv_displs[j] + recv_counts[j]);
         identity = identity && (send_counts[j] == 0 || send_displs[j] == recv_displs[j]);
       }
       const std::size_t unit = size_of(t) * row_elems;
-      if (!identity && overlap(send, send_end * unit, recv, recv_end * unit)) d.fault = not_in_place;
+      check_overlap(d, send, send_end * unit, recv, recv_end * unit, identity, "in place is not supported");
     }
     d.send_counts = send_counts;
     d.send_displs = send_displs;
@@ -443,21 +443,23 @@ class communicator {
     });
   }
 
-  // The first member's fault (threads_slot::fault), named; empty if none.
-  std::string checked_faults() const {
+  // What every member concludes of the published calls: a member's own fault
+  // (threads_slot::fault: errc::input), else calls that disagree (errc::communicator), else
+  // nothing. A failure to compare counts as a disagreement.
+  struct verdict {
+    errc category = errc::communicator;
+    std::string message;  // empty: the calls agree
+    explicit operator bool() const noexcept { return !message.empty(); }
+    [[noreturn]] void raise() const { throw epx::error(category, message, EPX_HERE); }
+  };
+  verdict check_calls() const {
     try {
-      return detail::threads_check_faults(*group_, group_->entered(rank_));
+      const std::uint64_t seq = group_->entered(rank_);
+      if (std::string fault = detail::threads_check_faults(*group_, seq); !fault.empty())
+        return {errc::input, std::move(fault)};
+      return {errc::communicator, detail::threads_check_match(*group_, seq)};
     } catch (...) {
-      return "could not read the members' calls";
-    }
-  }
-
-  // check_match, with a failure to compare reported as a mismatch.
-  std::string checked_match() const {
-    try {
-      return check_match();
-    } catch (...) {
-      return "could not compare the members' calls";
+      return {errc::communicator, "could not compare the members' calls"};
     }
   }
 
@@ -596,12 +598,10 @@ class communicator {
     const auto deadline = detail::deadline_after(world_->timeout());
     const auto w = group_->arrive_and_wait(true, deadline, seq);
     if (w != detail::wait_result::passed) on_wait_failure(w, d.op);
-    const std::string fault = checked_faults();
-    const std::string mismatch = fault.empty() ? checked_match() : std::string();
-    if (!fault.empty() || !mismatch.empty()) {
+    const verdict v = check_calls();
+    if (v) {
       wait_exit();
-      if (!fault.empty()) EPX_THROW(errc::input, fault);
-      EPX_THROW(errc::communicator, mismatch);
+      v.raise();
     }
     work();
   }
@@ -650,11 +650,9 @@ class communicator {
       const auto w = group_->wait_gen(a.gen, true, deadline, seq);
       if (w != detail::wait_result::passed) on_wait_failure(w, d.op);
     }
-    const std::string fault = checked_faults();
-    const std::string mismatch = fault.empty() ? checked_match() : std::string();
+    const verdict v = check_calls();
     wait_exit();
-    if (!fault.empty()) EPX_THROW(errc::input, fault);
-    if (!mismatch.empty()) EPX_THROW(errc::communicator, mismatch);
+    if (v) v.raise();
     throw_if_copy_failed(to_string(d.op));
   }
 
@@ -669,10 +667,6 @@ class communicator {
     enter(d, std::forward<Work>(work));
     wait_exit();
   }
-
-  // Empty if every member's published call agrees; otherwise names the values
-  // (epx/comm/threads/agreement.hpp).
-  std::string check_match() const { return detail::threads_check_match(*group_, group_->entered(rank_)); }
 
   std::shared_ptr<detail::threads_world> world_;
   std::shared_ptr<detail::threads_group> group_;
