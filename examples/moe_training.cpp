@@ -469,10 +469,15 @@ reference_result reference_step(const options& o, const std::vector<float>& bias
           dl[e] = p[e] * (ge - pg);
         }
       }
-      if (o.balance == "aux") {  // alpha * E * sum_e f_e mean_t p[t, e], f over all batches
-        double fp = 0.0;
-        for (int e = 0; e < E; ++e) fp += f[e] * p[e];
-        for (int e = 0; e < E; ++e) dl[e] += o.aux_alpha * E / N * p[e] * (f[e] - fp);
+      if (o.balance == "aux") {  // alpha * E * sum_e f_e mean_t q[t, e], f over all batches
+        // q: the softmax of the logits, whatever the routing (sigmoid_bias's p is no softmax).
+        const double* l = &logits[b][static_cast<std::size_t>(t) * E];
+        std::vector<double> q(E);
+        double mx = -1e300, z = 0.0, fq = 0.0;
+        for (int e = 0; e < E; ++e) mx = std::max(mx, l[e]);
+        for (int e = 0; e < E; ++e) z += (q[e] = std::exp(l[e] - mx));
+        for (int e = 0; e < E; ++e) fq += f[e] * (q[e] /= z);
+        for (int e = 0; e < E; ++e) dl[e] += o.aux_alpha * E / N * q[e] * (f[e] - fq);
       }
       for (int e = 0; e < E; ++e) {
         for (int h = 0; h < H; ++h) r.grad_router[e * H + h] += dl[e] * x[h];
