@@ -18,6 +18,7 @@
 // checks that the outputs are bitwise those of the fused forward; the program exits
 // non-zero otherwise.
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -52,7 +53,7 @@ options parse(int argc, char** argv) {
   options o;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--help") {
+    if (a == "--help" || a == "-h") {
       usage(stdout);
       std::exit(0);
     }
@@ -60,12 +61,16 @@ options parse(int argc, char** argv) {
     const std::string v = argv[++i];
     const auto num = [&] {
       char* end = nullptr;
+      errno = 0;
       const long long n = std::strtoll(v.c_str(), &end, 10);
-      if (end == v.c_str() || *end != '\0' || n < 1) throw std::runtime_error(a + " expects a positive integer, got '" + v + "'");
+      if (end == v.c_str() || *end != '\0' || errno != 0 || n < 1 || n > (1LL << 24))
+        throw std::runtime_error(a + " expects an integer from 1 to 16777216, got '" + v + "'");
       return n;
     };
-    if (a == "--backend") o.backend = v;
-    else if (a == "--ranks") o.ranks = static_cast<int>(num());
+    if (a == "--backend") {
+      if (v != "threads" && v != "mpi") throw std::runtime_error("--backend expects threads or mpi, got '" + v + "'");
+      o.backend = v;
+    } else if (a == "--ranks") o.ranks = static_cast<int>(num());
     else if (a == "--tokens") o.tokens = static_cast<std::size_t>(num());
     else if (a == "--hidden") o.hidden = static_cast<std::size_t>(num());
     else if (a == "--experts") o.experts = static_cast<int>(num());

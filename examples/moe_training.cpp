@@ -760,7 +760,7 @@ long parse_number(const std::string& flag, const std::string& v) {
   errno = 0;
   const long x = std::strtol(v.c_str(), &end, 10);
   if (v.empty() || *end != '\0' || errno != 0 || x < 1 || x > (1L << 24))
-    EPX_THROW(epx::errc::configuration, flag, " expects a positive integer, got '", v, "'");
+    EPX_THROW(epx::errc::configuration, flag, " expects an integer from 1 to 16777216, got '", v, "'");
   return x;
 }
 
