@@ -748,27 +748,29 @@ void usage(std::FILE* f) {
                "                       [--max-nodes M --ranks-per-node R]\n"
                "Defaults: threads backend with tp*fsdp*dp_replicate ranks (mpi when launched by mpirun),\n"
                "tp=2 fsdp=4 ep=4 dp_replicate=1, 16 experts, top-2, 5 steps, H=32, F=64, 64 tokens,\n"
-               "lr=500, rtol=1e-4 (errors allowed relative to the largest |reference| value).\n"
+               "lr=500, seed 7, rtol=1e-4 (errors allowed relative to the largest |reference| value).\n"
                "Capacity off (a factor turns it on: local mode, by position), softmax_topk routing, balance\n"
                "none (aux: Switch loss with alpha 0.01; bias: sigmoid_bias routing whose selection bias moves\n"
                "by gamma 0.02 per step), router skew 0 (the router bias starts at skew..-skew over the\n"
                "experts), no node limit (M nodes of R consecutive ep ranks each).\n");
 }
 
-long parse_number(const std::string& flag, const std::string& v) {
+// `lowest` 0: the flag's value 0 is its default (off, or no skew).
+long parse_number(const std::string& flag, const std::string& v, long lowest = 1) {
   char* end = nullptr;
   errno = 0;
   const long x = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || errno != 0 || x < 1 || x > (1L << 24))
-    EPX_THROW(epx::errc::configuration, flag, " expects an integer from 1 to 16777216, got '", v, "'");
+  if (v.empty() || *end != '\0' || errno != 0 || x < lowest || x > (1L << 24))
+    EPX_THROW(epx::errc::configuration, flag, " expects an integer from ", lowest, " to 16777216, got '", v, "'");
   return x;
 }
 
-double parse_real(const std::string& flag, const std::string& v) {
+double parse_real(const std::string& flag, const std::string& v, bool zero = false) {
   char* end = nullptr;
   const double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || *end != '\0' || !(x > 0.0) || !std::isfinite(x))
-    EPX_THROW(epx::errc::configuration, flag, " expects a positive number, got '", v, "'");
+  if (v.empty() || *end != '\0' || !(x > 0.0 || (zero && x == 0.0)) || !std::isfinite(x))
+    EPX_THROW(epx::errc::configuration, flag, zero ? " expects a number >= 0, got '" : " expects a positive number, got '",
+              v, "'");
   return x;
 }
 
@@ -797,10 +799,10 @@ options parse(int argc, char** argv) {
     else if (a == "--hidden") o.hidden = static_cast<int>(parse_number(a, value()));
     else if (a == "--ffn") o.ffn = static_cast<int>(parse_number(a, value()));
     else if (a == "--tokens") o.tokens = static_cast<int>(parse_number(a, value()));
-    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(parse_number(a, value()));
+    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(parse_number(a, value(), 0));
     else if (a == "--lr") o.lr = parse_real(a, value());
     else if (a == "--rtol") o.rtol = parse_real(a, value());
-    else if (a == "--capacity-factor") o.capacity_factor = parse_real(a, value());
+    else if (a == "--capacity-factor") o.capacity_factor = parse_real(a, value(), true);
     else if (a == "--capacity-mode") {
       const std::string v = value();
       if (v != "local" && v != "global")
@@ -821,9 +823,9 @@ options parse(int argc, char** argv) {
         EPX_THROW(epx::errc::configuration, "--routing expects softmax_topk or sigmoid_bias, got '", o.routing, "'");
     } else if (a == "--aux-alpha") o.aux_alpha = parse_real(a, value());
     else if (a == "--bias-rate") o.bias_rate = parse_real(a, value());
-    else if (a == "--router-skew") o.router_skew = parse_real(a, value());
-    else if (a == "--max-nodes") o.max_nodes = static_cast<int>(parse_number(a, value()));
-    else if (a == "--ranks-per-node") o.ranks_per_node = static_cast<int>(parse_number(a, value()));
+    else if (a == "--router-skew") o.router_skew = parse_real(a, value(), true);
+    else if (a == "--max-nodes") o.max_nodes = static_cast<int>(parse_number(a, value(), 0));
+    else if (a == "--ranks-per-node") o.ranks_per_node = static_cast<int>(parse_number(a, value(), 0));
     else {
       EPX_THROW(epx::errc::configuration, "unknown argument '", a, "' (see --help)");
     }
