@@ -39,6 +39,7 @@ namespace {
 struct options {
   std::string backend;
   int ranks = 4;
+  bool ranks_given = false;  // --ranks: the threads backend's size; under MPI it must be the job's
   std::size_t tokens = 1024, hidden = 1024;
   int experts = 8, top_k = 2, work = 16, repeats = 3;
 };
@@ -46,7 +47,8 @@ struct options {
 void usage(std::FILE* f) {
   std::fprintf(f,
                "usage: epx-overlap-example [--backend threads|mpi] [--ranks N] [--tokens N] [--hidden H] "
-               "[--experts E] [--top-k k] [--work W] [--repeats R]\n");
+               "[--experts E] [--top-k k] [--work W] [--repeats R]\n"
+               "--ranks: the threads backend's rank count (default 4); under mpirun the job's size\n");
 }
 
 options parse(int argc, char** argv) {
@@ -70,7 +72,10 @@ options parse(int argc, char** argv) {
     if (a == "--backend") {
       if (v != "threads" && v != "mpi") throw std::runtime_error("--backend expects threads or mpi, got '" + v + "'");
       o.backend = v;
-    } else if (a == "--ranks") o.ranks = static_cast<int>(num());
+    } else if (a == "--ranks") {
+      o.ranks = static_cast<int>(num());
+      o.ranks_given = true;
+    }
     else if (a == "--tokens") o.tokens = static_cast<std::size_t>(num());
     else if (a == "--hidden") o.hidden = static_cast<std::size_t>(num());
     else if (a == "--experts") o.experts = static_cast<int>(num());
@@ -140,6 +145,9 @@ micro_batch make_batch(const options& o, int rank, int index) {
 template <class Comm>
 int run(Comm& world, const options& o, const char* backend) {
   const int n = world.size();
+  if (o.ranks_given && o.ranks != n)
+    throw std::runtime_error("--ranks " + std::to_string(o.ranks) + " but the " + backend + " job has " +
+                             std::to_string(n) + " ranks");
   epx::mesh_config mc;
   mc.tp = 1;
   mc.fsdp = n;
