@@ -23,9 +23,10 @@
 // --balance bias every rank adds gamma * sign(mean load - load) to the selection bias, the
 // load summed over every batch of the job (routing::sum_over_batches).
 //
-// Per step the example prints the loss, the imbalance (max/mean of the pairs routed to
-// each expert over all batches), the pairs the capacity dropped, the nodes per token (mean
-// and max, from the layer's statistics) and the load of every expert.
+// Per step the example prints the loss (mean over the batches, auxiliary loss included),
+// the imbalance (max/mean of the pairs routed to each expert over all batches), the pairs
+// the capacity dropped, the nodes per token (mean and max, from the layer's statistics)
+// and the load of every expert.
 //
 // After the first step every number is compared with a float64 single-process computation
 // of the whole block over all batches (reference_step below: routing, node limit, capacity,
@@ -603,6 +604,9 @@ int train(Comm& world, const options& o, const char* backend) {
       loss += 0.5 * diff * diff / static_cast<double>(N * H);
       grad_out[i] = static_cast<float>(diff / static_cast<double>(N * H));
     }
+    // The loss the router's gradient is of: the auxiliary loss too with --balance aux.
+    if (o.balance == "aux")
+      loss += epx::routing::aux_loss(exec, logits.data(), N, E, epx::span<const std::int64_t>(load), o.aux_alpha);
     std::fill(experts.grads.begin(), experts.grads.end(), 0.0f);
     layer.backward(std::move(saved), epx::span<const float>(grad_out), epx::span<float>(grad_x),
                    epx::span<float>(grad_w), experts);
