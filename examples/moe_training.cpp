@@ -780,8 +780,10 @@ double parse_real(const std::string& flag, const std::string& v, bool zero = fal
 
 options parse(int argc, char** argv) {
   options o;
+  std::vector<std::string> given;  // the flags on the command line
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    given.push_back(a);
     auto value = [&]() -> std::string {
       if (i + 1 >= argc) EPX_THROW(epx::errc::configuration, a, " needs a value");
       return argv[++i];
@@ -834,6 +836,17 @@ options parse(int argc, char** argv) {
       EPX_THROW(epx::errc::configuration, "unknown argument '", a, "' (see --help)");
     }
   }
+  // A flag that would change nothing without another one is refused, not ignored.
+  const auto has = [&](const char* flag) { return std::find(given.begin(), given.end(), flag) != given.end(); };
+  for (const char* flag : {"--capacity-mode", "--drop-priority"})
+    if (has(flag) && o.capacity_factor <= 0.0)
+      EPX_THROW(epx::errc::configuration, flag, " needs a capacity (--capacity-factor X, X > 0)");
+  if (has("--aux-alpha") && o.balance != "aux")
+    EPX_THROW(epx::errc::configuration, "--aux-alpha needs --balance aux");
+  if (has("--bias-rate") && o.balance != "bias")
+    EPX_THROW(epx::errc::configuration, "--bias-rate needs --balance bias");
+  if (o.balance == "bias" && o.routing != "sigmoid_bias" && has("--routing"))
+    EPX_THROW(epx::errc::configuration, "--balance bias routes with sigmoid_bias, not --routing ", o.routing);
   epx::mesh check(o.mesh());  // validates the sizes with the mesh's own messages
   check.validate_top_k(o.top_k);
   return o;
