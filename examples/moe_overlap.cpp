@@ -171,6 +171,7 @@ int run(Comm& world, const options& o, const char* backend) {
   const auto run_experts = [&](epx::forward_handle<float>& h) { experts.forward(epx::exec::serial{}, h.inputs(), h.outputs().data()); };
 
   double best_fused = 1e300, best_split = 1e300;
+  float mismatches = 0;
   interval e0, d1, c0, e1, total;
   double experts_alone = 0;
   for (int rep = 0; rep < o.repeats; ++rep) {
@@ -225,13 +226,12 @@ int run(Comm& world, const options& o, const char* backend) {
     const double alone = ms_since(t0, clock_type::now());
     experts_alone = rep == 0 ? alone : std::min(experts_alone, alone);
     layer.combine(h, h.outputs(), epx::span<float>(solo));
+    // Every rank checks its outputs of every repetition; rank 0 reports for all.
+    for (int i = 0; i < 2; ++i)
+      if (std::memcmp(fused[i].data(), split[i].data(), NH * sizeof(float)) != 0) mismatches += 1;
+    if (std::memcmp(fused[0].data(), solo.data(), NH * sizeof(float)) != 0) mismatches += 1;
   }
 
-  // Every rank checks its outputs; rank 0 reports for all.
-  float mismatches = 0;
-  for (int i = 0; i < 2; ++i)
-    if (std::memcmp(fused[i].data(), split[i].data(), NH * sizeof(float)) != 0) mismatches += 1;
-  if (std::memcmp(fused[0].data(), solo.data(), NH * sizeof(float)) != 0) mismatches += 1;
   epx::all_reduce(world, epx::span<float>(&mismatches, 1));
   if (world.rank() == 0) {
     std::printf("backend %s, %d ranks, %zu tokens x H=%zu per micro-batch, %d experts, top-%d, work %d, best of %d\n",
