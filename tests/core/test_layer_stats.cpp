@@ -105,6 +105,84 @@ TEST_CASE("stats: per-peer rows, per-expert tokens and group load match the rout
   }
 }
 
+TEST_CASE("stats: with capacity, per-rank sends and the staged route, every figure agrees with the routing and the peers") {
+  // Each rank's rows_received from a peer are the rows that peer reports sent to it; the
+  // load figures count routed pairs (kept and dropped), tokens_per_local_expert the kept.
+  std::vector<layer_case> cases;
+  for (int v = 0; v < 6; ++v) {
+    layer_case c;
+    c.topology = v % 2 ? epx::mesh_config{2, 4, 1, 1, 4, 8, 0} : epx::mesh_config{1, 4, 1, 2, 4, 12, 0};
+    c.top_k = 2 + v % 2;
+    c.hidden = 4;
+    c.seed = 11 + static_cast<std::uint64_t>(v);
+    c.routing = v < 3 ? epx::test::routing_kind::uneven : epx::test::routing_kind::random;
+    c.rows = [v](int b) { return static_cast<std::size_t>((b + v) % 3 == 0 ? 0 : 5 + 2 * b); };
+    c.pad = {v % 2, 1 + v % 3};
+    c.capacity.mode = v == 3 ? epx::capacity_mode::off
+                     : v % 3 == 2 ? epx::capacity_mode::global
+                                  : epx::capacity_mode::local;
+    c.capacity.rows = 2;
+    c.capacity.priority = v % 2 ? epx::drop_priority::score : epx::drop_priority::position;
+    c.sends = v % 3 == 1 ? epx::row_sends::per_rank : epx::row_sends::per_slot;
+    c.peer_access = v % 2 == 0;
+    c.ranks_per_node = 2;
+    cases.push_back(c);
+  }
+  for (const auto& c : cases) {
+    CAPTURE(c.describe());
+    const epx::mesh m(c.topology);
+    const auto v = run_stats(c);
+    const int E = m.experts(), L = m.local_experts(), ep = m.ep(), k = c.top_k;
+    for (int r = 0; r < m.world(); ++r) {
+      CAPTURE(r);
+      const auto& s = v[static_cast<std::size_t>(r)].stats;
+      REQUIRE(v[static_cast<std::size_t>(r)].failures.empty());
+      REQUIRE(s.rows_received.size() == static_cast<std::size_t>(ep));
+      const auto members = m.group_members(epx::group_kind::ep, r);
+      std::vector<std::int64_t> routed(static_cast<std::size_t>(E), 0);
+      for (int g : members) {
+        const auto d = epx::test::make_batch<float>(c, m.batch(g));
+        const auto sl = epx::slice_bounds(c.rows_of(m.batch(g)), m.tp(), m.coords(g).tp);
+        for (std::size_t i = sl.begin * k; i < sl.end * k; ++i) ++routed[static_cast<std::size_t>(d.ids[i])];
+      }
+      CHECK(s.tokens_per_expert == routed);
+      std::int64_t dropped = 0, total = 0, mx = 0, rmx = 0, received = 0, kept = 0;
+      if (c.capacity.enabled()) REQUIRE(s.dropped_per_expert.size() == static_cast<std::size_t>(E));
+      else CHECK(s.dropped_per_expert.empty());
+      for (auto x : s.dropped_per_expert) dropped += x;
+      CHECK(s.dropped_pairs == dropped);
+      for (auto x : routed) {
+        total += x;
+        mx = std::max(mx, x);
+      }
+      for (int q = 0; q < ep; ++q) {
+        std::int64_t rs = 0;
+        for (int l = 0; l < L; ++l) rs += routed[static_cast<std::size_t>(q * L + l)];
+        rmx = std::max(rmx, rs);
+      }
+      CHECK(s.max_expert_load == doctest::Approx(static_cast<double>(mx)));
+      CHECK(s.mean_expert_load == doctest::Approx(static_cast<double>(total) / E));
+      CHECK(s.max_rank_load == doctest::Approx(static_cast<double>(rmx)));
+      CHECK(s.mean_rank_load == doctest::Approx(static_cast<double>(total) / ep));
+      for (int l = 0; l < L; ++l) {
+        const auto e = static_cast<std::size_t>(m.ep_rank(r) * L + l);
+        const auto got = s.tokens_per_local_expert[static_cast<std::size_t>(l)];
+        CHECK(got == routed[e] - (s.dropped_per_expert.empty() ? 0 : s.dropped_per_expert[e]));
+        CHECK(s.padding_per_local_expert[static_cast<std::size_t>(l)] ==
+              static_cast<std::int64_t>(c.pad.padded_rows(static_cast<std::size_t>(got))) - got);
+        kept += got;
+      }
+      for (int q = 0; q < ep; ++q) {
+        const auto& peer = v[static_cast<std::size_t>(members[static_cast<std::size_t>(q)])].stats;
+        CHECK(s.rows_received[static_cast<std::size_t>(q)] == peer.rows_sent[static_cast<std::size_t>(m.ep_rank(r))]);
+        received += s.rows_received[static_cast<std::size_t>(q)];
+      }
+      if (c.sends == epx::row_sends::per_slot) CHECK(received == kept);
+      else CHECK(received <= kept);
+    }
+  }
+}
+
 TEST_CASE("stats: the masked all-reduce path reports its path and no rows moved") {
   layer_case c;
   c.topology = epx::mesh_config{2, 2, 1, 1, 2, 4, 0};
