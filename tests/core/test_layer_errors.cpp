@@ -485,4 +485,109 @@ TEST_CASE("a backward that the group rejects for bad sizes keeps the saved state
   }
 }
 
+namespace {
+// Two training forwards (micro-batches 0 and 1, different rows and routing), then their
+// backwards; on the first try rank `odd` takes back call 1 where the others take back call
+// 0. Every rank must raise errc::input (the layouts of the two calls differ: nothing may be
+// read through the wrong one) and keep both states; backward in the same order on every
+// rank must then give bitwise the results of one forward and backward per micro-batch.
+template <class Impl>
+void check_backward_of_different_calls(layer_case c, bool split, int odd) {
+  CAPTURE(c.describe());
+  CAPTURE(split);
+  const int world = c.topology.tp * c.topology.fsdp;
+  std::vector<std::string> failures(static_cast<std::size_t>(world));
+  epx::threads::options opts;
+  opts.timeout = std::chrono::seconds(20);
+  epx::threads::run(
+      world,
+      [&](comm_t& comm) {
+        std::string& f = failures[static_cast<std::size_t>(comm.rank())];
+        const epx::mesh m(c.topology);
+        const int rank = comm.rank();
+        const std::size_t H = static_cast<std::size_t>(c.hidden), k = static_cast<std::size_t>(c.top_k);
+        const auto global = epx::ref::linear_experts::random(c.topology.experts, c.hidden, 77);
+        epx::ref::test_linear_experts<float> experts(global, m.ep_rank(rank), m.local_experts());
+        struct micro {
+          epx::test::batch_data d;
+          std::vector<float> x, w, go, out, gx, gw;
+        };
+        std::vector<micro> mb(2);
+        for (int i = 0; i < 2; ++i) {
+          layer_case ci = c;
+          ci.seed = c.seed + static_cast<std::uint64_t>(i);
+          ci.rows = [](int b) { return static_cast<std::size_t>(8 + b); };
+          micro& u = mb[static_cast<std::size_t>(i)];
+          u.d = epx::test::make_batch<float>(ci, m.batch(rank));
+          u.x.assign(u.d.x.begin(), u.d.x.end());
+          u.w.assign(u.d.w.begin(), u.d.w.end());
+          u.go.assign(u.d.grad_out.begin(), u.d.grad_out.end());
+          const std::size_t N = u.x.size() / H;
+          u.out.resize(N * H);
+          u.gx.resize(N * H);
+          u.gw.resize(N * k);
+        }
+        using layer_t = epx::moe_layer<comm_t, float, Impl, epx::test::test_exec>;
+        const auto forward = [&](layer_t& layer, micro& u) {
+          return layer.forward(epx::span<const float>(u.x), epx::span<const std::int32_t>(u.d.ids),
+                               epx::span<const float>(u.w), epx::span<float>(u.out), experts, epx::mode::train);
+        };
+        const auto backward = [&](layer_t& layer, epx::saved_state<float>& s, micro& u) {
+          if (!split) {
+            layer.backward(std::move(s), epx::span<const float>(u.go), epx::span<float>(u.gx), epx::span<float>(u.gw),
+                           experts);
+            return;
+          }
+          auto g = layer.backward_dispatch_start(std::move(s), epx::span<const float>(u.go), epx::span<float>(u.gw));
+          layer.backward_dispatch_wait(g);
+          experts.backward(epx::test::test_exec{}, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());
+          layer.backward_combine(g, epx::span<const float>(g.grad_inputs().data(), g.grad_inputs().size()),
+                                 epx::span<float>(u.gx));
+        };
+        try {
+          // One forward and backward per micro-batch: what the two calls must give.
+          layer_t single(m, comm, epx::test::options_for(c));
+          std::vector<micro> want = mb;
+          for (auto& u : want) {
+            auto s = forward(single, u);
+            backward(single, s, u);
+          }
+          layer_t layer(m, comm, epx::test::options_for(c));
+          epx::saved_state<float> saved[2] = {forward(layer, mb[0]), forward(layer, mb[1])};
+          const int first = rank == odd ? 1 : 0;
+          const raised r =
+              epx::test::capture([&] { backward(layer, saved[first], mb[static_cast<std::size_t>(first)]); });
+          if (!r.thrown || r.category != epx::errc::input ||
+              r.message.find("different forward calls") == std::string::npos)
+            f += "backward of different calls: '" + r.message + "'; ";
+          if (saved[0].empty() || saved[1].empty()) f += "a rejected backward consumed a saved state; ";
+          for (int i : {1, 0}) backward(layer, saved[i], mb[static_cast<std::size_t>(i)]);
+          for (int i = 0; i < 2; ++i) {
+            const micro &u = mb[static_cast<std::size_t>(i)], &v = want[static_cast<std::size_t>(i)];
+            if (u.gx != v.gx || u.gw != v.gw)
+              f += epx::detail::concat("micro-batch ", i, ": gradients differ from one call per micro-batch; ");
+          }
+        } catch (const std::exception& e) {
+          f += std::string("raised: ") + e.what();
+        }
+      },
+      opts);
+  for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+}
+}  // namespace
+
+TEST_CASE("backward of different forward calls on the ranks of a group raises on every rank and keeps the states") {
+  for (bool split : {false, true}) {
+    for (bool direct : {true, false}) {
+      auto c = small(2, 2, 4);  // one EP group of 4, tp = 2
+      c.peer_access = direct;
+      check_backward_of_different_calls<epx::impl::all_to_all>(c, split, 3);
+      auto d = small(1, 2, 2, 4, 2);  // tp = 1: the ranks' rows differ
+      d.peer_access = direct;
+      check_backward_of_different_calls<epx::impl::all_to_all>(d, split, 1);
+    }
+    check_backward_of_different_calls<epx::impl::all_reduce>(small(4, 1, 4), split, 2);  // the masked path
+  }
+}
+
 }  // namespace test_layer_errors_cpp

@@ -181,7 +181,7 @@ class all_reduce_impl {
       reject_saved_state(*ctx_.ep, a, why, ctx_.rank, ctx_.ep_size());
     {
       const auto& s0 = saved.template get<state<T, Exec>>();
-      exchange_backward_status(*ctx_.ep, a, s0.rows, s0.hidden, s0.top_k, ctx_.rank, ctx_.ep_size());
+      exchange_backward_status(*ctx_.ep, a, s0.rows, s0.hidden, s0.top_k, ctx_.rank, ctx_.ep_size(), saved.call());
     }
     auto& b = flight.template emplace<backward_state<T, Exec>>();
     b.forward = std::move(saved);

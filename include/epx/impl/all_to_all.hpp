@@ -490,7 +490,7 @@ class all_to_all_impl {
       reject_saved_state(*ctx_.ep, a, why, ctx_.rank, tp);
     {
       const auto& s0 = saved.template get<state<T, Exec>>();
-      exchange_backward_status(*ctx_.ep, a, s0.rows, s0.hidden, s0.top_k, ctx_.rank, tp);
+      exchange_backward_status(*ctx_.ep, a, s0.rows, s0.hidden, s0.top_k, ctx_.rank, tp, saved.call());
     }
     auto& b = flight.template emplace<backward_state<T, Exec>>();
     b.forward = std::move(saved);

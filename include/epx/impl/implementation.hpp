@@ -163,7 +163,13 @@ class saved_state {
   void reset() noexcept {
     state_.reset();
     type_ = nullptr;
+    call_ = 0;
   }
+  // The number of the forward call that made it, counted per layer on every rank of the
+  // group (set by the layer; 0 when unset): backward checks that the ranks of a group take
+  // back the same call.
+  std::uint64_t call() const noexcept { return call_; }
+  void set_call(std::uint64_t n) noexcept { call_ = n; }
 
  private:
   using holder = std::unique_ptr<void, void (*)(void*) noexcept>;
@@ -174,6 +180,7 @@ class saved_state {
   }
   holder state_{nullptr, [](void*) noexcept {}};
   const void* type_ = nullptr;
+  std::uint64_t call_ = 0;
 };
 
 // The experts' side of one dispatched call (split phase): the expert-major rows they

@@ -154,9 +154,11 @@ class moe_layer {
                                                        {"routing weights have", weights.size(), N, k, "N*k"},
                                                        {"out has", out.size(), N, H, "N*H"}});
     set_shape(a, N, msg);
+    const std::uint64_t serial = ++forward_starts_;
     saved_state<T> saved;
     const long long syncs = detail::host_syncs_on_this_thread();
     impl_->forward(exec_, a, experts, m == mode::train ? &saved : nullptr);
+    saved.set_call(serial);
     stats_->host_syncs = detail::host_syncs_on_this_thread() - syncs;
     stats_->calls += 1;
     if (stats_->path == nullptr || stats_->path[0] == '\0') stats_->path = detail::impl_name<impl_type>::value;
@@ -265,6 +267,7 @@ class moe_layer {
     stats_->host_syncs = h.call_.host_syncs;
     stats_->calls += 1;
     if (stats_->path == nullptr || stats_->path[0] == '\0') stats_->path = detail::impl_name<impl_type>::value;
+    h.saved_.set_call(h.call_.serial);
     return std::move(h.saved_);
   }
   saved_state<T> combine(forward_handle<T>& h, span<const T> expert_outputs, span<T> out) {
@@ -545,7 +548,9 @@ class moe_layer {
   std::shared_ptr<void> bound_;  // bounded mode: detail::bound_buffers<T, Exec>
   std::unique_ptr<impl_type> impl_;
   std::uint64_t id_ = 0;  // names the layer in its split-phase handles
-  std::uint64_t forward_starts_ = 0, backward_starts_ = 0;  // split calls started (their serials)
+  // Calls started, per direction: forward counts fused calls and split starts (the number
+  // of each, the same on every rank of the group, stamps its saved state), backward split starts.
+  std::uint64_t forward_starts_ = 0, backward_starts_ = 0;
   int rank_ = 0;          // in the world
 };
 

@@ -226,19 +226,31 @@ std::string backward_shape_error(const Args& a, std::size_t rows, std::size_t hi
 }
 
 // Backward's agreement check: this rank's status (its own, or 1 when the backward shapes
-// differ from the forward call's), exchanged over the EP group so that every rank raises
-// together. `tp`: as for exchange_records.
+// differ from the forward call's) and the number of the forward call whose state it takes
+// back (saved_state::call), exchanged over the EP group so that every rank raises
+// together: errc::input when a status fails, or when the ranks take back different calls
+// (their layouts differ: the rows would be read in the wrong places). `tp`: as for
+// exchange_records.
 template <class Comm, class Args>
 void exchange_backward_status(Comm& comm, const Args& a, std::size_t rows, std::size_t hidden,
-                              int top_k, int world_rank, int tp) {
+                              int top_k, int world_rank, int tp, std::uint64_t call = 0) {
   std::int64_t status = a.status;
   std::string msg = a.status_message;
   if (status == 0) {
     msg = backward_shape_error(a, rows, hidden, top_k);
     status = msg.empty() ? 0 : 1;
   }
-  exchange_records(comm, status, a.rows, a.hidden, a.top_k, world_rank, nullptr, 0, msg, "moe_layer backward",
-                   tp);
+  const auto mine = static_cast<std::int64_t>(call);
+  const group_records g = exchange_records(comm, status, a.rows, a.hidden, a.top_k, world_rank, &mine, 1, msg,
+                                           "moe_layer backward", tp);
+  for (int r = 1; r < g.size; ++r)
+    if (g.counts(r)[0] != g.counts(0)[0])
+      throw error(errc::input,
+                  concat("moe_layer backward: the ranks of the expert-parallel group take back different forward "
+                         "calls: rank ", g.world_rank(0), " passes the saved state of the layer's forward call ",
+                         g.counts(0)[0], ", rank ", g.world_rank(r), " that of call ", g.counts(r)[0],
+                         " (every rank must take back the same call: backward in the same order on every rank)"),
+                  EPX_HERE);
 }
 
 // Backward's agreement check when this rank's saved state is unusable (`why`,
