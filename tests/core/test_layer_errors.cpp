@@ -428,6 +428,62 @@ TEST_CASE("saved state: inference keeps nothing; backward of an empty state rais
   CHECK(true);
 }
 
+TEST_CASE("saved state: backward of a state that another layer made raises on every rank and keeps it") {
+  // Layers a (E = 8) and b (E = 4) on one mesh shape: b would read a's layout with its own
+  // number of local experts.
+  for (int variant = 0; variant < 4; ++variant) {
+    CAPTURE(variant);
+    const bool masked = variant == 2, bounded = variant == 3;
+    const int world = 2;
+    std::vector<std::string> failures(world);
+    epx::threads::run(world, [&](comm_t& comm) {
+      std::string& f = failures[static_cast<std::size_t>(comm.rank())];
+      // tp = 2 = ep for the masked path, else fsdp = 2, ep = 2.
+      const epx::mesh_config ma =
+          masked ? epx::mesh_config{2, 1, 1, 1, 2, 8, 0} : epx::mesh_config{1, 2, 1, 1, 2, 8, 0};
+      epx::mesh_config mb = ma;
+      mb.experts = 4;
+      epx::layer_options o;
+      o.hidden = 4;
+      o.top_k = 2;
+      o.peer_access = variant == 0;
+      if (bounded) {
+        o.counts = epx::count_exchange::device;
+        o.bound.cap = 16;
+      }
+      const auto run = [&](auto impl) {
+        using layer_t = epx::moe_layer<comm_t, float, decltype(impl), epx::test::test_exec>;
+        layer_t a(epx::mesh(ma), comm, o), b(epx::mesh(mb), comm, o);
+        nothing_experts ex;
+        const std::size_t N = 6;
+        std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), out(N * 4), gx(N * 4), gw(N * 2);
+        std::vector<std::int32_t> ids(N * 2);
+        for (std::size_t t = 0; t < N; ++t) {
+          ids[2 * t] = static_cast<std::int32_t>(t % 8);
+          ids[2 * t + 1] = static_cast<std::int32_t>((t + 3) % 8);
+        }
+        auto s = a.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                           epx::span<float>(out), ex, epx::mode::train);
+        const raised r = epx::test::capture([&] {
+          b.backward(std::move(s), epx::span<const float>(out), epx::span<float>(gx), epx::span<float>(gw), ex);
+        });
+        if (!r.thrown || r.category != epx::errc::input || r.message.find("another layer") == std::string::npos)
+          f += "backward of another layer's state: '" + r.message + "'; ";
+        if (bounded) return;  // the bounded mode consumes a state it cannot use
+        if (s.empty()) f += "the rejected state was consumed; ";
+        a.backward(std::move(s), epx::span<const float>(out), epx::span<float>(gx), epx::span<float>(gw), ex);
+      };
+      try {
+        if (masked) run(epx::impl::all_reduce{});
+        else run(epx::impl::all_to_all{});
+      } catch (const std::exception& e) {
+        f += std::string("raised: ") + e.what();
+      }
+    });
+    for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+  }
+}
+
 TEST_CASE("a backward that the group rejects for bad sizes keeps the saved states: the retry gives the fused result") {
   const auto c = small(2, 2, 4);  // world 4, one EP group
   for (bool split : {false, true}) {

@@ -177,7 +177,7 @@ class all_reduce_impl {
                                          saved_state<T>& flight) {
     require_unbounded(ctx_, "backward_dispatch");
     // As all_to_all's: the checks before the state is moved out of `saved`.
-    if (const char* why = saved.template unusable_as<state<T, Exec>>(); *why)
+    if (const char* why = saved.template unusable_as<state<T, Exec>>(ctx_.layer); *why)
       reject_saved_state(*ctx_.ep, a, why, ctx_.rank, ctx_.ep_size());
     {
       const auto& s0 = saved.template get<state<T, Exec>>();

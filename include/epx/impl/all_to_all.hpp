@@ -486,7 +486,7 @@ class all_to_all_impl {
     const int L = ctx_.local_experts(), tp = ctx_.tp_size(), me = ctx_.ep_rank();
     // Every rank checks its input (and its state) before the state is moved out of `saved`:
     // a call that the group rejects leaves the states for a retry.
-    if (const char* why = saved.template unusable_as<state<T, Exec>>(); *why)
+    if (const char* why = saved.template unusable_as<state<T, Exec>>(ctx_.layer); *why)
       reject_saved_state(*ctx_.ep, a, why, ctx_.rank, tp);
     {
       const auto& s0 = saved.template get<state<T, Exec>>();

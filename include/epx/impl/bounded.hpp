@@ -488,7 +488,7 @@ class bounded_route {
 
   template <class T, class Exec, class Experts>
   void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
-    if (const char* why = saved.template unusable_as<state<T, Exec>>(); *why) return join_without_state(ex, a, why);
+    if (const char* why = saved.template unusable_as<state<T, Exec>>(ctx_.layer); *why) return join_without_state(ex, a, why);
     auto& s = saved.template get<state<T, Exec>>();
     auto& b = *static_cast<bound_buffers<T, Exec>*>(ctx_.bound);
     const layout::bound_shape& sh = b.shape;

@@ -161,7 +161,7 @@ class bounded_masked_route {
   template <class T, class Exec, class Experts>
   void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
     auto& b = *static_cast<bound_buffers<T, Exec>*>(ctx_.bound);
-    if (const char* why = saved.template unusable_as<state<T, Exec>>(); *why) {
+    if (const char* why = saved.template unusable_as<state<T, Exec>>(ctx_.layer); *why) {
       // No state: count a shape failure, join both sums with zeros, raise (as bad shapes do).
       exec::for_each_n(ex, 1, layout::bound_shape_failed{b.counters.data()});
       order_before_collective(ex, *ctx_.ep);

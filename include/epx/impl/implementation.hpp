@@ -83,6 +83,7 @@ struct layer_context {
   // Bounded mode: the layer's fixed buffers (detail::bound_buffers<T, Exec> of
   // epx/impl/bounded.hpp, made by the layer at construction); null otherwise.
   void* bound = nullptr;
+  std::uint64_t layer = 0;    // the layer's id: backward refuses the saved states of other layers
 
   int ep_size() const noexcept { return topology->ep(); }
   int tp_size() const noexcept { return topology->tp(); }
@@ -145,13 +146,16 @@ class saved_state {
   bool holds() const noexcept {
     return state_ != nullptr && type_ == type_id<S>();
   }
-  // Why this state cannot serve a backward that needs an S ("" when it can).
+  // Why this state cannot serve a backward that needs an S ("" when it can); `layer`, when
+  // not 0, the id of the layer that takes it back (layer_context::layer).
   template <class S>
-  const char* unusable_as() const noexcept {
+  const char* unusable_as(std::uint64_t layer = 0) const noexcept {
     if (empty())
       return "backward needs the saved state of a training forward (this one is empty: an inference call, already "
              "consumed by backward, or default-constructed)";
     if (!holds<S>()) return "the saved state was made by a different implementation";
+    if (layer != 0 && layer_ != 0 && layer_ != layer)
+      return "the saved state was made by another layer (each layer takes back only its own forward calls)";
     return "";
   }
   template <class S>
@@ -163,13 +167,18 @@ class saved_state {
   void reset() noexcept {
     state_.reset();
     type_ = nullptr;
+    layer_ = 0;
     call_ = 0;
   }
-  // The number of the forward call that made it, counted per layer on every rank of the
-  // group (set by the layer; 0 when unset): backward checks that the ranks of a group take
-  // back the same call.
+  // Set by the layer (0 when unset): the id of the layer that made it, and the number of its
+  // forward call, counted per layer on every rank of the group. Backward takes back only
+  // its own layer's states, and checks that the ranks of a group take back the same call.
+  std::uint64_t layer() const noexcept { return layer_; }
   std::uint64_t call() const noexcept { return call_; }
-  void set_call(std::uint64_t n) noexcept { call_ = n; }
+  void stamp(std::uint64_t layer, std::uint64_t call) noexcept {
+    layer_ = layer;
+    call_ = call;
+  }
 
  private:
   using holder = std::unique_ptr<void, void (*)(void*) noexcept>;
@@ -180,6 +189,7 @@ class saved_state {
   }
   holder state_{nullptr, [](void*) noexcept {}};
   const void* type_ = nullptr;
+  std::uint64_t layer_ = 0;
   std::uint64_t call_ = 0;
 };
 

@@ -158,7 +158,7 @@ class moe_layer {
     saved_state<T> saved;
     const long long syncs = detail::host_syncs_on_this_thread();
     impl_->forward(exec_, a, experts, m == mode::train ? &saved : nullptr);
-    saved.set_call(serial);
+    saved.stamp(id_, serial);
     stats_->host_syncs = detail::host_syncs_on_this_thread() - syncs;
     stats_->calls += 1;
     if (stats_->path == nullptr || stats_->path[0] == '\0') stats_->path = detail::impl_name<impl_type>::value;
@@ -168,10 +168,11 @@ class moe_layer {
   // grad_out: [N, H]; grad_x: [N, H]; grad_weights: [N, k] (both fully written, per batch,
   // unscaled). The user's experts accumulate their parameter gradients; reduce them with
   // epx/grad/hooks.hpp. Consumes the saved state, except when every rank of the group
-  // raises at the call's input check (bad sizes on some rank; in the normal mode): then
-  // the states stay, and the call may be made again. An empty or foreign state on one rank
-  // raises errc::input on every rank of the group (bounded mode: on that rank; the others
-  // at their next check()).
+  // raises at the call's input check (bad sizes on some rank, or ranks that take back
+  // different forward calls; in the normal mode): then the states stay, and the call may
+  // be made again. An empty or foreign state (another implementation's or another layer's)
+  // on one rank raises errc::input on every rank of the group (bounded mode: on that rank;
+  // the others at their next check()).
   template <class Experts>
   void backward(saved_state<T>&& saved, span<const T> grad_out, span<T> grad_x, span<float> grad_weights,
                 Experts& experts) {
@@ -267,7 +268,7 @@ class moe_layer {
     stats_->host_syncs = h.call_.host_syncs;
     stats_->calls += 1;
     if (stats_->path == nullptr || stats_->path[0] == '\0') stats_->path = detail::impl_name<impl_type>::value;
-    h.saved_.set_call(h.call_.serial);
+    h.saved_.stamp(id_, h.call_.serial);
     return std::move(h.saved_);
   }
   saved_state<T> combine(forward_handle<T>& h, span<const T> expert_outputs, span<T> out) {
@@ -530,6 +531,7 @@ class moe_layer {
     ctx.tp = tp_.get();
     ctx.options = options_;
     ctx.stats = stats_.get();
+    ctx.layer = id_;
     if (options_.counts == count_exchange::device) {
       bound_ = std::make_shared<detail::bound_buffers<T, Exec>>(exec_, *mesh_, options_,
                                                                 detail::bounded_masked_impl<impl_type>::value);
@@ -547,7 +549,7 @@ class moe_layer {
   std::unique_ptr<layer_stats> stats_;
   std::shared_ptr<void> bound_;  // bounded mode: detail::bound_buffers<T, Exec>
   std::unique_ptr<impl_type> impl_;
-  std::uint64_t id_ = 0;  // names the layer in its split-phase handles
+  std::uint64_t id_ = 0;  // names the layer in its split-phase handles and saved states
   // Calls started, per direction: forward counts fused calls and split starts (the number
   // of each, the same on every rank of the group, stamps its saved state), backward split starts.
   std::uint64_t forward_starts_ = 0, backward_starts_ = 0;
