@@ -470,6 +470,11 @@ TEST_CASE("divisibility and world rules name the offending values") {
   check_config_error(w, "world size (8) must equal pp_size*dp_replicate_size*fsdp_size*tp_size (2*1*4*2 = 16)");
   check_config_error(cfg(1 << 16, 1 << 16, 1, 1, 1, 1),
                      "world size pp*dp_replicate*fsdp*tp (4294967296) is too large");
+  // Products beyond a long long (2^64 wraps to 0, 2^80 too) are too large as well, never a mesh of world 0.
+  check_config_error(cfg(1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16),
+                     "world size pp*dp_replicate*fsdp*tp (65536*65536*65536*65536) is too large");
+  check_config_error(cfg(1 << 20, 1 << 20, 1 << 20, 1 << 20, 1 << 20, 1 << 20),
+                     "world size pp*dp_replicate*fsdp*tp (1048576*1048576*1048576*1048576) is too large");
 }
 
 TEST_CASE("top-k and communicator size are validated against the mesh") {

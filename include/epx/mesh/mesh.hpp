@@ -7,7 +7,9 @@
 #pragma once
 
 #include <array>
+#include <climits>
 #include <cstddef>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -66,9 +68,16 @@ class mesh {
                                                  {"ep_size", c.ep},     {"num_experts", c.experts}};
     for (const auto& [name, v] : sizes)
       EPX_REQUIRE(v >= 1, errc::configuration, name, " (", v, ") must be at least 1");
-    const long long product = 1LL * c.pp * c.dp_replicate * c.fsdp * c.tp;
-    EPX_REQUIRE(product <= (1LL << 30), errc::configuration, "world size pp*dp_replicate*fsdp*tp (",
-                product, ") is too large");
+    // Factor by factor: four sizes of up to 2^31 - 1 overflow even a long long.
+    long long product = 1;
+    bool fits = true;
+    for (const int v : {c.pp, c.dp_replicate, c.fsdp, c.tp}) {
+      fits = fits && product <= LLONG_MAX / v;
+      if (fits) product *= v;
+    }
+    EPX_REQUIRE(fits && product <= (1LL << 30), errc::configuration, "world size pp*dp_replicate*fsdp*tp (",
+                fits ? std::to_string(product) : detail::concat(c.pp, "*", c.dp_replicate, "*", c.fsdp, "*", c.tp),
+                ") is too large");
     EPX_REQUIRE(c.world == 0 || c.world == product, errc::configuration, "world size (", c.world,
                 ") must equal pp_size*dp_replicate_size*fsdp_size*tp_size (", c.pp, "*",
                 c.dp_replicate, "*", c.fsdp, "*", c.tp, " = ", product, ")");
