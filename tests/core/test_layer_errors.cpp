@@ -295,6 +295,35 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
       CHECK(x.message.find("rank 3 has num_experts=4 but rank 0 has num_experts=8") != std::string::npos);
     }
   }
+  SUBCASE("the ranks disagree on the element type, also of one size (bf16 and fp16)") {
+    // Without the agreement a float rank and a double rank overflow a heap buffer in forward.
+    const epx::mesh_config mc{1, 2, 1, 1, 2, 4, 0};
+    std::vector<raised> seen(4);
+    epx::threads::run(4, [&](comm_t& comm) {
+      const int r = comm.rank();
+      seen[static_cast<std::size_t>(r)] = epx::test::capture([&] {
+        // Ranks 0, 1: float and double; ranks 2, 3: bf16 and fp16 (two worlds of two).
+        epx::threads::communicator pair = comm.split(r / 2, r % 2);
+        const epx::mesh m(mc);
+        if (r == 0) epx::moe_layer<comm_t, float> layer(m, pair, o);
+        if (r == 1) epx::moe_layer<comm_t, double> layer(m, pair, o);
+        if (r == 2) epx::moe_layer<comm_t, epx::bf16> layer(m, pair, o);
+        if (r == 3) epx::moe_layer<comm_t, epx::fp16> layer(m, pair, o);
+      });
+    });
+    const char* want[] = {"rank 1 has element type (1 float, 2 double, 3 bf16, 4 fp16)=2 but rank 0 has "
+                          "element type (1 float, 2 double, 3 bf16, 4 fp16)=1",
+                          "rank 1 has element type (1 float, 2 double, 3 bf16, 4 fp16)=4 but rank 0 has "
+                          "element type (1 float, 2 double, 3 bf16, 4 fp16)=3"};
+    for (int r = 0; r < 4; ++r) {
+      const auto& x = seen[static_cast<std::size_t>(r)];
+      CAPTURE(r);
+      CAPTURE(x.message);
+      REQUIRE(x.thrown);
+      CHECK(x.category == epx::errc::configuration);
+      CHECK(x.message.find(want[r / 2]) != std::string::npos);
+    }
+  }
   SUBCASE("one rank's own configuration is bad: every rank hears it") {
     std::vector<raised> seen(4);
     epx::threads::run(4, [&](comm_t& comm) {

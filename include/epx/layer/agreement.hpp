@@ -2,7 +2,8 @@
 //
 // A layer whose ranks disagree on the mesh or the options would move rows by different
 // layouts: a buffer overflow or silently zero rows. At construction every rank contributes
-// one small record (its world rank, the mesh, the options and its own verdict on them) to
+// one small record (its world rank, the mesh, the options, the rows' element type and its
+// own verdict on them) to
 // an all_gather over a communicator (detail::all_gather_host: through device copies on a
 // device communicator); every rank compares all records with
 // the first one and, on any difference, raises epx::error(errc::configuration) naming the
@@ -13,11 +14,13 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "epx/comm/collectives.hpp"
 #include "epx/comm/host_arrays.hpp"
 #include "epx/core/error.hpp"
+#include "epx/core/numeric.hpp"
 #include "epx/core/span.hpp"
 #include "epx/impl/options.hpp"
 #include "epx/mesh/mesh.hpp"
@@ -35,9 +38,21 @@ inline std::int64_t double_bits(double v) {
   return b;
 }
 
+// The element type of the rows as a record value: 1 float, 2 double, 3 bf16, 4 fp16
+// (bf16 and fp16 have one size, so the size alone would not tell them apart).
+template <class T>
+constexpr std::int64_t element_type_code() noexcept {
+  return std::is_same_v<T, float> ? 1 : std::is_same_v<T, double> ? 2 : std::is_same_v<T, bf16> ? 3
+         : std::is_same_v<T, fp16> ? 4 : 0;
+}
+
 // The fields that must agree, in a fixed order (world_rank, first, is for messages only).
-inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_options& o, int world_rank) {
+// `element_type`: element_type_code<T>() of the layer's T (0 where the caller agrees on the
+// type itself).
+inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_options& o, int world_rank,
+                                                    std::int64_t element_type = 0) {
   return {{"world_rank", world_rank},
+          {"element type (1 float, 2 double, 3 bf16, 4 fp16)", element_type},
           {"tp", m.tp()},
           {"fsdp", m.fsdp()},
           {"ep", m.ep()},
@@ -68,11 +83,12 @@ inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_o
 // Collective over `comm`: raises errc::configuration on every rank of comm when a rank
 // found its own configuration wrong (`local_error` non-empty: the mesh against its
 // communicator, the options against the mesh), or when two ranks differ in any field of
-// layer_record. `where` names the communicator in the message.
+// layer_record. `where` names the communicator in the message; `element_type` as in
+// layer_record.
 template <class Comm>
 void agree_on_layer(Comm& comm, const mesh& m, const layer_options& o, int world_rank, const char* where,
-                    const std::string& local_error = {}) {
-  auto fields = layer_record(m, o, world_rank);
+                    const std::string& local_error = {}, std::int64_t element_type = 0) {
+  auto fields = layer_record(m, o, world_rank, element_type);
   fields.push_back({"status", local_error.empty() ? 0 : 1});
   const std::size_t F = fields.size();
   const auto P = static_cast<std::size_t>(comm.size());
