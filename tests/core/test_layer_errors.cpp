@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <functional>
 #include <string>
 #include <vector>
@@ -311,10 +312,8 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
         if (r == 3) epx::moe_layer<comm_t, epx::fp16> layer(m, pair, o);
       });
     });
-    const char* want[] = {"rank 1 has element type (1 float, 2 double, 3 bf16, 4 fp16)=2 but rank 0 has "
-                          "element type (1 float, 2 double, 3 bf16, 4 fp16)=1",
-                          "rank 1 has element type (1 float, 2 double, 3 bf16, 4 fp16)=4 but rank 0 has "
-                          "element type (1 float, 2 double, 3 bf16, 4 fp16)=3"};
+    const char* want[] = {"rank 1 has element type T=double but rank 0 has element type T=float",
+                          "rank 1 has element type T=fp16 but rank 0 has element type T=bf16"};
     for (int r = 0; r < 4; ++r) {
       const auto& x = seen[static_cast<std::size_t>(r)];
       CAPTURE(r);
@@ -322,6 +321,28 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
       REQUIRE(x.thrown);
       CHECK(x.category == epx::errc::configuration);
       CHECK(x.message.find(want[r / 2]) != std::string::npos);
+    }
+  }
+  SUBCASE("the ranks disagree on the capacity factor: the message shows both values") {
+    epx::layer_options p = o;
+    p.capacity.mode = epx::capacity_mode::local;
+    std::vector<raised> seen(3);
+    epx::threads::run(3, [&](comm_t& comm) {
+      seen[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
+        const epx::mesh m(epx::mesh_config{1, 3, 1, 1, 3, 6, 0});
+        epx::layer_options mine = p;
+        // 1.1 and the next double after it: two values, two texts.
+        mine.capacity.factor = comm.rank() == 0 ? 1.5 : comm.rank() == 1 ? 1.1 : std::nextafter(1.1, 2.0);
+        epx::moe_layer<comm_t, float> layer(m, comm, mine);
+      });
+    });
+    for (const auto& x : seen) {
+      CAPTURE(x.message);
+      REQUIRE(x.thrown);
+      CHECK(x.category == epx::errc::configuration);
+      CHECK(x.message.find("rank 1 has capacity.factor=1.1 but rank 0 has capacity.factor=1.5") != std::string::npos);
+      CHECK(x.message.find("rank 2 has capacity.factor=1.1000000000000003 but rank 0 has capacity.factor=1.5") !=
+            std::string::npos);
     }
   }
   SUBCASE("one rank's own configuration is bad: every rank hears it") {

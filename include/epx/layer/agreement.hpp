@@ -12,6 +12,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -27,9 +29,13 @@
 
 namespace epx::detail {
 
+// How a field's value reads in a message.
+enum class record_format : int { integer, double_bits, element_type };
+
 struct layer_record_field {
   const char* name;
   std::int64_t value;
+  record_format format = record_format::integer;
 };
 
 inline std::int64_t double_bits(double v) {
@@ -46,13 +52,33 @@ constexpr std::int64_t element_type_code() noexcept {
          : std::is_same_v<T, fp16> ? 4 : 0;
 }
 
+// A field's value as a message shows it: a double as the shortest text that reads back to
+// its bits, an element type by its name.
+inline std::string record_text(record_format f, std::int64_t v) {
+  if (f == record_format::double_bits) {
+    double d = 0.0;
+    std::memcpy(&d, &v, sizeof d);
+    char text[40] = {};
+    for (int digits = 1; digits <= 17; ++digits) {
+      std::snprintf(text, sizeof text, "%.*g", digits, d);
+      if (double_bits(std::strtod(text, nullptr)) == v) break;
+    }
+    return text;
+  }
+  if (f == record_format::element_type) {
+    const char* names[] = {"unknown", "float", "double", "bf16", "fp16"};
+    return v >= 0 && v <= 4 ? names[v] : std::to_string(v);
+  }
+  return std::to_string(v);
+}
+
 // The fields that must agree, in a fixed order (world_rank, first, is for messages only).
 // `element_type`: element_type_code<T>() of the layer's T (0 where the caller agrees on the
 // type itself).
 inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_options& o, int world_rank,
                                                     std::int64_t element_type = 0) {
   return {{"world_rank", world_rank},
-          {"element type (1 float, 2 double, 3 bf16, 4 fp16)", element_type},
+          {"element type T", element_type, record_format::element_type},
           {"tp", m.tp()},
           {"fsdp", m.fsdp()},
           {"ep", m.ep()},
@@ -70,7 +96,7 @@ inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_o
           {"peer_access", o.peer_access ? 1 : 0},
           {"indexed_sends", o.indexed_sends ? 1 : 0},
           {"capacity.mode", static_cast<std::int64_t>(o.capacity.mode)},
-          {"capacity.factor (bits of the double)", double_bits(o.capacity.factor)},
+          {"capacity.factor", double_bits(o.capacity.factor), record_format::double_bits},
           {"capacity.rows", o.capacity.rows},
           {"capacity.priority", static_cast<std::int64_t>(o.capacity.priority)},
           {"ranks_per_node", o.ranks_per_node},
@@ -125,8 +151,8 @@ void agree_on_layer(Comm& comm, const mesh& m, const layer_options& o, int world
   for (std::size_t r = 1; r < P; ++r)
     for (std::size_t f = 1; f < F; ++f)
       if (all[r * F + f] != all[f])
-        why += concat("; rank ", all[r * F], " has ", fields[f].name, "=", all[r * F + f], " but rank ", all[0],
-                      " has ", fields[f].name, "=", all[f]);
+        why += concat("; rank ", all[r * F], " has ", fields[f].name, "=", record_text(fields[f].format, all[r * F + f]),
+                      " but rank ", all[0], " has ", fields[f].name, "=", record_text(fields[f].format, all[f]));
   EPX_REQUIRE(why.empty(), errc::configuration, "moe_layer: the ranks of the ", where,
               " communicator built different meshes or layer options", why);
 }
