@@ -429,6 +429,44 @@ TEST_CASE("framework constructor: the caller's ep and tp communicators, checked 
       if (variant == 0) CHECK(seen[0].message.find("the ep communicator has 2 ranks but the mesh has ep=4") != std::string::npos);
     }
   }
+  SUBCASE("a tp communicator across two ep groups, one of which raises: the other group's ranks hear why") {
+    // tp=2, fsdp=4, ep=2: ep groups {0,1} {2,3} {4,5} {6,7}; the tp communicators {0,3} and
+    // {2,1} have the right sizes and tp ranks but the wrong members, and rank 0 a bad option.
+    const epx::mesh_config c8{2, 4, 1, 1, 2, 4, 0};
+    std::vector<raised> seen(8);
+    epx::threads::options opts;
+    opts.timeout = std::chrono::seconds(20);
+    epx::threads::run(
+        8,
+        [&](comm_t& comm) {
+          const int r = comm.rank();
+          const epx::mesh m(c8);
+          comm_t ep = epx::sub_communicator(comm, m, epx::group_kind::ep);
+          const int color[] = {0, 1, 1, 0, 2, 2, 3, 3};
+          comm_t tp = comm.split(color[r], r % 2);
+          epx::layer_options mine = o;
+          if (r == 0) mine.hidden = 0;
+          // The raising ranks go on into a collective of the world, as a caller that catches would.
+          seen[static_cast<std::size_t>(r)] = epx::test::capture(
+              [&] { epx::moe_layer<comm_t, float> l(m, r, std::move(ep), std::move(tp), mine); });
+          comm.barrier();
+        },
+        opts);
+    for (int r = 0; r < 8; ++r) {
+      const auto& x = seen[static_cast<std::size_t>(r)];
+      CAPTURE(r);
+      CAPTURE(x.message);
+      if (r >= 4) {
+        CHECK_FALSE(x.thrown);
+        continue;
+      }
+      REQUIRE(x.thrown);
+      CHECK(x.category == epx::errc::configuration);
+    }
+    CHECK(seen[3].message.find("bad configuration in the tp communicator; rank 0: layer_options.hidden (0)") !=
+          std::string::npos);
+    CHECK(seen[2].message.find("the tp communicator does not hold the ranks of the mesh's tp group") != std::string::npos);
+  }
 }
 
 TEST_CASE("can_implement: the masked path's rule lives in its implementation") {

@@ -37,6 +37,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -119,10 +120,22 @@ class moe_layer {
     if (why.empty()) why = queue_check(tp, policy);
     if (why.empty()) why = memory_check(ep);
     if (why.empty()) why = memory_check(tp);
-    detail::agree_on_layer(ep, m, options_, world_rank, "ep", why, detail::element_type_code<T>());
-    detail::agree_on_layer(tp, m, options_, world_rank, "tp", why, detail::element_type_code<T>());
-    detail::agree_on_group(ep, m, group_kind::ep, world_rank);
-    detail::agree_on_group(tp, m, group_kind::tp, world_rank);
+    // Every rank joins all four collectives whatever their verdicts, then raises the first:
+    // a tp communicator that crosses ep communicators would otherwise leave the ranks of a
+    // group that passed waiting for those of a group that raised.
+    std::exception_ptr first;
+    const auto join = [&first](auto&& agree) {
+      try {
+        agree();
+      } catch (const error&) {
+        if (!first) first = std::current_exception();
+      }
+    };
+    join([&] { detail::agree_on_layer(ep, m, options_, world_rank, "ep", why, detail::element_type_code<T>()); });
+    join([&] { detail::agree_on_layer(tp, m, options_, world_rank, "tp", why, detail::element_type_code<T>()); });
+    join([&] { detail::agree_on_group(ep, m, group_kind::ep, world_rank); });
+    join([&] { detail::agree_on_group(tp, m, group_kind::tp, world_rank); });
+    if (first) std::rethrow_exception(first);
     ep_ = std::make_unique<Comm>(std::move(ep));
     tp_ = std::make_unique<Comm>(std::move(tp));
     start(world_rank);
