@@ -323,6 +323,25 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
       CHECK(x.message.find(want[r / 2]) != std::string::npos);
     }
   }
+  SUBCASE("the ranks disagree on the implementation") {
+    // Without the agreement the first forward on MPI truncates a message on one rank and
+    // waits out the watchdog (10 minutes by default) on the other.
+    std::vector<raised> seen(2);
+    epx::threads::run(2, [&](comm_t& comm) {
+      seen[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
+        const epx::mesh m(epx::mesh_config{2, 1, 1, 1, 2, 4, 0});  // ep == tp: both paths run it
+        if (comm.rank() == 0) epx::moe_layer<comm_t, float, epx::impl::all_reduce> layer(m, comm, o);
+        if (comm.rank() == 1) epx::moe_layer<comm_t, float, epx::impl::all_to_all> layer(m, comm, o);
+      });
+    });
+    for (const auto& x : seen) {
+      CAPTURE(x.message);
+      REQUIRE(x.thrown);
+      CHECK(x.category == epx::errc::configuration);
+      CHECK(x.message.find("rank 1 has implementation=all_to_all but rank 0 has implementation=all_reduce") !=
+            std::string::npos);
+    }
+  }
   SUBCASE("the ranks disagree on the capacity factor: the message shows both values") {
     epx::layer_options p = o;
     p.capacity.mode = epx::capacity_mode::local;

@@ -2,8 +2,8 @@
 //
 // A layer whose ranks disagree on the mesh or the options would move rows by different
 // layouts: a buffer overflow or silently zero rows. At construction every rank contributes
-// one small record (its world rank, the mesh, the options, the rows' element type and its
-// own verdict on them) to
+// one small record (its world rank, the mesh, the options, the rows' element type, the
+// implementation and its own verdict on them) to
 // an all_gather over a communicator (detail::all_gather_host: through device copies on a
 // device communicator); every rank compares all records with
 // the first one and, on any difference, raises epx::error(errc::configuration) naming the
@@ -30,7 +30,7 @@
 namespace epx::detail {
 
 // How a field's value reads in a message.
-enum class record_format : int { integer, double_bits, element_type };
+enum class record_format : int { integer, double_bits, element_type, implementation };
 
 struct layer_record_field {
   const char* name;
@@ -52,8 +52,16 @@ constexpr std::int64_t element_type_code() noexcept {
          : std::is_same_v<T, fp16> ? 4 : 0;
 }
 
+// The implementation as a record value: 64-bit FNV-1a of its name (impl_name: "user" for
+// one without a name); 0 where the caller agrees on it itself.
+inline std::int64_t implementation_code(const char* name) noexcept {
+  std::uint64_t h = 14695981039346656037ull;
+  for (const char* c = name; *c != '\0'; ++c) h = (h ^ static_cast<unsigned char>(*c)) * 1099511628211ull;
+  return static_cast<std::int64_t>(h >> 1);
+}
+
 // A field's value as a message shows it: a double as the shortest text that reads back to
-// its bits, an element type by its name.
+// its bits, an element type and a built-in implementation by their names.
 inline std::string record_text(record_format f, std::int64_t v) {
   if (f == record_format::double_bits) {
     double d = 0.0;
@@ -69,16 +77,22 @@ inline std::string record_text(record_format f, std::int64_t v) {
     const char* names[] = {"unknown", "float", "double", "bf16", "fp16"};
     return v >= 0 && v <= 4 ? names[v] : std::to_string(v);
   }
+  if (f == record_format::implementation) {
+    for (const char* name : {"all_to_all", "all_reduce", "automatic"})
+      if (implementation_code(name) == v) return name;
+    return v == 0 ? "unknown" : concat("another (name hash ", v, ")");
+  }
   return std::to_string(v);
 }
 
 // The fields that must agree, in a fixed order (world_rank, first, is for messages only).
-// `element_type`: element_type_code<T>() of the layer's T (0 where the caller agrees on the
-// type itself).
+// `element_type`: element_type_code<T>() of the layer's T, `implementation`:
+// implementation_code of its Impl's name (0 where the caller agrees on them itself).
 inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_options& o, int world_rank,
-                                                    std::int64_t element_type = 0) {
+                                                    std::int64_t element_type = 0, std::int64_t implementation = 0) {
   return {{"world_rank", world_rank},
           {"element type T", element_type, record_format::element_type},
+          {"implementation", implementation, record_format::implementation},
           {"tp", m.tp()},
           {"fsdp", m.fsdp()},
           {"ep", m.ep()},
@@ -109,12 +123,13 @@ inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_o
 // Collective over `comm`: raises errc::configuration on every rank of comm when a rank
 // found its own configuration wrong (`local_error` non-empty: the mesh against its
 // communicator, the options against the mesh), or when two ranks differ in any field of
-// layer_record. `where` names the communicator in the message; `element_type` as in
-// layer_record.
+// layer_record. `where` names the communicator in the message; `element_type` and
+// `implementation` as in layer_record.
 template <class Comm>
 void agree_on_layer(Comm& comm, const mesh& m, const layer_options& o, int world_rank, const char* where,
-                    const std::string& local_error = {}, std::int64_t element_type = 0) {
-  auto fields = layer_record(m, o, world_rank, element_type);
+                    const std::string& local_error = {}, std::int64_t element_type = 0,
+                    std::int64_t implementation = 0) {
+  auto fields = layer_record(m, o, world_rank, element_type, implementation);
   fields.push_back({"status", local_error.empty() ? 0 : 1});
   const std::size_t F = fields.size();
   const auto P = static_cast<std::size_t>(comm.size());
@@ -151,8 +166,9 @@ void agree_on_layer(Comm& comm, const mesh& m, const layer_options& o, int world
   for (std::size_t r = 1; r < P; ++r)
     for (std::size_t f = 1; f < F; ++f)
       if (all[r * F + f] != all[f])
-        why += concat("; rank ", all[r * F], " has ", fields[f].name, "=", record_text(fields[f].format, all[r * F + f]),
-                      " but rank ", all[0], " has ", fields[f].name, "=", record_text(fields[f].format, all[f]));
+        why += concat("; rank ", all[r * F], " has ", fields[f].name, "=",
+                      record_text(fields[f].format, all[r * F + f]), " but rank ", all[0], " has ", fields[f].name,
+                      "=", record_text(fields[f].format, all[f]));
   EPX_REQUIRE(why.empty(), errc::configuration, "moe_layer: the ranks of the ", where,
               " communicator built different meshes or layer options", why);
 }

@@ -23,7 +23,7 @@
 //
 // Construction is collective over `world` (it makes the ep and tp sub-communicators once),
 // or, from communicators the caller already has, over the ep and tp groups. Either way it
-// checks that every rank built the same mesh, options and T, that the communicators match
+// checks that every rank built the same mesh, options, T and Impl, that the communicators match
 // the mesh (sizes, members), that the implementation runs this mesh (can_implement),
 // that a device communicator runs on the policy's stream, and that a host communicator
 // (threads, MPI) is not handed a policy whose memory the host cannot touch
@@ -94,14 +94,15 @@ class moe_layer {
 
   // Collective over `world`: makes the ep and tp sub-communicators. Raises
   // errc::configuration on every rank when a rank's mesh does not fit `world`, its options
-  // do not fit the mesh or the implementation, or two ranks built different meshes, T or
+  // do not fit the mesh or the implementation, or two ranks built different meshes, T, Impl or
   // options.
   moe_layer(const mesh& m, Comm& world, const layer_options& options, Exec policy = Exec{})
       : mesh_(std::make_unique<mesh>(m)), exec_(policy), options_(options) {
     std::string why = local_check(m, world.size(), options_);
     if (why.empty()) why = queue_check(world, policy);
     if (why.empty()) why = memory_check(world);
-    detail::agree_on_layer(world, m, options_, world.rank(), "world", why, detail::element_type_code<T>());
+    detail::agree_on_layer(world, m, options_, world.rank(), "world", why, detail::element_type_code<T>(),
+                           implementation_code());
     ep_ = std::make_unique<Comm>(sub_communicator(world, m, group_kind::ep));
     tp_ = std::make_unique<Comm>(sub_communicator(world, m, group_kind::tp));
     start(world.rank());
@@ -131,8 +132,9 @@ class moe_layer {
         if (!first) first = std::current_exception();
       }
     };
-    join([&] { detail::agree_on_layer(ep, m, options_, world_rank, "ep", why, detail::element_type_code<T>()); });
-    join([&] { detail::agree_on_layer(tp, m, options_, world_rank, "tp", why, detail::element_type_code<T>()); });
+    const std::int64_t type = detail::element_type_code<T>(), impl = implementation_code();
+    join([&] { detail::agree_on_layer(ep, m, options_, world_rank, "ep", why, type, impl); });
+    join([&] { detail::agree_on_layer(tp, m, options_, world_rank, "tp", why, type, impl); });
     join([&] { detail::agree_on_group(ep, m, group_kind::ep, world_rank); });
     join([&] { detail::agree_on_group(tp, m, group_kind::tp, world_rank); });
     if (first) std::rethrow_exception(first);
@@ -532,6 +534,9 @@ class moe_layer {
     (void)policy;
     return {};
   }
+
+  // What the ranks' records say of Impl (detail::implementation_code of its name).
+  static std::int64_t implementation_code() { return detail::implementation_code(detail::impl_name<impl_type>::value); }
 
   void start(int world_rank) {
     id_ = detail::next_layer_id();
