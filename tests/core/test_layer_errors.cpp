@@ -10,6 +10,7 @@
 
 #include "core/layer_cases.hpp"
 #include "epx/comm/threads.hpp"
+#include "epx/exec/emulated.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
 // source, where another file may use the same names.
@@ -339,6 +340,26 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
       REQUIRE(x.thrown);
       CHECK(x.category == epx::errc::configuration);
       CHECK(x.message.find("rank 1 has implementation=all_to_all but rank 0 has implementation=all_reduce") !=
+            std::string::npos);
+    }
+  }
+  SUBCASE("one rank runs a host policy, another a device policy") {
+    // Host and device policies take different routes (indexed sends, rounds): without the
+    // agreement the first forward on the staged route mismatches its collectives.
+    std::vector<raised> seen(2);
+    epx::threads::run(2, [&](comm_t& comm) {
+      seen[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
+        const epx::mesh m(epx::mesh_config{1, 2, 1, 1, 2, 4, 0});
+        using device = epx::exec::emulated_device;
+        if (comm.rank() == 0) epx::moe_layer<comm_t, float, epx::impl::all_to_all, epx::exec::serial> layer(m, comm, o);
+        if (comm.rank() == 1) epx::moe_layer<comm_t, float, epx::impl::all_to_all, device> layer(m, comm, o);
+      });
+    });
+    for (const auto& x : seen) {
+      CAPTURE(x.message);
+      REQUIRE(x.thrown);
+      CHECK(x.category == epx::errc::configuration);
+      CHECK(x.message.find("rank 1 has exec::is_host_policy_v<Exec>=0 but rank 0 has exec::is_host_policy_v<Exec>=1") !=
             std::string::npos);
     }
   }

@@ -3,7 +3,7 @@
 // A layer whose ranks disagree on the mesh or the options would move rows by different
 // layouts: a buffer overflow or silently zero rows. At construction every rank contributes
 // one small record (its world rank, the mesh, the options, the rows' element type, the
-// implementation and its own verdict on them) to
+// implementation, whether its policy is a host one, and its own verdict on them) to
 // an all_gather over a communicator (detail::all_gather_host: through device copies on a
 // device communicator); every rank compares all records with
 // the first one and, on any difference, raises epx::error(errc::configuration) naming the
@@ -85,14 +85,22 @@ inline std::string record_text(record_format f, std::int64_t v) {
   return std::to_string(v);
 }
 
+// The layer's template arguments as record values (0 where the caller agrees on them
+// itself): element_type_code<T>(), implementation_code of Impl's name, and whether Exec is
+// a host policy (host and device policies take different routes: other collectives).
+struct layer_types {
+  std::int64_t element_type = 0;
+  std::int64_t implementation = 0;
+  std::int64_t host_policy = 0;
+};
+
 // The fields that must agree, in a fixed order (world_rank, first, is for messages only).
-// `element_type`: element_type_code<T>() of the layer's T, `implementation`:
-// implementation_code of its Impl's name (0 where the caller agrees on them itself).
 inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_options& o, int world_rank,
-                                                    std::int64_t element_type = 0, std::int64_t implementation = 0) {
+                                                    const layer_types& types = {}) {
   return {{"world_rank", world_rank},
-          {"element type T", element_type, record_format::element_type},
-          {"implementation", implementation, record_format::implementation},
+          {"element type T", types.element_type, record_format::element_type},
+          {"implementation", types.implementation, record_format::implementation},
+          {"exec::is_host_policy_v<Exec>", types.host_policy},
           {"tp", m.tp()},
           {"fsdp", m.fsdp()},
           {"ep", m.ep()},
@@ -123,13 +131,11 @@ inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_o
 // Collective over `comm`: raises errc::configuration on every rank of comm when a rank
 // found its own configuration wrong (`local_error` non-empty: the mesh against its
 // communicator, the options against the mesh), or when two ranks differ in any field of
-// layer_record. `where` names the communicator in the message; `element_type` and
-// `implementation` as in layer_record.
+// layer_record. `where` names the communicator in the message.
 template <class Comm>
 void agree_on_layer(Comm& comm, const mesh& m, const layer_options& o, int world_rank, const char* where,
-                    const std::string& local_error = {}, std::int64_t element_type = 0,
-                    std::int64_t implementation = 0) {
-  auto fields = layer_record(m, o, world_rank, element_type, implementation);
+                    const std::string& local_error = {}, const layer_types& types = {}) {
+  auto fields = layer_record(m, o, world_rank, types);
   fields.push_back({"status", local_error.empty() ? 0 : 1});
   const std::size_t F = fields.size();
   const auto P = static_cast<std::size_t>(comm.size());

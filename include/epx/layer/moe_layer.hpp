@@ -23,13 +23,14 @@
 //
 // Construction is collective over `world` (it makes the ep and tp sub-communicators once),
 // or, from communicators the caller already has, over the ep and tp groups. Either way it
-// checks that every rank built the same mesh, options, T and Impl, that the communicators match
-// the mesh (sizes, members), that the implementation runs this mesh (can_implement),
-// that a device communicator runs on the policy's stream, and that a host communicator
-// (threads, MPI) is not handed a policy whose memory the host cannot touch
-// (exec::host_addressable_v false: exec::cuda) unless it moves device memory
-// (threads over threads::device_memory()); any failure raises errc::configuration on
-// every rank, naming the rank and the values (epx/layer/agreement.hpp).
+// checks that every rank built the same mesh, options, T, Impl and kind of Exec (host or
+// device policy), that the communicators match the mesh (sizes, members), that the
+// implementation runs this mesh (can_implement), that a device communicator runs on the
+// policy's stream, and that a host communicator (threads, MPI) is not handed a policy
+// whose memory the host cannot touch (exec::host_addressable_v false: exec::cuda) unless
+// it moves device memory (threads over threads::device_memory()); any failure raises
+// errc::configuration on every rank, naming the rank and the values
+// (epx/layer/agreement.hpp).
 // Every call is collective over the EP group. Bad input on any rank (shapes, expert ids,
 // non-finite weights) raises epx::error(errc::input) on every rank of the EP group before
 // any row moves.
@@ -94,15 +95,14 @@ class moe_layer {
 
   // Collective over `world`: makes the ep and tp sub-communicators. Raises
   // errc::configuration on every rank when a rank's mesh does not fit `world`, its options
-  // do not fit the mesh or the implementation, or two ranks built different meshes, T, Impl or
-  // options.
+  // do not fit the mesh or the implementation, or two ranks built different meshes,
+  // options, T or Impl, or one a host and another a device policy.
   moe_layer(const mesh& m, Comm& world, const layer_options& options, Exec policy = Exec{})
       : mesh_(std::make_unique<mesh>(m)), exec_(policy), options_(options) {
     std::string why = local_check(m, world.size(), options_);
     if (why.empty()) why = queue_check(world, policy);
     if (why.empty()) why = memory_check(world);
-    detail::agree_on_layer(world, m, options_, world.rank(), "world", why, detail::element_type_code<T>(),
-                           implementation_code());
+    detail::agree_on_layer(world, m, options_, world.rank(), "world", why, types());
     ep_ = std::make_unique<Comm>(sub_communicator(world, m, group_kind::ep));
     tp_ = std::make_unique<Comm>(sub_communicator(world, m, group_kind::tp));
     start(world.rank());
@@ -132,9 +132,8 @@ class moe_layer {
         if (!first) first = std::current_exception();
       }
     };
-    const std::int64_t type = detail::element_type_code<T>(), impl = implementation_code();
-    join([&] { detail::agree_on_layer(ep, m, options_, world_rank, "ep", why, type, impl); });
-    join([&] { detail::agree_on_layer(tp, m, options_, world_rank, "tp", why, type, impl); });
+    join([&] { detail::agree_on_layer(ep, m, options_, world_rank, "ep", why, types()); });
+    join([&] { detail::agree_on_layer(tp, m, options_, world_rank, "tp", why, types()); });
     join([&] { detail::agree_on_group(ep, m, group_kind::ep, world_rank); });
     join([&] { detail::agree_on_group(tp, m, group_kind::tp, world_rank); });
     if (first) std::rethrow_exception(first);
@@ -535,8 +534,14 @@ class moe_layer {
     return {};
   }
 
-  // What the ranks' records say of Impl (detail::implementation_code of its name).
-  static std::int64_t implementation_code() { return detail::implementation_code(detail::impl_name<impl_type>::value); }
+  // What the ranks' records say of T, Impl and Exec.
+  static detail::layer_types types() {
+    detail::layer_types t;
+    t.element_type = detail::element_type_code<T>();
+    t.implementation = detail::implementation_code(detail::impl_name<impl_type>::value);
+    t.host_policy = exec::is_host_policy_v<Exec> ? 1 : 0;
+    return t;
+  }
 
   void start(int world_rank) {
     id_ = detail::next_layer_id();
