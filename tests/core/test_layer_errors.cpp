@@ -177,6 +177,15 @@ TEST_CASE("bad configuration raises on every rank, together, before rows move") 
     o.counts = epx::count_exchange::device;
     expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, "layer_options.bound.cap (0) must be at least 1");
   }
+  SUBCASE("bounded mode with a chunk count whose buffers would wrap") {
+    o.counts = epx::count_exchange::device;
+    o.bound.cap = 4;
+    o.chunks = std::size_t{1} << 62;  // [chunks * E] wraps to 0 entries with E = 4
+    expect_configuration_error(4, {4, 1, 1, 1, 4, 4, 0}, o,
+                               "layer_options.chunks (4611686018427387904) is too large in bounded mode");
+    expect_configuration_error<epx::impl::all_reduce>(4, {4, 1, 1, 1, 4, 4, 0}, o,
+                                                      "layer_options.chunks (4611686018427387904) is too large");
+  }
   SUBCASE("an unknown count exchange") {
     o.counts = static_cast<epx::count_exchange>(5);
     expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, "layer_options.counts (5)");

@@ -100,6 +100,13 @@ inline std::string bound_check(const mesh& m, const layer_options& o) {
   if (rows > 9.0e15)
     return concat("layer_options.bound.cap (", o.bound.cap, ") is too large: ep * L * cap * hidden = ", rows,
                   " elements");
+  // The plan's buffers hold [chunks * E] and, on the masked path, [ep * (chunks + 2E + 1)]
+  // entries, made at construction: a count beyond this would wrap their sizes.
+  const double entries = static_cast<double>(o.chunks) * static_cast<double>(m.ep()) *
+                         (static_cast<double>(m.experts()) + 1.0);
+  if (entries > 9.0e15)
+    return concat("layer_options.chunks (", o.chunks, ") is too large in bounded mode: chunks * ep * (E + 1) = ",
+                  entries, " entries");
   return {};
 }
 
