@@ -2,11 +2,14 @@
 // (core/layer_cases.hpp), for the meshes that fit the job's size (np 1, 2, 4, 8).
 #include <doctest/doctest.h>
 
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/layer_cases.hpp"
 #include "epx/comm/mpi.hpp"
+#include "epx/exec/emulated.hpp"
 
 namespace {
 
@@ -178,4 +181,48 @@ TEST_CASE("layer (MPI): without shared memory the layer takes the staged route, 
   CHECK(epx::test::bitwise_equal(a.grad_x, b.grad_x));
   CHECK(epx::test::bitwise_equal(a.grad_w, b.grad_w));
   CHECK(epx::test::bitwise_equal(a.expert_grads, b.expert_grads));
+}
+
+// Ranks that built the layer differently (options, element type, implementation, host or
+// device policy) raise errc::configuration at construction on every rank, naming the
+// field, instead of moving rows by different layouts (a heap overflow, a truncated message
+// or a wait for the watchdog in the first forward).
+TEST_CASE("layer (MPI): ranks that disagree on the options or the template arguments raise on every rank") {
+  comm_t world = comm_t::world();
+  const int n = world.size();
+  if (n < 2) return;
+  const int last = n - 1;
+  const bool odd = world.rank() == last;
+  const epx::mesh m(epx::mesh_config{n, 1, 1, 1, n, n, 0});  // ep == tp: every implementation runs it
+  epx::layer_options o;
+  o.hidden = 8;
+  o.top_k = 1;
+  using device = epx::exec::emulated_device;
+  const std::vector<std::pair<std::string, std::function<void()>>> cases = {
+      {"hidden=16", [&] {
+         epx::layer_options p = o;
+         if (odd) p.hidden = 16;
+         epx::moe_layer<comm_t, float> l(m, world, p);
+       }},
+      {"element type T=double", [&] {
+         if (odd) epx::moe_layer<comm_t, double> l(m, world, o);
+         else epx::moe_layer<comm_t, float> l(m, world, o);
+       }},
+      {"implementation=all_reduce", [&] {
+         if (odd) epx::moe_layer<comm_t, float, epx::impl::all_reduce> l(m, world, o);
+         else epx::moe_layer<comm_t, float, epx::impl::all_to_all> l(m, world, o);
+       }},
+      {"exec::is_host_policy_v<Exec>=0", [&] {
+         if (odd) epx::moe_layer<comm_t, float, epx::impl::all_to_all, device> l(m, world, o);
+         else epx::moe_layer<comm_t, float> l(m, world, o);
+       }},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.first);
+    const auto r = epx::test::capture(c.second);
+    CAPTURE(r.message);
+    REQUIRE(r.thrown);
+    CHECK(r.category == epx::errc::configuration);
+    CHECK(r.message.find("rank " + std::to_string(last) + " has " + c.first) != std::string::npos);
+  }
 }
