@@ -505,6 +505,11 @@ TEST_CASE("out-of-range ranks, experts and group indices are input errors") {
       {"to_global(-1)", {[&] { (void)m.to_global(-1, 0); }, "local expert id (-1) out of range [0, 2)"}},
       {"group_member(ep, 4)", {[&] { (void)m.group_member(epx::group_kind::ep, 0, 4); }, "ep group index (4) out of range [0, 4)"}},
       {"group_member(efsdp, -1)", {[&] { (void)m.group_member(epx::group_kind::efsdp, 0, -1); }, "efsdp group index (-1) out of range [0, 2)"}},
+      // Coordinates outside their sizes: never the rank of other coordinates (tp_i = tp is the next TP group's rank).
+      {"rank_of(tp_i 2)", {[&] { (void)m.rank_of(0, 0, 0, 2); }, "rank_of: tp_i (2) out of range [0, 2)"}},
+      {"rank_of(fsdp_i 4)", {[&] { (void)m.rank_of(0, 0, 4, 0); }, "rank_of: fsdp_i (4) out of range [0, 4)"}},
+      {"rank_of(rep_i 1)", {[&] { (void)m.rank_of(0, 1, 0, 0); }, "rank_of: rep_i (1) out of range [0, 1)"}},
+      {"rank_of(pp_i -1)", {[&] { (void)m.rank_of(-1, 0, 0, 0); }, "rank_of: pp_i (-1) out of range [0, 1)"}},
   };
   for (const auto& c : cases) {
     CAPTURE(c.first);

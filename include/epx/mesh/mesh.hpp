@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "epx/core/config.hpp"
@@ -128,7 +129,15 @@ class mesh {
     x.pp = q / c_.dp_replicate;
     return x;
   }
-  int rank_of(int pp_i, int rep_i, int fsdp_i, int tp_i) const noexcept {
+  // The rank at these coordinates; errc::input for a coordinate outside its size.
+  int rank_of(int pp_i, int rep_i, int fsdp_i, int tp_i) const {
+    const std::pair<const char*, std::pair<int, int>> at[] = {{"pp_i", {pp_i, c_.pp}},
+                                                             {"rep_i", {rep_i, c_.dp_replicate}},
+                                                             {"fsdp_i", {fsdp_i, c_.fsdp}},
+                                                             {"tp_i", {tp_i, c_.tp}}};
+    for (const auto& [name, v] : at)
+      EPX_REQUIRE(v.first >= 0 && v.first < v.second, errc::input, "rank_of: ", name, " (", v.first,
+                  ") out of range [0, ", v.second, ")");
     return ((pp_i * c_.dp_replicate + rep_i) * c_.fsdp + fsdp_i) * c_.tp + tp_i;
   }
 
