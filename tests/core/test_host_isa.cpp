@@ -1,7 +1,8 @@
 // The host versions of the row loops (epx/exec/host_isa.hpp): every version this CPU runs
 // gives the bits of a scalar model written here from the kernels' contracts (each product
 // and each sum rounded on its own, slot order, lanes of the dot product), for every element
-// type, at hidden sizes with and without a tail; and the choice of version itself.
+// type, at hidden sizes with and without a tail, in the host and the device launch shape
+// (exec::emulated_device); and the choice of version itself.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -33,8 +34,17 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
-// The models: one rounding per operation, in accum_t<T>, in the kernels' order. This file
-// is compiled at the build's flags without fused multiply-adds (x86-64's baseline has none).
+// The models: one rounding per operation, in accum_t<T>, in the kernels' order. Each product
+// is a call of its own, so that no build of this file (test_core_test_host_isa_fma: for
+// AVX2 and FMA) fuses it with the sum that follows.
+template <class A>
+#if defined(__GNUC__) || defined(__clang__)
+__attribute__((noinline))
+#endif
+A product(A a, A b) {
+  return a * b;
+}
+
 template <class T>
 std::vector<T> model_combine(std::size_t n, std::size_t H, std::size_t k, const std::vector<T>& y,
                              const float* w, const std::vector<std::int64_t>& pos) {
@@ -46,7 +56,7 @@ std::vector<T> model_combine(std::size_t n, std::size_t H, std::size_t k, const 
       for (std::size_t j = 0; j < k; ++j) {
         const std::int64_t p = pos[t * k + j];
         if (p < 0) continue;
-        const A prod = (w ? static_cast<A>(w[t * k + j]) : A(1)) * epx::convert<A>(y[static_cast<std::size_t>(p) * H + h]);
+        const A prod = product(w ? static_cast<A>(w[t * k + j]) : A(1), epx::convert<A>(y[static_cast<std::size_t>(p) * H + h]));
         acc = acc + prod;
       }
       out[t * H + h] = epx::convert<T>(acc);
@@ -80,7 +90,7 @@ std::vector<float> model_dots(std::size_t n, std::size_t H, std::size_t k, const
     }
     A lane[L] = {};
     for (std::size_t h = 0; h < H; ++h) {
-      const A prod = epx::convert<A>(y[static_cast<std::size_t>(pos[i]) * H + h]) * epx::convert<A>(g[(i / k) * H + h]);
+      const A prod = product(epx::convert<A>(y[static_cast<std::size_t>(pos[i]) * H + h]), epx::convert<A>(g[(i / k) * H + h]));
       lane[h % L] = lane[h % L] + prod;
     }
     A s = A(0);
@@ -110,8 +120,7 @@ void check_row_loops(std::size_t H) {
   const auto want_reduce = model_combine<T>(n, H, k, y, nullptr, pos);
   const auto want_gather = model_scaled_gather(R, H, x, index, scale);
   const auto want_dots = model_dots(n, H, k, y, grad, pos);
-  for_each_host_isa([&] {
-    const epx::exec::serial ex;
+  const auto run = [&](const auto& ex) {
     std::vector<T> out(n * H), red(n * H), gat(R * H);
     std::vector<float> dots(n * k);
     epx::kernels::combine(ex, n, H, static_cast<int>(k), y.data(), w.data(), pos.data(), out.data());
@@ -122,6 +131,11 @@ void check_row_loops(std::size_t H) {
     CHECK(same_bits(red, want_reduce));
     CHECK(same_bits(gat, want_gather));
     CHECK(same_bits(dots, want_dots));
+  };
+  for_each_host_isa([&] {
+    run(epx::exec::serial{});
+    // The device launch shape on the host: 16-byte chunks, the dot product a call per lane.
+    run(epx::exec::emulated_device{});
   });
 }
 
@@ -141,7 +155,7 @@ TEST_CASE_TEMPLATE("host versions: FP8 dequantisation gives the model's bits", T
   using A = epx::accum_t<T>;
   std::vector<T> want(rows * H);
   for (std::size_t i = 0; i < rows * H; ++i)
-    want[i] = epx::convert<T>(static_cast<A>(static_cast<float>(q[i])) * static_cast<A>(scale[i / 128]));
+    want[i] = epx::convert<T>(product(static_cast<A>(static_cast<float>(q[i])), static_cast<A>(scale[i / 128])));
   for_each_host_isa([&] {
     std::vector<T> out(rows * H);
     epx::kernels::dequantise_e4m3(epx::exec::serial{}, rows, H, q.data(), scale.data(), out.data());

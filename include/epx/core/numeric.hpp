@@ -150,7 +150,9 @@ namespace detail {
 // same bits.
 // On the host: GCC contracts only where the target has FMA instructions (the AVX-512 and
 // -march=native builds), and the loops of epx/exec/host_isa.hpp's versions are compiled
-// with fp-contract=off; Clang contracts within one expression, which the pragma forbids.
+// with fp-contract=off (every kernel that accumulates runs in them on the host, in both
+// launch shapes; tests/core/test_host_isa.cpp, built for FMA as test_core_test_host_isa_fma);
+// Clang contracts within one expression, which the pragma forbids.
 template <class A>
 EPX_HOST_DEVICE inline A mul_add(A acc, A a, A b) noexcept {
 #if defined(__CUDA_ARCH__)

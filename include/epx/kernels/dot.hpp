@@ -73,7 +73,12 @@ struct pair_dot_lanes {
   std::size_t hidden;
   int top_k;
 
-  EPX_HOST_DEVICE void operator()(std::size_t q) const {
+  // On the host (exec::emulated_device) through the host versions too, which are compiled
+  // without contraction: at the build's flags a GCC build for FMA targets (-mfma,
+  // -march=haswell) would fuse mul_add here and differ from pair_dot.
+  EPX_HOST_DEVICE void operator()(std::size_t q) const { EPX_RUN_WIDEST(q); }
+
+  EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t q) const {
     using A = accum_t<T>;
     const std::size_t i = q / detail::dot_lanes, w = q % detail::dot_lanes;  // powers of two
     const std::int64_t p = pos[i];
