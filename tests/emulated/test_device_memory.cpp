@@ -575,6 +575,44 @@ TEST_CASE("device memory: a host communicator refuses a policy whose memory the 
   }
 }
 
+TEST_CASE("device memory: a device communicator on the queue of a policy derived from the emulated device is taken") {
+  // Same queue: the layer is built; another queue: errc::configuration, as for
+  // exec::emulated_device itself (tests/emulated/test_device_path.cpp).
+  using epx::exec::same_queue;
+  opaque_device a, b;
+  CHECK(same_queue(a, b));
+  CHECK(same_queue(emu{}, a));
+  CHECK(same_queue(a, emu{}));
+  b.queue = 1;
+  CHECK_FALSE(same_queue(a, b));
+  CHECK_FALSE(same_queue(emu{}, b));
+  CHECK_FALSE(same_queue(epx::exec::serial{}, a));
+  const epx::mesh m(epx::mesh_config{2, 4, 1, 1, 4, 8, 0});
+  epx::layer_options o;
+  o.hidden = 16;
+  o.top_k = 2;
+  for (int queue : {0, 1}) {
+    CAPTURE(queue);
+    std::vector<std::string> errors(8);
+    epx::threads::run(8, [&](epx::threads::communicator& world) {
+      device_only_comm comm(std::move(world), emu{}, std::make_shared<std::vector<std::string>>());
+      opaque_device policy;
+      policy.queue = queue;
+      try {
+        epx::moe_layer<device_only_comm, float, epx::impl::all_to_all, opaque_device> layer(m, comm, o, policy);
+      } catch (const epx::error& e) {
+        errors[static_cast<std::size_t>(comm.rank())] = e.what();
+      }
+    });
+    for (const auto& e : errors) {
+      if (queue == 0)
+        CHECK(e == "");
+      else
+        CHECK(e.find("another device queue") != std::string::npos);
+    }
+  }
+}
+
 TEST_CASE("device memory: routing::sum_over_batches takes a host load over a device communicator") {
   const epx::mesh m(epx::mesh_config{2, 4, 1, 1, 4, 8, 0});
   std::vector<std::vector<std::int64_t>> sums(8);

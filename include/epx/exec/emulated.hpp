@@ -279,6 +279,11 @@ inline void synchronize(const emulated_device& p) {
   if (q.collective_pending) ++q.unbounded_waits;
 }
 
-inline bool same_queue(const emulated_device& a, const emulated_device& b) { return a.queue == b.queue; }
+// (Also for policies derived from emulated_device.)
+template <class A, class B,
+          std::enable_if_t<std::is_base_of_v<emulated_device, A> && std::is_base_of_v<emulated_device, B>, int> = 0>
+bool same_queue(const A& a, const B& b) {
+  return a.queue == b.queue;
+}
 
 }  // namespace epx::exec

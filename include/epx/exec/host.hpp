@@ -226,8 +226,11 @@ void copy_from_host(const P& p, const T* host_src, std::size_t n, T* dst) {
 
 // Whether two policies put their work on one queue (so work on one is ordered after work
 // on the other without a wait). Host policies have no queue; policies of different kinds
-// never share one.
-template <class A, class B>
+// never share one. (The emulated device's overload, epx/exec/emulated.hpp, also takes
+// policies derived from it.)
+struct emulated_device;
+template <class A, class B,
+          std::enable_if_t<!(std::is_base_of_v<emulated_device, A> && std::is_base_of_v<emulated_device, B>), int> = 0>
 bool same_queue(const A&, const B&) {
   return std::is_same_v<A, B> && is_host_policy_v<A>;
 }
@@ -241,7 +244,6 @@ inline void synchronize(const openmp&) {}
 // strict mode (epx/exec/emulated.hpp), where the host may touch the policy's memory only
 // inside such a scope.
 struct no_launch_scope {};
-struct emulated_device;
 template <class P, std::enable_if_t<!std::is_base_of_v<emulated_device, P>, int> = 0>
 no_launch_scope launch_scope(const P&) {
   return {};
