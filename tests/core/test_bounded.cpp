@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <new>
 #include <string>
 #include <utility>
 #include <vector>
@@ -780,6 +781,75 @@ TEST_CASE("bounded: the split-phase calls raise errc::configuration on every ran
       opts);
   for (const auto& g : got)
     CHECK_MESSAGE(g.find("the split-phase calls are not available in bounded mode") != std::string::npos, g);
+}
+
+}  // namespace test_bounded_cpp
+
+namespace test_bounded_cpp {
+
+namespace {
+// doubling_experts whose forward throws on rank `thrower` the first time it is called.
+struct throwing_once_experts : doubling_experts {
+  bool armed = false;
+  template <class Exec>
+  void forward(const Exec& ex, const epx::expert_rows<const float>& in, float* out) {
+    if (armed) {
+      armed = false;
+      throw std::bad_alloc();
+    }
+    doubling_experts::forward(ex, in, out);
+  }
+};
+}  // namespace
+
+TEST_CASE("bounded: a rank whose experts throw, caught there, is refused its next call; no call pairs with its peers'") {
+  // Without the refusal rank 1's next forward would pair its all-to-alls (or its sum) with
+  // the combine of its peers' first call: both would return, with each other's rows.
+  for (bool masked : {false, true}) {
+    CAPTURE(masked);
+    std::vector<std::string> first(4), second(4);
+    epx::threads::options opts;
+    opts.timeout = std::chrono::seconds(20);
+    epx::threads::run(
+        4,
+        [&](comm_t& comm) {
+          on_path(masked, comm, 4, false, [&](auto& layer) {
+            const auto r = static_cast<std::size_t>(comm.rank());
+            throwing_once_experts e;
+            e.armed = comm.rank() == 1;
+            std::vector<float> x(6 * 4, 1.0f), w(6 * 2, 0.5f), y(6 * 4);
+            std::vector<std::int32_t> ids(6 * 2);
+            for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>(i % 8);
+            const auto call = [&]() -> std::string {
+              try {
+                (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
+                                    epx::span<const float>(w), epx::span<float>(y), e, epx::mode::inference);
+              } catch (const epx::error& ex) {
+                return ex.what();
+              } catch (const std::bad_alloc&) {
+                return "bad_alloc";
+              }
+              return "no error";
+            };
+            first[r] = call();
+            second[r] = call();
+          });
+        },
+        opts);
+    CHECK(first[1] == "bad_alloc");
+    CHECK_MESSAGE(second[1].find("epx communicator error: moe_layer forward (rank 1): bounded mode: an earlier call "
+                                 "of this layer on this rank failed (its forward ended before its last collective: "
+                                 "std::bad_alloc)") != std::string::npos,
+                  second[1]);
+    // Its peers wait for it in their first call's combine, and hear that it left.
+    for (int p : {0, 2, 3}) {
+      CAPTURE(p);
+      CHECK_MESSAGE(first[static_cast<std::size_t>(p)].find("rank 1") != std::string::npos,
+                    first[static_cast<std::size_t>(p)]);
+      CHECK_MESSAGE(second[static_cast<std::size_t>(p)].find("the layer cannot be used any more") != std::string::npos,
+                    second[static_cast<std::size_t>(p)]);
+    }
+  }
 }
 
 }  // namespace test_bounded_cpp

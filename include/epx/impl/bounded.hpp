@@ -176,6 +176,11 @@ struct bound_buffers {
   exec::buffer<layout::drop_segment, Exec> slice_segments;   // [ep * E]
   exec::buffer<std::int64_t, Exec> row_source;               // [L*block]
   exec::buffer<std::int64_t, Exec> call_bad;                 // [1] a bad pair in another slice
+  // Set while a call of this rank runs, until its last collective has returned: an
+  // exception that leaves the call before then (the experts threw, a collective failed)
+  // leaves the peers inside it, and moe_layer refuses the layer's later calls on this rank
+  // (bounded mode has no exchange that would see the ranks out of step).
+  bool in_call = false;
 
   bound_buffers(const Exec& ex, const mesh& m, const layer_options& o, bool for_masked = false) {
     const int ep = m.ep(), L = m.local_experts(), E = m.experts();
@@ -397,6 +402,7 @@ class bounded_route {
     const auto ks = static_cast<std::size_t>(k);
     const std::size_t H = a.hidden, SR = sh.send_rows(), XR = sh.expert_rows();
     const bool ok = a.status == 0, train = saved != nullptr;
+    b.in_call = true;
     const row_slice sl = ok ? slice_bounds(a.rows, tp, ctx_.tp_rank()) : row_slice{};
     const std::size_t n = sl.size(), P = n * ks;
     const std::int32_t* ids = ok ? a.ids + sl.begin * ks : nullptr;
@@ -490,6 +496,7 @@ class bounded_route {
       if (P > 0) kernels::scatter(ex, P, static_cast<const std::int64_t*>(slab_pos), w, st.w_slot.data());
       saved->template emplace<state<T, Exec>>(std::move(st));
     }
+    b.in_call = false;
     raise_bounded_shape(a.status, a.status_message);
   }
 
@@ -498,6 +505,7 @@ class bounded_route {
     if (const char* why = saved.template unusable_as<state<T, Exec>>(ctx_.layer); *why) return join_without_state(ex, a, why);
     auto& s = saved.template get<state<T, Exec>>();
     auto& b = *static_cast<bound_buffers<T, Exec>*>(ctx_.bound);
+    b.in_call = true;
     const layout::bound_shape& sh = b.shape;
     const int L = sh.L, tp = ctx_.tp_size();
     const std::size_t H = s.hidden, SR = sh.send_rows(), XR = sh.expert_rows();
@@ -545,6 +553,7 @@ class bounded_route {
       finish_tp(ex, a.grad_x, N * H, ok);
       finish_tp(ex, a.grad_weights, N * k, ok);
     }
+    b.in_call = false;
     raise_bounded_shape(ok ? 0 : 1, differ.empty() ? a.status_message : differ.c_str());
   }
 
@@ -557,6 +566,7 @@ class bounded_route {
     auto& b = *static_cast<bound_buffers<T, Exec>*>(ctx_.bound);
     const layout::bound_shape& sh = b.shape;
     const std::size_t H = sh.hidden, SR = sh.send_rows();
+    b.in_call = true;
     exec::for_each_n(ex, 1, layout::bound_shape_failed{b.counters.data()});
     b.staged(ex);
     T* send = b.send.data();
@@ -571,6 +581,7 @@ class bounded_route {
       finish_tp(ex, static_cast<T*>(nullptr), a.rows * H, false);
       finish_tp(ex, static_cast<float*>(nullptr), a.rows * static_cast<std::size_t>(a.top_k), false);
     }
+    b.in_call = false;
     raise_bounded_shape(1, why);
   }
 

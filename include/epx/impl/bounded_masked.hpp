@@ -89,6 +89,7 @@ class bounded_masked_route {
     const std::size_t H = a.hidden, XR = sh.expert_rows();
     const bool ok = a.status == 0, train = saved != nullptr;
     const std::size_t N = ok ? a.rows : 0, P = N * ks;
+    b.in_call = true;
     b.reserve_pairs(ex, P);
 
     // 1. Every slice's plan and bound; into the counters the drops of this rank's slice and
@@ -155,18 +156,21 @@ class bounded_masked_route {
       if (P > 0) kernels::scatter(ex, P, static_cast<const std::int64_t*>(local_pos), a.weights, st.weights.data());
       saved->template emplace<state<T, Exec>>(std::move(st));
     }
+    b.in_call = false;
     raise_bounded_shape(a.status, a.status_message);
   }
 
   template <class T, class Exec, class Experts>
   void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
     auto& b = *static_cast<bound_buffers<T, Exec>*>(ctx_.bound);
+    b.in_call = true;
     if (const char* why = saved.template unusable_as<state<T, Exec>>(ctx_.layer); *why) {
       // No state: count a shape failure, join both sums with zeros, raise (as bad shapes do).
       exec::for_each_n(ex, 1, layout::bound_shape_failed{b.counters.data()});
       order_before_collective(ex, *ctx_.ep);
       sum_or_join_zeros(ex, *ctx_.ep, static_cast<T*>(nullptr), a.rows * b.shape.hidden);
       sum_or_join_zeros(ex, *ctx_.ep, static_cast<float*>(nullptr), a.rows * static_cast<std::size_t>(a.top_k));
+      b.in_call = false;
       raise_bounded_shape(1, why);
     }
     auto& s = saved.template get<state<T, Exec>>();
@@ -195,6 +199,7 @@ class bounded_masked_route {
     order_before_collective(ex, *ctx_.ep);
     sum_or_join_zeros(ex, *ctx_.ep, ok ? a.grad_x : nullptr, N * H);
     sum_or_join_zeros(ex, *ctx_.ep, ok ? a.grad_weights : nullptr, N * k);
+    b.in_call = false;
     raise_bounded_shape(ok ? 0 : 1, differ.empty() ? a.status_message : differ.c_str());
   }
 

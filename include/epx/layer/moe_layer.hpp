@@ -168,10 +168,11 @@ class moe_layer {
                                                        {"routing weights have", weights.size(), N, k, "N*k"},
                                                        {"out has", out.size(), N, H, "N*H"}});
     set_shape(a, N, msg);
+    require_in_step("forward");
     const std::uint64_t serial = ++forward_starts_;
     saved_state<T> saved;
     const long long syncs = detail::host_syncs_on_this_thread();
-    impl_->forward(exec_, a, experts, m == mode::train ? &saved : nullptr);
+    bounded_call("forward", [&] { impl_->forward(exec_, a, experts, m == mode::train ? &saved : nullptr); });
     saved.stamp(id_, serial);
     stats_->host_syncs = detail::host_syncs_on_this_thread() - syncs;
     stats_->calls += 1;
@@ -200,8 +201,9 @@ class moe_layer {
     const std::string msg = shape_error("grad_out", grad_out.size(), {{"grad_x has", grad_x.size(), N, H, "N*H"},
                                                                      {"grad_weights have", grad_weights.size(), N, k, "N*k"}});
     set_shape(a, N, msg);
+    require_in_step("backward");
     const long long syncs = detail::host_syncs_on_this_thread();
-    consume(saved, [&] { impl_->backward(exec_, a, experts, saved); });
+    consume(saved, [&] { bounded_call("backward", [&] { impl_->backward(exec_, a, experts, saved); }); });
     stats_->host_syncs = detail::host_syncs_on_this_thread() - syncs;
   }
 
@@ -368,6 +370,7 @@ class moe_layer {
   // layer_options::bound.raise_on_overflow. In the normal mode it returns an empty report.
   bound_report check() {
     if (!bound_) return {};
+    require_in_step("check");
     return detail::check_bound(exec_, *ep_, *static_cast<detail::bound_buffers<T, Exec>*>(bound_.get()), rank_);
   }
   // The same over `group`, a communicator made of whole EP groups (typically the world):
@@ -377,6 +380,7 @@ class moe_layer {
   // timeout; a check over the world raises everywhere at once. Collective over `group`.
   bound_report check(Comm& group) {
     if (!bound_) return {};
+    require_in_step("check");
     EPX_REQUIRE(group.size() % ep_->size() == 0, errc::configuration, "moe_layer::check(group) (rank ", rank_,
                 "): the group has ", group.size(), " ranks, not a multiple of the EP group's ", ep_->size(),
                 ": it must be made of whole EP groups");
@@ -423,6 +427,43 @@ class moe_layer {
       throw;
     }
     saved.reset();
+  }
+
+  // Bounded mode has no exchange that would see ranks out of step: a fused call that an
+  // exception ends on this rank before its last collective (the experts threw, a collective
+  // failed; the routes' bound_buffers::in_call) leaves its peers inside the call, where
+  // this rank's next collectives would pair with theirs. The layer then refuses every
+  // later call on this rank (require_in_step). A call that raises after joining all its
+  // collectives (bad shapes, an empty saved state) leaves the ranks in step.
+  template <class Call>
+  void bounded_call(const char* call, Call run) {
+    if (!bound_) return run();
+    auto& b = *static_cast<detail::bound_buffers<T, Exec>*>(bound_.get());
+    try {
+      run();
+    } catch (...) {
+      if (b.in_call) {
+        b.in_call = false;
+        out_of_step_ =
+            detail::concat("its ", call, " ended before its last collective: ", describe(std::current_exception()));
+      }
+      throw;
+    }
+  }
+  void require_in_step(const char* call) const {
+    EPX_REQUIRE(out_of_step_.empty(), errc::communicator, "moe_layer ", call, " (rank ", rank_,
+                "): bounded mode: an earlier call of this layer on this rank failed (", out_of_step_,
+                "); the other ranks of the expert-parallel group may still be inside that call, so this rank's "
+                "collectives would pair with theirs: the layer cannot be used any more on this rank");
+  }
+  static std::string describe(const std::exception_ptr& e) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      return x.what();
+    } catch (...) {
+      return "an exception not derived from std::exception";
+    }
   }
 
   // Why a split call's handle cannot take phase `want` here ("" when it can).
@@ -577,6 +618,7 @@ class moe_layer {
   // of each, the same on every rank of the group, stamps its saved state), backward split starts.
   std::uint64_t forward_starts_ = 0, backward_starts_ = 0;
   int rank_ = 0;          // in the world
+  std::string out_of_step_;  // bounded mode: why this rank left a call before its last collective ("" if it did not)
 };
 
 }  // namespace epx
