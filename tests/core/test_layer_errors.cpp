@@ -782,5 +782,49 @@ TEST_CASE("backward of different forward calls on the ranks of a group raises on
     check_backward_of_different_calls<epx::impl::all_reduce>(small(4, 1, 4), split, 2);  // the masked path
   }
 }
+TEST_CASE("a moved-from layer raises errc::configuration on every call; the layer it moved into goes on") {
+  const auto c = small(1, 2, 2, 4);  // world 2, one EP group
+  std::vector<std::string> failures(2);
+  epx::threads::run(2, [&](comm_t& comm) {
+    const epx::mesh m(c.topology);
+    const int rank = comm.rank(), b = m.batch(rank);
+    const auto d = epx::test::make_batch<float>(c, b);
+    const std::size_t N = c.rows_of(b), H = 4;
+    const auto global = epx::ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+    epx::ref::test_linear_experts<float> experts(global, m.ep_rank(rank), m.local_experts());
+    std::vector<float> x(d.x.begin(), d.x.end()), w(d.w.begin(), d.w.end()), out(N * H), fused(N * H);
+    const epx::span<const float> xs(x), ws(w);
+    const epx::span<const std::int32_t> ids(d.ids);
+    epx::moe_layer<comm_t, float> layer(m, comm, epx::test::options_for(c));
+    (void)layer.forward(xs, ids, ws, epx::span<float>(fused), experts, epx::mode::inference);
+    auto h = layer.dispatch_start(xs, ids, ws, epx::mode::inference);
+    epx::moe_layer<comm_t, float> moved(std::move(layer));
+    std::string& f = failures[static_cast<std::size_t>(rank)];
+    const auto refused = [&](const char* what, auto call) {
+      const auto r = epx::test::capture(call);
+      if (!r.thrown || r.category != epx::errc::configuration ||
+          r.message.find(std::string("moe_layer ") + what + " (rank " + std::to_string(rank) +
+                         "): this layer was moved from") == std::string::npos)
+        f += std::string(what) + ": '" + r.message + "'; ";
+    };
+    // Each of these is local to the rank (it raises before any collective).
+    refused("dispatch_wait", [&] { layer.dispatch_wait(h); });
+    refused("forward", [&] {
+      (void)layer.forward(xs, ids, ws, epx::span<float>(out), experts, epx::mode::inference);
+    });
+    refused("dispatch_start", [&] { (void)layer.dispatch_start(xs, ids, ws, epx::mode::inference); });
+    refused("check", [&] { (void)layer.check(); });
+    // The handle belongs to the layer that now holds the state.
+    try {
+      moved.dispatch_wait(h);
+      experts.forward(epx::test::test_exec{}, h.inputs(), h.outputs().data());
+      (void)moved.combine(h, h.outputs(), epx::span<float>(out));
+      if (out != fused) f += "the moved-into layer's split call differs from the fused one; ";
+    } catch (const std::exception& e) {
+      f += std::string("moved-into layer raised: ") + e.what();
+    }
+  });
+  for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+}
 
 }  // namespace test_layer_errors_cpp

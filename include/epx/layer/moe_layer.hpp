@@ -149,6 +149,7 @@ class moe_layer {
                          Experts& experts, mode m) {
     check_experts_forward<Experts, Exec, T>();
     check_implementation_calls<impl_type, Exec, T, Experts>();
+    require_live("forward");
     // The same on every rank (agreed options, one Experts type): raised before any row moves.
     if (options_.fp8_dispatch)
       EPX_REQUIRE((has_fp8_forward_v<Experts, Exec, T>), errc::configuration,
@@ -192,6 +193,7 @@ class moe_layer {
   void backward(saved_state<T>&& saved, span<const T> grad_out, span<T> grad_x, span<float> grad_weights,
                 Experts& experts) {
     check_experts_backward<Experts, Exec, T>();
+    require_live("backward");
     const std::size_t H = options_.hidden, N = grad_out.size() / H;
     const auto k = static_cast<std::size_t>(options_.top_k);
     backward_args<T> a;
@@ -223,6 +225,7 @@ class moe_layer {
   // handle's expert-major buffer (h.inputs() after dispatch_wait).
   forward_handle<T> dispatch_start(span<const T> x, span<const std::int32_t> ids, span<const float> weights, mode m) {
     static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
+    require_live("dispatch_start");
     const std::uint64_t serial = ++forward_starts_;
     const std::size_t H = options_.hidden, N = x.size() / H;
     const auto k = static_cast<std::size_t>(options_.top_k);
@@ -257,6 +260,7 @@ class moe_layer {
   // combine_wait.
   void combine_start(forward_handle<T>& h, span<const T> expert_outputs, span<T> out) {
     static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
+    require_live("combine_start");
     errc category = errc::configuration;
     std::string why = phase_error(h.call_, detail::split_phase::dispatched, "combine_start");
     if (why.empty()) {
@@ -297,6 +301,7 @@ class moe_layer {
   // then). The experts read g.inputs() and g.grad_outputs() and write g.grad_inputs().
   backward_handle<T> backward_dispatch_start(saved_state<T>&& saved, span<const T> grad_out, span<float> grad_weights) {
     static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
+    require_live("backward_dispatch_start");
     const std::uint64_t serial = ++backward_starts_;
     const std::size_t H = options_.hidden, N = grad_out.size() / H;
     const auto k = static_cast<std::size_t>(options_.top_k);
@@ -329,6 +334,7 @@ class moe_layer {
   // by backward_combine_wait.
   void backward_combine_start(backward_handle<T>& h, span<const T> grad_inputs, span<T> grad_x) {
     static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
+    require_live("backward_combine_start");
     errc category = errc::configuration;
     std::string why = phase_error(h.call_, detail::split_phase::dispatched, "backward_combine_start");
     if (why.empty()) {
@@ -369,6 +375,7 @@ class moe_layer {
   // when a call had bad input, and when pairs overflowed the bound with
   // layer_options::bound.raise_on_overflow. In the normal mode it returns an empty report.
   bound_report check() {
+    require_live("check");
     if (!bound_) return {};
     require_in_step("check");
     return detail::check_bound(exec_, *ep_, *static_cast<detail::bound_buffers<T, Exec>*>(bound_.get()), rank_);
@@ -379,6 +386,7 @@ class moe_layer {
   // into collectives (the gradient hooks) that wait for the raising ranks until their
   // timeout; a check over the world raises everywhere at once. Collective over `group`.
   bound_report check(Comm& group) {
+    require_live("check");
     if (!bound_) return {};
     require_in_step("check");
     EPX_REQUIRE(group.size() % ep_->size() == 0, errc::configuration, "moe_layer::check(group) (rank ", rank_,
@@ -466,6 +474,13 @@ class moe_layer {
     }
   }
 
+  // A layer that was moved from has no implementation, communicators or buffers left (they
+  // went to the layer it was moved into): its calls raise on the rank that makes them.
+  void require_live(const char* call) const {
+    EPX_REQUIRE(impl_ != nullptr, errc::configuration, "moe_layer ", call, " (rank ", rank_,
+                "): this layer was moved from; its state belongs to the layer it was moved into");
+  }
+
   // Why a split call's handle cannot take phase `want` here ("" when it can).
   std::string phase_error(const detail::split_call<T>& c, detail::split_phase want, const char* call) const {
     if (c.phase == detail::split_phase::empty)
@@ -479,6 +494,7 @@ class moe_layer {
   // A wait: local (no communication), raises errc::configuration on this rank when the
   // handle is not in the phase its start left it in.
   void wait_for(detail::split_call<T>& c, detail::split_phase started, const char* call) const {
+    require_live(call);
     const std::string why = phase_error(c, started, call);
     EPX_REQUIRE(why.empty(), errc::configuration, why, " (rank ", rank_, ")");
     c.phase = static_cast<detail::split_phase>(static_cast<int>(started) + 1);
