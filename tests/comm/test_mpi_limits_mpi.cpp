@@ -95,6 +95,49 @@ TEST_CASE("mpi: a caught watchdog timeout keeps its buffers alive until the late
   world.barrier();
 }
 
+TEST_CASE("mpi: a caught timeout at access_peers' entry names access_peers") {
+  communicator world = communicator::world();
+  const int n = world.size(), me = world.rank();
+  if (n < 2) return;
+  epx::mpi::options o;
+  o.timeout = std::chrono::milliseconds(300);
+  communicator w = fresh(o);
+  if (!w.peer_access_available()) return;  // ranks on several nodes: no peer access to time out in
+  const bool late = me == n - 1;
+  int v = me;
+  const void* mine[1] = {&v};
+  const std::size_t bytes[1] = {sizeof(int)};
+  int seen = 0;
+  const auto access = [&] {
+    w.access_peers(mine, bytes, 1, [&](const auto& peers) {
+      seen = 0;
+      for (int r = 0; r < n; ++r) seen += *static_cast<const int*>(peers(r, 0));
+    });
+  };
+  access();  // together once: the shared window exists before the late call
+  CHECK(seen == n * (n - 1) / 2);
+  if (!late) {
+    std::string what;
+    try {
+      access();
+    } catch (const epx::error& e) {
+      what = e.what();
+      CHECK(e.category() == epx::errc::communicator);
+    }
+    CHECK_MESSAGE(contains(what, "watchdog: MPI access_peers on rank " + std::to_string(me)), what);
+    // The late rank's exit barrier (a nonblocking one: only those match it), so that it
+    // leaves access_peers normally.
+    MPI_Request exit_barrier = MPI_REQUEST_NULL;
+    MPI_Ibarrier(w.native(), &exit_barrier);
+    MPI_Wait(&exit_barrier, MPI_STATUS_IGNORE);
+  } else {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    access();  // meets the others' timed-out entry gathers, then their barrier above
+    CHECK(seen == n * (n - 1) / 2);
+  }
+  world.barrier();
+}
+
 // Run only by the ctest test_comm_mpi_watchdog_caller_buffers_np2 (--no-skip): the last
 // rank stalls past the watchdog before an all_to_allv without the count check, so the
 // others time out inside the row exchange, whose buffers are the caller's: the job ends

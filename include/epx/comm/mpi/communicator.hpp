@@ -416,6 +416,7 @@ class communicator {
     detail::mpi_enter(*s_, "peer_memory");
     EPX_REQUIRE(peer_access_available(), errc::configuration, "peer_memory: the ranks of this MPI communicator (",
                 size(), ") do not all share one node, or options::shared_memory is off: no peer access");
+    s_->op = "peer_memory";  // peer_access_available named its own collective
     return detail::mpi_peer_memory(*s_, opt_, bytes);
   }
 
@@ -425,6 +426,7 @@ class communicator {
     EPX_REQUIRE(peer_access_available(), errc::configuration,
                 "access_peers: the ranks of this MPI communicator (", size(),
                 ") do not all share one node, or options::shared_memory is off: no peer access");
+    s_->op = "access_peers";  // peer_access_available named its own collective
     auto& w = s_->peer;
     const auto n = static_cast<std::size_t>(size());
     constexpr std::size_t L = detail::mpi_peer_record;
