@@ -765,6 +765,18 @@ TEST_CASE("mpi: mismatched counts are reported on every rank") {
                 epx::errc::communicator, "ranks disagree on the datatype");
     check_error([&] { w.broadcast(buf.data(), 2, epx::datatype::float64, me == 0 ? 1 : 0); },
                 epx::errc::communicator, "ranks disagree on the root");
+    // Different collectives of one datatype and count: the small all_reduce and all_gather
+    // are both one MPI_Iallgather, which would pair them without a word.
+    std::vector<double> gathered(4 * static_cast<std::size_t>(n));
+    check_error(
+        [&] {
+          if (me == 0)
+            w.all_reduce(buf.data(), out.data(), 4, epx::datatype::float64, 1.0);
+          else
+            w.all_gather(buf.data(), gathered.data(), 4, epx::datatype::float64);
+        },
+        epx::errc::communicator, "ranks disagree on the collective (1 all_to_all, 2 all_reduce, 3 reduce_scatter, "
+                                 "4 all_gather, 5 broadcast) (values from 2 to 4");
   }
   check_error([&] { w.broadcast(buf.data(), 2, epx::datatype::float64, me == 0 ? n : 0); },
               epx::errc::input, "broadcast: root (" + std::to_string(n) + ") on rank 0 out of range");

@@ -2,7 +2,8 @@
 // (needs <mpi.h>).
 //
 // With `options::check_counts` (default on) every collective first agrees, with one small
-// MPI_Allreduce, that all ranks called it with the same datatype and counts (and root);
+// MPI_Allreduce, that all ranks called it with the same datatype and counts (and root, and,
+// for all_to_all, all_reduce, reduce_scatter, all_gather and broadcast, the same collective);
 // a rank's own bad argument travels in the same reduction, so it reaches every rank.
 // all_to_allv (and all_to_allv_segments) also exchange the counts (an all_to_all of one
 // integer per peer and segment) and check that what each sender sends is what its receiver
@@ -88,12 +89,29 @@ inline long long mpi_agree(mpi_state& s, const mpi::options& opt, const char* op
   return buf[2];
 }
 
-// The common case: datatype, count and root must agree; `local_error` as for mpi_agree
-// (raised as errc::input).
+// The collectives that agree through mpi_agree_same, numbered: ranks in different ones
+// make the same agreement (one MPI_Iallreduce of the same length), and then calls that MPI
+// can pair (the small all_reduce and all_gather are both one MPI_Iallgather), so the
+// collective itself must agree too. 0: another name.
+inline constexpr const char* mpi_same_collectives[] = {"all_to_all", "all_reduce", "reduce_scatter", "all_gather",
+                                                       "broadcast"};
+inline long long mpi_collective_id(const char* op) {
+  long long id = 1;
+  for (const char* name : mpi_same_collectives) {
+    if (std::string(op) == name) return id;
+    ++id;
+  }
+  return 0;
+}
+
+// The common case: the collective, datatype, count and root must agree; `local_error` as for
+// mpi_agree (raised as errc::input).
 inline void mpi_agree_same(mpi_state& s, const mpi::options& opt, const char* op, datatype t,
                            std::size_t count, int root = 0, const std::string& local_error = std::string()) {
   mpi_agree(s, opt, op,
-            {{"the datatype", static_cast<long long>(t)},
+            {{"the collective (1 all_to_all, 2 all_reduce, 3 reduce_scatter, 4 all_gather, 5 broadcast)",
+              mpi_collective_id(op)},
+             {"the datatype", static_cast<long long>(t)},
              {"the count", static_cast<long long>(count)},
              {"the root", root}},
             local_error, errc::input);

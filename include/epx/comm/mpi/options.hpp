@@ -10,8 +10,8 @@ namespace epx::mpi {
 
 // Tuning and checking of one communicator (plain aggregate; copies made by split inherit it).
 struct options {
-  // Agree on datatype and counts before each collective, and check in all_to_allv that the
-  // counts each rank sends match what the receivers expect. Costs one small MPI_Allreduce
+  // Agree on datatype and counts (and on the collective) before each collective, and check
+  // in all_to_allv that the counts each rank sends match what the receivers expect. Costs one small MPI_Allreduce
   // (plus, for all_to_allv, an all_to_all of one integer per peer) per call. Without it,
   // all_to_allv runs as point-to-point messages with no extra synchronization.
   // (epx/comm/mpi/agreement.hpp)
