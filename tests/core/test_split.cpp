@@ -185,6 +185,12 @@ TEST_CASE("split phase: misuse raises on every rank, nothing hangs") {
                  "backward_dispatch_wait got an empty handle");
     // Collective starts: one rank's mistake raises on every rank of the EP group.
     check_misuse(c, split_misuse::combine_before_dispatch_wait, last, errc::configuration, "rank 3: combine_start needs");
+    check_misuse(c, split_misuse::combine_before_dispatch_wait, last, errc::configuration,
+                 "but this one's is 'dispatch started, not waited for': call dispatch_wait on it first");
+    check_misuse(c, split_misuse::dispatch_wait_twice, all, errc::configuration,
+                 "'dispatched': each phase of a handle runs once");
+    check_misuse(c, split_misuse::combine_wait_without_start, all, errc::configuration,
+                 "but this one's is 'dispatched': call combine_start on it first");
     check_misuse(c, split_misuse::combine_twice, last, errc::configuration, "'already combined'");
     check_misuse(c, split_misuse::combine_twice, all, errc::configuration, "rank 0: combine_start needs");
     check_misuse(c, split_misuse::combine_other_layer, last, errc::configuration,
@@ -199,7 +205,8 @@ TEST_CASE("split phase: misuse raises on every rank, nothing hangs") {
     check_misuse(c, split_misuse::expert_outputs_size, last, errc::input, "rank 3: combine_start: the expert outputs have");
     check_misuse(c, split_misuse::out_size, last, errc::input, "rank 3: combine_start: out has");
     check_misuse(c, split_misuse::backward_combine_twice, last, errc::configuration,
-                 "rank 3: backward_combine_start needs a handle whose phase is 'dispatched' but this one's is 'already combined'");
+                 "rank 3: backward_combine_start needs a handle whose phase is 'dispatched' but this one's is 'already combined': "
+                 "each phase of a handle runs once");
     check_misuse(c, split_misuse::backward_grad_inputs_size, last, errc::input,
                  "rank 3: backward_combine_start: the experts' input gradients have");
     check_misuse(c, split_misuse::grad_x_size, last, errc::input, "rank 3: backward_combine_start: grad_x has");

@@ -488,8 +488,22 @@ class moe_layer {
     if (c.layer != id_) return detail::concat(call, " got a handle made by another layer");
     if (c.phase != want)
       return detail::concat(call, " needs a handle whose phase is '", to_string(want), "' but this one's is '",
-                            to_string(c.phase), "'");
+                            to_string(c.phase), "'", phase_hint(c.phase, want, call));
     return {};
+  }
+  // What the caller does about a handle in phase `have` where `want` was needed: the call
+  // that moves it on, or that each phase runs once.
+  static std::string phase_hint(detail::split_phase have, detail::split_phase want, const char* call) {
+    if (static_cast<int>(have) > static_cast<int>(want)) return ": each phase of a handle runs once";
+    const bool back = std::string(call).rfind("backward_", 0) == 0;
+    const char* next = "";
+    switch (have) {
+      case detail::split_phase::dispatching: next = "dispatch_wait"; break;
+      case detail::split_phase::dispatched: next = "combine_start"; break;
+      case detail::split_phase::combining: next = "combine_wait"; break;
+      default: return {};
+    }
+    return detail::concat(": call ", back ? "backward_" : "", next, " on it first");
   }
   // A wait: local (no communication), raises errc::configuration on this rank when the
   // handle is not in the phase its start left it in.
