@@ -192,6 +192,8 @@ TEST_CASE("bad configuration raises on every rank, together, before rows move") 
   }
   SUBCASE("all_reduce path with ep != tp") {
     expect_configuration_error<epx::impl::all_reduce>(4, {1, 4, 1, 1, 4, 8, 0}, o, "requires ep_size (4) == tp_size (1)");
+    expect_configuration_error<epx::impl::all_reduce>(4, {1, 4, 1, 1, 4, 8, 0}, o,
+                                                      "same rows; use impl::all_to_all or impl::automatic on this mesh");
   }
 }
 

@@ -57,7 +57,8 @@ class all_reduce_impl {
              "row_sends::per_rank): use impl::all_to_all or impl::automatic";
     if (m.ep() == m.tp()) return {};
     return concat("the all_reduce implementation requires ep_size (", m.ep(), ") == tp_size (", m.tp(),
-                  "): every rank of an EP group must hold the same rows");
+                  "): every rank of an EP group must hold the same rows; use impl::all_to_all or impl::automatic "
+                  "on this mesh");
   }
 
   template <class T, class Exec>
