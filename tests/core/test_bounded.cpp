@@ -418,6 +418,10 @@ TEST_CASE("bounded: overflow counter and check(), raising on overflow when asked
       if (raise) {
         CHECK_MESSAGE(g.check_message.find("3 (token, slot) pair(s) overflowed the bound cap=1") != std::string::npos,
                       g.check_message);
+        CHECK_MESSAGE(g.check_message.find("(most for expert 0: 2); raise layer_options::bound.cap, or set "
+                                           "bound.raise_on_overflow = false to drop them without raising") !=
+                          std::string::npos,
+                      g.check_message);
       } else {
         CHECK(g.check_message.empty());
         CHECK(g.report.overflow_pairs == 3);

@@ -697,7 +697,8 @@ bound_report check_bound(const Exec& ex, Comm& group, bound_buffers<T, Exec>& b,
     EPX_REQUIRE(false, errc::input, "moe_layer::check (rank ", rank, "): bounded mode: ", r.overflow_pairs,
                 " (token, slot) pair(s) overflowed the bound cap=", b.shape.cap,
                 " since the last check and were dropped (most for expert ", most - r.dropped_per_expert.begin(), ": ",
-                *most, ")");
+                *most, "); raise layer_options::bound.cap, or set bound.raise_on_overflow = false to drop them "
+                "without raising");
   }
   return r;
 }
