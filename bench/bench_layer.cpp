@@ -230,6 +230,7 @@ struct rank_work {
   double traffic = 0;                      // bytes calls[0] reads plus writes on this rank
   std::string check;                       // a failed output check, or empty
   std::vector<double> counters;            // per-rank values summed over ranks (see drive's caller)
+  std::string label;                       // the backend and route taken (rank 0's is reported)
 };
 
 struct call_result {
@@ -247,6 +248,7 @@ struct run_result {
   std::vector<std::int64_t> allowance;   // [ranks] expert-major buffer bytes
   std::vector<double> counters;          // summed over ranks
   std::string check;                     // the first failed check
+  std::string label;                     // rank 0's rank_work::label
 };
 
 // Two buffers the floor copies between, in pieces of at most `cap` bytes (a copy that large
@@ -286,6 +288,7 @@ run_result drive(benchmark::State& state, int ranks, Make&& make) {
     const auto me = static_cast<std::size_t>(comm.rank());
     rank_work w = make(comm, r.allowance[me]);
     works[me] = &w;
+    if (me == 0) r.label = w.label;
     traffic[me] = w.traffic;
     std::size_t max_part = 1;
     for (auto p : w.floor_parts) max_part = std::max(max_part, p);
@@ -737,6 +740,19 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
       w.check = check_backward(d->x.data(), d->w.data(), d->grad_out.data(), d->grad_x.data(), d->grad_w.data(), N, H,
                                s.k, partials);
     const auto& st = d->stats;
+    // The route the layer took: the floor below counts the bytes of the requested one.
+    if (w.check.empty()) {
+      if (masked ? std::string(st.path) != "all_reduce" : st.peer_access != (o.r == route::direct))
+        w.check = epx::detail::concat("the layer took another route (path ", st.path, ", peer_access ",
+                                      st.peer_access ? 1 : 0, ")");
+      else if (!masked && o.r != route::direct && st.indexed_sends == epx::bench::gathered())
+        w.check = epx::detail::concat("the layer's staged sends were ", st.indexed_sends ? "by index" : "gathered",
+                                      ", not as the floor counts");
+    }
+    w.label = epx::detail::concat("threads ep=", s.ep, " route=", masked ? "masked (all_reduce)" : to_string(o.r),
+                                  masked || o.r == route::direct ? ""
+                                  : st.indexed_sends                ? " sends=by index"
+                                                                    : " sends=gathered");
     std::size_t R = 0, P = 0, S = 0, remote = 0, got = 0;
     for (auto c : st.tokens_per_local_expert) R += static_cast<std::size_t>(c);
     for (auto c : st.padding_per_local_expert) P += static_cast<std::size_t>(c);
@@ -895,6 +911,7 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
   }
   summary_row row;
   row.name = g_current_name;
+  state.SetLabel(res.label);
   set_floor_counters(state, res, row);
   set_memory_counters(state, res, row);
   state.counters["checked"] = 1;
