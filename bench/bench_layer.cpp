@@ -731,11 +731,23 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
     rank_work w;
     // One call (training forward and backward) to learn the rows moved and check the results.
     make_layer();
+    const int partials = masked ? s.ep : o.r == route::per_rank ? std::min(s.k, s.ep) : 1;
+    std::int64_t rounds = 0;
+    if (!o.backward) {
+      // The timed forward is an inference call, which (unlike a training forward) moves its
+      // rows in rounds when the stage asks for them: it is checked on its own, then out is
+      // cleared so that the training forward's check sees only what that call wrote.
+      (void)forward(epx::mode::inference);
+      rounds = stats().stage_rounds;
+      w.check = check_forward(d->x.data(), d->w.data(), d->out.data(), N, H, s.k, partials);
+      if (!w.check.empty()) w.check = "inference forward: " + w.check;
+      std::fill(d->out.begin(), d->out.end(), epx::convert<T>(0.0f));
+    }
     d->saved = forward(epx::mode::train);
     d->stats = stats();
-    const int partials = masked ? s.ep : o.r == route::per_rank ? std::min(s.k, s.ep) : 1;
-    w.check = check_forward(d->x.data(), d->w.data(), d->out.data(), N, H, s.k, partials);
+    if (w.check.empty()) w.check = check_forward(d->x.data(), d->w.data(), d->out.data(), N, H, s.k, partials);
     backward();
+    if (o.backward) rounds = stats().stage_rounds;
     if (w.check.empty())
       w.check = check_backward(d->x.data(), d->w.data(), d->grad_out.data(), d->grad_x.data(), d->grad_w.data(), N, H,
                                s.k, partials);
@@ -752,7 +764,8 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
     w.label = epx::detail::concat("threads ep=", s.ep, " route=", masked ? "masked (all_reduce)" : to_string(o.r),
                                   masked || o.r == route::direct ? ""
                                   : st.indexed_sends                ? " sends=by index"
-                                                                    : " sends=gathered");
+                                                                    : " sends=gathered",
+                                  rounds > 1 ? epx::detail::concat(" rounds=", rounds) : std::string());
     std::size_t R = 0, P = 0, S = 0, remote = 0, got = 0;
     for (auto c : st.tokens_per_local_expert) R += static_cast<std::size_t>(c);
     for (auto c : st.padding_per_local_expert) P += static_cast<std::size_t>(c);
