@@ -9,13 +9,15 @@
 // In the same iteration the floor is timed from a barrier to a barrier: every rank memcpys
 // exactly the blocks it receives, from the same peers' send buffers into the same places
 // of its receive buffer, with as many threads copying at once, and no protocol (no
-// publishing, no entry barrier, no checks). Counters:
+// publishing, no entry barrier, no checks). The first exchange's received blocks are
+// checked against the senders' (every rank's data differs). Counters:
 //   GB/s              bytes moved by all ranks per call / median time
 //   memcpy_GB/s       the same bytes moved by the plain memcpys / their median time
 //   floor_ratio       median all_to_allv time / median memcpy time (1.0 would be the
 //                     copy floor); medians, because on a shared machine a preempted
 //                     thread adds a whole time slice to a few iterations
 //   floor_ratio_mean  the same with means
+//   checked           1: the received blocks matched
 //
 // The exchange is written against the communicator concept (`exchange_rows`); another host
 // backend gets its variant by driving the same function from its own ranks (the MPI one
@@ -30,6 +32,7 @@
 #include <cstring>
 #include <vector>
 
+#include "check_failed.hpp"
 #include "epx/comm/collectives.hpp"
 #include "epx/comm/threads.hpp"
 
@@ -83,6 +86,7 @@ void threads_all_to_allv_rows(benchmark::State& state) {
   std::vector<const float*> sends(static_cast<std::size_t>(n));  // every rank's send buffer
   std::atomic<bool> go{false};
   std::vector<double> times, copy_times;  // per iteration, seconds
+  std::vector<char> bad(static_cast<std::size_t>(n), 0);  // per rank: its received blocks were wrong
 
   epx::threads::run(n, [&](epx::threads::communicator& comm) {
     const int me = comm.rank();
@@ -100,6 +104,16 @@ void threads_all_to_allv_rows(benchmark::State& state) {
     comm.barrier();  // sends[] complete
     for (int w = 0; w < 2; ++w) {  // warm-up
       exchange_rows(comm, b);
+      if (w == 0) {  // the check, before the floor's copies write the same blocks
+        const std::size_t block = rows_per_peer * kRowElems;
+        for (std::size_t p = 0; p < static_cast<std::size_t>(n) && !bad[static_cast<std::size_t>(me)]; ++p)
+          for (std::size_t i = 0; i < block; ++i)
+            if (b.recv[p * block + i] !=
+                static_cast<float>((static_cast<std::size_t>(me) * block + i + p) % 1000) * 0.5f) {
+              bad[static_cast<std::size_t>(me)] = 1;
+              break;
+            }
+      }
       copy_floor();
       comm.barrier();
     }
@@ -137,6 +151,10 @@ void threads_all_to_allv_rows(benchmark::State& state) {
     benchmark::DoNotOptimize(b.recv.data());
   });
 
+  if (std::find(bad.begin(), bad.end(), 1) != bad.end()) {
+    epx::bench::fail_check(state, "output check failed: a received block differs from the sender's");
+    return;
+  }
   const double moved = static_cast<double>(block_bytes) * n * n;  // every pair, self included
   const double per_call = median(times), per_copy = median(copy_times);
   state.counters["ranks"] = n;
@@ -145,6 +163,8 @@ void threads_all_to_allv_rows(benchmark::State& state) {
   state.counters["memcpy_GB/s"] = moved / per_copy * 1e-9;
   state.counters["floor_ratio"] = per_call / per_copy;
   state.counters["floor_ratio_mean"] = mean(times) / mean(copy_times);
+  state.counters["checked"] = 1;
+  state.SetLabel("threads all_to_allv_rows");
   state.SetBytesProcessed(static_cast<std::int64_t>(moved) * state.iterations());
 }
 
@@ -190,4 +210,9 @@ BENCHMARK(threads_barrier)->ArgName("ranks")->Arg(2)->Arg(4)->Arg(8)->UseManualT
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return epx::bench::check_failed() ? 1 : 0;  // a failed output check fails the run
+}
