@@ -19,6 +19,8 @@
 //                     same iteration; vs_raw_mpi = median epx time / its median time
 //   checked           1 with the default count check (all_to_all of the counts and one
 //                     MPI_Allreduce before the data), 0 without (point-to-point only)
+//   output_checked    1: the first exchange's received blocks matched the senders' data
+//                     (every rank's differs); a mismatch fails the benchmark and the run
 #include <benchmark/benchmark.h>
 #include <mpi.h>
 
@@ -30,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "check_failed.hpp"
 #include "epx/comm/collectives.hpp"
 #include "epx/comm/mpi.hpp"
 #include "mpi_common.hpp"
@@ -66,7 +69,8 @@ void mpi_all_to_allv_rows(benchmark::State& state) {
   std::vector<std::size_t> counts(n, rows_per_peer), offsets(n);
   for (std::size_t p = 0; p < n; ++p) offsets[p] = p * rows_per_peer;
   std::vector<float> send(n * rows_per_peer * kRowElems), recv(send.size());  // [n, rows_per_peer, H]
-  for (std::size_t i = 0; i < send.size(); ++i) send[i] = static_cast<float>(i % 1000) * 0.5f;
+  const auto me = static_cast<std::size_t>(comm.rank());
+  for (std::size_t i = 0; i < send.size(); ++i) send[i] = static_cast<float>((i + me) % 1000) * 0.5f;
   std::fill(recv.begin(), recv.end(), 0.0f);
   auto exchange = [&] {
     epx::all_to_allv_rows(comm, send.data(), epx::make_span(counts), epx::make_span(offsets), recv.data(),
@@ -83,6 +87,20 @@ void mpi_all_to_allv_rows(benchmark::State& state) {
   };
   for (int w = 0; w < 2; ++w) {  // warm-up: connections, page faults
     exchange();
+    if (w == 0) {  // the check, before the floor and the bare MPI call write recv
+      const std::size_t block = rows_per_peer * kRowElems;
+      double bad = 0;
+      for (std::size_t p = 0; p < n && bad == 0; ++p)
+        for (std::size_t i = 0; i < block; ++i)
+          if (recv[p * block + i] != static_cast<float>((me * block + i + p) % 1000) * 0.5f) {
+            bad = 1;
+            break;
+          }
+      if (max_over_ranks(bad) > 0) {
+        epx::bench::fail_check(state, "output check failed: a received block differs from the sender's");
+        return;
+      }
+    }
     copy_floor();
     raw_mpi();
   }
@@ -110,12 +128,14 @@ void mpi_all_to_allv_rows(benchmark::State& state) {
   state.counters["ranks"] = static_cast<double>(n);
   state.counters["bytes_per_peer"] = static_cast<double>(block_bytes);
   state.counters["checked"] = checked ? 1 : 0;
+  state.counters["output_checked"] = 1;
   state.counters["GB/s"] = moved / per_call * 1e-9;
   state.counters["memcpy_GB/s"] = moved / per_copy * 1e-9;
   state.counters["floor_ratio"] = per_call / per_copy;
   state.counters["floor_ratio_mean"] = mean(times) / mean(copy_times);
   state.counters["raw_mpi_GB/s"] = moved / median(raw_times) * 1e-9;
   state.counters["vs_raw_mpi"] = per_call / median(raw_times);
+  state.SetLabel(std::string("mpi np=") + std::to_string(n) + " all_to_allv_rows");
   state.SetBytesProcessed(static_cast<std::int64_t>(moved) * state.iterations());
 }
 
@@ -140,5 +160,5 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   epx::bench::run_on_every_rank(rank, argc, argv);
   benchmark::Shutdown();
-  return 0;
+  return epx::bench::check_failed() ? 1 : 0;  // a failed output check fails the run
 }
