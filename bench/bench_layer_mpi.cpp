@@ -139,6 +139,14 @@ void bench_mpi_route(benchmark::State& state, shape s, route rt, bool backward) 
     epx::bench::fail_check(state, "the layer did not take the requested route");
     return;
   }
+  // The staged sends the floor counts: by index, or gathered first with --gathered.
+  if (max_over_ranks(rt != route::direct && st.indexed_sends == epx::bench::gathered() ? 1.0 : 0.0) > 0) {
+    epx::bench::fail_check(state, "the layer's staged sends were not those the floor counts");
+    return;
+  }
+  const std::string label = epx::detail::concat(
+      "mpi np=", ep, " route=", rt == route::direct ? "direct (shared window)" : to_string(rt),
+      rt == route::direct ? "" : st.indexed_sends ? " sends=by index" : " sends=gathered");
   std::size_t R = 0, P = 0, S = 0, remote = 0, got = 0;
   for (auto c : st.tokens_per_local_expert) R += static_cast<std::size_t>(c);
   for (auto c : st.padding_per_local_expert) P += static_cast<std::size_t>(c);
@@ -235,6 +243,7 @@ void bench_mpi_route(benchmark::State& state, shape s, route rt, bool backward) 
   state.counters["rows_per_rank_mode"] = rows_pr / ep;
   state.counters["repeat_fraction"] = rows > 0 ? 1.0 - rows_pr / rows : 0.0;
   state.counters["checked"] = 1;
+  state.SetLabel(label);
 }
 
 template <class T>
