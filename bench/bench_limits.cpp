@@ -21,7 +21,9 @@
 //
 // routing/...: routing::route with softmax_topk over n tokens x E experts, without and with
 // a node limit (nodes, M): routing_us, limited_us, added_vs_routing = limited / plain - 1,
-// and added_vs_layout = (limited - plain) / the plain layout of the same pairs.
+// and added_vs_layout = (limited - plain) / the plain layout of the same pairs. Both
+// routings are checked once: distinct experts on at most M nodes (limited), the k best
+// logits of the nodes used, the weights the softmax of the chosen logits.
 //
 // nodes/...: the layer's nodes-per-token statistic, which the plan counts in its pass 1
 // (layout::nodes_per_token): the plain plan against the plan that also counts the nodes,
@@ -208,6 +210,54 @@ void bench_routing(benchmark::State& state, routing_shape s) {
     t_layout.push_back(seconds_since(t1, t2));
     t_limited.push_back(seconds_since(t2, t3));
     state.SetIterationTime(seconds_since(t0, t3));
+  }
+  // Checked once, both routings: a token's k experts are distinct, lie on at most M nodes
+  // (limited), and are the k best logits among the experts of the nodes they lie on (plain:
+  // all nodes; ties may go either way); the renormalised weights are the softmax of their
+  // logits.
+  {
+    const std::size_t K = static_cast<std::size_t>(s.k), Es = static_cast<std::size_t>(s.E);
+    const int per_node = s.E / s.nodes;
+    std::string bad;
+    for (const auto* r : {&plain, &limited}) {
+      epx::routing::route(*r, ex, logits.data(), s.tokens, s.E, s.k, ids.data(), w.data());
+      const bool lim = r == &limited;
+      for (std::size_t t = 0; t < s.tokens && bad.empty(); ++t) {
+        const float* l = logits.data() + t * Es;
+        const std::int32_t* id = ids.data() + t * K;
+        std::vector<char> chosen(Es, 0), node(static_cast<std::size_t>(s.nodes), 0);
+        float least = INFINITY, top = -INFINITY;
+        for (std::size_t j = 0; j < K; ++j) {
+          if (id[j] < 0 || id[j] >= s.E || chosen[static_cast<std::size_t>(id[j])]) {
+            bad = epx::detail::concat(lim ? "limited" : "plain", " routing: token ", t, " has a bad or repeated id");
+            break;
+          }
+          chosen[static_cast<std::size_t>(id[j])] = 1;
+          node[static_cast<std::size_t>(id[j] / per_node)] = 1;
+          least = std::min(least, l[id[j]]);
+          top = std::max(top, l[id[j]]);
+        }
+        if (!bad.empty()) break;
+        int used = 0;
+        for (char c : node) used += c;
+        if (lim && used > s.M) bad = epx::detail::concat("limited routing: token ", t, " uses ", used, " nodes");
+        for (std::size_t e = 0; e < Es && bad.empty(); ++e)
+          if (!chosen[e] && node[e / static_cast<std::size_t>(per_node)] && l[e] > least)
+            bad = epx::detail::concat(lim ? "limited" : "plain", " routing: token ", t, " passes over expert ", e);
+        double z = 0;
+        for (std::size_t j = 0; j < K; ++j) z += std::exp(static_cast<double>(l[id[j]]) - top);
+        for (std::size_t j = 0; j < K && bad.empty(); ++j) {
+          const double want = std::exp(static_cast<double>(l[id[j]]) - top) / z;
+          if (!(std::abs(w[t * K + j] - want) <= 1e-5 + 1e-5 * want))
+            bad = epx::detail::concat(lim ? "limited" : "plain", " routing: weight[", t, ", ", j, "] = ", w[t * K + j],
+                                      ", expected ", want);
+        }
+      }
+    }
+    if (!bad.empty()) {
+      epx::bench::fail_check(state, "output check failed: " + bad);
+      return;
+    }
   }
   const double tp = median(t_plain), tl = median(t_limited), tlay = median(t_layout);
   state.counters["routing_us"] = tp * 1e6;
