@@ -14,8 +14,9 @@
 //   added_vs_layout   with_capacity_us / layout_us - 1 (target: <= 0.10 at 4096 tokens,
 //                     top-8, 256 experts)
 //   dropped           pairs dropped on this rank
-// The last plan is checked once (kept counts, kept pairs at the front of their block,
-// by score no dropped pair heavier than a kept one). A global capacity reads the counts
+// The last plan is checked once (kept counts against min(count, C) with the capacity C
+// computed here, kept pairs at the front of their block, by position no dropped pair before
+// a kept one, by score no dropped pair heavier than a kept one). A global capacity reads the counts
 // of all `ep` ranks (the gathered matrix; the other
 // ranks' counts are this rank's, shifted).
 //
@@ -166,9 +167,22 @@ void bench_capacity(benchmark::State& state, capacity_shape s) {
       ok = ok && p >= plan.host_offset[e] && p < plan.host_offset[e] + keep &&
            plan.src_row.data()[p] == static_cast<std::int64_t>(i / static_cast<std::size_t>(s.k));
     }
+    // The capacity computed here (capacity.hpp): C = ceil(factor * pairs / E), pairs this
+    // rank's (local) or the group's (global); this rank is the first of the group, so it
+    // keeps min(count, C) either way. By position the kept pairs precede the dropped ones.
+    const double pairs = static_cast<double>(s.tokens) * s.k * (s.mode == epx::capacity_mode::global ? s.ep : 1);
+    const auto C = static_cast<std::int64_t>(std::ceil(s.factor * pairs / static_cast<double>(s.E)));
+    std::vector<std::size_t> last_kept(Es, 0), first_dropped(Es, ids.size());
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const auto e = static_cast<std::size_t>(ids[i]);
+      if (plan.pos.data()[i] < 0) first_dropped[e] = std::min(first_dropped[e], i);
+      else last_kept[e] = i;
+    }
     for (std::size_t e = 0; e < Es; ++e) {
       ok = ok && kept[e] == (lim.kept.empty() ? plan.host_counts[e] : std::min(lim.kept[e], plan.host_counts[e]));
+      ok = ok && kept[e] == (s.mode == epx::capacity_mode::off ? plan.host_counts[e] : std::min(plan.host_counts[e], C));
       if (s.priority == epx::drop_priority::score) ok = ok && most_dropped[e] <= least_kept[e];
+      else ok = ok && (kept[e] == 0 || first_dropped[e] > last_kept[e]);
     }
     if (!ok) epx::bench::fail_check(state, "the plan with the capacity does not keep what the capacity says");
   }
