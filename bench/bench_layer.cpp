@@ -582,6 +582,8 @@ template <class T>
 void bench_stage(benchmark::State& state, shape s, stage which) {
   const std::size_t H = s.hidden, n = s.tokens, S = s.pairs();
   const int L = s.experts / s.ep;
+  std::vector<const void*> sends(static_cast<std::size_t>(s.ep));                  // every rank's send rows
+  std::vector<const epx::detail::segments*> lays(static_cast<std::size_t>(s.ep));  // and its segments
   const run_result r = drive(state, s.ep, [&](epx::threads::communicator& comm, std::int64_t&) {
     const int me = comm.rank();
     const epx::exec::serial ex;
@@ -640,12 +642,63 @@ void bench_stage(benchmark::State& state, shape s, stage which) {
         };
         break;
     }
+    // Checked once against a direct computation: scatter, send[p] = x[src_row[p]]; exchange,
+    // every received segment is the rows its source sent for it; combine, out[t] =
+    // sum_j w[t,j] y[pos[t,j]] within the rounding bound of float accumulation rounded to T.
+    sends[static_cast<std::size_t>(me)] = d->send.data();
+    lays[static_cast<std::size_t>(me)] = &d->lay;
+    c.run();
+    comm.barrier();
+    const std::size_t rb = H * sizeof(T);
+    if (which == stage::scatter) {
+      for (std::size_t p = 0; p < S && w.check.empty(); ++p)
+        if (std::memcmp(d->send.data() + p * H, d->x.data() + static_cast<std::size_t>(d->plan.src_row.data()[p]) * H,
+                        rb) != 0)
+          w.check = epx::detail::concat("scatter: send row ", p, " is not x[src_row]");
+    } else if (which == stage::exchange) {
+      for (int q = 0; q < s.ep && w.check.empty(); ++q)
+        for (int l = 0; l < L && w.check.empty(); ++l) {
+          const auto mine = static_cast<std::size_t>(q * L + l), theirs = static_cast<std::size_t>(me * L + l);
+          const auto* src = static_cast<const T*>(sends[static_cast<std::size_t>(q)]) +
+                            lays[static_cast<std::size_t>(q)]->send_displs[theirs] * H;
+          if (d->lay.recv_counts[mine] != lays[static_cast<std::size_t>(q)]->send_counts[theirs] ||
+              std::memcmp(d->recv.data() + d->lay.recv_displs[mine] * H, src, d->lay.recv_counts[mine] * rb) != 0)
+            w.check = epx::detail::concat("exchange: the rows from rank ", q, " for local expert ", l, " differ");
+        }
+    } else {
+      const auto K = static_cast<std::size_t>(s.k);
+      const double u = sizeof(T) == 2 ? 0x1p-8 : 0x1p-24, ua = 0x1p-24;
+      for (std::size_t t = 0; t < n && w.check.empty(); ++t)
+        for (std::size_t h = 0; h < H; ++h) {
+          double want = 0, abs_sum = 0;
+          for (std::size_t j = 0; j < K; ++j) {
+            const auto pos = d->plan.pos.data()[t * K + j];
+            const double v = static_cast<double>(d->w[t * K + j]) *
+                             static_cast<double>(epx::convert<float>(d->send[static_cast<std::size_t>(pos) * H + h]));
+            want += v;
+            abs_sum += std::abs(v);
+          }
+          const double got = static_cast<double>(epx::convert<float>(d->out[t * H + h]));
+          if (!(std::abs(got - want) <= u * std::abs(want) + 2 * (K + 1) * ua * abs_sum + 1e-30)) {
+            w.check = epx::detail::concat("combine: out[", t, ", ", h, "] = ", got, ", expected ", want);
+            break;
+          }
+        }
+    }
+    comm.barrier();  // nobody's buffers change before every rank has read them
     w.calls.push_back(std::move(c));
     return w;
   });
+  if (!r.check.empty()) {
+    epx::bench::fail_check(state, "output check failed: " + r.check);
+    return;
+  }
+  state.SetLabel(epx::detail::concat("threads ep=", s.ep, " stage=",
+                                     which == stage::scatter ? "scatter" : which == stage::exchange ? "exchange" : "combine"));
   summary_row row;
   row.name = g_current_name;
   set_floor_counters(state, r, row);
+  state.counters["checked"] = 1;
   add_row(row);
 }
 
