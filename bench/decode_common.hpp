@@ -115,26 +115,27 @@ inline double percentile(std::vector<double> v, double q) {
 }
 
 // Rows each rank reads plus writes per call (identity experts in place move nothing):
-//   direct  pull 2R, combine S + n; on MPI (`window`) also the copies of x and of the
-//           outputs into the communicator's shared window, 2n + 2R
+//   direct  pull 2R, padding P (normal), combine S + n; on MPI (`window`) also the copies
+//           of x and of the outputs into the communicator's shared window, 2n + 2R
 //   staged  gather 2S (bounded; the normal mode sends rows by index straight from x),
 //           all-to-all out (the threads all-to-all copies what each rank receives: normal
 //           2R, bounded the fixed slabs 2*ep*slab), unpack 2R (bounded) or padding P
 //           (normal), pack 2R (bounded), all-to-all back (as out), combine S + n
 //   fp8     (normal) quantise n rows (read n, write n/2), experts dequantise (read R/2,
 //           write R), and by route:
-//           direct  pull R/2 + R/2, combine S + n; on MPI also the copies of the quantised
+//           direct  pull R/2 + R/2, padding P/2, combine S + n; on MPI also the copies of the quantised
 //                   rows and of the outputs into the shared window, n + 2R
 //           staged  gather S/2 + S/2, all-to-all out R/2 + R/2, padding P/2, all-to-all
 //                   back 2R, combine S + n
 //           (in rows of T; E4M3 rows are half as wide; scales left out)
-// S = n*k pairs sent, R = rows received (mean over ranks: S), slab = hdr + L*cap.
+// S = n*k pairs sent, R = rows received (mean over ranks: S), P = L padding rows (one zero
+// row per local expert, the default padding), slab = hdr + L*cap.
 inline double route_rows(const shape& s, bool bounded, bool direct, bool fp8 = false, bool window = false) {
   const double n = static_cast<double>(s.tokens), S = n * s.top_k, R = S;
-  if (fp8 && direct) return 1.5 * n + 1.5 * R + R + S + n + (window ? n + 2 * R : 0.0);
-  if (fp8) return 1.5 * n + S + R + 0.5 * (s.experts / s.ep) + 1.5 * R + 2 * R + S + n;
-  if (direct) return 2 * R + S + n + (window ? 2 * n + 2 * R : 0.0);
   const int L = s.experts / s.ep;
+  if (fp8 && direct) return 1.5 * n + 1.5 * R + R + 0.5 * L + S + n + (window ? n + 2 * R : 0.0);
+  if (fp8) return 1.5 * n + S + R + 0.5 * L + 1.5 * R + 2 * R + S + n;
+  if (direct) return 2 * R + (bounded ? 0.0 : static_cast<double>(L)) + S + n + (window ? 2 * n + 2 * R : 0.0);
   const double slab = 1.0 + static_cast<double>(L) * static_cast<double>(s.cap);
   const double moved = bounded ? 2.0 * s.ep * slab : 2 * R;
   const double pack = bounded ? 4 * R : static_cast<double>(L);
