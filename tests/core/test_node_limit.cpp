@@ -223,6 +223,51 @@ TEST_CASE("node limit: softmax_topk picks by p among the kept nodes, ties in p t
   CHECK(ties > 0);
 }
 
+TEST_CASE("node limit: nodes whose scores tie exactly keep the lower nodes, for every policy") {
+  // Every node holds the same logits (distinct within a node), so all node scores are equal
+  // and the M kept nodes are 0 .. M-1. The ids are then the k largest logits among the
+  // experts of those nodes, equal logits to the lower id (the policies are monotone in the
+  // logit without a bias).
+  struct shape {
+    int E, nodes, M, k;
+  };
+  for (const shape s : {shape{16, 4, 2, 3}, shape{24, 3, 1, 2}, shape{32, 8, 3, 4}, shape{12, 4, 2, 2}}) {
+    CAPTURE(s.E);
+    CAPTURE(s.nodes);
+    CAPTURE(s.M);
+    CAPTURE(s.k);
+    const int per = s.E / s.nodes;
+    const std::size_t N = 9;
+    std::vector<float> l(N * static_cast<std::size_t>(s.E));
+    for (std::size_t t = 0; t < N; ++t)
+      for (int e = 0; e < s.E; ++e) {
+        const int i = e % per;  // same pattern on every node, a different one per token
+        l[t * static_cast<std::size_t>(s.E) + static_cast<std::size_t>(e)] =
+            0.25f * static_cast<float>((i * 5 + static_cast<int>(t) * 3) % per);
+      }
+    std::vector<std::int32_t> want(N * static_cast<std::size_t>(s.k));
+    for (std::size_t t = 0; t < N; ++t) {
+      std::vector<int> cand(static_cast<std::size_t>(s.M * per));
+      std::iota(cand.begin(), cand.end(), 0);
+      const float* lt = l.data() + t * static_cast<std::size_t>(s.E);
+      std::stable_sort(cand.begin(), cand.end(), [&](int a, int b) { return lt[a] > lt[b]; });
+      for (int j = 0; j < s.k; ++j) want[t * static_cast<std::size_t>(s.k) + static_cast<std::size_t>(j)] = cand[static_cast<std::size_t>(j)];
+    }
+    const routing::node_limit nl{s.nodes, s.M};
+    routing::sigmoid_bias sb;
+    sb.limit = nl;
+    const auto check = [&](const lib_routing& r, const char* what) {
+      CAPTURE(what);
+      CHECK(r.ids == want);
+    };
+    check(run_route(routing::softmax_topk{false, nl}, epx::exec::serial{}, l, N, s.E, s.k), "softmax_topk");
+    check(run_route(routing::softmax_topk{true, nl}, epx::exec::openmp{2}, l, N, s.E, s.k), "softmax_topk renorm");
+    check(run_route(routing::topk_softmax{nl}, epx::exec::serial{}, l, N, s.E, s.k), "topk_softmax");
+    check(run_route(routing::topk_softmax{nl}, epx::exec::emulated_device{}, l, N, s.E, s.k), "topk_softmax device");
+    check(run_route(sb, epx::exec::serial{}, l, N, s.E, s.k), "sigmoid_bias");
+  }
+}
+
 namespace {
 std::string route_error(const routing::node_limit& nl, int E, int k, int n_group = 1) {
   std::vector<float> l(static_cast<std::size_t>(E), 0.5f), w(static_cast<std::size_t>(k));
