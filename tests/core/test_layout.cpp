@@ -232,6 +232,32 @@ TEST_CASE("slicing: floor bounds, uneven and empty slices, 64-bit") {
   CHECK_THROWS_AS(epx::slice_bounds(4, 2, 2), epx::error);
 }
 
+TEST_CASE("slicing: slice_of_row names the slice holding a row, slice_begin its first row") {
+  // Slice t holds rows [floor(N t / tp), floor(N (t+1) / tp)); empty slices hold none.
+  for (std::size_t N : {1, 2, 3, 5, 7, 10, 64, 65})
+    for (int tp : {1, 2, 3, 4, 6, 8}) {
+      CAPTURE(N);
+      CAPTURE(tp);
+      for (int t = 0; t < tp; ++t) {
+        const std::size_t b = N * static_cast<std::size_t>(t) / static_cast<std::size_t>(tp);
+        const std::size_t e = N * static_cast<std::size_t>(t + 1) / static_cast<std::size_t>(tp);
+        CHECK(epx::slice_begin(N, tp, t) == b);
+        for (std::size_t r = b; r < e; ++r) {
+          CAPTURE(r);
+          CHECK(epx::slice_of_row(r, N, tp) == t);
+        }
+      }
+    }
+  // 64-bit row counts: the rows on both sides of every slice boundary.
+  const std::size_t big = (std::size_t{1} << 40) + 3;
+  for (int t = 1; t < 7; ++t) {
+    const std::size_t b = big * static_cast<std::size_t>(t) / 7;  // 7 * 2^40 fits in 64 bits
+    CHECK(epx::slice_begin(big, 7, t) == b);
+    CHECK(epx::slice_of_row(b, big, 7) == t);
+    CHECK(epx::slice_of_row(b - 1, big, 7) == t - 1);
+  }
+}
+
 namespace {
 // Runs every kernel of epx/kernels on policy P (whole rows on the host policies, 16-byte
 // chunks on the emulated device) and returns what they wrote, concatenated as doubles.
