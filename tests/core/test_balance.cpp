@@ -185,6 +185,28 @@ TEST_CASE("balance: a token whose sigmoids all underflow gives a finite sequence
   CHECK(loss >= second / 2 - 1e-12);
 }
 
+TEST_CASE("balance: sequence loss counts an expert a token selects twice once") {
+  // Given ids may repeat an expert within a token; f_e counts tokens that select e.
+  const std::size_t N = 6, T_len = 3;
+  const int E = 5, k = 3;
+  const auto ld = ref::round_through<float>(ref::random_logits(N, E, 41));
+  const auto lt = ref::from_double<float>(ld);
+  const std::vector<std::int32_t> ids = {1, 1, 2, 0, 3, 0, 4, 4, 4, 2, 2, 1, 3, 0, 3, 1, 1, 1};
+  const double alpha = 0.2;
+  const auto want = ref::sequence_balance_loss(ld, ids, N, E, k, T_len, alpha);
+  const auto check = [&](const auto& ex, const char* what) {
+    CAPTURE(what);
+    const double got = routing::sequence_balance_loss(ex, lt.data(), ids.data(), N, E, k, T_len, alpha);
+    CHECK(std::abs(got - want.loss) <= 1e-5 * std::abs(want.loss));
+    std::vector<float> grad(N * static_cast<std::size_t>(E), -7.0f);
+    routing::sequence_balance_loss_backward(ex, lt.data(), ids.data(), N, E, k, T_len, alpha, 1.0, grad.data());
+    ref::check_close(grad, want.grad, 1e-9, 1e-4, "sequence_balance_loss gradient");
+  };
+  check(epx::exec::serial{}, "serial");
+  check(epx::exec::openmp{2}, "openmp");
+  check(epx::exec::emulated_device{}, "emulated_device");
+}
+
 TEST_CASE("balance: bad inputs and parameters") {
   const epx::exec::serial ex;
   std::vector<float> l(12, 0.5f), g(12);
