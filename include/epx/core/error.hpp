@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <ios>
 #include <ostream>
 #include <sstream>
@@ -151,6 +152,19 @@ std::string concat(const Args&... args) {
 template <class... Args>
 [[noreturn]] EPX_DETAIL_COLD void raise(errc category, const source_location& where, const Args&... args) {
   raise_message(category, where, concat(args...));
+}
+
+// Message of an in-flight exception: epx::error's message, what() otherwise.
+inline std::string describe_exception(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const error& x) {
+    return x.message();
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown exception";
+  }
 }
 
 }  // namespace detail

@@ -452,8 +452,8 @@ class moe_layer {
     } catch (...) {
       if (b.in_call) {
         b.in_call = false;
-        out_of_step_ =
-            detail::concat("its ", call, " ended before its last collective: ", describe(std::current_exception()));
+        out_of_step_ = detail::concat("its ", call, " ended before its last collective: ",
+                                      detail::describe_exception(std::current_exception()));
       }
       throw;
     }
@@ -463,15 +463,6 @@ class moe_layer {
                 "): bounded mode: an earlier call of this layer on this rank failed (", out_of_step_,
                 "); the other ranks of the expert-parallel group may still be inside that call, so this rank's "
                 "collectives would pair with theirs: the layer cannot be used any more on this rank");
-  }
-  static std::string describe(const std::exception_ptr& e) {
-    try {
-      std::rethrow_exception(e);
-    } catch (const std::exception& x) {
-      return x.what();
-    } catch (...) {
-      return "an exception not derived from std::exception";
-    }
   }
 
   // A layer that was moved from has no implementation, communicators or buffers left (they

@@ -68,19 +68,6 @@ inline void cpu_relax() noexcept {
 #endif
 }
 
-// Message of an in-flight exception: epx::error's message, what() otherwise.
-inline std::string describe_exception(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const epx::error& x) {
-    return x.message();
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "unknown exception";
-  }
-}
-
 class threads_group;
 
 // What a rank published for a collective. Written by its owner before the entry barrier,
