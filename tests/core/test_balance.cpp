@@ -229,6 +229,27 @@ TEST_CASE("balance: bad inputs and parameters") {
   std::vector<float> bias(4);
   CHECK_THROWS_WITH_AS(routing::update_bias(ex, bias.data(), epx::make_span(load), INFINITY),
                        doctest::Contains("update_bias: gamma (inf) is not finite"), epx::error);
+  // A non-finite gradient of the loss is refused like a non-finite grad_weights of
+  // route_backward, before any gradient is written.
+  l[5] = 0.5f;
+  ids[3] = 3;
+  for (const float bad : {NAN, INFINITY, -INFINITY}) {
+    g.assign(12, -7.0f);
+    CHECK_THROWS_WITH_AS(routing::aux_loss_backward(ex, l.data(), 3, 4, epx::make_span(load), 0.1, bad, g.data()),
+                         doctest::Contains("aux_loss_backward: grad_loss"), epx::error);
+    CHECK_THROWS_WITH_AS(
+        routing::sequence_balance_loss_backward(ex, l.data(), ids.data(), 3, 4, 2, 1, 0.1, bad, g.data()),
+        doctest::Contains("sequence_balance_loss_backward: grad_loss"), epx::error);
+    CHECK_THROWS_WITH_AS(routing::z_loss_backward(ex, l.data(), 3, 4, 0.1, bad, g.data()),
+                         doctest::Contains("z_loss_backward: grad_loss"), epx::error);
+    try {
+      routing::z_loss_backward(ex, l.data(), 3, 4, 0.1, bad, g.data());
+    } catch (const epx::error& e) {
+      CHECK(e.category() == epx::errc::input);
+      CHECK(e.message().find("is not finite") != std::string::npos);
+    }
+    for (float x : g) CHECK(x == -7.0f);
+  }
   const std::vector<std::int64_t> negative = {1, -1};
   CHECK_THROWS_WITH_AS(routing::update_bias(ex, bias.data(), epx::make_span(negative), 0.1f),
                        doctest::Contains("load of expert 1 is negative (-1)"), epx::error);

@@ -27,8 +27,8 @@
 // in float32; a loss is the sum of the per-token values in double, in token order, times
 // its coefficient. Pointers (logits, ids, bias, gradients) live in the execution policy's
 // memory; `load` is host memory. Non-finite logits raise errc::input naming the token,
-// expert and value; bad sizes and parameters errc::input, a non-finite coefficient
-// errc::configuration.
+// expert and value; bad sizes and parameters errc::input, as does a non-finite grad_loss
+// of a _backward; a non-finite coefficient errc::configuration.
 #pragma once
 
 #include <cmath>
@@ -261,6 +261,13 @@ void check_loss_args(const char* what, const T* logits, std::size_t N, int E, do
   EPX_REQUIRE(std::isfinite(coef), errc::configuration, what, ": ", coef_name, " (", coef, ") is not finite");
 }
 
+// The checks every loss's _backward adds: a finite grad_loss (errc::input, like a
+// non-finite grad_weights of route_backward) and a gradient buffer for N > 0.
+inline void check_backward_args(const char* what, std::size_t N, float grad_loss, const float* grad_logits) {
+  EPX_REQUIRE(std::isfinite(grad_loss), errc::input, what, ": grad_loss (", grad_loss, ") is not finite");
+  EPX_REQUIRE(N == 0 || grad_logits != nullptr, errc::input, what, ": null grad_logits for N = ", N);
+}
+
 inline std::vector<float> load_fractions(const char* what, span<const std::int64_t> load, int E) {
   EPX_REQUIRE(load.size() == static_cast<std::size_t>(E), errc::input, what, ": load holds ", load.size(),
               " values, not E = ", E);
@@ -369,7 +376,7 @@ template <class Exec, class T>
 void aux_loss_backward(const Exec& ex, const T* logits, std::size_t N, int E, span<const std::int64_t> load,
                        double alpha, float grad_loss, float* grad_logits) {
   detail::check_loss_args("aux_loss_backward", logits, N, E, alpha, "alpha");
-  EPX_REQUIRE(N == 0 || grad_logits != nullptr, errc::input, "aux_loss_backward: null grad_logits for N = ", N);
+  detail::check_backward_args("aux_loss_backward", N, grad_loss, grad_logits);
   const auto f = detail::to_policy(ex, detail::load_fractions("aux_loss_backward", load, E));
   const auto coef = static_cast<float>(static_cast<double>(grad_loss) * alpha * E / static_cast<double>(N ? N : 1));
   detail::run_tokens(ex, N, "aux_loss_backward", [&](detail::token_status* st) {
@@ -399,8 +406,7 @@ template <class Exec, class T>
 void sequence_balance_loss_backward(const Exec& ex, const T* logits, const std::int32_t* ids, std::size_t N, int E,
                                     int k, std::size_t T_len, double alpha, float grad_loss, float* grad_logits) {
   detail::check_loss_args("sequence_balance_loss_backward", logits, N, E, alpha, "alpha");
-  EPX_REQUIRE(N == 0 || grad_logits != nullptr, errc::input,
-              "sequence_balance_loss_backward: null grad_logits for N = ", N);
+  detail::check_backward_args("sequence_balance_loss_backward", N, grad_loss, grad_logits);
   const auto fp = detail::sequence_fractions(ex, "sequence_balance_loss_backward", ids, N, E, k, T_len);
   const auto coef = static_cast<float>(static_cast<double>(grad_loss) * alpha / static_cast<double>(N ? N : 1));
   detail::run_tokens(ex, N, "sequence_balance_loss_backward", [&](detail::token_status* st) {
@@ -426,7 +432,7 @@ template <class Exec, class T>
 void z_loss_backward(const Exec& ex, const T* logits, std::size_t N, int E, double beta, float grad_loss,
                      float* grad_logits) {
   detail::check_loss_args("z_loss_backward", logits, N, E, beta, "beta");
-  EPX_REQUIRE(N == 0 || grad_logits != nullptr, errc::input, "z_loss_backward: null grad_logits for N = ", N);
+  detail::check_backward_args("z_loss_backward", N, grad_loss, grad_logits);
   const auto coef = static_cast<float>(static_cast<double>(grad_loss) * beta * 2.0 / static_cast<double>(N ? N : 1));
   detail::run_tokens(ex, N, "z_loss_backward", [&](detail::token_status* st) {
     exec::for_each_n(ex, N, detail::z_token<T>{logits, E, nullptr, grad_logits, coef, st});
