@@ -292,6 +292,9 @@ std::string route_error(const routing::node_limit& nl, int E, int k, int n_group
 TEST_CASE("node limit: bad limits raise errc::configuration naming the values") {
   CHECK(route_error({3, 1}, 16, 2).find("node_limit.nodes (3) must divide E (16)") != std::string::npos);
   CHECK(route_error({4, 5}, 16, 2).find("node_limit.max_nodes (5) must be in [0, nodes = 4]") != std::string::npos);
+  // A negative max_nodes is named, whatever nodes holds.
+  CHECK(route_error({0, -1}, 16, 2).find("node_limit.max_nodes (-1) must be >= 0") != std::string::npos);
+  CHECK(route_error({4, -1}, 16, 2).find("node_limit.max_nodes (-1) must be >= 0") != std::string::npos);
   CHECK(route_error({4, 1}, 16, 5).find("top_k (5) exceeds the experts of max_nodes (1) nodes of E / nodes (4) "
                                         "experts each = 4") != std::string::npos);
   CHECK(route_error({4, 2}, 16, 2, 4).find("a node limit (max_nodes 2) and group-limited selection (n_group 4)") !=

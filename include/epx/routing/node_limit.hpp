@@ -144,6 +144,8 @@ EPX_HOST_DEVICE inline void for_each_allowed(const node_limit& nl, std::uint64_t
 // nodes. `name` is the policy's name.
 inline void validate_node_limit(const char* call, const char* name, const node_limit& nl, int E, int k) {
   if (nl.max_nodes == 0) return;
+  EPX_REQUIRE(nl.max_nodes >= 0, errc::configuration, call, "(", name, "): node_limit.max_nodes (", nl.max_nodes,
+              ") must be >= 0 (0: no limit)");
   EPX_REQUIRE(nl.nodes >= 1 && nl.nodes <= max_node_count && E % nl.nodes == 0, errc::configuration, call, "(",
               name, "): node_limit.nodes (", nl.nodes, ") must divide E (", E, ") and be in [1, ", max_node_count,
               "]");
