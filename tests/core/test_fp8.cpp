@@ -214,6 +214,17 @@ void model_quantise(const std::vector<T>& x, std::size_t rows, std::size_t H, st
   q.assign(rows * H, 0);
   scale.assign(rows * H / 128, 0.0f);
   for (std::size_t i = 0; i < rows * H / 128; ++i) {
+    if constexpr (std::is_same_v<T, double>) {
+      // Double rows: amax and the quotient in double, the scale amax / 448 rounded to float,
+      // each quotient rounded to E4M3 from its double value (not through float).
+      double amax = 0.0;
+      for (std::size_t h = 0; h < 128; ++h) amax = std::max(amax, std::fabs(x[i * 128 + h]));
+      float s = static_cast<float>(amax / 448.0);
+      if (s == 0.0f) s = 1.0f;
+      scale[i] = s;
+      for (std::size_t h = 0; h < 128; ++h) q[i * 128 + h] = model::encode(x[i * 128 + h] / static_cast<double>(s), true);
+      continue;
+    }
     float amax = 0.0f;
     for (std::size_t h = 0; h < 128; ++h) amax = std::max(amax, std::fabs(epx::convert<float>(x[i * 128 + h])));
     float s = amax / 448.0f;
@@ -402,6 +413,39 @@ TEST_CASE("quantise_e4m3: NaN, infinity, underflowing scales and rows that are n
     CHECK(gs[3] == 1.0f);
     CHECK(gs[0] == s[2]);
     CHECK(std::isinf(gs[5]));
+  });
+}
+
+TEST_CASE("quantise_e4m3: double rows are scaled in double, each quotient rounded to E4M3 once") {
+  for_each_host_isa([] {
+    const std::size_t H = 256;
+    const double above_tie = 1.0625 + 0x1p-40;  // just above the tie between 1 and 1.125
+    std::vector<double> x(H, 0.0);
+    x[0] = 448.0;  // scale 1
+    x[1] = above_tie;
+    x[2] = -above_tie;
+    x[3] = 1.0625;  // the tie itself: to the even 1
+    x[4] = -std::numeric_limits<double>::quiet_NaN();
+    x[128] = 1e39;  // beyond float's range: a finite scale
+    x[129] = -0.5e39;
+    std::vector<fp8_e4m3> q(H);
+    std::vector<float> s(2);
+    epx::kernels::quantise_e4m3(epx::exec::serial{}, 1, H, x.data(), q.data(), s.data());
+    CHECK(s[0] == 1.0f);
+    CHECK(q[0].bits == 0x7e);
+    CHECK(q[1].bits == 0x39);  // 1.125 (through float: the tie 1.0625, which goes to 1)
+    CHECK(q[2].bits == 0xb9);
+    CHECK(q[3].bits == 0x38);
+    CHECK(q[4].bits == 0xff);  // a double NaN keeps its sign
+    CHECK(s[1] == static_cast<float>(1e39 / 448.0));
+    CHECK(q[128].bits == 0x7e);
+    CHECK(q[129].bits == model::encode(-0.5e39 / static_cast<double>(s[1])));
+    std::vector<double> out(H);
+    epx::kernels::dequantise_e4m3(epx::exec::serial{}, 1, H, q.data(), s.data(), out.data());
+    CHECK(out[1] == 1.125);
+    CHECK(std::isnan(out[4]));
+    CHECK(std::fabs(out[128] - 1e39) <= 1e39 * 0x1p-20);
+    CHECK(std::fabs(out[129] + 0.5e39) <= 0.5e39 * 0x1p-4);
   });
 }
 

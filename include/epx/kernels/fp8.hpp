@@ -4,12 +4,16 @@
 // fp8_block = 128) is H / 128 blocks of 128 consecutive elements; block b of row r has
 // the scale scale[r * H/128 + b], and the row travels as H E4M3 bytes:
 //
-//   v_h    = float(x[r, h])                         (exact for float, bf16, fp16)
+//   v_h    = A(x[r, h]), A = accum_t<T>            (exact: float for float, bf16, fp16;
+//                                                    double for double)
 //   amax   = max over the block of |v_h|            (NaN elements do not count)
-//   scale  = amax / 448, rounded to float;  1 when that is 0 (an all-zero block, or
-//            an amax so small that the quotient underflows)
-//   q[r,h] = fp8_e4m3(v_h / scale)                   (the quotient rounded to float, then
-//            to E4M3: nearest even, saturating to +-448; epx/core/fp8.hpp)
+//   scale  = amax / 448, rounded to float (for double: the double quotient rounded to
+//            float);  1 when that is 0 (an all-zero block, or an amax so small that the
+//            quotient underflows)
+//   q[r,h] = fp8_e4m3(v_h / A(scale))               (the quotient rounded to A, then to
+//            E4M3: nearest even, saturating to +-448; epx/core/fp8.hpp. A double quotient
+//            is rounded by the double conversion, as CUDA's __nv_fp8_e4m3(double), never
+//            through float, and a NaN keeps its sign there)
 //
 // and comes back as out[r, h] = T(A(float(q[r, h])) * A(scale)) in A = accum_t<T>
 // (exact for double; for float the product is rounded once; for bf16 and fp16 once to
@@ -37,6 +41,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "epx/core/config.hpp"
@@ -72,6 +77,13 @@ EPX_HOST_DEVICE inline float div_rn(float a, float b) noexcept {
   return a / b;
 #endif
 }
+EPX_HOST_DEVICE inline double div_rn(double a, double b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __ddiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
 template <class A>
 EPX_HOST_DEVICE inline A mul_rn(A a, A b) noexcept {
 #if defined(__CUDA_ARCH__)
@@ -87,12 +99,29 @@ EPX_HOST_DEVICE inline A mul_rn(A a, A b) noexcept {
 EPX_HOST_DEVICE inline float abs_bits(float v) noexcept {
   return epx::detail::bits_float(epx::detail::float_bits(v) & 0x7fffffffu);
 }
+EPX_HOST_DEVICE inline double abs_bits(double v) noexcept {
+  const std::uint64_t u = epx::detail::fp8_double_bits(v) & 0x7fffffffffffffffull;
+#if EPX_IS_DEVICE_CODE
+  return __longlong_as_double(static_cast<long long>(u));
+#else
+  double r;
+  std::memcpy(&r, &u, sizeof r);
+  return r;
+#endif
+}
 
 }  // namespace detail
 
 // The scale of a block whose largest magnitude is amax (amax >= 0, not NaN).
 EPX_HOST_DEVICE inline float fp8_block_scale(float amax) noexcept {
   const float s = detail::div_rn(amax, fp8_e4m3_max);
+  return s > 0.0f ? s : 1.0f;
+}
+
+// The scale of a block of double rows whose largest magnitude is amax (amax >= 0, not
+// NaN): amax / 448 in double, rounded to float; 1 when that is 0.
+EPX_HOST_DEVICE inline float fp8_block_scale_of_double(double amax) noexcept {
+  const float s = static_cast<float>(detail::div_rn(amax, static_cast<double>(fp8_e4m3_max)));
   return s > 0.0f ? s : 1.0f;
 }
 
@@ -119,6 +148,21 @@ struct fp8_quantise {
       return;
     }
     s += h0;
+    if constexpr (std::is_same_v<T, double>) {
+      // Double rows are scaled in double: amax in double, its scale amax / 448 rounded to
+      // float, and each quotient x / scale rounded once to double and then to E4M3 by the
+      // double conversion (CUDA's __nv_fp8_e4m3(double)), not through float.
+      double amax = 0.0;
+      for (std::size_t h = 0; h < fp8_block; ++h) {
+        const double a = detail::abs_bits(s[h]);
+        amax = a > amax ? a : amax;  // a NaN compares false and does not count
+      }
+      const float sc = fp8_block_scale_of_double(amax);
+      for (std::size_t h = 0; h < fp8_block; ++h)
+        d[h] = fp8_e4m3(detail::div_rn(s[h], static_cast<double>(sc)));
+      scale[i] = sc;
+      return;
+    }
     // The largest magnitude, NaN left out, as the largest bits of |x| (non-negative floats
     // order as their bits; an integer max reduction vectorises on the host).
     std::uint32_t amax_bits = 0;

@@ -125,3 +125,43 @@ TEST_CASE("quantise_e4m3 compiled by nvcc: the codes of __nv_fp8_e4m3(x / scale)
   CHECK(bad == 0);
   CHECK(scale[0] == 1.0f);
 }
+
+TEST_CASE("quantise_e4m3 of double rows compiled by nvcc: the codes of __nv_fp8_e4m3(double(x) / scale)") {
+  // Double rows round each quotient once from its double value, as CUDA's double
+  // conversion does; the elements sit a double ulp or two around the E4M3 midpoints, where
+  // rounding through float would give the other neighbour.
+  const std::size_t rows = 7, H = 384;
+  std::vector<double> x(rows * H);
+  std::uint64_t s = 98765;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    const std::size_t c = static_cast<std::size_t>(s >> 33) % 126;  // a midpoint of codes c, c + 1
+    const double mid = (cases::decode(static_cast<std::uint8_t>(c)) + cases::decode(static_cast<std::uint8_t>(c + 1))) / 2;
+    const int ulps = static_cast<int>((s >> 20) % 5) - 2;
+    double v = mid;
+    for (int k = 0; k < ulps; ++k) v = std::nextafter(v, 1e9);
+    for (int k = 0; k > ulps; --k) v = std::nextafter(v, -1e9);
+    x[i] = ((s >> 40) & 1 ? -v : v) * std::ldexp(1.0, static_cast<int>((i / 128) % 9) - 4);
+  }
+  for (std::size_t i = 0; i < x.size() / 128; ++i) x[i * 128 + 5] = 448.0 * std::ldexp(1.0, static_cast<int>(i % 9) - 4);
+  for (std::size_t h = 0; h < 128; ++h) x[128 + h] = 0.0;  // an all-zero block
+  std::vector<epx::fp8_e4m3> q(rows * H);
+  std::vector<float> scale(rows * H / 128);
+  epx::kernels::quantise_e4m3(epx::exec::serial{}, rows, H, x.data(), q.data(), scale.data());
+  std::size_t bad = 0, through_float_differs = 0;
+  for (std::size_t i = 0; i < scale.size(); ++i) {
+    double amax = 0.0;
+    for (std::size_t h = 0; h < 128; ++h) amax = std::fmax(amax, std::fabs(x[i * 128 + h]));
+    const float sc = amax == 0.0 ? 1.0f : static_cast<float>(amax / 448.0);
+    bad += cases::bits_of(sc) != cases::bits_of(scale[i]);
+    for (std::size_t h = 0; h < 128; ++h) {
+      const std::size_t e = i * 128 + h;
+      const __nv_fp8_e4m3 c(x[e] / static_cast<double>(sc));
+      bad += q[e].bits != c.__x;
+      through_float_differs += __nv_fp8_e4m3(static_cast<float>(x[e]) / sc).__x != c.__x;
+    }
+  }
+  CHECK(bad == 0);
+  CHECK(through_float_differs > 0);
+  CHECK(scale[1] == 1.0f);
+}
