@@ -2,7 +2,9 @@
 //
 // `epx::bf16` and `epx::fp16` are plain 16-bit storage types, bit-compatible with
 // `__nv_bfloat16`/`__half` and with NCCL's ncclBfloat16/ncclFloat16, usable in host and
-// device code alike. Conversions round to nearest even. Arithmetic happens in the
+// device code alike. Conversions round to nearest even. fp16's give the bits of CUDA's
+// __float2half and __half2float for every input: a NaN, quiet or signalling, of either
+// sign, converts to the canonical NaN (0x7fff as fp16, 0x7fffffff as float). Arithmetic happens in the
 // accumulation type: float for the 16-bit types and float, double for double.
 #pragma once
 
@@ -58,7 +60,8 @@ EPX_HOST_DEVICE inline std::uint16_t float_to_fp16_bits(float f) noexcept {
   std::uint32_t x = float_bits(f);
   const std::uint32_t sign = (x >> 16) & 0x8000u;
   x &= 0x7fffffffu;
-  if (x >= 0x7f800000u) return static_cast<std::uint16_t>(sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  // A NaN of either sign, quiet or signalling: the canonical NaN 0x7fff (CUDA's __float2half).
+  if (x >= 0x7f800000u) return static_cast<std::uint16_t>(x > 0x7f800000u ? 0x7fffu : sign | 0x7c00u);
   if (x >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to inf
   if (x < 0x38800000u) {  // below the smallest normal half: subnormal or zero
     if (x < 0x33000000u) return static_cast<std::uint16_t>(sign);
@@ -85,7 +88,9 @@ EPX_HOST_DEVICE inline float fp16_bits_to_float(std::uint16_t h) noexcept {
     const float v = static_cast<float>(m) * 5.9604644775390625e-8f;  // m * 2^-24, exact
     return sign ? -v : v;
   }
-  if (e == 31) return bits_float(sign | 0x7f800000u | (m << 13));
+  // A NaN of either sign, quiet or signalling: the quiet float NaN 0x7fffffff (CUDA's
+  // __half2float; keeping the payload would make a signalling half a signalling float).
+  if (e == 31) return bits_float(m ? 0x7fffffffu : sign | 0x7f800000u);
   return bits_float(sign | ((e + 112u) << 23) | (m << 13));
 }
 
