@@ -507,6 +507,54 @@ TEST_CASE("bounded: a backward with other shapes than its forward raises errc::i
   check_one_bad_backward(1, false, "backward shapes N=4 H=4 k=2 differ from the forward call's N=6");
 }
 
+TEST_CASE("bounded: ranks whose backwards take back different forward calls are raised by check() on every rank") {
+  // Two training forwards A and B on every rank; rank 2 takes them back in the other order.
+  // No backward raises (bounded mode reads nothing back), and check() raises errc::input on
+  // every rank; in the same order on every rank, check() is quiet.
+  for (bool swapped : {false, true}) {
+    CAPTURE(swapped);
+    std::vector<std::string> threw(4), checked(4);
+    epx::threads::run(4, [&](comm_t& comm) {
+      on_path(false, comm, 4, false, [&](auto& layer) {
+        const std::size_t N = 6;
+        std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4), g(N * 4, 1.0f), gx(N * 4), gw(N * 2);
+        std::vector<std::int32_t> ids(N * 2);
+        for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 3) % 8);
+        doubling_experts e;
+        auto a = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                               epx::span<float>(y), e, epx::mode::train);
+        auto b = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                               epx::span<float>(y), e, epx::mode::train);
+        const bool other = swapped && comm.rank() == 2;
+        try {
+          layer.backward(std::move(other ? a : b), epx::span<const float>(g), epx::span<float>(gx),
+                         epx::span<float>(gw), e);
+          layer.backward(std::move(other ? b : a), epx::span<const float>(g), epx::span<float>(gx),
+                         epx::span<float>(gw), e);
+        } catch (const epx::error& ex) {
+          threw[static_cast<std::size_t>(comm.rank())] = ex.message();
+        }
+        try {
+          (void)layer.check();
+        } catch (const epx::error& ex) {
+          checked[static_cast<std::size_t>(comm.rank())] =
+              ex.category() == epx::errc::input ? ex.message() : std::string("wrong category: ") + ex.message();
+        }
+      });
+    });
+    for (int r = 0; r < 4; ++r) {
+      CAPTURE(r);
+      const auto& t = threw[static_cast<std::size_t>(r)];
+      const auto& c = checked[static_cast<std::size_t>(r)];
+      CHECK_MESSAGE(t.empty(), t);
+      if (swapped)
+        CHECK_MESSAGE(c.find("took back different forward calls") != std::string::npos, c);
+      else
+        CHECK_MESSAGE(c.empty(), c);
+    }
+  }
+}
+
 namespace {
 
 // Sums |g| over the gradient rows its backward receives (and doubles them).

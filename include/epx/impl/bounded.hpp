@@ -25,7 +25,9 @@
 //      in slot order, as the normal mode does: with nothing dropped the results are
 //      bitwise the normal mode's.
 // Backward (staged route) sends the gradient rows w * grad_out in the same slabs and reads
-// the counts it saved; no shape exchange.
+// the counts it saved; no shape exchange. The slabs' headers carry the number of the
+// forward call taken back (layout::bound_call_tag); a receiver that gets another number
+// counts the call as one with bad shapes (layout::bound_call_check), raised by check().
 //
 // Errors without a host read: a rank whose call has bad shapes (known on its host) still
 // joins every collective (sending nothing), counts the error, and raises errc::input
@@ -504,6 +506,7 @@ class bounded_route {
   void backward(const Exec& ex, const backward_args<T>& a, Experts& experts, saved_state<T>& saved) {
     if (const char* why = saved.template unusable_as<state<T, Exec>>(ctx_.layer); *why) return join_without_state(ex, a, why);
     auto& s = saved.template get<state<T, Exec>>();
+    const auto call = static_cast<std::int64_t>(saved.call());  // the number of its forward call (>= 1)
     auto& b = *static_cast<bound_buffers<T, Exec>*>(ctx_.bound);
     b.in_call = true;
     const layout::bound_shape& sh = b.shape;
@@ -528,8 +531,17 @@ class bounded_route {
                                                     send});
     else
       exec::fill_zero(ex, send, SR * H);
+    // The number of the forward call travels in the slabs' headers: a receiver that gets
+    // another number than its own counts the call (check() raises it on every rank).
+    if (ok && call > 0)
+      exec::for_each_n(ex, static_cast<std::size_t>(sh.ep),
+                       layout::bound_call_tag{call, sh, b.row_bytes, reinterpret_cast<unsigned char*>(send)});
     order_before_collective(ex, *ctx_.ep);
     all_to_all(*ctx_.ep, span<const T>(send, SR * H), span<T>(recv, SR * H));
+    if (call > 0)
+      exec::for_each_n(ex, 1,
+                       layout::bound_call_check{reinterpret_cast<const unsigned char*>(recv), sh, b.row_bytes, call,
+                                                b.counters.data()});
     auto grad_recv = make_rows<T>(ws_, ex, XR * H);
     auto grad_in = make_rows<T>(ws_, ex, XR * H);
     exec::for_each_row<T>(ex, XR, H, layout::bound_unpack<T>{recv, s.row_off.data(), sh, true, grad_recv.data()});
@@ -691,7 +703,8 @@ bound_report check_bound(const Exec& ex, Comm& group, bound_buffers<T, Exec>& b,
               "): bounded mode: since the last check, ", r.bad_input_calls,
               " call(s) of ", group_name, " had an expert id out of range or a non-finite routing weight (those pairs "
               "did not travel) and ",
-              r.shape_error_calls, " call(s) had bad shapes");
+              r.shape_error_calls, " call(s) had bad shapes or were backwards whose ranks took back different "
+              "forward calls");
   if (b.raise_on_overflow && r.overflow_pairs > 0) {
     const auto most = std::max_element(r.dropped_per_expert.begin(), r.dropped_per_expert.end());
     EPX_REQUIRE(false, errc::input, "moe_layer::check (rank ", rank, "): bounded mode: ", r.overflow_pairs,

@@ -185,10 +185,10 @@ class moe_layer {
   // unscaled). The user's experts accumulate their parameter gradients; reduce them with
   // epx/grad/hooks.hpp. Consumes the saved state, except when every rank of the group
   // raises at the call's input check (bad sizes on some rank, or ranks that take back
-  // different forward calls; in the normal mode): then the states stay, and the call may
-  // be made again. An empty or foreign state (another implementation's or another layer's)
-  // on one rank raises errc::input on every rank of the group (bounded mode: on that rank;
-  // the others at their next check()).
+  // different forward calls; in the normal mode, bounded mode counting different calls for
+  // check()): then the states stay, and the call may be made again. An empty or foreign
+  // state (another implementation's or another layer's) on one rank raises errc::input on
+  // every rank of the group (bounded mode: on that rank; the others at their next check()).
   template <class Experts>
   void backward(saved_state<T>&& saved, span<const T> grad_out, span<T> grad_x, span<float> grad_weights,
                 Experts& experts) {
@@ -397,8 +397,8 @@ class moe_layer {
   }
   // Bounded mode: this rank's counters in the execution policy's memory, read when the
   // caller likes (no synchronisation here): [0] pairs it dropped beyond the bound as a
-  // sender, [1] calls with bad expert ids or weights, [2] calls with bad shapes, [3] calls,
-  // then [E] dropped pairs per global expert; reset by check(). Null in the normal mode.
+  // sender, [1] calls with bad expert ids or weights, [2] calls with bad shapes (or
+  // backwards of different forward calls), [3] calls, then [E] dropped pairs per global expert; reset by check(). Null in the normal mode.
   const std::int64_t* overflow_counter() const noexcept {
     return bound_ ? static_cast<const detail::bound_buffers<T, Exec>*>(bound_.get())->counters.data() : nullptr;
   }

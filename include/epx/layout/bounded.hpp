@@ -223,6 +223,39 @@ struct bound_header {
   }
 };
 
+// Call with d in [0, ep) (backward): the number of the forward call this rank takes back
+// into slab d's header, its first 8 bytes (backward's receivers read the counts they saved,
+// so the header is free; hdr * row_bytes >= 8 * L >= 8).
+struct bound_call_tag {
+  std::int64_t call;  // >= 1
+  bound_shape shape;
+  std::size_t row_bytes;
+  unsigned char* send;  // the send buffer's bytes, [ep*slab*row_bytes]
+
+  EPX_HOST_DEVICE void operator()(std::size_t d) const { detail::put_int64(send + d * shape.slab * row_bytes, call); }
+};
+
+// Call once (backward): when a received slab's header names another forward call than
+// this rank's `call`, the ranks of the EP group take back different calls; the call counts
+// as one with bad shapes (counters[bound_shape_error]), which check() raises on every rank.
+// A header of 0 is a peer that sends nothing (its own backward failed and counted itself).
+struct bound_call_check {
+  const unsigned char* recv;  // the receive buffer's bytes, [ep*slab*row_bytes]
+  bound_shape shape;
+  std::size_t row_bytes;
+  std::int64_t call;
+  std::int64_t* counters;
+
+  EPX_HOST_DEVICE void operator()(std::size_t) const {
+    bool other = false;
+    for (int s = 0; s < shape.ep; ++s) {
+      const std::int64_t c = detail::get_int64(recv + static_cast<std::size_t>(s) * shape.slab * row_bytes);
+      other = other || (c != 0 && c != call);
+    }
+    if (other) counters[bound_shape_error] += 1;
+  }
+};
+
 // Call with l in [0, L): from the received slabs' headers, row_off[l*(ep+1) + s] = where
 // source s's rows start in local expert l's block (row_off[l*(ep+1) + ep] = its rows) and
 // rows[l] = its row count (the experts' device counts).
