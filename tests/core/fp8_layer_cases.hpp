@@ -2,8 +2,8 @@
 // rank like the bodies of layer_cases.hpp (threads, MPI and emulated device suites).
 //
 // Experts (fp8_scale_experts): local expert of global id e dequantises its rows,
-// x' = float(q) * scale in float, and computes y = T(s_e * x') with s_e = 1 + e / 8;
-// backward grad_in = T(s_e * grad_out). They check that backward hands them, as `in`, the
+// x' = float(q) * scale in A = accum_t<T> (float; double for double), and computes
+// y = T(s_e * x') with s_e = 1 + e / 8; backward grad_in = T(s_e * grad_out), in A. They check that backward hands them, as `in`, the
 // rows they saw (T(x')), bitwise.
 //
 // Checks per rank, against float64:
@@ -47,11 +47,12 @@ struct fp8_scale_experts {
       for (std::size_t h = 0; h < 128; ++h) zero = zero && in.rows[blk * 128 + h].bits == 0;
       zero_block_scale += zero && scales[blk] != 1.0f;
     }
+    using A = accum_t<T>;  // the layer's arithmetic: float, double for double
     for (int l = 0; l < in.num_local; ++l) {
-      const float s = scale_of(in.first_global_expert + l);
+      const A s = static_cast<A>(scale_of(in.first_global_expert + l));
       for (std::size_t r = in.begin(l); r < in.begin(l) + in.count(l); ++r)
         for (std::size_t h = 0; h < H; ++h) {
-          const float xq = static_cast<float>(in.rows[r * H + h]) * scales[r * B + h / 128];
+          const A xq = static_cast<A>(static_cast<float>(in.rows[r * H + h])) * static_cast<A>(scales[r * B + h / 128]);
           seen[r * H + h] = convert<T>(xq);
           out[r * H + h] = convert<T>(s * xq);
         }
@@ -63,18 +64,20 @@ struct fp8_scale_experts {
     if (seen.size() != in.num_rows * H ||
         (in.num_rows > 0 && std::memcmp(seen.data(), in.rows, seen.size() * sizeof(T)) != 0))
       ++backward_mismatch;
+    using A = accum_t<T>;
     for (int l = 0; l < in.num_local; ++l) {
-      const float s = scale_of(in.first_global_expert + l);
+      const A s = static_cast<A>(scale_of(in.first_global_expert + l));
       for (std::size_t i = in.begin(l) * H; i < (in.begin(l) + in.count(l)) * H; ++i)
-        grad_in[i] = convert<T>(s * convert<float>(grad_out[i]));
+        grad_in[i] = convert<T>(s * convert<A>(grad_out[i]));
     }
   }
 };
 
 // x' of every row of x [N, H] as the layer makes it (quantised by the host policy, then
-// float(q) * scale in float), and each element's block scale.
+// float(q) * scale in accum_t<T>), and each element's block scale.
 template <class T>
-void quantised_rows(const std::vector<T>& x, std::size_t H, std::vector<float>& xq, std::vector<float>& scale_of) {
+void quantised_rows(const std::vector<T>& x, std::size_t H, std::vector<accum_t<T>>& xq, std::vector<float>& scale_of) {
+  using A = accum_t<T>;
   const std::size_t N = x.size() / H, B = H / 128;
   std::vector<fp8_e4m3> q(N * H);
   std::vector<float> sc(N * B);
@@ -83,7 +86,7 @@ void quantised_rows(const std::vector<T>& x, std::size_t H, std::vector<float>& 
   scale_of.resize(N * H);
   for (std::size_t i = 0; i < N * H; ++i) {
     scale_of[i] = sc[i / H * B + (i % H) / 128];
-    xq[i] = static_cast<float>(q[i]) * scale_of[i];
+    xq[i] = static_cast<A>(static_cast<float>(q[i])) * static_cast<A>(scale_of[i]);
   }
 }
 
@@ -129,7 +132,9 @@ std::string check_fp8_layer(Comm& world, const layer_case& c, Exec policy = {}) 
     }
 
     // The references.
-    std::vector<float> xq, sc;
+    using A = accum_t<T>;
+    std::vector<A> xq;
+    std::vector<float> sc;
     quantised_rows(mb.x, H, xq, sc);
     const std::size_t N = mb.N;
     std::vector<double> out_q(N * H, 0.0), out_x(N * H, 0.0), bound(N * H, 0.0), gx(N * H, 0.0),
@@ -138,7 +143,7 @@ std::string check_fp8_layer(Comm& world, const layer_case& c, Exec policy = {}) 
     for (std::size_t t = 0; t < N; ++t)
       for (int j = 0; j < k; ++j) {
         const std::size_t tj = t * static_cast<std::size_t>(k) + static_cast<std::size_t>(j);
-        const float s = fp8_scale_experts<T>::scale_of(mb.d.ids[tj]);
+        const A s = static_cast<A>(fp8_scale_experts<T>::scale_of(mb.d.ids[tj]));
         const double w = mb.w[tj];
         for (std::size_t h = 0; h < H; ++h) {
           const std::size_t i = t * H + h;
@@ -147,7 +152,7 @@ std::string check_fp8_layer(Comm& world, const layer_case& c, Exec policy = {}) 
           out_q[i] += w * y;
           out_x[i] += w * s * xv;
           bound[i] += std::abs(w) * s * std::max(std::abs(xv) / 16.0, static_cast<double>(sc[i]) / 1024.0) * (1 + 1e-6);
-          gx[i] += convert<double>(convert<T>(s * convert<float>(convert<T>(static_cast<float>(w) * static_cast<float>(g)))));
+          gx[i] += convert<double>(convert<T>(s * convert<A>(convert<T>(static_cast<A>(mb.w[tj]) * convert<A>(mb.go[i])))));
           gw[tj] += y * g;
           gw_scale[tj] += std::abs(y * g);
         }

@@ -1,6 +1,6 @@
 // The layer with FP8 dispatch (spec section 12) on the threads backend: against float64
 // through the quantised rows and within the E4M3 bound of the unquantised output, meshes
-// with tp > 1, float32 and bf16, H up to 4096, the split-phase calls bitwise the fused
+// with tp > 1, float32 and bf16 (double and fp16 on two meshes), H up to 4096, the split-phase calls bitwise the fused
 // ones; and the configurations it refuses on every rank.
 #include <doctest/doctest.h>
 
@@ -73,6 +73,11 @@ TEST_CASE_TEMPLATE("fp8 dispatch: against float64 and the E4M3 bound, split phas
       check<T>(c);
     }
   }
+}
+
+TEST_CASE_TEMPLATE("fp8 dispatch: double and fp16 layers against float64 and the E4M3 bound", T, double, epx::fp16) {
+  check<T>(make(1, 4, 4, 8, 2, 256));
+  check<T>(make(2, 2, 4, 8, 2, 384, routing_kind::uneven));
 }
 
 namespace {
