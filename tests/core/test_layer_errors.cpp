@@ -816,6 +816,17 @@ TEST_CASE("a moved-from layer raises errc::configuration on every call; the laye
     });
     refused("dispatch_start", [&] { (void)layer.dispatch_start(xs, ids, ws, epx::mode::inference); });
     refused("check", [&] { (void)layer.check(); });
+    // So does every accessor of the state that moved (it would be a null dereference):
+    refused("stats", [&] { (void)layer.stats(); });
+    refused("topology", [&] { (void)layer.topology(); });
+    refused("node_limit", [&] { (void)layer.node_limit(); });
+    refused("ep_communicator", [&] { (void)layer.ep_communicator(); });
+    refused("tp_communicator", [&] { (void)layer.tp_communicator(); });
+    // The layer's own copies stay readable; the bounded counters are null as in the normal mode.
+    if (layer.options().hidden != H) f += "options() of the moved-from layer changed; ";
+    if (layer.overflow_counter() != nullptr) f += "overflow_counter() of the moved-from layer is not null; ";
+    if (moved.stats().calls != 1 || moved.topology().world() != 2 || moved.ep_communicator().size() != 2)
+      f += "the moved-into layer's accessors do not show the moved state; ";
     // The handle belongs to the layer that now holds the state.
     try {
       moved.dispatch_wait(h);

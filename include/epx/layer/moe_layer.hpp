@@ -367,7 +367,12 @@ class moe_layer {
     backward_combine_wait(h);
   }
 
-  const layer_stats& stats() const noexcept { return *stats_; }
+  // The statistics of the last call (section 6 of docs/layer.md). A layer that was moved
+  // from raises errc::configuration here, as its calls do.
+  const layer_stats& stats() const {
+    require_live("stats");
+    return *stats_;
+  }
 
   // Bounded mode (layer_options::counts == count_exchange::device, spec section 11).
   // Collective over the EP group and a synchronising call: sums the group's counters since
@@ -404,12 +409,28 @@ class moe_layer {
   }
   // The node limit of layer_options::ranks_per_node and max_nodes, for the routing policies
   // (`policy.limit = layer.node_limit();`); no limit when max_nodes is 0.
-  routing::node_limit node_limit() const { return detail::node_limit_for(*mesh_, options_); }
-  const mesh& topology() const noexcept { return *mesh_; }
+  // The accessors of what the layer holds on the heap (node_limit, topology, the
+  // communicators, like stats) raise errc::configuration on a layer that was moved from;
+  // options() and policy() are the layer's own copies and stay readable, and
+  // overflow_counter() is null there.
+  routing::node_limit node_limit() const {
+    require_live("node_limit");
+    return detail::node_limit_for(*mesh_, options_);
+  }
+  const mesh& topology() const {
+    require_live("topology");
+    return *mesh_;
+  }
   const layer_options& options() const noexcept { return options_; }
   const Exec& policy() const noexcept { return exec_; }
-  Comm& ep_communicator() noexcept { return *ep_; }
-  Comm& tp_communicator() noexcept { return *tp_; }
+  Comm& ep_communicator() {
+    require_live("ep_communicator");
+    return *ep_;
+  }
+  Comm& tp_communicator() {
+    require_live("tp_communicator");
+    return *tp_;
+  }
 
  private:
   // The shape fields every call's arguments carry; `msg` must outlive the call.
@@ -466,7 +487,8 @@ class moe_layer {
   }
 
   // A layer that was moved from has no implementation, communicators or buffers left (they
-  // went to the layer it was moved into): its calls raise on the rank that makes them.
+  // went to the layer it was moved into): its calls and the accessors of that state raise
+  // on the rank that makes them.
   void require_live(const char* call) const {
     EPX_REQUIRE(impl_ != nullptr, errc::configuration, "moe_layer ", call, " (rank ", rank_,
                 "): this layer was moved from; its state belongs to the layer it was moved into");
