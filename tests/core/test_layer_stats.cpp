@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -235,6 +236,180 @@ TEST_CASE("automatic: inference takes the masked path when ep == tp, all_to_all 
     CHECK_MESSAGE(f[static_cast<std::size_t>(r)].empty(), f[static_cast<std::size_t>(r)]);
     CHECK_MESSAGE(g[static_cast<std::size_t>(r)].empty(), g[static_cast<std::size_t>(r)]);
   }
+}
+
+namespace {
+
+// Linear experts whose forward or backward throws while asked to: a call that fails after
+// its count exchange, its rows on the way.
+struct failing_experts : epx::ref::test_linear_experts<float> {
+  using base = epx::ref::test_linear_experts<float>;
+  using base::base;
+  bool fail_forward = false, fail_backward = false;
+  template <class Exec, class Rows>
+  void forward(const Exec& e, const Rows& in, float* out) {
+    if (fail_forward) throw std::runtime_error("injected: the experts' forward failed");
+    base::forward(e, in, out);
+  }
+  template <class Exec, class Rows>
+  void backward(const Exec& e, const Rows& in, const float* grad_out, float* grad_in) {
+    if (fail_backward) throw std::runtime_error("injected: the experts' backward failed");
+    base::backward(e, in, grad_out, grad_in);
+  }
+};
+
+// Every field of `have` that differs from `want`, as a sentence ("" when none).
+std::string stats_differences(const epx::layer_stats& have, const epx::layer_stats& want) {
+  std::string d;
+  const auto field = [&d](const char* name, bool same) {
+    if (!same) d += std::string(name) + " ";
+  };
+  field("tokens_per_local_expert", have.tokens_per_local_expert == want.tokens_per_local_expert);
+  field("padding_per_local_expert", have.padding_per_local_expert == want.padding_per_local_expert);
+  field("rows_sent", have.rows_sent == want.rows_sent);
+  field("rows_received", have.rows_received == want.rows_received);
+  field("tokens_per_expert", have.tokens_per_expert == want.tokens_per_expert);
+  field("max_expert_load", have.max_expert_load == want.max_expert_load);
+  field("mean_expert_load", have.mean_expert_load == want.mean_expert_load);
+  field("max_rank_load", have.max_rank_load == want.max_rank_load);
+  field("mean_rank_load", have.mean_rank_load == want.mean_rank_load);
+  field("dropped_per_expert", have.dropped_per_expert == want.dropped_per_expert);
+  field("dropped_pairs", have.dropped_pairs == want.dropped_pairs);
+  field("max_nodes_per_token", have.max_nodes_per_token == want.max_nodes_per_token);
+  field("mean_nodes_per_token", have.mean_nodes_per_token == want.mean_nodes_per_token);
+  field("path", std::string(have.path) == want.path);
+  field("peer_access", have.peer_access == want.peer_access);
+  field("indexed_sends", have.indexed_sends == want.indexed_sends);
+  field("stage_rounds", have.stage_rounds == want.stage_rounds);
+  field("bounded", have.bounded == want.bounded);
+  field("calls", have.calls == want.calls);
+  field("host_syncs", have.host_syncs == want.host_syncs);
+  return d;
+}
+
+// Calls of one layer on every rank of `a`'s mesh: batch a, then batch b (same options, other
+// routing and rows) whose experts throw on every rank; the statistics must still be a's.
+// Then b again (it completes), a training forward of a, b's inference forward, and a's
+// backward whose experts throw: the statistics must be those of b's forward.
+template <class Impl>
+std::vector<std::string> failed_calls_keep_stats(const layer_case& a, const layer_case& b) {
+  const epx::mesh m(a.topology);
+  std::vector<std::string> failures(static_cast<std::size_t>(m.world()));
+  epx::threads::run(m.world(), [&](comm_t& comm) {
+    const int rank = comm.rank();
+    std::string& f = failures[static_cast<std::size_t>(rank)];
+    const epx::test::rank_inputs<float> A(a, rank), B(b, rank);
+    failing_experts experts(A.global, m.ep_rank(rank), m.local_experts());
+    epx::moe_layer<comm_t, float, Impl> layer(m, comm, epx::test::options_for(a));
+    std::vector<float> out_a(A.N * A.H), out_b(B.N * B.H), gx(A.N * A.H), gw(A.w.size());
+    const std::vector<float> go(A.N * A.H, 0.5f);
+    const auto forward = [&](const epx::test::rank_inputs<float>& in, std::vector<float>& out, epx::mode md) {
+      return layer.forward(epx::span<const float>(in.x), epx::span<const std::int32_t>(in.d.ids),
+                           epx::span<const float>(in.w), epx::span<float>(out), experts, md);
+    };
+    const auto expect_throw = [&](const char* what, auto call) {
+      try {
+        call();
+        f += std::string(what) + " did not raise; ";
+      } catch (const std::exception& e) {
+        if (std::string(e.what()).find("injected") == std::string::npos)
+          f += std::string(what) + " raised '" + e.what() + "'; ";
+      }
+    };
+    (void)forward(A, out_a, epx::mode::inference);
+    const epx::layer_stats after_a = layer.stats();
+    experts.fail_forward = true;
+    expect_throw("the failing forward", [&] { (void)forward(B, out_b, epx::mode::inference); });
+    experts.fail_forward = false;
+    std::string d = stats_differences(layer.stats(), after_a);
+    if (!d.empty()) f += "after a forward whose experts threw, these differ from the last completed call's: " + d + "; ";
+    (void)forward(B, out_b, epx::mode::inference);
+    const epx::layer_stats after_b = layer.stats();
+    if (after_b.calls != 2) f += "calls after two completed forwards is " + std::to_string(after_b.calls) + "; ";
+    if (after_b.tokens_per_expert == after_a.tokens_per_expert)
+      f += "batches a and b route alike: the case cannot tell their statistics apart; ";
+    auto saved = forward(A, out_a, epx::mode::train);
+    (void)forward(B, out_b, epx::mode::inference);
+    const epx::layer_stats before_backward = layer.stats();
+    experts.fail_backward = true;
+    expect_throw("the failing backward", [&] {
+      layer.backward(std::move(saved), epx::span<const float>(go), epx::span<float>(gx), epx::span<float>(gw), experts);
+    });
+    d = stats_differences(layer.stats(), before_backward);
+    if (!d.empty()) f += "after a backward whose experts threw, these differ from the last completed call's: " + d + "; ";
+  });
+  return failures;
+}
+
+}  // namespace
+
+TEST_CASE("stats: a call that raises midway leaves the statistics of the last call that completed") {
+  layer_case a;
+  a.topology = epx::mesh_config{1, 2, 1, 1, 2, 4, 0};  // tp=1 fsdp=2 ep=2 E=4, world 2
+  a.top_k = 2;
+  a.hidden = 4;
+  a.routing = epx::test::routing_kind::uneven;
+  a.rows = [](int r) { return std::size_t{12} + static_cast<std::size_t>(r); };
+  layer_case b = a;
+  b.routing = epx::test::routing_kind::one_expert;
+  b.rows = [](int r) { return std::size_t{20} + static_cast<std::size_t>(r); };
+  b.seed = 3;
+  std::vector<std::string> failures;
+  SUBCASE("all_to_all, staged in rounds, sends gathered") {
+    // Two slice rows per round: 6 or 7 rounds for a, 10 or 11 for b.
+    a.peer_access = b.peer_access = false;
+    a.indexed_sends = b.indexed_sends = false;
+    a.stage_bytes = b.stage_bytes = 2 * 2 * 4 * sizeof(float);
+    failures = failed_calls_keep_stats<epx::impl::all_to_all>(a, b);
+  }
+  SUBCASE("all_to_all, the direct route") { failures = failed_calls_keep_stats<epx::impl::all_to_all>(a, b); }
+  SUBCASE("the masked all_reduce path") {
+    a.topology = b.topology = epx::mesh_config{2, 1, 1, 1, 2, 4, 0};  // tp=2 ep=2
+    failures = failed_calls_keep_stats<epx::impl::all_reduce>(a, b);
+  }
+  for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+}
+
+TEST_CASE("stats: experts that throw on one rank leave every rank the statistics of the last call that completed") {
+  layer_case a;
+  a.topology = epx::mesh_config{1, 2, 1, 1, 2, 4, 0};
+  a.top_k = 2;
+  a.hidden = 4;
+  a.routing = epx::test::routing_kind::uneven;
+  layer_case b = a;
+  b.routing = epx::test::routing_kind::one_expert;
+  b.rows = [](int) { return std::size_t{20}; };
+  const epx::mesh m(a.topology);
+  std::vector<std::string> failures(2);
+  const auto rank_body = [&](comm_t& comm) {
+    const int rank = comm.rank();
+    std::string& f = failures[static_cast<std::size_t>(rank)];
+    const epx::test::rank_inputs<float> A(a, rank), B(b, rank);
+    failing_experts experts(A.global, m.ep_rank(rank), m.local_experts());
+    epx::moe_layer<comm_t, float> layer(m, comm, epx::test::options_for(a));
+    std::vector<float> out_a(A.N * A.H), out_b(B.N * B.H);
+    (void)layer.forward(epx::span<const float>(A.x), epx::span<const std::int32_t>(A.d.ids),
+                        epx::span<const float>(A.w), epx::span<float>(out_a), experts, epx::mode::inference);
+    const epx::layer_stats after_a = layer.stats();
+    experts.fail_forward = rank == 0;
+    try {
+      (void)layer.forward(epx::span<const float>(B.x), epx::span<const std::int32_t>(B.d.ids),
+                          epx::span<const float>(B.w), epx::span<float>(out_b), experts, epx::mode::inference);
+      f += "the forward did not raise; ";
+    } catch (const epx::error& e) {
+      if (rank == 0 || e.category() != epx::errc::communicator) f += std::string("raised '") + e.what() + "'; ";
+    } catch (const std::exception&) {
+      const std::string d = stats_differences(layer.stats(), after_a);
+      if (!d.empty()) f += "the throwing rank's " + d + "differ; ";
+      throw;
+    }
+    const std::string d = stats_differences(layer.stats(), after_a);
+    if (!d.empty()) f += "a peer's " + d + "differ; ";
+  };
+  // Rank 0's exception escapes its function: the run ends the peer's collectives
+  // (errc::communicator) and raises it here.
+  CHECK_THROWS_WITH(epx::threads::run(2, rank_body), "injected: the experts' forward failed");
+  for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
 }
 
 }  // namespace test_layer_stats_cpp

@@ -1,4 +1,4 @@
-// epx/impl/stats.hpp: load statistics of the last layer call, readable by the user.
+// epx/impl/stats.hpp: load statistics of the last layer call that completed, readable by the user.
 #pragma once
 
 #include <algorithm>

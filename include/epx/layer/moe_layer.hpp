@@ -5,7 +5,7 @@
 //   epx::moe_layer<Comm, T, Impl, Exec> layer(mesh, world_rank, ep_comm, tp_comm, options);  // own groups
 //   auto saved = layer.forward(x, ids, weights, out, experts, epx::mode::train);  // or mode::inference
 //   layer.backward(std::move(saved), grad_out, grad_x, grad_weights, experts);
-//   layer.stats();   // load of the last call
+//   layer.stats();   // load of the last call that completed
 //
 // The same calls in phases (spec section 13; handles in epx/layer/split.hpp), so that a
 // caller runs one micro-batch's experts while another's rows travel:
@@ -173,7 +173,9 @@ class moe_layer {
     const std::uint64_t serial = ++forward_starts_;
     saved_state<T> saved;
     const long long syncs = detail::host_syncs_on_this_thread();
-    bounded_call("forward", [&] { impl_->forward(exec_, a, experts, m == mode::train ? &saved : nullptr); });
+    keeping_stats([&] {
+      bounded_call("forward", [&] { impl_->forward(exec_, a, experts, m == mode::train ? &saved : nullptr); });
+    });
     saved.stamp(id_, serial);
     stats_->host_syncs = detail::host_syncs_on_this_thread() - syncs;
     stats_->calls += 1;
@@ -205,7 +207,9 @@ class moe_layer {
     set_shape(a, N, msg);
     require_in_step("backward");
     const long long syncs = detail::host_syncs_on_this_thread();
-    consume(saved, [&] { bounded_call("backward", [&] { impl_->backward(exec_, a, experts, saved); }); });
+    keeping_stats([&] {
+      consume(saved, [&] { bounded_call("backward", [&] { impl_->backward(exec_, a, experts, saved); }); });
+    });
     stats_->host_syncs = detail::host_syncs_on_this_thread() - syncs;
   }
 
@@ -238,7 +242,7 @@ class moe_layer {
     set_shape(a, N, msg);
     forward_handle<T> h;
     const long long syncs = detail::host_syncs_on_this_thread();
-    h.batch_ = impl_->dispatch(exec_, a, h.call_.flight, m == mode::train, false);
+    keeping_stats([&] { h.batch_ = impl_->dispatch(exec_, a, h.call_.flight, m == mode::train, false); });
     h.call_.host_syncs = detail::host_syncs_on_this_thread() - syncs;
     h.call_.layer = id_;
     h.call_.serial = serial;
@@ -277,7 +281,7 @@ class moe_layer {
     if (expert_outputs.size() > 0 && expert_outputs.data() != h.batch_.out)
       exec::copy_n(exec_, expert_outputs.data(), expert_outputs.size(), h.batch_.out);
     h.call_.phase = detail::split_phase::combining;  // spent from here, whatever happens below
-    impl_->combine(exec_, h.call_.flight, out.data(), h.training_ ? &h.saved_ : nullptr);
+    keeping_stats([&] { impl_->combine(exec_, h.call_.flight, out.data(), h.training_ ? &h.saved_ : nullptr); });
     h.call_.flight.reset();
     h.batch_ = expert_batch<T>{};
     h.call_.host_syncs += detail::host_syncs_on_this_thread() - syncs;
@@ -313,7 +317,8 @@ class moe_layer {
     set_shape(a, N, msg);
     backward_handle<T> h;
     const long long syncs = detail::host_syncs_on_this_thread();
-    consume(saved, [&] { h.batch_ = impl_->backward_dispatch(exec_, a, saved, h.call_.flight); });
+    keeping_stats(
+        [&] { consume(saved, [&] { h.batch_ = impl_->backward_dispatch(exec_, a, saved, h.call_.flight); }); });
     h.call_.host_syncs = detail::host_syncs_on_this_thread() - syncs;
     h.call_.layer = id_;
     h.call_.serial = serial;
@@ -353,7 +358,7 @@ class moe_layer {
     if (grad_inputs.size() > 0 && grad_inputs.data() != h.batch_.grad_in)
       exec::copy_n(exec_, grad_inputs.data(), grad_inputs.size(), h.batch_.grad_in);
     h.call_.phase = detail::split_phase::combining;
-    impl_->backward_combine(exec_, h.call_.flight, grad_x.data());
+    keeping_stats([&] { impl_->backward_combine(exec_, h.call_.flight, grad_x.data()); });
     h.call_.flight.reset();
     h.batch_ = expert_grad_batch<T>{};
     h.call_.host_syncs += detail::host_syncs_on_this_thread() - syncs;
@@ -441,6 +446,22 @@ class moe_layer {
     a.top_k = options_.top_k;
     a.status = msg.empty() ? 0 : 1;
     a.status_message = msg.c_str();
+  }
+
+  // Runs one of the implementation's calls so that, when it raises, the statistics are
+  // those from before it: the implementation fills them as the call goes (the routing
+  // figures after the count exchange, the route, the rounds), and a call that fails midway
+  // (its experts threw, a collective failed) would otherwise leave its first figures beside
+  // the last completed call's. The copy reuses kept_stats_'s storage from call to call.
+  template <class Call>
+  void keeping_stats(Call call) {
+    kept_stats_ = *stats_;
+    try {
+      call();
+    } catch (...) {
+      std::swap(*stats_, kept_stats_);
+      throw;
+    }
   }
 
   // Runs a backward call that consumes `saved`. The built-in implementations move the state
@@ -654,6 +675,7 @@ class moe_layer {
   std::unique_ptr<Comm> ep_;
   std::unique_ptr<Comm> tp_;
   std::unique_ptr<layer_stats> stats_;
+  layer_stats kept_stats_;  // the statistics before the running call (keeping_stats)
   std::shared_ptr<void> bound_;  // bounded mode: detail::bound_buffers<T, Exec>
   std::unique_ptr<impl_type> impl_;
   std::uint64_t id_ = 0;  // names the layer in its split-phase handles and saved states
