@@ -1,6 +1,7 @@
 // Gradient hooks (spec section 6): expert gradients become the mean over all B batches.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <set>
 #include <string>
 #include <vector>
@@ -117,6 +118,136 @@ TEST_CASE("hooks: communicators that do not match the mesh raise") {
     if (!raised) throw std::runtime_error("mismatched communicators were accepted");
   });
   CHECK(true);
+}
+
+namespace {
+
+struct hook_outcome {
+  bool thrown = false;
+  epx::errc category = epx::errc::internal;
+  std::string message;
+};
+
+// Runs `call(comm, hooks)` on every rank of `mc` under a 30 s watchdog; returns what each
+// rank raised and the seconds the run took.
+template <class Call>
+std::vector<hook_outcome> run_hooks(const epx::mesh_config& mc, Call call, double& seconds) {
+  const epx::mesh m(mc);
+  std::vector<hook_outcome> seen(static_cast<std::size_t>(m.world()));
+  epx::threads::options opts;
+  opts.timeout = std::chrono::seconds(30);
+  const auto t0 = std::chrono::steady_clock::now();
+  epx::threads::run(
+      m.world(),
+      [&](comm_t& comm) {
+        epx::gradient_hooks<comm_t> hooks(m, comm);
+        auto& o = seen[static_cast<std::size_t>(comm.rank())];
+        try {
+          call(comm.rank(), hooks);
+        } catch (const epx::error& e) {
+          o.thrown = true;
+          o.category = e.category();
+          o.message = e.what();
+        }
+        // The ranks are still in step: a hook with the same sizes everywhere goes through
+        // (ones summed over efsdp and dp_replicate, divided by B).
+        std::vector<double> g(kLen, 1.0);
+        hooks.reduce_expert(epx::span<double>(g));
+        const double want = static_cast<double>(m.efsdp() * m.dp_replicate()) / m.batches();
+        if (g != std::vector<double>(kLen, want))
+          o.message += " [the next hook gave " + std::to_string(g[0]) + ", not " + std::to_string(want) + "]";
+      },
+      opts);
+  seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return seen;
+}
+
+// Every rank raised (or those of `raising`, when given; the others completed the hook).
+void expect_refused(const std::vector<hook_outcome>& seen, double seconds, const std::string& hook,
+                    const std::string& words, const std::set<std::size_t>& raising = {}) {
+  CHECK(seconds < 10.0);  // no rank waited for the watchdog
+  for (std::size_t r = 0; r < seen.size(); ++r) {
+    CAPTURE(r);
+    CAPTURE(seen[r].message);
+    if (!raising.empty() && raising.count(r) == 0) {
+      CHECK(!seen[r].thrown);
+      CHECK(seen[r].message.empty());
+      continue;
+    }
+    CHECK(seen[r].thrown);
+    CHECK(seen[r].category == epx::errc::input);
+    CHECK(seen[r].message.find(hook + ": the ranks disagree on the gradient they reduce") != std::string::npos);
+    CHECK(seen[r].message.find(words) != std::string::npos);
+    CHECK(seen[r].message.find("nothing was reduced") != std::string::npos);
+    CHECK(seen[r].message.find("the next hook gave") == std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("hooks: a rank that passes another size or element type raises errc::input on every rank, naming the hook") {
+  // world 4: efsdp (and fsdp) groups {0,1} and {2,3}; dp_replicate groups {0,2} and {1,3}.
+  const epx::mesh_config mc{1, 2, 1, 2, 1, 2, 0};
+  double seconds = 0.0;
+  SUBCASE("reduce_expert: one rank of one efsdp group passes one element more") {
+    const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
+      std::vector<double> g(kLen + (rank == 1 ? 1 : 0), 1.0);
+      h.reduce_expert(epx::span<double>(g));
+    }, seconds);
+    expect_refused(seen, seconds, "reduce_expert_gradients",
+                   "rank 1 of the efsdp group passes a gradient of 7 elements but rank 0 passes 6");
+    // The other efsdp group agreed within itself and learns why through dp_replicate.
+    CHECK(seen[2].message.find("in the efsdp group of rank 0 of the dp_replicate group") != std::string::npos);
+  }
+  SUBCASE("reduce_dense: the fsdp groups agree within themselves but not across dp_replicate") {
+    const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
+      std::vector<float> g(kLen + (rank >= 2 ? 1 : 0), 1.0f);
+      h.reduce_dense(epx::span<float>(g));
+    }, seconds);
+    expect_refused(seen, seconds, "reduce_dense_gradients",
+                   "rank 1 of the dp_replicate group passes a gradient of 7 elements but rank 0 passes 6");
+  }
+  SUBCASE("reduce_scatter_expert: one rank's gradient is not efsdp x its shard") {
+    const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
+      std::vector<double> g(2 * kLen + (rank == 3 ? 1 : 0), 1.0), shard(kLen);
+      h.reduce_scatter_expert(epx::span<const double>(g), epx::span<double>(shard));
+    }, seconds);
+    expect_refused(seen, seconds, "reduce_scatter_expert_gradients",
+                   "rank 1 of the efsdp group passes a gradient of 13 elements, not efsdp size (2) x its shard (6)");
+  }
+  SUBCASE("reduce_scatter_expert: shards of different sizes") {
+    const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
+      const std::size_t n = kLen + (rank == 0 ? 1 : 0);
+      std::vector<double> g(2 * n, 1.0), shard(n);
+      h.reduce_scatter_expert(epx::span<const double>(g), epx::span<double>(shard));
+    }, seconds);
+    expect_refused(seen, seconds, "reduce_scatter_expert_gradients",
+                   "rank 1 of the efsdp group passes a gradient of 12 elements but rank 0 passes 14");
+  }
+  SUBCASE("reduce_expert: one rank passes float, the others double") {
+    const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
+      if (rank == 0) {
+        std::vector<float> g(kLen, 1.0f);
+        h.reduce_expert(epx::span<float>(g));
+      } else {
+        std::vector<double> g(kLen, 1.0);
+        h.reduce_expert(epx::span<double>(g));
+      }
+    }, seconds);
+    expect_refused(seen, seconds, "reduce_expert_gradients",
+                   "rank 1 of the efsdp group passes float64 elements but rank 0 passes float32");
+  }
+  SUBCASE("efsdp = 1: the sizes are compared over dp_replicate alone, in the group that disagrees") {
+    // ep = fsdp: efsdp groups of one rank; dp_replicate groups {0,2} and {1,3}, which
+    // share no reduction: {0,2} reduces as usual.
+    const epx::mesh_config one{1, 2, 1, 2, 2, 2, 0};
+    const auto seen = run_hooks(one, [](int rank, epx::gradient_hooks<comm_t>& h) {
+      std::vector<double> g(kLen + (rank == 3 ? 2 : 0), 1.0);
+      h.reduce_expert(epx::span<double>(g));
+    }, seconds);
+    expect_refused(seen, seconds, "reduce_expert_gradients",
+                   "rank 1 of the dp_replicate group passes a gradient of 8 elements but rank 0 passes 6", {1, 3});
+  }
 }
 
 }  // namespace test_hooks_cpp

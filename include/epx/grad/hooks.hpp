@@ -9,17 +9,124 @@
 // These are plain functions over communicators: call them (or register them with an
 // autograd system) when a gradient is ready. `gradient_hooks<Comm>` makes the needed
 // sub-communicators once.
+//
+// Every rank of a hook's groups must pass the same sizes and element type: a rank that
+// does not would make the reductions pair buffers of different lengths (a hang, a
+// communicator error in one group only while the others wait in the next, or, where the
+// communicator does not check counts, a wrong sum). On host communicators (threads, MPI)
+// each hook therefore first all-gathers one small record per rank over its first group
+// (efsdp or fsdp), then over dp_replicate (detail::agree_on_hook_sizes), and every rank of
+// the two groups raises errc::input, naming the hook and the ranks, before any element is
+// reduced. A device communicator (NCCL) skips this (it would cost a host synchronisation
+// per hook): there the sizes are the caller's to keep equal.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "epx/comm/collectives.hpp"
+#include "epx/comm/communicator.hpp"
+#include "epx/comm/datatype.hpp"
+#include "epx/comm/host_arrays.hpp"
 #include "epx/core/error.hpp"
 #include "epx/core/span.hpp"
 #include "epx/mesh/mesh.hpp"
 
 namespace epx {
+
+namespace detail {
+
+// What a rank hands a hook: its gradient's elements, its shard's (reduce-scatter; 0
+// otherwise) and the element type.
+struct hook_sizes {
+  std::int64_t grad = 0, shard = 0, type = 0;
+};
+
+// Why the sizes of rank `r` of a group (`who`, e.g. "rank 1 of the efsdp group") do not fit
+// those of `ref` (its rank 0), or its own reduce-scatter shape is wrong; "" when they fit.
+inline std::string hook_sizes_error(const char* who_group, std::size_t r, const hook_sizes& have,
+                                    const hook_sizes& ref, bool scatter, std::int64_t group_size) {
+  std::string why;
+  if (scatter && have.grad != group_size * have.shard)
+    why += concat("; rank ", r, " of the ", who_group, " group passes a gradient of ", have.grad,
+                  " elements, not ", who_group, " size (", group_size, ") x its shard (", have.shard, ")");
+  if (have.type != ref.type)
+    why += concat("; rank ", r, " of the ", who_group, " group passes ", to_string(static_cast<datatype>(have.type)),
+                  " elements but rank 0 passes ", to_string(static_cast<datatype>(ref.type)));
+  if (have.grad != ref.grad)
+    why += concat("; rank ", r, " of the ", who_group, " group passes a gradient of ", have.grad,
+                  " elements but rank 0 passes ", ref.grad);
+  else if (scatter && have.shard != ref.shard)
+    why += concat("; rank ", r, " of the ", who_group, " group passes a shard of ", have.shard,
+                  " elements but rank 0 passes ", ref.shard);
+  return why;
+}
+
+// Collective over `group` (efsdp or fsdp, named `group_name`), then over `replicas`
+// (dp_replicate): every rank of both raises errc::input with the same reasons when any rank
+// of the groups that meet through them passes other sizes or another element type than its
+// peers (or, `scatter`, a gradient that is not group size x shard), before anything is
+// reduced. The first group's verdict travels in the second exchange, so the ranks of a
+// group that agreed raise too instead of waiting in the dp_replicate sum for those that
+// raised. Host communicators only (see the top of this file).
+template <class Comm>
+void agree_on_hook_sizes(const char* hook, Comm& group, const char* group_name, Comm& replicas, hook_sizes mine,
+                         bool scatter) {
+  // 1. Over the first group: every rank sees every record and reaches the same verdict.
+  const auto G = static_cast<std::size_t>(group.size());
+  std::vector<std::int64_t> rec{mine.grad, mine.shard, mine.type}, all(3 * G);
+  if (G > 1) all_gather_host(group, rec.data(), 3, all.data());
+  else all = rec;
+  const auto at = [&all](std::size_t r) { return hook_sizes{all[3 * r], all[3 * r + 1], all[3 * r + 2]}; };
+  std::string why;
+  for (std::size_t r = 0; r < G; ++r)
+    why += hook_sizes_error(group_name, r, at(r), at(0), scatter, static_cast<std::int64_t>(G));
+  // 2. Over dp_replicate: each first group's verdict, and the sizes across the replicas.
+  const auto R = static_cast<std::size_t>(replicas.size());
+  if (R > 1) {
+    std::vector<std::int64_t> rec2{why.empty() ? 0 : 1, mine.grad, mine.shard, mine.type}, all2(4 * R);
+    all_gather_host(replicas, rec2.data(), 4, all2.data());
+    bool failed = false;
+    for (std::size_t r = 0; r < R; ++r) failed = failed || all2[4 * r] != 0;
+    if (failed) {  // every rank of `replicas` takes this branch: the second all_gather matches
+      constexpr std::size_t B = 512;
+      std::vector<char> msg(B, '\0'), msgs(B * R, '\0');
+      why.copy(msg.data(), B - 1);
+      all_gather_host(replicas, msg.data(), B, msgs.data());
+      const auto me = static_cast<std::size_t>(replicas.rank());
+      for (std::size_t r = 0; r < R; ++r)
+        if (r != me && all2[4 * r] != 0)
+          why += concat("; in the ", group_name, " group of rank ", r, " of the dp_replicate group: ",
+                        std::string(msgs.data() + r * B).substr(2));
+    } else {
+      // Every first group agreed within itself, so these records are the same for each of them.
+      const auto at2 = [&all2](std::size_t r) { return hook_sizes{all2[4 * r + 1], all2[4 * r + 2], all2[4 * r + 3]}; };
+      for (std::size_t r = 0; r < R; ++r) why += hook_sizes_error("dp_replicate", r, at2(r), at2(0), false, 0);
+    }
+  }
+  EPX_REQUIRE(why.empty(), errc::input, hook, ": the ranks disagree on the gradient they reduce", why,
+              "; nothing was reduced");
+}
+
+// The agreement of a hook where the communicator takes host arrays without a host
+// synchronisation (threads, MPI); nothing on a device communicator.
+template <class Comm, class T>
+void check_hook_sizes(const char* hook, Comm& group, const char* group_name, Comm& replicas, std::size_t grad,
+                      std::size_t shard, bool scatter) {
+  if constexpr (!is_device_communicator_v<Comm>) {
+    agree_on_hook_sizes(hook, group, group_name, replicas,
+                        hook_sizes{static_cast<std::int64_t>(grad), static_cast<std::int64_t>(shard),
+                                   static_cast<std::int64_t>(datatype_of<T>())},
+                        scatter);
+  } else {
+    (void)hook, (void)group, (void)group_name, (void)replicas, (void)grad, (void)shard, (void)scatter;
+  }
+}
+
+}  // namespace detail
 
 // Expert weights replicated over efsdp: grad = (sum over efsdp and dp_replicate) / B.
 template <class Comm, class T>
@@ -28,6 +135,7 @@ void reduce_expert_gradients(Comm& efsdp, Comm& dp_replicate, const mesh& m, spa
               "reduce_expert_gradients: communicator sizes (efsdp ", efsdp.size(), ", dp_replicate ",
               dp_replicate.size(), ") do not match the mesh (efsdp ", m.efsdp(), ", dp_replicate ", m.dp_replicate(),
               ")");
+  detail::check_hook_sizes<Comm, T>("reduce_expert_gradients", efsdp, "efsdp", dp_replicate, grad.size(), 0, false);
   all_reduce(efsdp, grad, 1.0 / static_cast<double>(m.batches()));
   if (dp_replicate.size() > 1) all_reduce(dp_replicate, grad);
 }
@@ -41,6 +149,8 @@ void reduce_scatter_expert_gradients(Comm& efsdp, Comm& dp_replicate, const mesh
               "reduce_scatter_expert_gradients: communicator sizes (efsdp ", efsdp.size(), ", dp_replicate ",
               dp_replicate.size(), ") do not match the mesh (efsdp ", m.efsdp(), ", dp_replicate ",
               m.dp_replicate(), ")");
+  detail::check_hook_sizes<Comm, T>("reduce_scatter_expert_gradients", efsdp, "efsdp", dp_replicate, grad.size(),
+                                    shard.size(), true);
   reduce_scatter(efsdp, grad, shard, 1.0 / static_cast<double>(m.batches()));
   if (dp_replicate.size() > 1) all_reduce(dp_replicate, shard);
 }
@@ -52,6 +162,7 @@ void reduce_dense_gradients(Comm& fsdp, Comm& dp_replicate, const mesh& m, span<
               "reduce_dense_gradients: communicator sizes (fsdp ", fsdp.size(), ", dp_replicate ",
               dp_replicate.size(), ") do not match the mesh (fsdp ", m.fsdp(), ", dp_replicate ", m.dp_replicate(),
               ")");
+  detail::check_hook_sizes<Comm, T>("reduce_dense_gradients", fsdp, "fsdp", dp_replicate, grad.size(), 0, false);
   all_reduce(fsdp, grad, 1.0 / static_cast<double>(m.batches()));
   if (dp_replicate.size() > 1) all_reduce(dp_replicate, grad);
 }
