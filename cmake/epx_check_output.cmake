@@ -2,6 +2,7 @@
 #   -DCOMMAND="exe;arg;..."   the command line (a CMake list)
 #   -DEXPECT_STDOUT_FILE=f    stdout must equal the contents of f byte for byte
 #   -DEXPECT_FAILURE=ON       the command must exit non-zero
+#   -DEXPECT_STATUS=n         the command must exit with status n (with EXPECT_FAILURE)
 #   -DEXPECT_STDERR=text      stderr must contain text
 #   -DEXPECT_STDOUT_REGEX=re  stdout must match the regular expression
 cmake_minimum_required(VERSION 3.25)
@@ -17,6 +18,9 @@ if(EXPECT_FAILURE)
   endif()
   if(NOT rc MATCHES "^[0-9]+$")
     message(FATAL_ERROR "expected a clean non-zero exit, got '${rc}'")
+  endif()
+  if(DEFINED EXPECT_STATUS AND NOT rc EQUAL EXPECT_STATUS)
+    message(FATAL_ERROR "expected exit status ${EXPECT_STATUS}, got ${rc}")
   endif()
 else()
   if(NOT rc EQUAL 0)

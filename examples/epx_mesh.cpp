@@ -2,6 +2,7 @@
 //
 //   epx-mesh --tp 2 --fsdp 4 --experts 8 --ep 2,4,8
 //   epx-mesh --tp 2 --fsdp 4 --pp 2 --dp-replicate 2 --experts 16 --ep 4 --json
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -19,11 +20,15 @@ void usage(std::ostream& os) {
         "the ranks, coordinates, experts and group members for one --ep value.\n";
 }
 
+// Decimal digits with an optional leading '-' (a negative size reaches the mesh's own check
+// and its message), nothing else: strtol alone would also take leading blanks and a '+'.
 int parse_int(const std::string& flag, const std::string& v) {
+  const std::size_t first = !v.empty() && v[0] == '-' ? 1 : 0;
+  const bool digits = v.size() > first && v.find_first_not_of("0123456789", first) == std::string::npos;
   char* end = nullptr;
   errno = 0;
-  const long x = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || errno != 0 || x < -(1L << 30) || x > (1L << 30))
+  const long x = digits ? std::strtol(v.c_str(), &end, 10) : 0;
+  if (!digits || *end != '\0' || errno != 0 || x < -(1L << 30) || x > (1L << 30))
     EPX_THROW(epx::errc::configuration, flag, " expects an integer, got '", v, "'");
   return static_cast<int>(x);
 }

@@ -61,11 +61,12 @@ options parse(int argc, char** argv) {
     }
     if (i + 1 >= argc) throw std::runtime_error("missing value after " + a);
     const std::string v = argv[++i];
-    const auto num = [&] {
+    const auto num = [&] {  // decimal digits only (strtoll alone takes leading blanks and a sign)
+      const bool digits = !v.empty() && v.find_first_not_of("0123456789") == std::string::npos;
       char* end = nullptr;
       errno = 0;
-      const long long n = std::strtoll(v.c_str(), &end, 10);
-      if (end == v.c_str() || *end != '\0' || errno != 0 || n < 1 || n > (1LL << 24))
+      const long long n = digits ? std::strtoll(v.c_str(), &end, 10) : 0;
+      if (!digits || *end != '\0' || errno != 0 || n < 1 || n > (1LL << 24))
         throw std::runtime_error(a + " expects an integer from 1 to 16777216, got '" + v + "'");
       return n;
     };

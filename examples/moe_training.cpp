@@ -35,6 +35,7 @@
 // The exit status is non-zero when an error exceeds its tolerance (printed above that line)
 // or when the ranks' parameters disagree after training.
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
@@ -762,20 +763,26 @@ void usage(std::FILE* f) {
                "experts), no node limit (M nodes of R consecutive ep ranks each).\n");
 }
 
-// `lowest` 0: the flag's value 0 is its default (off, or no skew).
+// `lowest` 0: the flag's value 0 is its default (off, or no skew). Decimal digits only:
+// strtol alone would also take leading blanks and a sign.
 long parse_number(const std::string& flag, const std::string& v, long lowest = 1) {
+  const bool digits = !v.empty() && v.find_first_not_of("0123456789") == std::string::npos;
   char* end = nullptr;
   errno = 0;
-  const long x = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || errno != 0 || x < lowest || x > (1L << 24))
+  const long x = digits ? std::strtol(v.c_str(), &end, 10) : -1;
+  if (!digits || *end != '\0' || errno != 0 || x < lowest || x > (1L << 24))
     EPX_THROW(epx::errc::configuration, flag, " expects an integer from ", lowest, " to 16777216, got '", v, "'");
   return x;
 }
 
+// A decimal number (digits, a point, an exponent): strtod alone would also take leading
+// blanks, a sign, hexadecimal and inf or nan.
 double parse_real(const std::string& flag, const std::string& v, bool zero = false) {
+  const bool plain = !v.empty() && (std::isdigit(static_cast<unsigned char>(v[0])) || v[0] == '.') &&
+                     v.find_first_not_of("0123456789.eE+-") == std::string::npos;
   char* end = nullptr;
-  const double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || *end != '\0' || !(x > 0.0 || (zero && x == 0.0)) || !std::isfinite(x))
+  const double x = plain ? std::strtod(v.c_str(), &end) : -1.0;
+  if (!plain || *end != '\0' || !(x > 0.0 || (zero && x == 0.0)) || !std::isfinite(x))
     EPX_THROW(epx::errc::configuration, flag, zero ? " expects a number >= 0, got '" : " expects a positive number, got '",
               v, "'");
   return x;
@@ -844,6 +851,8 @@ options parse(int argc, char** argv) {
   for (const char* flag : {"--capacity-mode", "--drop-priority"})
     if (has(flag) && o.capacity_factor <= 0.0)
       EPX_THROW(epx::errc::configuration, flag, " needs a capacity (--capacity-factor X, X > 0)");
+  if (o.max_nodes > 0 && o.ranks_per_node == 0)
+    EPX_THROW(epx::errc::configuration, "--max-nodes needs --ranks-per-node R (the ep ranks of a node)");
   if (has("--aux-alpha") && o.balance != "aux")
     EPX_THROW(epx::errc::configuration, "--aux-alpha needs --balance aux");
   if (has("--bias-rate") && o.balance != "bias")
