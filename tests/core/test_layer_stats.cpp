@@ -412,4 +412,36 @@ TEST_CASE("stats: experts that throw on one rank leave every rank the statistics
   for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
 }
 
+TEST_CASE("stats: a stage smaller than one slice row's k rows (1 byte included) takes one slice row a round") {
+  // tp=1 fsdp=2 ep=2, k=2, H=4 float: a slice row's k rows are 32 bytes; slices of 12 and 13 rows.
+  const epx::mesh m(epx::mesh_config{1, 2, 1, 1, 2, 4, 0});
+  const std::size_t row = 2 * 4 * sizeof(float);
+  std::vector<std::string> failures(2);
+  epx::threads::run(2, [&](comm_t& comm) {
+    std::string& f = failures[static_cast<std::size_t>(comm.rank())];
+    layer_case c;
+    c.topology = epx::mesh_config{1, 2, 1, 1, 2, 4, 0};
+    c.top_k = 2;
+    c.hidden = 4;
+    c.rows = [](int b) { return std::size_t{12} + static_cast<std::size_t>(b); };
+    c.peer_access = false;
+    const epx::test::rank_inputs<float> in(c, comm.rank());
+    epx::ref::test_linear_experts<float> experts(in.global, m.ep_rank(comm.rank()), m.local_experts());
+    std::vector<float> first;
+    for (std::size_t stage : {std::size_t{1}, row - 1, row}) {
+      c.stage_bytes = stage;
+      epx::moe_layer<comm_t, float> layer(m, comm, epx::test::options_for(c));
+      std::vector<float> out(in.N * in.H);
+      (void)layer.forward(epx::span<const float>(in.x), epx::span<const std::int32_t>(in.d.ids),
+                          epx::span<const float>(in.w), epx::span<float>(out), experts, epx::mode::inference);
+      if (layer.stats().stage_rounds != 13)
+        f += "stage_bytes " + std::to_string(stage) + ": " + std::to_string(layer.stats().stage_rounds) +
+             " rounds, not 13 (one per row of the largest slice); ";
+      if (first.empty()) first = out;
+      else if (out != first) f += "stage_bytes " + std::to_string(stage) + ": out differs from stage_bytes 1; ";
+    }
+  });
+  for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+}
+
 }  // namespace test_layer_stats_cpp

@@ -91,7 +91,10 @@ struct layer_options {
   // The staged route's stage (epx/layout/rounds.hpp): an inference forward and every
   // backward move their rows in rounds through a stage of at most this many bytes (rounds
   // of whole slice rows, at least one row a round) instead of a send buffer of all n*k
-  // rows. Results are bitwise the same; each round costs one collective's latency.
+  // rows. A value below one slice row's k rows (k * hidden * sizeof(T) bytes), 1 included,
+  // is taken as that one row: one round per slice row of the EP group's largest slice.
+  // Results are bitwise the same; each round costs one collective's latency, and the
+  // rounds' plan holds a few integers per round and segment (ep * L).
   // 0: automatic: on host policies rounds of default_host_stage_bytes when the EP group's
   // largest slice would send more than default_host_one_round_bytes at once, one round
   // otherwise; one round on device policies. Must agree on every rank.
