@@ -861,6 +861,21 @@ options parse(int argc, char** argv) {
     EPX_THROW(epx::errc::configuration, "--balance bias routes with sigmoid_bias, not --routing ", o.routing);
   epx::mesh check(o.mesh());  // validates the sizes with the mesh's own messages
   check.validate_top_k(o.top_k);
+  // The node limit against the mesh, named by its flags (the layer would refuse the same
+  // values from inside the run, naming its options).
+  if (o.ranks_per_node > 0 && o.ep % o.ranks_per_node != 0)
+    EPX_THROW(epx::errc::configuration, "--ranks-per-node (", o.ranks_per_node, ") must divide --ep (", o.ep, ")");
+  if (o.max_nodes > 0) {
+    const int nodes = o.ep / o.ranks_per_node;
+    if (o.max_nodes > nodes)
+      EPX_THROW(epx::errc::configuration, "--max-nodes (", o.max_nodes, ") exceeds the number of nodes, --ep / "
+                "--ranks-per-node = ", o.ep, " / ", o.ranks_per_node, " = ", nodes);
+    const int room = o.max_nodes * o.ranks_per_node * check.local_experts();
+    if (o.top_k > room)
+      EPX_THROW(epx::errc::configuration, "--top-k (", o.top_k, ") exceeds what --max-nodes (", o.max_nodes,
+                ") nodes hold: max-nodes * ranks-per-node * local experts = ", o.max_nodes, " * ", o.ranks_per_node,
+                " * ", check.local_experts(), " = ", room);
+  }
   return o;
 }
 
