@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -881,6 +882,51 @@ TEST_CASE("mpi: peer_memory buffers are published without a copy") {
   o.shared_memory = false;
   communicator off = communicator::world(o);
   check_error([&] { (void)off.peer_memory(8); }, epx::errc::configuration, "no peer access");
+}
+
+// Communicators over one MPI_Comm, each with its shared windows, destroyed in opposite
+// orders on even and odd ranks: the frees must not pair one communicator's window with the
+// other's (they hung in MPI_Win_free), and the MPI_Comm stays usable afterwards.
+TEST_CASE("mpi: communicators over one MPI_Comm with windows, destroyed in different orders on the ranks") {
+  MPI_Comm dup = MPI_COMM_NULL;
+  REQUIRE(MPI_Comm_dup(MPI_COMM_WORLD, &dup) == MPI_SUCCESS);
+  {
+    const int me = communicator::world().rank();
+    epx::mpi::options o;
+    o.timeout = std::chrono::seconds(20);
+    std::vector<std::unique_ptr<communicator>> c;
+    for (int k = 0; k < 3; ++k) c.push_back(std::make_unique<communicator>(dup, o));
+    for (int round = 0; round < 2; ++round)
+      for (auto& x : c) {
+        REQUIRE(x->peer_access_available());
+        const int v = me * 10 + round;
+        const void* one[1] = {&v};
+        const std::size_t four[1] = {sizeof(int)};
+        int seen = -1;
+        x->access_peers(one, four, 1, [&](const auto& peers) { seen = *static_cast<const int*>(peers(0, 0)); });
+        CHECK(seen == round);
+        if (round == 1) x->peer_memory(64);
+      }
+    // Even ranks destroy 0, 1, 2; odd ranks 2, 1, 0.
+    if (me % 2 == 0) {
+      for (auto& x : c) x.reset();
+    } else {
+      for (auto it = c.rbegin(); it != c.rend(); ++it) it->reset();
+    }
+    // The MPI_Comm still works, also for a new communicator with a window, freed in order.
+    communicator again(dup, o);
+    REQUIRE(again.peer_access_available());
+    const int v = me;
+    const void* one[1] = {&v};
+    const std::size_t four[1] = {sizeof(int)};
+    int sum = 0;
+    again.access_peers(one, four, 1, [&](const auto& peers) {
+      for (int r = 0; r < peers.size(); ++r) sum += *static_cast<const int*>(peers(r, 0));
+    });
+    CHECK(sum == again.size() * (again.size() - 1) / 2);
+    again.barrier();
+  }
+  MPI_Comm_free(&dup);
 }
 
 TEST_CASE("mpi: access_peers failures: mismatched counts, bad buffers, a throwing function, no shared memory") {

@@ -14,8 +14,9 @@
 //
 // Every wait is bounded by the watchdog (options::timeout): the blocking MPI calls
 // (MPI_Comm_split_type, MPI_Win_allocate_shared, MPI_Win_free) run only right after a
-// nonblocking barrier or gather that every rank has passed, so none of them can wait for a
-// rank that is not there.
+// nonblocking barrier, gather or reduction that every rank has passed, so none of them can
+// wait for a rank that is not there; MPI_Win_free only once that reduction shows every rank
+// freeing the same window (mpi_state::free_peer_window).
 #pragma once
 
 #include <mpi.h>
@@ -71,6 +72,7 @@ inline bool mpi_peer_access_available(mpi_state& s, const mpi::options& opt) {
 // rank's gather matches; the late rank must not go on into the blocking calls below.
 inline void mpi_peer_grow(mpi_state& s, const mpi::options& opt, mpi_peer_window& w, std::size_t need) {
   EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::gate, nullptr, MPI_Ibarrier(s.comm, &epx_req_));
+  if (s.window_id == 0) s.window_id = mpi_next_window_id(s.comm);  // collective order: the same on every rank
   const std::size_t old = w.capacity;
   if (w.win != MPI_WIN_NULL) {
     MPI_Win_unlock_all(w.win);
