@@ -1315,4 +1315,102 @@ TEST_CASE("threads: a copy that failed in a call that raised something else is n
   CHECK(second_ok.load() == 2);
 }
 
+// One thread at a time per communicator: a second thread of a rank that calls a collective
+// while the first is inside one on the same communicator is refused before it publishes
+// anything (it replaced the first call's slot: wrong sums, or a mismatch or watchdog error
+// on the peers); the first call completes.
+TEST_CASE("threads: a second thread calling a collective on a communicator in use is refused") {
+  std::atomic<int> refused{0}, done{0};
+  std::string message;
+  epx::threads::run(2, [&](epx::threads::communicator& comm) {
+    int v = 10 + comm.rank();
+    const void* mine[1] = {&v};
+    int seen = -1;
+    comm.access_peers(mine, 1, [&](const auto& peers) {
+      seen = *static_cast<const int*>(peers(1 - comm.rank(), 0));
+      if (comm.rank() != 0) return;
+      // This thread is inside access_peers: another thread's collective must not get in.
+      std::thread other([&] {
+        try {
+          comm.barrier();
+        } catch (const epx::error& e) {
+          if (e.category() == epx::errc::input) ++refused;
+          message = e.message();
+        }
+      });
+      other.join();
+    });
+    CHECK(seen == 11 - comm.rank());
+    std::vector<double> x{1.0};
+    epx::all_reduce(comm, epx::span<double>(x));  // the communicator still works
+    if (x[0] == 2.0) ++done;
+  }, short_options());
+  CHECK(refused.load() == 1);
+  CHECK(message ==
+        "barrier on rank 0: another thread is inside a collective on this communicator (a communicator is used "
+        "by one thread at a time)");
+  CHECK(done.load() == 2);
+
+  // The same while the first thread waits in a barrier for the other rank, which comes
+  // only once the second thread has tried.
+  std::atomic<bool> inside{false}, tried{false};
+  std::atomic<int> refused2{0}, passed{0};
+  epx::threads::run(2, [&](epx::threads::communicator& comm) {
+    if (comm.rank() == 0) {
+      std::thread other([&] {
+        while (!inside.load()) std::this_thread::yield();
+        std::this_thread::sleep_for(milliseconds(100));  // rank 0's first thread is in the barrier by then
+        std::vector<double> x{1.0};
+        try {
+          epx::all_reduce(comm, epx::span<double>(x));
+        } catch (const epx::error& e) {
+          if (e.category() == epx::errc::input && contains(e.message(), "another thread is inside")) ++refused2;
+        }
+        tried = true;
+      });
+      inside = true;
+      comm.barrier();
+      other.join();
+    } else {
+      while (!tried.load()) std::this_thread::yield();
+      comm.barrier();
+    }
+    std::vector<double> x{1.0 + comm.rank()};
+    epx::all_reduce(comm, epx::span<double>(x));
+    if (x[0] == 3.0) ++passed;
+  }, short_options());
+  CHECK(refused2.load() == 1);
+  CHECK(passed.load() == 2);
+}
+
+// A rank's different communicators (its ep and tp groups) may be used by different threads
+// of the rank at the same time.
+TEST_CASE("threads: a rank's sub-communicators used at once from two threads of the rank") {
+  std::atomic<int> ok{0};
+  epx::threads::run(4, [&](epx::threads::communicator& world) {
+    epx::threads::communicator ep = world.split(world.rank() / 2, 0);  // {0,1}, {2,3}
+    epx::threads::communicator tp = world.split(world.rank() % 2, 0);  // {0,2}, {1,3}
+    auto loop = [](epx::threads::communicator& c, int rounds) {
+      bool good = true;
+      for (int i = 0; i < rounds; ++i) {
+        std::vector<double> x(100, 1.0 + i + c.world_rank());
+        epx::all_reduce(c, epx::span<double>(x));
+        std::vector<int> w(static_cast<std::size_t>(c.size()), -1);
+        const int mine = c.world_rank();
+        c.all_gather(&mine, w.data(), 1, epx::datatype::int32);
+        double sum = 0;
+        for (int r : w) sum += 1.0 + i + r;
+        good = good && x[0] == sum && x[99] == sum;
+      }
+      return good;
+    };
+    bool a = false, b = false;
+    std::thread t([&] { a = loop(ep, 300); });
+    b = loop(tp, 300);
+    t.join();
+    if (a && b) ++ok;
+  }, normal_options());
+  CHECK(ok.load() == 4);
+}
+
 }  // namespace test_threads_cpp

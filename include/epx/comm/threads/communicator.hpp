@@ -62,7 +62,10 @@ struct threads_access;
 
 namespace threads {
 
-// One rank's handle on a group of threads. Only the thread that runs this rank may use it.
+// One rank's handle on a group of threads. One thread at a time may use it (a second thread
+// that calls a collective while one is in progress on it gets errc::input); a rank's
+// different communicators (its ep and tp sub-communicators, say) may be used by different
+// threads of the rank at once.
 // Movable, not copyable; a moved-from communicator may only be assigned to or destroyed.
 class communicator {
  public:
@@ -82,6 +85,7 @@ class communicator {
   // (key, rank). It belongs to the same run: an exception escaping any rank's function
   // aborts its collectives too.
   communicator split(int color, int key) const {
+    const use_guard in_use(*this, detail::threads_op::split);
     detail::threads_slot d;
     d.op = detail::threads_op::split;
     d.color = color;
@@ -335,6 +339,36 @@ class communicator {
  private:
   friend struct epx::detail::threads_access;
 
+  // One thread at a time per communicator: a collective started while another thread is
+  // inside one on the same communicator (the same rank of the same group) raises
+  // errc::input on the thread that came second, before it publishes anything; the first
+  // one's collective goes on. The same thread again (a collective inside the function of
+  // its access_peers) is left to publish, which says why that is refused.
+  class use_guard {
+   public:
+    use_guard(const communicator& c, detail::threads_op op) {
+      auto& user = c.group_->user(c.rank_);
+      const std::thread::id me = std::this_thread::get_id();
+      std::thread::id none{};
+      if (user.compare_exchange_strong(none, me)) {
+        user_ = &user;
+        return;
+      }
+      if (none == me) return;
+      EPX_THROW(errc::input, to_string(op), " on ", c.who(c.rank_),
+                ": another thread is inside a collective on this communicator (a communicator is used by one "
+                "thread at a time)");
+    }
+    use_guard(const use_guard&) = delete;
+    use_guard& operator=(const use_guard&) = delete;
+    ~use_guard() {
+      if (user_ != nullptr) user_->store(std::thread::id{});
+    }
+
+   private:
+    std::atomic<std::thread::id>* user_ = nullptr;
+  };
+
   // d's fault (unless it has one) when send bytes [send, + ns) and recv bytes [recv, + nr)
   // share a byte, unless `in_place` (the collective's own in-place layout); `rule` says
   // what is allowed.
@@ -352,6 +386,7 @@ class communicator {
   template <class F>
   void peers_call(const void* const* mine, std::size_t count, std::string fault, F&& f) {
     require_buffer(mine, count, "access_peers", "pointer list");
+    const use_guard in_use(*this, detail::threads_op::access_peers);
     detail::threads_slot d;
     d.op = detail::threads_op::access_peers;
     d.send = static_cast<const void*>(mine);
@@ -594,6 +629,7 @@ class communicator {
   // phase first); barrier needs no exit barrier, because the slots are double-buffered.
   template <class Work>
   void enter(const detail::threads_slot& d, Work&& work) const {
+    const use_guard in_use(*this, d.op);
     const std::uint64_t seq = publish(d);
     const auto deadline = detail::deadline_after(world_->timeout());
     const auto w = group_->arrive_and_wait(true, deadline, seq);
@@ -617,6 +653,7 @@ class communicator {
   void enter_pull(const detail::threads_slot& d, Pull&& pull) const {
     const int n = size();
     std::vector<char> done(static_cast<std::size_t>(n), 0);
+    const use_guard in_use(*this, d.op);
     const std::uint64_t seq = publish(d);
     const auto deadline = detail::deadline_after(world_->timeout());
     const auto a = group_->arrive();

@@ -123,7 +123,8 @@ class threads_group {
         n_(static_cast<int>(world_ranks_.size())),
         slots_(new threads_slot[2 * world_ranks_.size()]),
         syncs_(new slot_sync[2 * world_ranks_.size()]),
-        entered_(new padded_counter[world_ranks_.size()]) {}
+        entered_(new padded_counter[world_ranks_.size()]),
+        users_(new user_slot[world_ranks_.size()]) {}
 
   int size() const noexcept { return n_; }
   int world_rank(int r) const noexcept { return world_ranks_[static_cast<std::size_t>(r)]; }
@@ -156,6 +157,10 @@ class threads_group {
     x.retracted.store(true);
     while (x.accessors.load() != 0) std::this_thread::yield();
   }
+
+  // The thread inside a collective of rank r on this group (no thread: none), which
+  // refuses a second thread (threads::communicator::use_guard).
+  std::atomic<std::thread::id>& user(int r) noexcept { return users_[r].id; }
 
   // Number of collectives rank r has entered on this group (written by r only).
   std::uint64_t entered(int r) const noexcept { return entered_[r].value.load(std::memory_order_acquire); }
@@ -253,6 +258,10 @@ class threads_group {
   std::unique_ptr<threads_slot[]> slots_;
   std::unique_ptr<slot_sync[]> syncs_;
   std::unique_ptr<padded_counter[]> entered_;
+  struct alignas(64) user_slot {
+    std::atomic<std::thread::id> id{};
+  };
+  std::unique_ptr<user_slot[]> users_;
   // [generation:32][cancelled:1][arrived:31]
   alignas(64) std::atomic<std::uint64_t> state_{0};
   alignas(64) std::atomic<int> sleepers_{0};
