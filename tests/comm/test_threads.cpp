@@ -1413,4 +1413,14 @@ TEST_CASE("threads: a rank's sub-communicators used at once from two threads of 
   CHECK(ok.load() == 4);
 }
 
+// Colors must be non-negative, as on MPI and NCCL: a negative one on one member raises
+// errc::input on every member (it made a group of that color instead).
+TEST_CASE("threads: split with a negative color raises errc::input on every member") {
+  every_rank_refuses(3, "split: rank 1 passes color -1, which must be non-negative",
+                     [](epx::threads::communicator& comm) {
+                       auto sub = comm.split(comm.rank() == 1 ? -1 : 0, 0);
+                       FAIL("split returned a communicator of ", sub.size(), " ranks");
+                     });
+}
+
 }  // namespace test_threads_cpp

@@ -6,7 +6,8 @@
 //   int  rank() const;                  // this rank in [0, size())
 //   int  size() const;
 //   C    split(int color, int key) const;   // collective over C; members with the same color
-//                                           // form one new communicator, ordered by (key, rank)
+//                                           // (>= 0) form one new communicator, ordered by
+//                                           // (key, rank)
 //   void all_to_all(const void* send, void* recv, std::size_t count_per_peer, datatype t);
 //   void all_to_allv(const void* send, const std::size_t* send_counts, const std::size_t* send_displs,
 //                    void* recv, const std::size_t* recv_counts, const std::size_t* recv_displs,

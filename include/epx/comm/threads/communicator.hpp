@@ -82,7 +82,8 @@ class communicator {
   int world_rank() const noexcept { return group_->world_rank(rank_); }
 
   // Collective: members with the same color form one new communicator, ordered by
-  // (key, rank). It belongs to the same run: an exception escaping any rank's function
+  // (key, rank). Colors must be non-negative (as on MPI and NCCL): a negative one raises
+  // errc::input on every member, naming the rank. It belongs to the same run: an exception escaping any rank's function
   // aborts its collectives too.
   communicator split(int color, int key) const {
     const use_guard in_use(*this, detail::threads_op::split);
@@ -90,6 +91,7 @@ class communicator {
     d.op = detail::threads_op::split;
     d.color = color;
     d.key = key;
+    if (color < 0) d.fault = detail::concat("passes color ", color, ", which must be non-negative");
     const int n = size();
     std::vector<std::pair<int, int>> members;  // (key, rank) of this color
     members.reserve(static_cast<std::size_t>(n));
