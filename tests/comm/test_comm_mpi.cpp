@@ -788,6 +788,36 @@ TEST_CASE("mpi: mismatched counts are reported on every rank") {
   check_all_reduce<float>(w, 9, 1.0, false, 5);
 }
 
+// A datatype that is none of epx::datatype's on one rank: errc::input on every rank, naming
+// the rank, before anything moves (was errc::internal, a "bug" category, or a disagreement
+// on the datatype); the unchecked communicator refuses it on that rank.
+TEST_CASE("mpi: an unknown datatype on one rank is errc::input on every rank") {
+  communicator w = communicator::world();
+  const int n = w.size(), me = w.rank();
+  const auto bad = static_cast<epx::datatype>(42);
+  const epx::datatype t = me == n - 1 ? bad : epx::datatype::float32;
+  const std::string who = "rank " + std::to_string(n - 1) + " passes datatype 42, which is none of epx::datatype's";
+  std::vector<float> a(4 * static_cast<std::size_t>(n), 1.0f), b(4 * static_cast<std::size_t>(n), 0.0f);
+  std::vector<std::size_t> c(n, 1), d(n);
+  for (int p = 0; p < n; ++p) d[p] = static_cast<std::size_t>(p);
+  check_error([&] { w.all_reduce(a.data(), b.data(), 2, t, 1.0); }, epx::errc::input, "all_reduce: " + who);
+  check_error([&] { w.all_to_all(a.data(), b.data(), 1, t); }, epx::errc::input, "all_to_all: " + who);
+  check_error([&] { w.broadcast(a.data(), 2, t, 0); }, epx::errc::input, "broadcast: " + who);
+  check_error([&] { w.all_to_allv(a.data(), c.data(), d.data(), b.data(), c.data(), d.data(), t); }, epx::errc::input,
+              "all_to_allv: " + who);
+  check_error([&] { w.all_to_allv_segments(a.data(), c.data(), d.data(), b.data(), c.data(), d.data(), 1, t); },
+              epx::errc::input, "all_to_allv_segments: " + who);
+  // Every rank with it: the same error (it used to pass the agreement and fail as internal).
+  check_error([&] { w.all_gather(a.data(), b.data(), 1, bad); }, epx::errc::input, "all_gather: rank 0 passes datatype 42");
+  epx::mpi::options o;
+  o.check_counts = false;
+  communicator unchecked = communicator::world(o);
+  check_error([&] { unchecked.all_gather(a.data(), b.data(), 1, bad); }, epx::errc::input,
+              "datatype 42 is none of epx::datatype's");
+  // The communicator still works.
+  check_all_to_allv<std::int32_t>(w, 4);
+}
+
 static_assert(epx::has_peer_access_v<communicator>, "MPI ranks on one node read each other's memory");
 
 // The peers' buffers through the shared window: every rank's buffers (of rank-dependent

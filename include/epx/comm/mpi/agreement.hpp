@@ -35,8 +35,8 @@ namespace epx::detail {
 
 // One MPI_Allreduce(MAX) over [error, -failing rank, any, values..., -values...].
 // Raises on every rank when some rank passed a non-empty `local_error` (category
-// `local_category`; the lowest such rank's message is broadcast, so every rank names the
-// same values) or, as errc::communicator, when `values` differ between ranks. Returns the
+// `local_category`; the lowest such rank's message and category are broadcast, so every
+// rank names the same values) or, as errc::communicator, when `values` differ between ranks. Returns the
 // maximum of `any` over ranks.
 inline long long mpi_agree(mpi_state& s, const mpi::options& opt, const char* op,
                            std::initializer_list<std::pair<const char*, long long>> values,
@@ -65,11 +65,13 @@ inline long long mpi_agree(mpi_state& s, const mpi::options& opt, const char* op
     const int culprit = static_cast<int>(-buf[1]);  // lowest failing rank
     std::vector<char> msg;
     if (culprit == s.rank) msg.assign(local_error.begin(), local_error.end());
-    std::vector<int> len(1, static_cast<int>(std::min<std::size_t>(msg.size(), 4096)));
+    // [length, category]: the culprit's category, which may differ from this rank's.
+    std::vector<int> len = {static_cast<int>(std::min<std::size_t>(msg.size(), 4096)),
+                            static_cast<int>(local_category)};
     {
       mpi_keep keep(len);
       EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::own, &keep,
-                           MPI_Ibcast(len.data(), 1, MPI_INT, culprit, s.comm, &epx_req_));
+                           MPI_Ibcast(len.data(), 2, MPI_INT, culprit, s.comm, &epx_req_));
     }
     msg.resize(static_cast<std::size_t>(len[0]) + 1);
     {
@@ -77,7 +79,7 @@ inline long long mpi_agree(mpi_state& s, const mpi::options& opt, const char* op
       EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::own, &keep,
                            MPI_Ibcast(msg.data(), len[0], MPI_CHAR, culprit, s.comm, &epx_req_));
     }
-    throw error(local_category, std::string(msg.data(), static_cast<std::size_t>(len[0])), EPX_HERE);
+    throw error(static_cast<errc>(len[1]), std::string(msg.data(), static_cast<std::size_t>(len[0])), EPX_HERE);
   }
   i = 0;
   for (const auto& v : values) {
@@ -104,17 +106,25 @@ inline long long mpi_collective_id(const char* op) {
   return 0;
 }
 
+// A datatype that is none of epx::datatype's, as the local error of `op` on this rank
+// (raised as errc::input on every rank by the agreement); empty for a known one.
+inline std::string mpi_unknown_datatype(const mpi_state& s, const char* op, datatype t) {
+  if (size_of(t) != 0) return std::string();
+  return concat(op, ": rank ", s.rank, " passes datatype ", static_cast<int>(t), ", which is none of epx::datatype's");
+}
+
 // The common case: the collective, datatype, count and root must agree; `local_error` as for
 // mpi_agree (raised as errc::input).
 inline void mpi_agree_same(mpi_state& s, const mpi::options& opt, const char* op, datatype t,
                            std::size_t count, int root = 0, const std::string& local_error = std::string()) {
+  const std::string unknown = local_error.empty() ? mpi_unknown_datatype(s, op, t) : std::string();
   mpi_agree(s, opt, op,
             {{"the collective (1 all_to_all, 2 all_reduce, 3 reduce_scatter, 4 all_gather, 5 broadcast)",
               mpi_collective_id(op)},
              {"the datatype", static_cast<long long>(t)},
              {"the count", static_cast<long long>(count)},
              {"the root", root}},
-            local_error, errc::input);
+            unknown.empty() ? local_error : unknown, errc::input);
 }
 
 // all_to_allv's count check: every rank learns what each peer sends it and compares it with
@@ -131,13 +141,14 @@ inline bool mpi_check_counts_v(mpi_state& s, const mpi::options& opt, const std:
                          MPI_Ialltoall(mine.data(), 1, MPI_UNSIGNED_LONG_LONG, theirs.data(), 1,
                                        MPI_UNSIGNED_LONG_LONG, s.comm, &epx_req_));
   }
-  std::string bad;
+  std::string bad = mpi_unknown_datatype(s, "all_to_allv", t);
+  const errc category = bad.empty() ? errc::communicator : errc::input;
   for (std::size_t p = 0; p < n && bad.empty(); ++p) {
     if (theirs[p] != recv_counts[p])
       bad = concat("all_to_allv: send and receive counts disagree: rank ", s.rank, " expects ", recv_counts[p], " ",
                    to_string(t), " elements from rank ", p, ", which sends ", theirs[p]);
   }
-  return mpi_agree(s, opt, "all_to_allv", {{"the datatype", static_cast<long long>(t)}}, bad, errc::communicator,
+  return mpi_agree(s, opt, "all_to_allv", {{"the datatype", static_cast<long long>(t)}}, bad, category,
                    large ? 1 : 0) != 0;
 }
 
@@ -150,8 +161,9 @@ inline bool mpi_check_segment_counts(mpi_state& s, const mpi::options& opt, cons
                                      const std::size_t* recv_counts, std::size_t nseg, datatype t, bool large,
                                      const char* op = "all_to_allv_segments",
                                      const std::string& local_error = std::string()) {
+  const std::string unknown = local_error.empty() ? mpi_unknown_datatype(s, op, t) : std::string();
   mpi_agree(s, opt, op, {{"the datatype", static_cast<long long>(t)}, {"the segment count", static_cast<long long>(nseg)}},
-            local_error, errc::input);
+            unknown.empty() ? local_error : unknown, errc::input);
   const std::size_t m = static_cast<std::size_t>(s.size) * nseg;
   std::vector<unsigned long long> mine(m), theirs(m);  // theirs[p*nseg+i]: what p sends me in segment i
   for (std::size_t j = 0; j < m; ++j) mine[j] = send_counts[j];

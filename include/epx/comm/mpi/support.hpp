@@ -49,7 +49,7 @@ inline MPI_Datatype mpi_type(datatype t) {
     case datatype::float16: return MPI_UINT16_T;
     case datatype::byte: return MPI_BYTE;
   }
-  EPX_THROW(errc::internal, "mpi_type: unknown datatype ", static_cast<int>(t));
+  EPX_THROW(errc::input, "datatype ", static_cast<int>(t), " is none of epx::datatype's");
 }
 
 // Derived datatypes of one call, freed when the list goes out of scope (also while unwinding).
