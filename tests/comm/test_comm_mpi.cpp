@@ -763,7 +763,9 @@ TEST_CASE("mpi: mismatched counts are reported on every rank") {
     check_error([&] { w.all_reduce(buf.data(), out.data(), me == 0 ? 3 : 4, epx::datatype::float64, 1.0); },
                 epx::errc::communicator, "all_reduce: ranks disagree on the count (values from 3 to 4");
     check_error([&] { w.all_gather(buf.data(), out.data(), 1, me == 1 ? epx::datatype::int64 : epx::datatype::float64); },
-                epx::errc::communicator, "ranks disagree on the datatype");
+                epx::errc::communicator,
+                std::string("all_gather: ranks disagree on the datatype (values from int64 to float64; rank ") +
+                    std::to_string(me) + " passed " + (me == 1 ? "int64" : "float64") + ")");
     check_error([&] { w.broadcast(buf.data(), 2, epx::datatype::float64, me == 0 ? 1 : 0); },
                 epx::errc::communicator, "ranks disagree on the root");
     // Different collectives of one datatype and count: the small all_reduce and all_gather

@@ -84,6 +84,12 @@ inline long long mpi_agree(mpi_state& s, const mpi::options& opt, const char* op
   i = 0;
   for (const auto& v : values) {
     const long long hi = buf[3 + i], lo = -buf[3 + k + i];
+    if (hi != lo && std::string(v.first) == "the datatype") {
+      // By name: "float32", not its number.
+      auto name = [](long long x) { return std::string(to_string(static_cast<datatype>(x))); };
+      EPX_THROW(errc::communicator, op, ": ranks disagree on the datatype (values from ", name(lo), " to ", name(hi),
+                "; rank ", s.rank, " passed ", name(v.second), ")");
+    }
     EPX_REQUIRE(hi == lo, errc::communicator, op, ": ranks disagree on ", v.first, " (values from ", lo, " to ", hi,
                 "; rank ", s.rank, " passed ", v.second, ")");
     ++i;
