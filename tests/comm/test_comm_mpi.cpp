@@ -961,6 +961,49 @@ TEST_CASE("mpi: communicators over one MPI_Comm with windows, destroyed in diffe
   MPI_Comm_free(&dup);
 }
 
+// Communicators over two different MPI_Comms, with windows, destroyed in crossing orders
+// (even ranks x then y, odd ranks y then x): each destructor's agreement waits for ranks that
+// are in the other one, so both time out. No rank may then go on into an MPI_Win_free that
+// another rank gave up (a late rank hung there for good); the windows are left to
+// MPI_Finalize, and everything returns within the watchdog's time.
+TEST_CASE("mpi: communicators over two MPI_Comms destroyed in crossing orders return after the watchdog") {
+  MPI_Comm x = MPI_COMM_NULL, y = MPI_COMM_NULL;
+  REQUIRE(MPI_Comm_dup(MPI_COMM_WORLD, &x) == MPI_SUCCESS);
+  REQUIRE(MPI_Comm_dup(MPI_COMM_WORLD, &y) == MPI_SUCCESS);
+  const int me = communicator::world().rank();
+  {
+    epx::mpi::options o;
+    o.timeout = std::chrono::seconds(1);
+    auto a = std::make_unique<communicator>(x, o);
+    auto b = std::make_unique<communicator>(y, o);
+    for (communicator* c : {a.get(), b.get()}) {
+      REQUIRE(c->peer_access_available());
+      const int v = me;
+      const void* one[1] = {&v};
+      const std::size_t four[1] = {sizeof(int)};
+      c->access_peers(one, four, 1, [](const auto&) {});
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    if (me % 2 == 0) {
+      a.reset();
+      b.reset();
+    } else {
+      b.reset();
+      a.reset();
+    }
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));
+  }
+  // Both MPI_Comms still carry collectives.
+  for (MPI_Comm c : {x, y}) {
+    communicator w(c);
+    std::vector<double> v{1.0};
+    w.all_reduce(v.data(), v.data(), 1, epx::datatype::float64, 1.0);
+    CHECK(v[0] == w.size());
+  }
+  MPI_Comm_free(&x);
+  MPI_Comm_free(&y);
+}
+
 TEST_CASE("mpi: access_peers failures: mismatched counts, bad buffers, a throwing function, no shared memory") {
   communicator w = communicator::world();
   const int n = w.size(), me = w.rank();

@@ -15,8 +15,8 @@
 // Every wait is bounded by the watchdog (options::timeout): the blocking MPI calls
 // (MPI_Comm_split_type, MPI_Win_allocate_shared, MPI_Win_free) run only right after a
 // nonblocking barrier, gather or reduction that every rank has passed, so none of them can
-// wait for a rank that is not there; MPI_Win_free only once that reduction shows every rank
-// freeing the same window (mpi_state::free_peer_window).
+// wait for a rank that is not there; MPI_Win_free only once that reduction, and every rank's
+// verdict on it, show every rank freeing the same window (mpi_state::free_peer_window).
 #pragma once
 
 #include <mpi.h>
@@ -73,6 +73,12 @@ inline bool mpi_peer_access_available(mpi_state& s, const mpi::options& opt) {
 inline void mpi_peer_grow(mpi_state& s, const mpi::options& opt, mpi_peer_window& w, std::size_t need) {
   EPX_MPI_BOUNDED_KEEP(s, opt, mpi_buffers::gate, nullptr, MPI_Ibarrier(s.comm, &epx_req_));
   if (s.window_id == 0) s.window_id = mpi_next_window_id(s.comm);  // collective order: the same on every rank
+  if (s.chunk_comm == MPI_COMM_NULL) {
+    // The private duplicate that the window's free sends its verdicts on (mpi_state::
+    // free_peer_window; also that of the chunked transfers): every rank is past the gate.
+    EPX_MPI_CHECK(MPI_Comm_dup(s.comm, &s.chunk_comm));
+    EPX_MPI_CHECK(MPI_Comm_set_errhandler(s.chunk_comm, MPI_ERRORS_RETURN));
+  }
   const std::size_t old = w.capacity;
   if (w.win != MPI_WIN_NULL) {
     MPI_Win_unlock_all(w.win);

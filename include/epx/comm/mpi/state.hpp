@@ -116,18 +116,42 @@ struct mpi_state {
     return orphans.size();
   }
 
+  // Waits for `n` requests until `deadline` (time_point::max(): for ever); false if they
+  // did not complete by then (they stay pending).
+  static bool wait_until(MPI_Request* reqs, int n, std::chrono::steady_clock::time_point deadline) noexcept {
+    for (unsigned spin = 1;; ++spin) {
+      int done = 0;
+      if (MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE) != MPI_SUCCESS) return false;
+      if (done) return true;
+      if (spin % 64 == 0) {
+        if (std::chrono::steady_clock::now() >= deadline) return false;
+        std::this_thread::yield();
+      }
+    }
+  }
+
   // MPI_Win_free is collective and blocks until every rank calls it, and a rank that leaves
-  // by an exception may never call it. So the window is freed only after every rank has
-  // agreed, within the watchdog's time, that it is freeing this very communicator's
-  // windows: a nonblocking MPI_Iallreduce on comm of the number of its windows (`window_id`,
-  // the minimum and the maximum). Communicators over one MPI_Comm destroyed in different
-  // orders on the ranks meet in that reduction with different numbers: every rank sees the
-  // same disagreement and leaves its window to MPI_Finalize instead of waiting in
-  // MPI_Win_free for a rank that frees another window (a plain barrier would pair them and
-  // hang there). Never while an exception unwinds or after a failure either.
+  // by an exception may never call it. So the windows are freed only when every rank
+  // frees them now, which two rounds settle, and never while an exception unwinds or after
+  // a failure (then they are left to MPI_Finalize):
+  //  1. a nonblocking MPI_Iallreduce on comm of the number of this communicator's windows
+  //     (`window_id`, its minimum and maximum), within the watchdog's time. Communicators
+  //     over one MPI_Comm destroyed in different orders on the ranks meet here with
+  //     different numbers, and every rank sees the same disagreement (a plain barrier
+  //     would pair them, and each rank would wait in MPI_Win_free of another window);
+  //  2. every rank sends every other its verdict (round 1 done in time, numbers equal) on
+  //     the private duplicate chunk_comm, and frees only when every verdict is yes. A rank
+  //     whose round 1 timed out says no, so a late rank that completes round 1 afterwards
+  //     does not go on into an MPI_Win_free that the early one never makes. Every rank
+  //     that entered round 1 sends its verdict within its own watchdog time, so this wait
+  //     ends.
   void free_peer_window() noexcept {
     if (peer.win == MPI_WIN_NULL && arena.win == MPI_WIN_NULL) return;
     if (std::uncaught_exceptions() > 0 || !failed.empty() || !orphans.empty()) return;
+    if (chunk_comm == MPI_COMM_NULL) return;  // made with the first window: not here, nothing agreed
+    const auto timeout = std::max(peer.timeout, arena.timeout);
+    const bool forever = timeout.count() == 0;
+    const auto never = std::chrono::steady_clock::time_point::max();
     // On the heap: a late rank may still complete the reduction after a timeout.
     auto* ids = new long long[2]{window_id, -window_id};
     MPI_Request req = MPI_REQUEST_NULL;
@@ -135,21 +159,37 @@ struct mpi_state {
       delete[] ids;
       return;
     }
-    const auto timeout = std::max(peer.timeout, arena.timeout);
-    const auto deadline = deadline_after(timeout);
-    for (unsigned spin = 1;; ++spin) {
-      int done = 0;
-      if (MPI_Test(&req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;  // ids stay: MPI may still write
-      if (done) break;
-      if (timeout.count() != 0 && spin % 64 == 0 && std::chrono::steady_clock::now() >= deadline) {
-        new MPI_Request(req);  // pending: leave it, its buffer and the window to MPI_Finalize
-        return;
-      }
-      if (spin % 64 == 0) std::this_thread::yield();
+    const bool in_time = wait_until(&req, 1, forever ? never : deadline_after(timeout));
+    bool yes = in_time && ids[0] == window_id && -ids[1] == window_id;
+    if (in_time) delete[] ids;
+    else new MPI_Request(req);  // pending: it, its buffer and the windows stay to MPI_Finalize
+    // Round 2: the verdicts. The send buffers are static: nothing to keep alive.
+    static const int verdict[2] = {0, 1};
+    for (int p = 0; p < size; ++p) {
+      if (p == rank) continue;
+      MPI_Request sr = MPI_REQUEST_NULL;
+      if (MPI_Isend(&verdict[yes ? 1 : 0], 1, MPI_INT, p, 1, chunk_comm, &sr) == MPI_SUCCESS) MPI_Request_free(&sr);
     }
-    const bool same = ids[0] == window_id && -ids[1] == window_id;
-    delete[] ids;
-    if (!same) return;  // the ranks free different windows: leave this one to MPI_Finalize
+    if (!yes) return;
+    std::vector<MPI_Request> rq(static_cast<std::size_t>(size), MPI_REQUEST_NULL);
+    auto* votes = new int[static_cast<std::size_t>(size)]();
+    for (int p = 0; p < size; ++p)
+      if (p != rank && MPI_Irecv(&votes[p], 1, MPI_INT, p, 1, chunk_comm, &rq[static_cast<std::size_t>(p)]) !=
+                           MPI_SUCCESS)
+        yes = false;
+    // Every peer that entered round 1 has sent by the end of its own watchdog time; twice
+    // that and a second is a bound that only a dead rank reaches (for ever where twice the
+    // timeout does not fit: milliseconds::max() is a timeout too).
+    const bool huge = timeout > (std::chrono::milliseconds::max() - std::chrono::seconds(1)) / 2;
+    const auto bound = forever || huge ? never : deadline_after(2 * timeout + std::chrono::seconds(1));
+    if (!yes || !wait_until(rq.data(), size, bound)) {
+      for (auto& r : rq)
+        if (r != MPI_REQUEST_NULL) new MPI_Request(r);  // pending receives into `votes`: left with it
+      return;
+    }
+    for (int p = 0; p < size; ++p) yes = yes && (p == rank || votes[p] == 1);
+    delete[] votes;
+    if (!yes) return;  // some rank frees different windows or gave up: leave them to MPI_Finalize
     for (MPI_Win* w : {&peer.win, &arena.win}) {
       if (*w == MPI_WIN_NULL) continue;
       MPI_Win_unlock_all(*w);
