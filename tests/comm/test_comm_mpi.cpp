@@ -315,6 +315,25 @@ TEST_CASE("mpi: world communicator, environment guard and wrapping") {
   o = {};
   o.timeout = std::chrono::milliseconds(-1);
   check_error([&] { communicator bad(MPI_COMM_WORLD, o); }, epx::errc::input, "timeout (-1 ms) must not be negative");
+  // An intercommunicator (even ranks and odd ranks as its two groups) is refused: its
+  // collectives pair the two groups (an all_reduce summed the other group's inputs only).
+  if (s >= 2) {
+    MPI_Comm half = MPI_COMM_NULL, inter = MPI_COMM_NULL;
+    REQUIRE(MPI_Comm_split(MPI_COMM_WORLD, r % 2, r, &half) == MPI_SUCCESS);
+    REQUIRE(MPI_Intercomm_create(half, 0, MPI_COMM_WORLD, r % 2 == 0 ? 1 : 0, 7, &inter) == MPI_SUCCESS);
+    check_error([&] { communicator bad(inter); }, epx::errc::input, "an intercommunicator cannot be wrapped");
+    MPI_Comm merged = MPI_COMM_NULL;
+    REQUIRE(MPI_Intercomm_merge(inter, r % 2, &merged) == MPI_SUCCESS);
+    {
+      communicator ok(merged);  // merged: an intracommunicator of every rank
+      std::vector<double> v{1.0};
+      ok.all_reduce(v.data(), v.data(), 1, epx::datatype::float64, 1.0);
+      CHECK(v[0] == s);
+    }
+    MPI_Comm_free(&merged);
+    MPI_Comm_free(&inter);
+    MPI_Comm_free(&half);
+  }
   // A guard that needs a higher thread level than MPI was started with raises.
   if (env.thread_level() < MPI_THREAD_MULTIPLE)
     check_error([] { epx::mpi::environment more(nullptr, nullptr, MPI_THREAD_MULTIPLE); }, epx::errc::configuration,

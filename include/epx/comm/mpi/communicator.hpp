@@ -81,7 +81,8 @@ class communicator {
   communicator() : communicator(MPI_COMM_WORLD) {}
 
   // Wraps `comm` without taking ownership (the caller frees it, after every copy of this
-  // communicator is gone). Sets MPI_ERRORS_RETURN on it.
+  // communicator is gone). Sets MPI_ERRORS_RETURN on it. An intracommunicator: an
+  // intercommunicator raises errc::input.
   explicit communicator(MPI_Comm comm, options opt = {}) : communicator(comm, false, opt) {}
 
   static communicator world(options opt = {}) { return communicator(MPI_COMM_WORLD, opt); }
@@ -536,6 +537,11 @@ class communicator {
                 "mpi::communicator: MPI is not initialized (create an epx::mpi::environment or call "
                 "MPI_Init_thread first)");
     EPX_REQUIRE(comm != MPI_COMM_NULL, errc::input, "mpi::communicator: MPI_COMM_NULL cannot be wrapped");
+    int inter = 0;
+    EPX_MPI_CHECK(MPI_Comm_test_inter(comm, &inter));
+    EPX_REQUIRE(!inter, errc::input,
+                "mpi::communicator: an intercommunicator cannot be wrapped (its collectives pair two groups, "
+                "not the ranks of one); merge it first (MPI_Intercomm_merge)");
     s_->comm = comm;
     s_->owned = owned;  // from here on, the state frees an owned communicator even if we throw
     EPX_MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
