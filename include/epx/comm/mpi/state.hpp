@@ -81,7 +81,7 @@ inline long long mpi_next_window_id(MPI_Comm comm) {
 
 struct mpi_state {
   MPI_Comm comm = MPI_COMM_NULL;
-  MPI_Comm chunk_comm = MPI_COMM_NULL;  // private duplicate for chunked point-to-point traffic
+  MPI_Comm chunk_comm = MPI_COMM_NULL;  // private duplicate: chunked point-to-point traffic (tag 0), window-free verdicts (tag 1)
   bool owned = false;
   int rank = 0;
   int size = 1;
