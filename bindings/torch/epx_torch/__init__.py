@@ -225,13 +225,16 @@ def _in_place(reduce, grad: torch.Tensor) -> torch.Tensor:
 
 
 class Handle:
-    """What dispatch returns for combine: the layout of the call and the routing weights."""
+    """What dispatch returns for combine: the layout of the call, the routing weights and the
+    expert-major rows (an input of combine's autograd node, so that dispatch's backward runs
+    whenever combine's does: see combine)."""
 
-    def __init__(self, layer: Layer, state, weights: torch.Tensor, offsets: torch.Tensor):
+    def __init__(self, layer: Layer, state, weights: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor):
         self.layer = layer
         self.state = state
         self.weights = weights
         self.offsets = offsets
+        self.rows = rows
 
     @property
     def masked(self) -> bool:
@@ -263,8 +266,12 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
+    # `rows` (dispatch's output) is an input only for autograd's graph: its gradient here is
+    # None, and dispatch's backward, a collective, then runs on every rank whose combine
+    # backward runs, also where the experts' output does not depend on the rows (a rank whose
+    # experts received no rows and return a constant).
     @staticmethod
-    def forward(ctx, expert_out, weights, impl, state):
+    def forward(ctx, expert_out, weights, rows, impl, state):
         ctx.impl, ctx.state = impl, state
         if state.masked:
             # The masked path's backward reads expert_out itself (the all-to-all path keeps
@@ -276,7 +283,7 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, grad_out):
         _ = ctx.saved_tensors  # torch's check that a saved expert_out was not modified in place
         grad_rows, grad_w = ctx.impl.combine_backward(ctx.state, grad_out.contiguous())
-        return grad_rows, grad_w, None, None
+        return grad_rows, grad_w, None, None, None
 
 
 def _ids32(ids: torch.Tensor) -> torch.Tensor:
@@ -306,7 +313,7 @@ def dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: L
     box: list = []
     rows, offsets = _Dispatch.apply(x, _ids32(ids), w.detach() if isinstance(w, torch.Tensor) else w,
                                     layer._impl, masked, torch.is_grad_enabled(), box)
-    return rows, offsets, Handle(layer, box[0], w, offsets)
+    return rows, offsets, Handle(layer, box[0], w, offsets, rows)
 
 
 def combine(expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
@@ -315,11 +322,13 @@ def combine(expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
     out[t] = sum_j w[t, j] * y[t, j] ([N, H]; every rank of a TP group gets the full
     output). Collective over the EP (and TP) group; once per dispatch. Differentiable with
     respect to expert_out and the routing weights given to dispatch, once per dispatch
-    (retain_graph=True for a second backward through combine is not supported)."""
+    (retain_graph=True for a second backward through combine is not supported).
+    Dispatch's backward runs wherever combine's does, also on a rank whose experts' output
+    does not depend on the rows."""
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (expert_out, handle.weights))
     if needs_grad and not handle.state.training:
         raise EpxError("epx_torch combine: gradients are enabled here, but the dispatch of this handle ran "
                        "without them (under torch.no_grad or torch.inference_mode): run dispatch and combine "
                        "under the same grad mode")
-    return _Combine.apply(expert_out, handle.weights, handle.layer._impl, handle.state)
+    return _Combine.apply(expert_out, handle.weights, handle.rows, handle.layer._impl, handle.state)

@@ -434,6 +434,41 @@ def communicator_case(kind="_Communicator"):
     assert t.item() == float(sum(members))
 
 
+def unused_rows_case(device="cpu"):
+    """Experts that return a constant on a rank that received no rows (padding off, every
+    token routed to rank 0's expert 0), without reading the rows: dispatch's backward, a
+    collective, still runs on every rank, and every rank gets its input gradient (its tokens
+    went to rank 0's expert). The layer's group times out after 20 s, so that a rank left
+    waiting fails fast."""
+    import datetime
+
+    W, rank = dist.get_world_size(), dist.get_rank()
+    quick = dist.new_group(list(range(W)), timeout=datetime.timedelta(seconds=20))
+    mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=E_DEFAULT)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=1, dtype=torch.float64, padding=(0, 1), group=quick, device=device)
+    A = torch.randn(H, H, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    A_loc = torch.nn.Parameter(A.expand(layer.local_experts, H, H).clone())
+    g = torch.Generator().manual_seed(500 + rank)
+    N = 5
+    x = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.zeros(N, 1, dtype=torch.int64)
+    w = torch.rand(N, 1, generator=g, dtype=torch.float64).float().requires_grad_()
+    G = torch.randn(N, H, generator=g, dtype=torch.float64)
+    rows, offsets, handle = epx_torch.dispatch(x, ids, w, layer)
+    if rows.shape[0] == 0:
+        y = rows.new_zeros(0, H)  # nothing to compute here
+    else:
+        y = torch.cat([rows[int(offsets[l]):int(offsets[l + 1])] @ A_loc[l] for l in range(layer.local_experts)])
+    out = epx_torch.combine(y, handle)
+    out.backward(G)
+    xd, wd = x.detach(), w.detach().double()
+    check_close("output", out, wd * (xd @ A), 1e-12)
+    if x.grad is None:
+        raise AssertionError("no input gradient on this rank: dispatch's backward did not run")
+    check_close("input gradient", x.grad, wd * (G @ A.t()), 1e-12)
+    check_close("routing-weight gradient", w.grad, (G * (xd @ A)).sum(1, keepdim=True), 1.2e-7)
+
+
 def dense_hook_case():
     W, rank = dist.get_world_size(), dist.get_rank()
     mesh = epx_torch.Mesh(tp=2 if W % 2 == 0 else 1, fsdp=W // 2 if W % 2 == 0 else W, ep=W, experts=W)
@@ -537,6 +572,7 @@ def cases(W: int):
         add("all_reduce (masked) ep == tp == 2", lambda: layer_case(tp=2, ep=2, path="all_reduce"))
         add("all_reduce (masked) float32", lambda: layer_case(tp=2, ep=2, path="all_reduce", dtype=f32))
         add("an expert output changed in place after combine", masked_in_place_case)
+        add("experts that do not read the rows on a rank that received none", unused_rows_case)
         add("auto: masked for inference when ep == tp", lambda: layer_case(tp=2, ep=2, path="auto", train=False))
         add("auto: all_to_all for training", lambda: layer_case(tp=2, ep=2, path="auto"))
         add("bitwise = epx::moe_layer (all_to_all, float32)", lambda: bitwise_case(dtype=f32))
@@ -588,6 +624,7 @@ def emulated_cases(W: int):
         add("all_to_all tp2 float64", lambda: layer_case(tp=2, dtype=f64, device="emulated"))
         add("all_to_all tp2 one-token decode (empty slice)", lambda: layer_case(tp=2, N=1, device="emulated"))
         add("all_reduce (masked) ep == tp == 2", lambda: layer_case(tp=2, ep=2, path="all_reduce", device="emulated"))
+        add("experts that do not read the rows on a rank that received none", lambda: unused_rows_case("emulated"))
         add("bitwise = epx::moe_layer (all_to_all, tp2, float64)",
             lambda: bitwise_case(tp=2, dtype=f64, device="emulated"))
         add("bitwise = epx::moe_layer, inference (all_to_all, float32)",
