@@ -22,6 +22,7 @@ has a complete layer.
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Iterable, Sequence
 
@@ -250,6 +251,39 @@ def local_expert_ids(offsets: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(counts.numel(), dtype=torch.long, device=offsets.device), counts)
 
 
+def _first_order(backward):
+    """The backward halves run epx's collectives outside autograd, from state the forward
+    kept (the routing weights, the experts' output): their results carry no graph. Under
+    create_graph=True they are marked so that differentiating them again raises, instead of
+    a second derivative that silently leaves epx's part out. As torch's once_differentiable,
+    but the error's node also hangs on what the backward depends on (the incoming gradients
+    and `ctx.anchors`, zero-element copies of the forward's differentiable inputs), so that
+    torch.autograd.grad with respect to those inputs reaches it too."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        anchors = [g for g in grads if isinstance(g, torch.Tensor) and g.requires_grad]
+        anchors += list(getattr(ctx, "anchors", ()))
+        err = torch._C._functions.DelayedError(
+            b"epx_torch: dispatch and combine are differentiable once: a gradient computed through them with "
+            b"create_graph=True cannot be differentiated again (double backward is not supported)",
+            len(outputs) + len(anchors))
+
+        def marked(t):
+            if t is None:
+                return t
+            t = t.detach()
+            t.requires_grad = True
+            return t
+
+        return tuple(err(*[marked(t) for t in outputs], *anchors)[:len(outputs)])
+
+    return wrapper
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ids, weights, impl, masked, training, box):
@@ -260,6 +294,7 @@ class _Dispatch(torch.autograd.Function):
         return rows, offsets
 
     @staticmethod
+    @_first_order
     def backward(ctx, grad_rows, _grad_offsets):
         grad_x = ctx.impl.dispatch_backward(ctx.state, grad_rows.contiguous())
         return grad_x, None, None, None, None, None, None
@@ -271,8 +306,8 @@ class _Combine(torch.autograd.Function):
     # backward runs, also where the experts' output does not depend on the rows (a rank whose
     # experts received no rows and return a constant).
     @staticmethod
-    def forward(ctx, expert_out, weights, rows, impl, state):
-        ctx.impl, ctx.state = impl, state
+    def forward(ctx, expert_out, weights, rows, impl, state, anchors):
+        ctx.impl, ctx.state, ctx.anchors = impl, state, anchors
         if state.masked:
             # The masked path's backward reads expert_out itself (the all-to-all path keeps
             # a copy): saved, so that an in-place change after combine raises torch's error.
@@ -280,10 +315,11 @@ class _Combine(torch.autograd.Function):
         return impl.combine(state, expert_out.detach(), weights.detach())
 
     @staticmethod
+    @_first_order
     def backward(ctx, grad_out):
         _ = ctx.saved_tensors  # torch's check that a saved expert_out was not modified in place
         grad_rows, grad_w = ctx.impl.combine_backward(ctx.state, grad_out.contiguous())
-        return grad_rows, grad_w, None, None, None
+        return grad_rows, grad_w, None, None, None, None
 
 
 def _ids32(ids: torch.Tensor) -> torch.Tensor:
@@ -322,13 +358,18 @@ def combine(expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
     out[t] = sum_j w[t, j] * y[t, j] ([N, H]; every rank of a TP group gets the full
     output). Collective over the EP (and TP) group; once per dispatch. Differentiable with
     respect to expert_out and the routing weights given to dispatch, once per dispatch
-    (retain_graph=True for a second backward through combine is not supported).
-    Dispatch's backward runs wherever combine's does, also on a rank whose experts' output
-    does not depend on the rows."""
+    (retain_graph=True for a second backward through combine is not supported), and
+    differentiable once (a gradient taken with create_graph=True cannot be differentiated
+    again: doing so raises). Dispatch's backward runs wherever combine's does, also on a
+    rank whose experts' output does not depend on the rows."""
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (expert_out, handle.weights))
     if needs_grad and not handle.state.training:
         raise EpxError("epx_torch combine: gradients are enabled here, but the dispatch of this handle ran "
                        "without them (under torch.no_grad or torch.inference_mode): run dispatch and combine "
                        "under the same grad mode")
-    return _Combine.apply(expert_out, handle.weights, handle.rows, handle.layer._impl, handle.state)
+    # Zero-element copies of the differentiable inputs (no memory held): where a double
+    # backward must raise (_first_order).
+    anchors = [t[:0].clone() for t in (expert_out, handle.weights) if isinstance(t, torch.Tensor) and t.requires_grad] \
+        if needs_grad else []
+    return _Combine.apply(expert_out, handle.weights, handle.rows, handle.layer._impl, handle.state, anchors)

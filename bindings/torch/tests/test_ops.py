@@ -283,6 +283,20 @@ def error_cases(W: int):
         expect_error(lambda: out.sum().backward(), "combine backward already ran for this dispatch",
                      "retain_graph=True")
 
+    def double_backward():
+        # The backward halves carry no graph: a gradient taken through them with
+        # create_graph=True is right, and differentiating it again raises, instead of a
+        # second derivative that silently leaves epx's part out.
+        x, ids, w = data()
+        x.requires_grad_()
+        w.requires_grad_()
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        out = epx_torch.combine(rows * 2, h)
+        gx, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        check_close("input gradient under create_graph", gx, 2 * w.detach().sum(1, keepdim=True).expand(-1, H), 1e-6)
+        expect_error(lambda: torch.autograd.grad(gx.sum(), w), "differentiable once", "create_graph=True",
+                     error=RuntimeError)
+
     def out_of_step():
         # Rank `bad` skips a combine (its own code raised between dispatch and combine) and
         # goes on to the next dispatch while the others combine: the records have one size
@@ -368,6 +382,7 @@ def error_cases(W: int):
             ("error: process group size disagrees with the mesh", group_size_disagrees),
             ("error: sub-group size disagrees with the mesh", subgroup_size_disagrees),
             ("error: a second backward through combine", backward_twice),
+            ("error: double backward (create_graph=True) through dispatch and combine", double_backward),
             ("error: calls out of step (one rank skipped a combine)", out_of_step),
             ("error: combine needs gradients, its dispatch ran without", grad_mode_mixed),
             ("error: ranks built different meshes", meshes_disagree),
