@@ -297,6 +297,29 @@ def error_cases(W: int):
         expect_error(lambda: torch.autograd.grad(gx.sum(), w), "differentiable once", "create_graph=True",
                      error=RuntimeError)
 
+    def gradients_disagree():
+        # The ranks that sum a gradient together (efsdp or fsdp, and dp_replicate) must pass
+        # the same size and type: else every one raises, naming them (the sums would read
+        # past the smaller block, or gloo would abort the process); the groups work after.
+        m = epx_torch.Mesh(tp=1, fsdp=W, ep=1, experts=2)  # efsdp = fsdp = W
+        lay = epx_torch.Layer(m, hidden=H, top_k=1)
+        g = torch.ones(5 if rank == bad else 4)
+        expect_error(lambda: lay.reduce_expert_gradients(g), "reduce_expert_gradients", f"rank {bad} passes 5 "
+                     "elements of Float but rank 0 passes 4 elements of Float")
+        g = torch.ones(4, dtype=torch.float64 if rank == bad else torch.float32)
+        expect_error(lambda: lay.reduce_dense_gradients(g), "reduce_dense_gradients", f"rank {bad} passes 4 "
+                     "elements of Double but rank 0 passes 4 elements of Float")
+        g = torch.ones(4, dtype=torch.int64 if rank == bad else torch.float32)
+        expect_error(lambda: lay.reduce_dense_gradients(g), f"rank {bad}: gradients of dtype Long cannot be reduced")
+        p = torch.nn.Parameter(torch.ones(3 if rank == bad else 2))  # a hook on parameters that differ
+        handles = lay.register_expert_hooks([p])
+        expect_error(lambda: p.sum().backward(), "reduce_expert_gradients", f"rank {bad} passes 3 elements")
+        for hd in handles:
+            hd.remove()
+        g = torch.full((4,), float(rank + 1))
+        lay.reduce_expert_gradients(g)
+        check_close("expert gradient after the errors", g, torch.full((4,), (W + 1) / 2), 1e-15)
+
     def out_of_step():
         # Rank `bad` skips a combine (its own code raised between dispatch and combine) and
         # goes on to the next dispatch while the others combine: the records have one size
@@ -383,6 +406,7 @@ def error_cases(W: int):
             ("error: sub-group size disagrees with the mesh", subgroup_size_disagrees),
             ("error: a second backward through combine", backward_twice),
             ("error: double backward (create_graph=True) through dispatch and combine", double_backward),
+            ("error: ranks reduce gradients of different sizes or types", gradients_disagree),
             ("error: calls out of step (one rank skipped a combine)", out_of_step),
             ("error: combine needs gradients, its dispatch ran without", grad_mode_mixed),
             ("error: ranks built different meshes", meshes_disagree),
