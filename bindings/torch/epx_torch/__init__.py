@@ -226,11 +226,11 @@ def _in_place(reduce, grad: torch.Tensor) -> torch.Tensor:
 
 
 class Handle:
-    """What dispatch returns for combine: the layout of the call, the routing weights and the
-    expert-major rows (an input of combine's autograd node, so that dispatch's backward runs
-    whenever combine's does: see combine)."""
+    """What dispatch returns for combine: the layout of the call, the routing weights and,
+    when they carry a graph, the expert-major rows (an input of combine's autograd node, so
+    that dispatch's backward runs whenever combine's does: see combine; None otherwise)."""
 
-    def __init__(self, layer: Layer, state, weights: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor):
+    def __init__(self, layer: Layer, state, weights: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor | None):
         self.layer = layer
         self.state = state
         self.weights = weights
@@ -349,7 +349,8 @@ def dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: L
     box: list = []
     rows, offsets = _Dispatch.apply(x, _ids32(ids), w.detach() if isinstance(w, torch.Tensor) else w,
                                     layer._impl, masked, torch.is_grad_enabled(), box)
-    return rows, offsets, Handle(layer, box[0], w, offsets, rows)
+    # The rows only when they carry a graph: an inference handle holds no reference to them.
+    return rows, offsets, Handle(layer, box[0], w, offsets, rows if rows.requires_grad else None)
 
 
 def combine(expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
