@@ -146,6 +146,16 @@ class Layer:
         self.padding = (int(padding[0]), int(padding[1]))
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         timeout = _timeout(group, "cuda" if device == "cuda" else "cpu").total_seconds()
+        # A layer's collectives go through the host communicator or the device one, by
+        # device: ranks that passed different devices would wait on each other until the
+        # group's timeout in the layer's own agreement. Compared first, so that they raise.
+        devices: list = [None] * size
+        dist.all_gather_object(devices, device, group=group)
+        differ = [f"rank {r} has device={d!r} but rank 0 has device={devices[0]!r}"
+                  for r, d in enumerate(devices) if d != devices[0]]
+        if differ:
+            raise EpxError("epx_torch.Layer: the ranks of the group passed different devices (every rank must pass "
+                           "the same); " + "; ".join(differ))
         self._impl = cls(mesh, group.group_name, rank, size, self.hidden, self.top_k, self.padding[0],
                          self.padding[1], _DTYPES[dtype], _PATHS[path], _TRANSPORTS[transport], timeout)
         self.mesh = mesh

@@ -348,6 +348,17 @@ def error_cases(W: int):
                                              dtype=torch.float64 if rank == bad else torch.float32),
                      f"rank {bad} has dtype=torch.float64 but rank 0 has dtype=torch.float32")
 
+    def devices_disagree():
+        # The host and device layers talk through different communicators: a rank with
+        # another device raises with the others at once (a group that times out after 10 s:
+        # a wait in the layer's agreement fails fast).
+        import datetime
+
+        quick = dist.new_group(list(range(W)), timeout=datetime.timedelta(seconds=10))
+        expect_error(lambda: epx_torch.Layer(mesh, hidden=H, top_k=2, group=quick,
+                                             device="emulated" if rank == bad else "cpu"),
+                     "passed different devices", f"rank {bad} has device='emulated' but rank 0 has device='cpu'")
+
     def masked_needs_ep_eq_tp():
         m = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=E_DEFAULT)
         expect_error(lambda: epx_torch.Layer(m, hidden=H, top_k=2, path="all_reduce"),
@@ -411,6 +422,7 @@ def error_cases(W: int):
             ("error: combine needs gradients, its dispatch ran without", grad_mode_mixed),
             ("error: ranks built different meshes", meshes_disagree),
             ("error: ranks built different dtypes", dtypes_disagree),
+            ("error: ranks passed different devices", devices_disagree),
             ("error: masked path needs ep == tp", masked_needs_ep_eq_tp),
             ("error: mesh rule (experts % ep)", bad_mesh),
             ("error: a rank that never calls: the others time out", missing_rank_times_out),
