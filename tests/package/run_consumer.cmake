@@ -11,6 +11,11 @@
 #   -DEPX_HAVE_OPENMP=ON|OFF  whether epx::epx carries OpenMP: the consumer, linking only
 #                             epx::epx, must then compile with it and run exec::openmp on
 #                             2 threads (it prints "exec::openmp: parallel, 2 threads")
+#   -DINSTALL_CONFIGURE_FLAGS="<flags>"  (find_package) install from a fresh configure of
+#                             EPX_SOURCE_DIR with these flags (README's install command)
+#                             instead of EPX_BINARY_DIR, where find_package finds no
+#                             package configuration file (no doctest, no Google Benchmark);
+#                             OpenMP and CUDA as EPX_HAVE_OPENMP and EPX_HAVE_CUDA say
 cmake_minimum_required(VERSION 3.25)
 
 function(run what)
@@ -29,7 +34,19 @@ set(prefix ${WORK_DIR}/prefix)
 set(extra)
 
 if(MODE STREQUAL "find_package")
-  run("install" ${CMAKE_COMMAND} --install ${EPX_BINARY_DIR} --prefix ${prefix})
+  set(install_from ${EPX_BINARY_DIR})
+  if(DEFINED INSTALL_CONFIGURE_FLAGS)
+    # Config-mode find_package looks only under an empty root: doctest and Google Benchmark
+    # are not found, as on a machine that lacks them.
+    separate_arguments(flags UNIX_COMMAND "${INSTALL_CONFIGURE_FLAGS}")
+    set(install_from ${WORK_DIR}/epx-build)
+    file(MAKE_DIRECTORY ${WORK_DIR}/no-packages)
+    run("configure epx (${INSTALL_CONFIGURE_FLAGS})" ${CMAKE_COMMAND} -S ${EPX_SOURCE_DIR} -B ${install_from}
+        -G ${GENERATOR} -DCMAKE_CXX_COMPILER=${CXX} ${flags}
+        -DCMAKE_FIND_ROOT_PATH=${WORK_DIR}/no-packages -DCMAKE_FIND_ROOT_PATH_MODE_PACKAGE=ONLY
+        -DEPX_ENABLE_OPENMP=${EPX_HAVE_OPENMP} -DEPX_ENABLE_CUDA=${EPX_HAVE_CUDA})
+  endif()
+  run("install" ${CMAKE_COMMAND} --install ${install_from} --prefix ${prefix})
   foreach(f IN ITEMS include/epx/epx.hpp include/epx/mesh/mesh.hpp share/epx/cmake/epxConfig.cmake
                      share/epx/cmake/epxConfigVersion.cmake share/epx/cmake/epxTargets.cmake)
     if(NOT EXISTS ${prefix}/${f})
