@@ -6,13 +6,15 @@ The folders of include/epx are ordered along the data flow:
     core, exec, mesh, comm, routing, layout, kernels, impl, layer, grad
 
 A header may include headers of its own folder and of earlier folders only; the umbrella
-headers at the top (epx/epx.hpp) may include anything. Prints every include that points to
-a later folder and exits 1 if there is one.
+headers at the top (epx/epx.hpp) may include any folder's. Every epx/ header included must
+exist, the umbrella's too. Prints every include that points to a later folder or to a
+missing header and exits 1 if there is one.
 
     scripts/check-includes.py [ROOT]     # ROOT: the include directory (default: include)
     scripts/check-includes.py --self-test ROOT
         copies ROOT, adds one upward include (epx/core/config.hpp including a layer header)
-        and one include of a missing header, and passes only if the check fails on both
+        and an include of a missing header to epx/core/config.hpp and to the umbrella
+        epx/epx.hpp, and passes only if the check finds all three
 """
 import pathlib
 import re
@@ -37,12 +39,16 @@ def check(root: pathlib.Path):
     for path in headers:
         rel = path.relative_to(base).as_posix()
         own = folder(rel)
-        if own is None:
+        text = path.read_text(encoding="utf-8")
+        if own is None:  # an umbrella header: any folder, but only headers that exist
+            for m in INCLUDE.finditer(text):
+                if not (base / m.group(1)).is_file():
+                    line = text.count("\n", 0, m.start()) + 1
+                    bad.append(f"epx/{rel}:{line}: includes epx/{m.group(1)}, which does not exist")
             continue
         if own not in ORDER:
             bad.append(f"epx/{rel}: folder '{own}' is not in the order {ORDER}")
             continue
-        text = path.read_text(encoding="utf-8")
         for m in INCLUDE.finditer(text):
             target = m.group(1)
             line = text.count("\n", 0, m.start()) + 1
@@ -72,8 +78,11 @@ def self_test(root: pathlib.Path) -> int:
         victim = copy / "epx" / "core" / "config.hpp"
         victim.write_text(victim.read_text(encoding="utf-8") +
                           '\n#include "epx/layer/moe_layer.hpp"\n#include "epx/core/no_such_header.hpp"\n')
+        umbrella = copy / "epx" / "epx.hpp"
+        umbrella.write_text(umbrella.read_text(encoding="utf-8") + '\n#include "epx/layer/no_such_layer.hpp"\n')
         _, bad = check(copy)
-        want = ["upward include of epx/layer/moe_layer.hpp", "epx/core/no_such_header.hpp, which does not exist"]
+        want = ["upward include of epx/layer/moe_layer.hpp", "epx/core/no_such_header.hpp, which does not exist",
+                "epx/epx.hpp:", "epx/layer/no_such_layer.hpp, which does not exist"]
         missing = [w for w in want if not any(w in b for b in bad)]
         for b in bad:
             print("  found:", b)
