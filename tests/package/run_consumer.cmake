@@ -16,6 +16,8 @@
 #                             instead of EPX_BINARY_DIR, where find_package finds no
 #                             package configuration file (no doctest, no Google Benchmark);
 #                             OpenMP and CUDA as EPX_HAVE_OPENMP and EPX_HAVE_CUDA say
+#   -DEXPECT_EPX_CONFIGURE_ERROR=text  with INSTALL_CONFIGURE_FLAGS: that configure must
+#                             fail, its stderr containing text (nothing is installed)
 cmake_minimum_required(VERSION 3.25)
 
 function(run what)
@@ -41,10 +43,23 @@ if(MODE STREQUAL "find_package")
     separate_arguments(flags UNIX_COMMAND "${INSTALL_CONFIGURE_FLAGS}")
     set(install_from ${WORK_DIR}/epx-build)
     file(MAKE_DIRECTORY ${WORK_DIR}/no-packages)
-    run("configure epx (${INSTALL_CONFIGURE_FLAGS})" ${CMAKE_COMMAND} -S ${EPX_SOURCE_DIR} -B ${install_from}
+    set(epx_configure ${CMAKE_COMMAND} -S ${EPX_SOURCE_DIR} -B ${install_from}
         -G ${GENERATOR} -DCMAKE_CXX_COMPILER=${CXX} ${flags}
         -DCMAKE_FIND_ROOT_PATH=${WORK_DIR}/no-packages -DCMAKE_FIND_ROOT_PATH_MODE_PACKAGE=ONLY
         -DEPX_ENABLE_OPENMP=${EPX_HAVE_OPENMP} -DEPX_ENABLE_CUDA=${EPX_HAVE_CUDA})
+    if(DEFINED EXPECT_EPX_CONFIGURE_ERROR)
+      run("may-fail" ${epx_configure})
+      if(run_rc EQUAL 0)
+        message(FATAL_ERROR "configuring epx (${INSTALL_CONFIGURE_FLAGS}) succeeded but was expected to fail")
+      endif()
+      string(FIND "${run_err}" "${EXPECT_EPX_CONFIGURE_ERROR}" at)
+      if(at EQUAL -1)
+        message(FATAL_ERROR "configuring epx failed, but stderr lacks '${EXPECT_EPX_CONFIGURE_ERROR}':\n${run_err}")
+      endif()
+      message(STATUS "configuring epx failed as expected:\n${run_err}")
+      return()
+    endif()
+    run("configure epx (${INSTALL_CONFIGURE_FLAGS})" ${epx_configure})
   endif()
   run("install" ${CMAKE_COMMAND} --install ${install_from} --prefix ${prefix})
   foreach(f IN ITEMS include/epx/epx.hpp include/epx/mesh/mesh.hpp share/epx/cmake/epxConfig.cmake
