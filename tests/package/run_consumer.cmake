@@ -121,7 +121,8 @@ math(EXPR configure_s "${t1} - ${t0}")
 message(STATUS "${run_out}")
 message(STATUS "consumer configure (${MODE}): about ${configure_s} s")
 
-# A nested epx with its defaults must not probe for CUDA (check_language runs nvcc) or MPI
+# A nested epx with its defaults must not probe for CUDA (check_language runs nvcc; the
+# CCCL headers, which only its tests use, are not looked for either) or MPI
 # (FindMPI runs the wrappers): both options default to OFF when epx is not the top level.
 if(NOT MODE STREQUAL "find_package" AND NOT DEFINED EPX_ENABLE_CUDA)
   file(STRINGS ${WORK_DIR}/build/CMakeCache.txt cache)
@@ -132,12 +133,12 @@ if(NOT MODE STREQUAL "find_package" AND NOT DEFINED EPX_ENABLE_CUDA)
   endforeach()
   set(probed)
   foreach(line IN LISTS cache)
-    if(line MATCHES "^(CMAKE_CUDA_[A-Z_]*|CUDAToolkit_[A-Za-z_]*|EPX_NCCL_[A-Z_]*|MPI_[A-Za-z_]*|MPIEXEC_[A-Z_]*)(:[A-Z]+)?=")
+    if(line MATCHES "^(CMAKE_CUDA_[A-Z_]*|CUDAToolkit_[A-Za-z_]*|EPX_NCCL_[A-Z_]*|EPX_CCCL_[A-Z_]*|MPI_[A-Za-z_]*|MPIEXEC_[A-Z_]*)(:[A-Z]+)?=")
       list(APPEND probed "${CMAKE_MATCH_1}")
     endif()
   endforeach()
   if(probed)
-    message(FATAL_ERROR "a nested epx probed for CUDA or MPI; cache entries: ${probed}")
+    message(FATAL_ERROR "a nested epx probed for CUDA, CCCL or MPI; cache entries: ${probed}")
   endif()
   foreach(msg IN ITEMS "Looking for a CUDA compiler" "Found MPI" "Could NOT find MPI")
     string(FIND "${run_out}${run_err}" "${msg}" at)
