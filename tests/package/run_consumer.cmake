@@ -4,6 +4,8 @@
 #   -DWORK_DIR=<scratch dir>  -DGENERATOR=<cmake generator>  -DCXX=<C++ compiler>
 #   -DEXPECT=<file with the expected stdout>
 #   -DVERSION=<version asked of find_package>  -DEXPECT_CONFIGURE_FAILURE=ON
+#   -DEPX_PROJECT_VERSION=<x.y.z>  epx's project version: find_package must report it and
+#                             the EPX_VERSION_* macros of the headers must spell it
 #   -DEPX_HAVE_CUDA=ON|OFF  whether the installed package must provide epx::cuda
 #   -DEPX_ENABLE_CUDA=ON|OFF  passed on to the consumer when given; without it, the
 #                             add_subdirectory and fetchcontent modes check that epx, not
@@ -82,6 +84,9 @@ if(MODE STREQUAL "find_package")
 endif()
 if(VERSION)
   list(APPEND extra -DEPX_CONSUMER_VERSION=${VERSION})
+endif()
+if(EPX_PROJECT_VERSION)
+  list(APPEND extra -DEPX_CONSUMER_EXPECT_VERSION=${EPX_PROJECT_VERSION})
 endif()
 if(EPX_HAVE_OPENMP)
   list(APPEND extra -DEPX_CONSUMER_EXPECT_OPENMP=ON)

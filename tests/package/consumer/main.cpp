@@ -18,8 +18,14 @@ static_assert(EPX_HAS_OPENMP == EPX_CONSUMER_EXPECT_OPENMP,
               "EPX_HAS_OPENMP differs from the OpenMP setting of the epx under test");
 #endif
 
+// Set by the package tests from epx's CMake project version: the headers' macros must agree.
+#if defined(EPX_CONSUMER_VERSION_MAJOR)
+static_assert(EPX_VERSION_MAJOR == EPX_CONSUMER_VERSION_MAJOR && EPX_VERSION_MINOR == EPX_CONSUMER_VERSION_MINOR &&
+                  EPX_VERSION_PATCH == EPX_CONSUMER_VERSION_PATCH,
+              "EPX_VERSION_MAJOR/MINOR/PATCH (epx/core/config.hpp) differ from epx's CMake project version");
+#endif
+
 int main() {
-  static_assert(EPX_VERSION_MAJOR == 0 && EPX_VERSION_MINOR == 1, "unexpected epx version");
   epx::mesh_config c;
   c.tp = 2;
   c.fsdp = 4;
