@@ -291,7 +291,24 @@ TEST_CASE("nccl communicator at world size 1: every collective, both NCCL modes"
       CHECK(s.rank() == 0);
       CHECK(s.stream() == c.stream());
       s.barrier();
-      CHECK_THROWS_AS(c.split(-1, 0), epx::error);
+      // A negative color raises errc::input after taking part in the split without a color,
+      // so the communicator stays usable (the other ranks' split would return).
+      for (int color : {-1, -7}) {
+        try {
+          (void)c.split(color, 0);
+          FAIL_CHECK("split(", color, ") did not raise");
+        } catch (const epx::error& e) {
+          CHECK(e.category() == epx::errc::input);
+          CHECK(e.message().find("must be >= 0") != std::string::npos);
+        }
+        CHECK_FALSE(c.aborted());
+        c.barrier();
+      }
+      // A timeout must be positive: 0 would abort every wait with work queued.
+      CHECK_THROWS_WITH_AS(c.set_timeout(std::chrono::milliseconds(0)), doctest::Contains("must be positive"),
+                           epx::error);
+      CHECK_THROWS_WITH_AS(c.wait(std::chrono::milliseconds(-1)), doctest::Contains("must be positive"),
+                           epx::error);
       // Zero counts are no-ops.
       c.all_reduce(nullptr, nullptr, 0, datatype::float32, 1.0);
       c.all_gather(nullptr, nullptr, 0, datatype::float32);

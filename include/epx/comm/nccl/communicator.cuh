@@ -98,6 +98,7 @@ class communicator {
                                      cudaStream_t stream = 0, options opt = {}) {
     EPX_REQUIRE(nranks >= 1 && rank >= 0 && rank < nranks, errc::input, "nccl::from_unique_id: rank (", rank,
                 ") must lie in [0, nranks = ", nranks, ")");
+    check_options_(opt, "nccl::from_unique_id");
     detail::device_guard dg(device);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = opt.blocking ? 1 : 0;
@@ -112,6 +113,7 @@ class communicator {
   // an enclosing group_guard around the calls of all of them, without wait/barrier).
   static std::vector<communicator> init_all(const std::vector<int>& devices, options opt = {}) {
     EPX_REQUIRE(!devices.empty(), errc::input, "nccl::communicator::init_all: no devices given");
+    check_options_(opt, "nccl::communicator::init_all");
     int count = 0;
     EPX_CUDA_CHECK(cudaGetDeviceCount(&count));
     for (int d : devices)
@@ -169,7 +171,12 @@ class communicator {
   // Later collectives are enqueued on `s` (a stream of device()).
   void set_stream(cudaStream_t s) noexcept { stream_ = s; }
   const options& get_options() const noexcept { return opt_; }
-  void set_timeout(std::chrono::milliseconds t) noexcept { opt_.timeout = t; }
+  // A timeout must be positive (errc::configuration): 0 would abort every wait with work queued.
+  void set_timeout(std::chrono::milliseconds t) {
+    EPX_REQUIRE(t.count() > 0, errc::configuration, "nccl::communicator::set_timeout: timeout (", t.count(),
+                " ms) must be positive");
+    opt_.timeout = t;
+  }
   // The NCCL handle (null when empty or aborted).
   ncclComm_t native_handle() const noexcept { return h_.comm; }
   bool aborted() const noexcept { return h_.aborted; }
@@ -180,8 +187,17 @@ class communicator {
   // communicator (owned, same stream and options), ordered by (key, rank).
   communicator split(int color, int key) const {
     require_live_("split");
-    EPX_REQUIRE(color >= 0, errc::input, "nccl split: color (", color, ") must be >= 0 on rank ", h_.rank);
     detail::device_guard dg(h_.device);
+    if (color < 0) {
+      // This rank still takes part (as NCCL_SPLIT_NOCOLOR, getting no communicator), so that
+      // the others' ncclCommSplit returns instead of waiting for it; then it raises.
+      ncclComm_t none = nullptr;
+      const ncclResult_t r = ncclCommSplit(h_.comm, NCCL_SPLIT_NOCOLOR, key, &none, nullptr);
+      if (r != ncclSuccess && r != ncclInProgress) h_.fail(r, "ncclCommSplit", EPX_HERE);
+      if (r == ncclInProgress) check_(r, "ncclCommSplit (parent)", EPX_HERE);
+      EPX_THROW(errc::input, "nccl split: color (", color, ") must be >= 0 on rank ", h_.rank,
+               " (it took part without a color; the other ranks got their communicators)");
+    }
     ncclComm_t c = nullptr;
     const ncclResult_t r = ncclCommSplit(h_.comm, color, key, &c, nullptr);
     if (r != ncclSuccess && r != ncclInProgress) h_.fail(r, "ncclCommSplit", EPX_HERE);
@@ -279,6 +295,8 @@ class communicator {
   // or errc::cuda otherwise.
   void wait(std::chrono::milliseconds timeout) {
     require_live_("wait");
+    EPX_REQUIRE(timeout.count() > 0, errc::configuration, "nccl wait: timeout (", timeout.count(),
+                " ms) must be positive");
     detail::device_guard dg(h_.device);
     h_.wait(stream_, timeout);
   }
@@ -385,11 +403,17 @@ class communicator {
 #endif
 
  private:
+  static void check_options_(const options& opt, const char* call) {
+    EPX_REQUIRE(opt.timeout.count() > 0, errc::configuration, call, ": options::timeout (", opt.timeout.count(),
+                " ms) must be positive");
+  }
+
   communicator(ncclComm_t comm, bool owned, cudaStream_t stream, options opt)
       : owned_(owned), stream_(stream), opt_(opt) {
     h_.comm = comm;
     try {
       EPX_REQUIRE(comm != nullptr, errc::input, "nccl::communicator: null ncclComm_t");
+      check_options_(opt, "nccl::communicator");
       EPX_NCCL_CHECK(ncclCommUserRank(comm, &h_.rank));
       EPX_NCCL_CHECK(ncclCommCount(comm, &h_.size));
       EPX_NCCL_CHECK(ncclCommCuDevice(comm, &h_.device));
