@@ -37,7 +37,8 @@ EPX_HOST_DEVICE inline float bits_float(std::uint32_t u) noexcept {
 #endif
 }
 
-// Round to nearest even; a NaN stays a (quiet) NaN. The NaN case is selected by a mask,
+// Round to nearest even; a NaN of either sign, quiet or signalling, becomes the canonical
+// NaN 0x7fff, as CUDA's __float2bfloat16 gives it. The NaN case is selected by a mask,
 // not a branch, so that loops of conversions vectorise on the host; the mask comes from a
 // signed compare (|u| and the infinity's bits are both below 2^31), which x86's vector
 // units have and an unsigned one is emulated with, and the two cases are blended before
@@ -48,8 +49,7 @@ EPX_HOST_DEVICE inline std::uint16_t float_to_bf16_bits(float f) noexcept {
   const std::uint32_t is_nan =
       0u - static_cast<std::uint32_t>(static_cast<std::int32_t>(u & 0x7fffffffu) > std::int32_t{0x7f800000});
   const std::uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
-  const std::uint32_t quiet = u | 0x00400000u;
-  return static_cast<std::uint16_t>(((quiet & is_nan) | (rounded & ~is_nan)) >> 16);
+  return static_cast<std::uint16_t>(((0x7fff0000u & is_nan) | (rounded & ~is_nan)) >> 16);
 }
 
 EPX_HOST_DEVICE inline float bf16_bits_to_float(std::uint16_t b) noexcept {
