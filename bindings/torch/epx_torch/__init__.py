@@ -73,6 +73,19 @@ def _layer_class(device: str):
     raise ValueError(f"device must be 'cpu', 'cuda' or 'emulated', not {device!r}")
 
 
+def _integer(name: str, v) -> int:
+    """v as an int: an int (or anything with __index__, a 0-d integer tensor among them);
+    ValueError for anything else (4.5, "4"), which int() would truncate or parse."""
+    import operator
+
+    if isinstance(v, bool):
+        raise ValueError(f"{name} must be an int, not {v!r}")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, not {v!r}") from None
+
+
 def _make_groups(groups: Sequence[Sequence[int]], mine: int) -> str:
     global _GROUPS_WORLD
     if _GROUPS_WORLD is not dist.group.WORLD:  # a new default group: the cached ones are gone
@@ -120,16 +133,6 @@ class Layer:
     def __init__(self, mesh: Mesh, hidden: int, top_k: int, *, dtype: torch.dtype = torch.float32,
                  group: dist.ProcessGroup | None = None, padding: tuple[int, int] = (1, 1),
                  path: str = "all_to_all", transport: str = "auto", device: str | torch.device = "cpu"):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {list(_DTYPES)}, not {dtype}")
-        if path not in _PATHS:
-            raise ValueError(f"path must be one of {list(_PATHS)}, not {path!r}")
-        if transport not in _TRANSPORTS:
-            raise ValueError(f"transport must be one of {list(_TRANSPORTS)}, not {transport!r}")
-        device = torch.device(device).type if isinstance(device, torch.device) else str(device)
-        cls = _layer_class(device)
-        if device != "cpu" and transport == "shm":
-            raise ValueError(f"transport='shm' is for device='cpu'; a {device} layer moves rows through the group")
         group = group if group is not None else dist.group.WORLD
         job = dist.get_world_size()
         if dist.get_world_size(group) != job:
@@ -137,20 +140,51 @@ class Layer:
             # dimensions cover what lies outside one pipeline stage or replica).
             raise EpxError(f"epx_torch.Layer: the group must hold every rank of the job ({job}); this one holds "
                            f"{dist.get_world_size(group)} (a mesh with pp or dp_replicate covers the rest of the job)")
+        # The arguments are checked on each rank, then every rank's verdict and device are
+        # gathered before anything else: a rank whose arguments are wrong raises ValueError,
+        # and the others raise EpxError naming it, instead of waiting for it in the layer's
+        # collectives until the group's timeout.
+        problem = None
+        try:
+            if dtype not in _DTYPES:
+                raise ValueError(f"dtype must be one of {list(_DTYPES)}, not {dtype}")
+            if path not in _PATHS:
+                raise ValueError(f"path must be one of {list(_PATHS)}, not {path!r}")
+            if transport not in _TRANSPORTS:
+                raise ValueError(f"transport must be one of {list(_TRANSPORTS)}, not {transport!r}")
+            device = torch.device(device).type if isinstance(device, torch.device) else str(device)
+            if device not in ("cpu", "cuda", "emulated"):
+                raise ValueError(f"device must be 'cpu', 'cuda' or 'emulated', not {device!r}")
+            if device != "cpu" and transport == "shm":
+                raise ValueError(f"transport='shm' is for device='cpu'; a {device} layer moves rows through the group")
+            hidden, top_k = _integer("hidden", hidden), _integer("top_k", top_k)
+            if len(padding) != 2:
+                raise ValueError(f"padding must be (rows_per_expert, align), not {padding!r}")
+            padding = (_integer("padding[0]", padding[0]), _integer("padding[1]", padding[1]))
+            cls = _layer_class(device)
+        except (ValueError, TypeError, EpxError) as e:
+            problem = e
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        verdicts: list = [None] * size
+        dist.all_gather_object(verdicts, (None if problem is None else f"{type(problem).__name__}: {problem}",
+                                          None if problem is not None else device), group=group)
+        if problem is not None:
+            raise problem
+        bad = [f"rank {r}: {v[0]}" for r, v in enumerate(verdicts) if v[0] is not None]
+        if bad:
+            raise EpxError("epx_torch.Layer: the arguments of other ranks of the group are wrong; " + "; ".join(bad))
         self.group = group
         self.device = device
         self.dtype = dtype
         self.path = path
-        self.hidden = int(hidden)
-        self.top_k = int(top_k)
-        self.padding = (int(padding[0]), int(padding[1]))
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.hidden = hidden
+        self.top_k = top_k
+        self.padding = padding
         timeout = _timeout(group, "cuda" if device == "cuda" else "cpu").total_seconds()
         # A layer's collectives go through the host communicator or the device one, by
         # device: ranks that passed different devices would wait on each other until the
         # group's timeout in the layer's own agreement. Compared first, so that they raise.
-        devices: list = [None] * size
-        dist.all_gather_object(devices, device, group=group)
+        devices = [v[1] for v in verdicts]
         differ = [f"rank {r} has device={d!r} but rank 0 has device={devices[0]!r}"
                   for r, d in enumerate(devices) if d != devices[0]]
         if differ:

@@ -359,6 +359,31 @@ def error_cases(W: int):
                                              device="emulated" if rank == bad else "cpu"),
                      "passed different devices", f"rank {bad} has device='emulated' but rank 0 has device='cpu'")
 
+    def arguments_wrong_on_one_rank():
+        # A rank whose arguments are wrong raises ValueError; the others raise EpxError
+        # naming it at once (a group that times out after 10 s: a wait would fail the case).
+        import datetime
+
+        quick = dist.new_group(list(range(W)), timeout=datetime.timedelta(seconds=10))
+        for kwargs, says in (({"path": "sideways"}, "path must be one of"),
+                             ({"transport": "pigeon"}, "transport must be one of"),
+                             ({"dtype": torch.int32}, "dtype must be one of"),
+                             ({"hidden": H + 0.5}, "hidden must be an int"),
+                             ({"padding": (1, 1, 1)}, "padding must be (rows_per_expert, align)")):
+            args = {"hidden": H, "top_k": 2, "group": quick}
+            if rank == bad:
+                args.update(kwargs)
+            if rank == bad:
+                expect_error(lambda: epx_torch.Layer(mesh, **args), says, error=ValueError)
+            else:
+                expect_error(lambda: epx_torch.Layer(mesh, **args), "arguments of other ranks",
+                             f"rank {bad}: ValueError: {says}")
+        # Every rank wrong: each raises its own ValueError. A float hidden is never truncated.
+        expect_error(lambda: epx_torch.Layer(mesh, hidden=4.5, top_k=2, group=quick), "hidden must be an int, not 4.5",
+                     error=ValueError)
+        # The group still works: a layer with right arguments builds.
+        epx_torch.Layer(mesh, hidden=H, top_k=2, group=quick)
+
     def masked_needs_ep_eq_tp():
         m = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=E_DEFAULT)
         expect_error(lambda: epx_torch.Layer(m, hidden=H, top_k=2, path="all_reduce"),
@@ -423,6 +448,7 @@ def error_cases(W: int):
             ("error: ranks built different meshes", meshes_disagree),
             ("error: ranks built different dtypes", dtypes_disagree),
             ("error: ranks passed different devices", devices_disagree),
+            ("error: wrong arguments on one rank", arguments_wrong_on_one_rank),
             ("error: masked path needs ep == tp", masked_needs_ep_eq_tp),
             ("error: mesh rule (experts % ep)", bad_mesh),
             ("error: a rank that never calls: the others time out", missing_rank_times_out),
