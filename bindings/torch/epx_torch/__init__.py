@@ -348,10 +348,13 @@ class _Combine(torch.autograd.Function):
     # `rows` (dispatch's output) is an input only for autograd's graph: its gradient here is
     # None, and dispatch's backward, a collective, then runs on every rank whose combine
     # backward runs, also where the experts' output does not depend on the rows (a rank whose
-    # experts received no rows and return a constant).
+    # experts received no rows and return a constant). `link`, a zero-element tensor that
+    # requires grad, is given on a call with gradients enabled, so that the output requires
+    # grad on every rank (also where neither the experts' output nor the weights do there).
     @staticmethod
-    def forward(ctx, expert_out, weights, rows, impl, state, anchors):
-        ctx.impl, ctx.state, ctx.anchors = impl, state, anchors
+    def forward(ctx, expert_out, weights, rows, link, layer, state, anchors):
+        impl = layer._impl
+        ctx.impl, ctx.layer, ctx.state, ctx.anchors = impl, layer, state, anchors
         if state.masked:
             # The masked path's backward reads expert_out itself (the all-to-all path keeps
             # a copy): saved, so that an in-place change after combine raises torch's error.
@@ -363,7 +366,7 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, grad_out):
         _ = ctx.saved_tensors  # torch's check that a saved expert_out was not modified in place
         grad_rows, grad_w = ctx.impl.combine_backward(ctx.state, grad_out.contiguous())
-        return grad_rows, grad_w, None, None, None, None
+        return grad_rows, grad_w, None, None, None, None, None
 
 
 def _ids32(ids: torch.Tensor) -> torch.Tensor:
@@ -417,4 +420,9 @@ def combine(expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
     # backward must raise (_first_order).
     anchors = [t[:0].clone() for t in (expert_out, handle.weights) if isinstance(t, torch.Tensor) and t.requires_grad] \
         if needs_grad else []
-    return _Combine.apply(expert_out, handle.weights, handle.rows, handle.layer._impl, handle.state, anchors)
+    # With gradients enabled (the dispatch ran with them on every rank, which the layer
+    # checks), the output requires grad on every rank, whatever this rank's inputs need: a
+    # backward then runs combine's backward, a collective, on every rank, instead of raising
+    # on the ranks whose output is a constant while the others wait for them.
+    link = torch.empty(0, requires_grad=True) if torch.is_grad_enabled() and handle.state.training else None
+    return _Combine.apply(expert_out, handle.weights, handle.rows, link, handle.layer, handle.state, anchors)

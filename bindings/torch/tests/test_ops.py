@@ -546,6 +546,34 @@ def unused_rows_case(device="cpu"):
     check_close("routing-weight gradient", w.grad, (G * (xd @ A)).sum(1, keepdim=True), 1.2e-7)
 
 
+def constant_experts_case(device="cpu"):
+    """Neither x nor the routing weights require grad, and a rank whose experts received no
+    rows returns a constant: combine's output still requires grad on every rank (the
+    dispatch ran with gradients enabled), so that backward runs combine's backward, a
+    collective, on every rank instead of raising on that rank only while the others wait."""
+    import datetime
+
+    W, rank = dist.get_world_size(), dist.get_rank()
+    quick = dist.new_group(list(range(W)), timeout=datetime.timedelta(seconds=20))
+    mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=E_DEFAULT)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=1, dtype=torch.float64, padding=(0, 1), group=quick, device=device)
+    A = torch.nn.Parameter(torch.randn(H, H, generator=torch.Generator().manual_seed(9), dtype=torch.float64))
+    N = 4
+    x = torch.randn(N, H, generator=torch.Generator().manual_seed(700 + rank), dtype=torch.float64)
+    ids = torch.zeros(N, 1, dtype=torch.int64)  # every token to rank 0's expert 0
+    w = torch.ones(N, 1)
+    rows, offsets, handle = epx_torch.dispatch(x, ids, w, layer)
+    y = rows @ A if rank == 0 else rows.new_zeros(rows.shape[0], H)  # a constant where no rows came
+    out = epx_torch.combine(y, handle)
+    if not out.requires_grad:
+        raise AssertionError("combine's output does not require grad")
+    out.sum().backward()
+    if rank == 0:
+        want = sum(torch.randn(N, H, generator=torch.Generator().manual_seed(700 + r), dtype=torch.float64).sum(0)
+                   for r in range(W))
+        check_close("expert gradient", A.grad, want[:, None].expand(H, H), 1e-12)
+
+
 def dense_hook_case():
     W, rank = dist.get_world_size(), dist.get_rank()
     mesh = epx_torch.Mesh(tp=2 if W % 2 == 0 else 1, fsdp=W // 2 if W % 2 == 0 else W, ep=W, experts=W)
@@ -650,6 +678,7 @@ def cases(W: int):
         add("all_reduce (masked) float32", lambda: layer_case(tp=2, ep=2, path="all_reduce", dtype=f32))
         add("an expert output changed in place after combine", masked_in_place_case)
         add("experts that do not read the rows on a rank that received none", unused_rows_case)
+        add("experts that return a constant, no input requires grad", constant_experts_case)
         add("auto: masked for inference when ep == tp", lambda: layer_case(tp=2, ep=2, path="auto", train=False))
         add("auto: all_to_all for training", lambda: layer_case(tp=2, ep=2, path="auto"))
         add("bitwise = epx::moe_layer (all_to_all, float32)", lambda: bitwise_case(dtype=f32))
