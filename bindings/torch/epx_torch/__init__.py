@@ -23,6 +23,7 @@ has a complete layer.
 from __future__ import annotations
 
 import functools
+import itertools
 from datetime import timedelta
 from typing import Iterable, Sequence
 
@@ -241,20 +242,92 @@ class Layer:
         return _in_place(self._impl.reduce_dense_gradients, grad)
 
     def register_expert_hooks(self, params: Iterable[torch.nn.Parameter]) -> list:
-        """Reduces each parameter's gradient with reduce_expert_gradients as soon as backward
-        has accumulated it. One reduction per backward: with gradient accumulation over
-        several backward passes, call reduce_expert_gradients yourself instead."""
-        def hook(p):
-            self.reduce_expert_gradients(p.grad)
-
-        return [p.register_post_accumulate_grad_hook(hook) for p in params]
+        """Reduces each parameter's gradient with reduce_expert_gradients at the end of every
+        backward that runs this layer's combine or accumulates a gradient into one of them,
+        on every rank: a parameter that got no gradient on a rank in that backward (its
+        experts received no rows and were skipped) gets a zero gradient there, reduced with
+        the others', so that no rank waits for it. One reduction per backward: with gradient
+        accumulation over several backward passes, call reduce_expert_gradients yourself
+        instead. Returns one handle per parameter; handle.remove() undoes it."""
+        return self._register("expert", params)
 
     def register_dense_hooks(self, params: Iterable[torch.nn.Parameter]) -> list:
         """As register_expert_hooks, with reduce_dense_gradients."""
-        def hook(p):
-            self.reduce_dense_gradients(p.grad)
+        return self._register("dense", params)
 
-        return [p.register_post_accumulate_grad_hook(hook) for p in params]
+    def _register(self, kind: str, params) -> list:
+        if not hasattr(self, "_hooked"):
+            self._hooked = {"expert": [], "dense": []}  # registration order: the same on every rank
+            self._fired = {"expert": False, "dense": False}
+            self._order = next(_LAYER_ORDER)
+
+        def hook(p):
+            self._fired[kind] = True
+            _queue_reductions(self)
+
+        handles = []
+        for p in params:
+            entry = [p]
+            self._hooked[kind].append(entry)
+            handles.append(_HookHandle(p.register_post_accumulate_grad_hook(hook), self._hooked[kind], entry))
+        return handles
+
+    def _reduce_hooked(self) -> None:
+        """At the end of a backward (_queue_reductions), on every rank: for each kind of hooked
+        parameters, the ranks that reduce together first agree whether any of them got a
+        gradient in this backward (a one-element reduction); if one did, every parameter's
+        gradient is reduced in registration order, a zero one where it got none."""
+        fired = dict(self._fired)
+        self._fired = {"expert": False, "dense": False}
+        for kind, reduce in (("expert", self.reduce_expert_gradients), ("dense", self.reduce_dense_gradients)):
+            entries = list(self._hooked[kind])
+            if not entries:
+                continue
+            device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
+            flag = torch.full((1,), 1.0 if fired[kind] else 0.0, device=device)
+            reduce(flag)
+            if flag.item() == 0:
+                continue  # no rank got a gradient (torch.autograd.grad, or parameters unused everywhere)
+            for (p,) in entries:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                reduce(p.grad)
+
+
+class _HookHandle:
+    """What register_expert_hooks and register_dense_hooks return per parameter."""
+
+    def __init__(self, handle, entries: list, entry: list):
+        self._handle, self._entries, self._entry = handle, entries, entry
+
+    def remove(self) -> None:
+        self._handle.remove()
+        if any(e is self._entry for e in self._entries):
+            self._entries[:] = [e for e in self._entries if e is not self._entry]
+
+
+# The layers whose hooked gradients the current backward reduces at its end, by creation order.
+_PENDING: dict = {}
+_LAYER_ORDER = itertools.count()
+
+
+def _queue_reductions(layer: Layer) -> None:
+    """Called during backward (from a hook, or from combine's backward, which runs on every
+    rank of the layer's groups): queues, once per backward, a callback on autograd's engine
+    that reduces the hooked gradients of every layer touched, in the order the layers were
+    made (the same on every rank)."""
+    if not getattr(layer, "_hooked", None) or not (layer._hooked["expert"] or layer._hooked["dense"]):
+        return
+    if not _PENDING:
+        torch.autograd.Variable._execution_engine.queue_callback(_run_reductions)
+    _PENDING[layer._order] = layer
+
+
+def _run_reductions() -> None:
+    layers = [_PENDING[k] for k in sorted(_PENDING)]
+    _PENDING.clear()
+    for layer in layers:
+        layer._reduce_hooked()
 
 
 def _in_place(reduce, grad: torch.Tensor) -> torch.Tensor:
@@ -365,6 +438,9 @@ class _Combine(torch.autograd.Function):
     @_first_order
     def backward(ctx, grad_out):
         _ = ctx.saved_tensors  # torch's check that a saved expert_out was not modified in place
+        # Runs on every rank of the layer's groups: the hooked gradients are reduced at the
+        # end of this backward on all of them (also where the experts got no gradient).
+        _queue_reductions(ctx.layer)
         grad_rows, grad_w = ctx.impl.combine_backward(ctx.state, grad_out.contiguous())
         return grad_rows, grad_w, None, None, None, None, None
 

@@ -546,6 +546,56 @@ def unused_rows_case(device="cpu"):
     check_close("routing-weight gradient", w.grad, (G * (xd @ A)).sum(1, keepdim=True), 1.2e-7)
 
 
+def unused_expert_hook_case(device="cpu"):
+    """Expert hooks on a rank whose experts received no rows and were skipped (padding off,
+    every token routed to rank 0's expert 0): its expert parameters get no gradient in this
+    backward, yet the reduction over efsdp runs on every rank at the end of backward (a
+    zero gradient for that rank's parameters), so that no rank waits for it. The layer's
+    group times out after 20 s, so that a rank left waiting fails fast."""
+    import datetime
+
+    W, rank = dist.get_world_size(), dist.get_rank()
+    quick = dist.new_group(list(range(W)), timeout=datetime.timedelta(seconds=20))
+    mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=1, experts=2)  # every rank holds both experts: efsdp = W
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=1, dtype=torch.float64, padding=(0, 1), group=quick, device=device)
+    A = torch.randn(H, H, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    A_loc = torch.nn.Parameter(A.expand(layer.local_experts, H, H).clone())
+    handles = layer.register_expert_hooks([A_loc])
+    N = 3 if rank == 0 else 0  # only rank 0 has tokens: the other ranks' experts get no rows
+    g = torch.Generator().manual_seed(600 + rank)
+    x = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.zeros(N, 1, dtype=torch.int64)
+    w = torch.ones(N, 1, requires_grad=True)
+    G = torch.randn(N, H, generator=g, dtype=torch.float64)
+    for step in range(2):  # twice: the reduction is queued again in every backward
+        A_loc.grad = None
+        rows, offsets, handle = epx_torch.dispatch(x, ids, w, layer)
+        if rows.shape[0] == 0:
+            y = rows.new_zeros(0, H)  # skipped: the experts' parameters get no gradient
+        else:
+            y = torch.cat([rows[int(offsets[l]):int(offsets[l + 1])] @ A_loc[l] for l in range(layer.local_experts)])
+        out = epx_torch.combine(y, handle)
+        out.backward(G)
+        # Rank 0's gradient of expert 0 (x^T G), summed over efsdp (W ranks) and divided by B = W.
+        want = torch.zeros_like(A_loc)
+        gen = torch.Generator().manual_seed(600)
+        x0 = torch.randn(3, H, generator=gen, dtype=torch.float64)
+        G0 = torch.randn(3, H, generator=gen, dtype=torch.float64)
+        want[0] = x0.t() @ G0 / W
+        if A_loc.grad is None:
+            raise AssertionError(f"step {step}: no expert gradient on this rank after the hook")
+        check_close(f"step {step}: expert gradient (sum over efsdp / B)", A_loc.grad, want, 1e-12)
+    for hd in handles:
+        hd.remove()
+    # Without hooks nothing is reduced: the gradient stays None on the ranks without rows.
+    A_loc.grad = None
+    rows, offsets, handle = epx_torch.dispatch(x, ids, w, layer)
+    y = rows.new_zeros(0, H) if rows.shape[0] == 0 else rows @ A_loc[0]
+    epx_torch.combine(y, handle).backward(G)
+    if (A_loc.grad is None) != (rank != 0):
+        raise AssertionError(f"after remove(): the gradient is {A_loc.grad}")
+
+
 def constant_experts_case(device="cpu"):
     """Neither x nor the routing weights require grad, and a rank whose experts received no
     rows returns a constant: combine's output still requires grad on every rank (the
@@ -678,6 +728,7 @@ def cases(W: int):
         add("all_reduce (masked) float32", lambda: layer_case(tp=2, ep=2, path="all_reduce", dtype=f32))
         add("an expert output changed in place after combine", masked_in_place_case)
         add("experts that do not read the rows on a rank that received none", unused_rows_case)
+        add("expert hooks on a rank whose experts received no rows", unused_expert_hook_case)
         add("experts that return a constant, no input requires grad", constant_experts_case)
         add("auto: masked for inference when ep == tp", lambda: layer_case(tp=2, ep=2, path="auto", train=False))
         add("auto: all_to_all for training", lambda: layer_case(tp=2, ep=2, path="auto"))
