@@ -546,7 +546,7 @@ def unused_rows_case(device="cpu"):
     check_close("routing-weight gradient", w.grad, (G * (xd @ A)).sum(1, keepdim=True), 1.2e-7)
 
 
-def unused_expert_hook_case(device="cpu"):
+def unused_expert_hook_case(device="cpu", dp_replicate=1):
     """Expert hooks on a rank whose experts received no rows and were skipped (padding off,
     every token routed to rank 0's expert 0): its expert parameters get no gradient in this
     backward, yet the reduction over efsdp runs on every rank at the end of backward (a
@@ -556,7 +556,8 @@ def unused_expert_hook_case(device="cpu"):
 
     W, rank = dist.get_world_size(), dist.get_rank()
     quick = dist.new_group(list(range(W)), timeout=datetime.timedelta(seconds=20))
-    mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=1, experts=2)  # every rank holds both experts: efsdp = W
+    # Every rank holds both experts: efsdp * dp_replicate = W = B.
+    mesh = epx_torch.Mesh(tp=1, fsdp=W // dp_replicate, ep=1, dp_replicate=dp_replicate, experts=2)
     layer = epx_torch.Layer(mesh, hidden=H, top_k=1, dtype=torch.float64, padding=(0, 1), group=quick, device=device)
     A = torch.randn(H, H, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     A_loc = torch.nn.Parameter(A.expand(layer.local_experts, H, H).clone())
@@ -576,7 +577,8 @@ def unused_expert_hook_case(device="cpu"):
             y = torch.cat([rows[int(offsets[l]):int(offsets[l + 1])] @ A_loc[l] for l in range(layer.local_experts)])
         out = epx_torch.combine(y, handle)
         out.backward(G)
-        # Rank 0's gradient of expert 0 (x^T G), summed over efsdp (W ranks) and divided by B = W.
+        # Rank 0's gradient of expert 0 (x^T G), summed over efsdp and dp_replicate (W ranks)
+        # and divided by B = W.
         want = torch.zeros_like(A_loc)
         gen = torch.Generator().manual_seed(600)
         x0 = torch.randn(3, H, generator=gen, dtype=torch.float64)
@@ -729,6 +731,8 @@ def cases(W: int):
         add("an expert output changed in place after combine", masked_in_place_case)
         add("experts that do not read the rows on a rank that received none", unused_rows_case)
         add("expert hooks on a rank whose experts received no rows", unused_expert_hook_case)
+        add("expert hooks on a rank whose experts received no rows, dp_replicate 2",
+            lambda: unused_expert_hook_case(dp_replicate=2))
         add("experts that return a constant, no input requires grad", constant_experts_case)
         add("auto: masked for inference when ep == tp", lambda: layer_case(tp=2, ep=2, path="auto", train=False))
         add("auto: all_to_all for training", lambda: layer_case(tp=2, ep=2, path="auto"))
@@ -782,6 +786,8 @@ def emulated_cases(W: int):
         add("all_to_all tp2 one-token decode (empty slice)", lambda: layer_case(tp=2, N=1, device="emulated"))
         add("all_reduce (masked) ep == tp == 2", lambda: layer_case(tp=2, ep=2, path="all_reduce", device="emulated"))
         add("experts that do not read the rows on a rank that received none", lambda: unused_rows_case("emulated"))
+        add("expert hooks on a rank whose experts received no rows", lambda: unused_expert_hook_case("emulated"))
+        add("experts that return a constant, no input requires grad", lambda: constant_experts_case("emulated"))
         add("bitwise = epx::moe_layer (all_to_all, tp2, float64)",
             lambda: bitwise_case(tp=2, dtype=f64, device="emulated"))
         add("bitwise = epx::moe_layer, inference (all_to_all, float32)",
