@@ -195,6 +195,10 @@ class Layer:
                          self.padding[1], _DTYPES[dtype], _PATHS[path], _TRANSPORTS[transport], timeout)
         self.mesh = mesh
         self.rank = rank
+        # The hooked parameters, in registration order (the same on every rank), and where
+        # the layer comes among the job's layers (their hooked gradients are reduced in it).
+        self._hooked: dict = {"expert": [], "dense": []}
+        self._order = next(_LAYER_ORDER)
 
     @property
     def shared_memory(self) -> bool:
@@ -256,14 +260,8 @@ class Layer:
         return self._register("dense", params)
 
     def _register(self, kind: str, params) -> list:
-        if not hasattr(self, "_hooked"):
-            self._hooked = {"expert": [], "dense": []}  # registration order: the same on every rank
-            self._fired = {"expert": False, "dense": False}
-            self._order = next(_LAYER_ORDER)
-
         def hook(p):
-            self._fired[kind] = True
-            _queue_reductions(self)
+            _queue_reductions(self, kind)
 
         handles = []
         for p in params:
@@ -272,19 +270,17 @@ class Layer:
             handles.append(_HookHandle(p.register_post_accumulate_grad_hook(hook), self._hooked[kind], entry))
         return handles
 
-    def _reduce_hooked(self) -> None:
+    def _reduce_hooked(self, fired: set) -> None:
         """At the end of a backward (_queue_reductions), on every rank: for each kind of hooked
         parameters, the ranks that reduce together first agree whether any of them got a
         gradient in this backward (a one-element reduction); if one did, every parameter's
         gradient is reduced in registration order, a zero one where it got none."""
-        fired = dict(self._fired)
-        self._fired = {"expert": False, "dense": False}
         for kind, reduce in (("expert", self.reduce_expert_gradients), ("dense", self.reduce_dense_gradients)):
             entries = list(self._hooked[kind])
             if not entries:
                 continue
             device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
-            flag = torch.full((1,), 1.0 if fired[kind] else 0.0, device=device)
+            flag = torch.full((1,), 1.0 if kind in fired else 0.0, device=device)
             reduce(flag)
             if flag.item() == 0:
                 continue  # no rank got a gradient (torch.autograd.grad, or parameters unused everywhere)
@@ -306,28 +302,38 @@ class _HookHandle:
             self._entries[:] = [e for e in self._entries if e is not self._entry]
 
 
-# The layers whose hooked gradients the current backward reduces at its end, by creation order.
+# Per backward (autograd's graph task, so that a reentrant backward inside another one keeps
+# its own): the layers whose hooked gradients it reduces at its end, by creation order, each
+# with the kinds of its hooked parameters that got a gradient there. A backward that raised
+# before its end leaves its entry behind (at most a few are kept).
 _PENDING: dict = {}
 _LAYER_ORDER = itertools.count()
 
 
-def _queue_reductions(layer: Layer) -> None:
-    """Called during backward (from a hook, or from combine's backward, which runs on every
-    rank of the layer's groups): queues, once per backward, a callback on autograd's engine
-    that reduces the hooked gradients of every layer touched, in the order the layers were
-    made (the same on every rank)."""
-    if not getattr(layer, "_hooked", None) or not (layer._hooked["expert"] or layer._hooked["dense"]):
+def _queue_reductions(layer: Layer, kind: str | None = None) -> None:
+    """Called during backward (from a hook, with the parameter's kind, or from combine's
+    backward, which runs on every rank of the layer's groups): queues, once per backward, a
+    callback on autograd's engine that reduces the hooked gradients of every layer touched,
+    in the order the layers were made (the same on every rank)."""
+    if not (layer._hooked["expert"] or layer._hooked["dense"]):
         return
-    if not _PENDING:
-        torch.autograd.Variable._execution_engine.queue_callback(_run_reductions)
-    _PENDING[layer._order] = layer
+    task = torch._C._current_graph_task_id()
+    mine = _PENDING.get(task)
+    if mine is None:
+        for old in sorted(_PENDING)[:-16]:
+            del _PENDING[old]
+        mine = _PENDING[task] = {}
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_run_reductions, task))
+    fired = mine.setdefault(layer._order, (layer, set()))[1]
+    if kind is not None:
+        fired.add(kind)
 
 
-def _run_reductions() -> None:
-    layers = [_PENDING[k] for k in sorted(_PENDING)]
-    _PENDING.clear()
-    for layer in layers:
-        layer._reduce_hooked()
+def _run_reductions(task: int) -> None:
+    mine = _PENDING.pop(task, {})
+    for order in sorted(mine):
+        layer, fired = mine[order]
+        layer._reduce_hooked(fired)
 
 
 def _in_place(reduce, grad: torch.Tensor) -> torch.Tensor:

@@ -587,6 +587,18 @@ def unused_expert_hook_case(device="cpu", dp_replicate=1):
         if A_loc.grad is None:
             raise AssertionError(f"step {step}: no expert gradient on this rank after the hook")
         check_close(f"step {step}: expert gradient (sum over efsdp / B)", A_loc.grad, want, 1e-12)
+    # A backward that raises in combine's backward (a second one through the same combine)
+    # leaves nothing behind: the next backward reduces again.
+    rows, offsets, handle = epx_torch.dispatch(x, ids, w, layer)
+    out = epx_torch.combine(rows.new_zeros(0, H) if rows.shape[0] == 0 else rows @ A_loc[0], handle)
+    out.backward(G, retain_graph=True)
+    expect_error(lambda: out.backward(G), "combine backward already ran for this dispatch")
+    A_loc.grad = None
+    rows, offsets, handle = epx_torch.dispatch(x, ids, w, layer)
+    epx_torch.combine(rows.new_zeros(0, H) if rows.shape[0] == 0 else rows @ A_loc[0], handle).backward(G)
+    if A_loc.grad is None:
+        raise AssertionError("after a backward that raised: no expert gradient on this rank")
+    check_close("after a backward that raised: expert gradient", A_loc.grad, want, 1e-12)
     for hd in handles:
         hd.remove()
     # Without hooks nothing is reduced: the gradient stays None on the ranks without rows.
