@@ -599,6 +599,13 @@ def unused_expert_hook_case(device="cpu", dp_replicate=1):
     if A_loc.grad is None:
         raise AssertionError("after a backward that raised: no expert gradient on this rank")
     check_close("after a backward that raised: expert gradient", A_loc.grad, want, 1e-12)
+    # torch.autograd.grad accumulates no gradient: the ranks agree to reduce nothing.
+    A_loc.grad = None
+    rows, offsets, handle = epx_torch.dispatch(x, ids, w, layer)
+    out = epx_torch.combine(rows.new_zeros(0, H) if rows.shape[0] == 0 else rows @ A_loc[0], handle)
+    torch.autograd.grad(out, x, G)
+    if A_loc.grad is not None:
+        raise AssertionError(f"torch.autograd.grad left an expert gradient: {A_loc.grad}")
     for hd in handles:
         hd.remove()
     # Without hooks nothing is reduced: the gradient stays None on the ranks without rows.
