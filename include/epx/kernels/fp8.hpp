@@ -70,16 +70,13 @@ inline void check_fp8_hidden(std::size_t hidden) {
 namespace detail {
 
 // a / b and a * b rounded to nearest on host and device alike.
-EPX_HOST_DEVICE inline float div_rn(float a, float b) noexcept {
+template <class A>
+EPX_HOST_DEVICE inline A div_rn(A a, A b) noexcept {
 #if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-EPX_HOST_DEVICE inline double div_rn(double a, double b) noexcept {
-#if defined(__CUDA_ARCH__)
-  return __ddiv_rn(a, b);
+  if constexpr (std::is_same_v<A, float>)
+    return __fdiv_rn(a, b);
+  else
+    return __ddiv_rn(a, b);
 #else
   return a / b;
 #endif
