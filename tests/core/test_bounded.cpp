@@ -510,12 +510,15 @@ TEST_CASE("bounded: a backward with other shapes than its forward raises errc::i
 TEST_CASE("bounded: ranks whose backwards take back different forward calls are raised by check() on every rank") {
   // Two training forwards A and B on every rank; rank 2 takes them back in the other order.
   // No backward raises (bounded mode reads nothing back), and check() raises errc::input on
-  // every rank; in the same order on every rank, check() is quiet.
+  // every rank; in the same order on every rank, check() is quiet. Both paths: the
+  // all-to-all path's slab headers and the masked path's all-reduce carry the call numbers.
+  for (bool masked : {false, true})
   for (bool swapped : {false, true}) {
+    CAPTURE(masked);
     CAPTURE(swapped);
     std::vector<std::string> threw(4), checked(4);
     epx::threads::run(4, [&](comm_t& comm) {
-      on_path(false, comm, 4, false, [&](auto& layer) {
+      on_path(masked, comm, 4, false, [&](auto& layer) {
         const std::size_t N = 6;
         std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4), g(N * 4, 1.0f), gx(N * 4), gw(N * 2);
         std::vector<std::int32_t> ids(N * 2);

@@ -25,7 +25,9 @@
 //      the local slots, and the EP group's all-reduce of the output.
 // Backward (from the saved layout, no shape exchange): the gradient rows w * grad_out
 // gathered into the blocks, the experts' backward, the local slots' grad_x and routing-weight
-// gradients, each summed over the EP group by an all-reduce.
+// gradients, each summed over the EP group by an all-reduce; the routing-weight gradients'
+// carries each rank's forward call number in a slot of its own (layout::bound_call_slots),
+// so that ranks taking back different forward calls count the call for check().
 // With nothing dropped the results are bitwise the normal masked path's (each block holds the
 // same rows in the same order; the same combine and all-reduce); with drops, bitwise the
 // normal masked path's with the local capacity rule C = cap and the same priority.
@@ -169,11 +171,13 @@ class bounded_masked_route {
       exec::for_each_n(ex, 1, layout::bound_shape_failed{b.counters.data()});
       order_before_collective(ex, *ctx_.ep);
       sum_or_join_zeros(ex, *ctx_.ep, static_cast<T*>(nullptr), a.rows * b.shape.hidden);
-      sum_or_join_zeros(ex, *ctx_.ep, static_cast<float*>(nullptr), a.rows * static_cast<std::size_t>(a.top_k));
+      sum_or_join_zeros(ex, *ctx_.ep, static_cast<float*>(nullptr),
+                        a.rows * static_cast<std::size_t>(a.top_k) + static_cast<std::size_t>(b.shape.ep));
       b.in_call = false;
       raise_bounded_shape(1, why);
     }
     auto& s = saved.template get<state<T, Exec>>();
+    const auto call = static_cast<std::int64_t>(saved.call());  // the number of its forward call (>= 1)
     const layout::bound_shape& sh = b.shape;
     const std::size_t N = s.rows, H = s.hidden, XR = sh.expert_rows();
     const auto k = static_cast<std::size_t>(s.top_k);
@@ -196,9 +200,23 @@ class bounded_masked_route {
     if (ok)
       kernels::reduce(ex, N, H, s.top_k, static_cast<const T*>(grad_in.data()),
                       static_cast<const std::int64_t*>(s.local_pos.data()), a.grad_x);
+    // The weight gradients' sum carries each rank's forward call number in a slot of its
+    // own after the N*k gradients: a rank that finds another number than its own counts the
+    // call (check() raises it on every rank), as the all-to-all path's slab headers do.
+    const auto slots = static_cast<std::size_t>(sh.ep);
+    auto gw = make_rows<float>(ws_, ex, N * k + slots);
+    if (ok)
+      exec::copy_n(ex, static_cast<const float*>(a.grad_weights), N * k, gw.data());
+    else
+      exec::fill_zero(ex, gw.data(), N * k);
+    const float mine = ok && call > 0 ? layout::bound_call_slot_value(call) : 0.0f;
+    exec::for_each_n(ex, 1, layout::bound_call_slots{gw.data() + N * k, sh.ep, ctx_.ep_rank(), mine});
     order_before_collective(ex, *ctx_.ep);
     sum_or_join_zeros(ex, *ctx_.ep, ok ? a.grad_x : nullptr, N * H);
-    sum_or_join_zeros(ex, *ctx_.ep, ok ? a.grad_weights : nullptr, N * k);
+    all_reduce(*ctx_.ep, span<float>(gw.data(), N * k + slots));
+    if (ok) exec::copy_n(ex, static_cast<const float*>(gw.data()), N * k, a.grad_weights);
+    if (mine != 0.0f)
+      exec::for_each_n(ex, 1, layout::bound_call_slots_check{gw.data() + N * k, sh.ep, mine, b.counters.data()});
     b.in_call = false;
     raise_bounded_shape(ok ? 0 : 1, differ.empty() ? a.status_message : differ.c_str());
   }

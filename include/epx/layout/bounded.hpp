@@ -256,6 +256,40 @@ struct bound_call_check {
   }
 };
 
+// The masked path's form of the two above (no slabs: its backward only all-reduces). The
+// weight gradients' all-reduce carries ep extra float slots: call once to write this rank's
+// forward call number into its own slot and zeros into the others' (0 in its own too when
+// its backward failed and counted itself), and once after the sum to compare every slot
+// with this rank's number. A number goes as 1 + (call - 1) mod (2^24 - 1), exact in float;
+// calls 2^24 - 1 apart are not told apart.
+EPX_HOST_DEVICE inline float bound_call_slot_value(std::int64_t call) {
+  return static_cast<float>(1 + (call - 1) % 16777215);
+}
+
+struct bound_call_slots {
+  float* slots;  // [ep], after the [N*k] weight gradients
+  int ep;
+  int me;
+  float value;  // bound_call_slot_value(call), or 0
+
+  EPX_HOST_DEVICE void operator()(std::size_t) const {
+    for (int s = 0; s < ep; ++s) slots[s] = s == me ? value : 0.0f;
+  }
+};
+
+struct bound_call_slots_check {
+  const float* slots;  // [ep], summed over the EP group
+  int ep;
+  float value;
+  std::int64_t* counters;
+
+  EPX_HOST_DEVICE void operator()(std::size_t) const {
+    bool other = false;
+    for (int s = 0; s < ep; ++s) other = other || (slots[s] != 0.0f && slots[s] != value);
+    if (other) counters[bound_shape_error] += 1;
+  }
+};
+
 // Call with l in [0, L): from the received slabs' headers, row_off[l*(ep+1) + s] = where
 // source s's rows start in local expert l's block (row_off[l*(ep+1) + ep] = its rows) and
 // rows[l] = its row count (the experts' device counts).
