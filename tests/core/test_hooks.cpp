@@ -237,6 +237,24 @@ TEST_CASE("hooks: a rank that passes another size or element type raises errc::i
     expect_refused(seen, seconds, "reduce_expert_gradients",
                    "rank 1 of the efsdp group passes float64 elements but rank 0 passes float32");
   }
+  SUBCASE("refuse_hook: a rank that cannot hand the hook a gradient joins the agreement, named everywhere") {
+    const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
+      if (rank == 1) {
+        epx::detail::refuse_hook("reduce_dense_gradients", h.fsdp(), "fsdp", h.dp_replicate(), false,
+                                 "gradients of dtype Long cannot be reduced");
+      } else {
+        std::vector<double> g(kLen, 1.0);
+        h.reduce_dense(epx::span<double>(g));
+      }
+    }, seconds);
+    expect_refused(seen, seconds, "reduce_dense_gradients",
+                   "rank 1 of the fsdp group cannot reduce its gradient: gradients of dtype Long cannot be reduced");
+    // Rank 1's sizes (none) are not compared: only its reason is named.
+    CHECK(seen[0].message.find("passes") == std::string::npos);
+    // The other fsdp group agreed within itself and learns why through dp_replicate.
+    CHECK(seen[3].message.find("in the fsdp group of rank 0 of the dp_replicate group: rank 1 of the fsdp group "
+                               "cannot reduce its gradient") != std::string::npos);
+  }
   SUBCASE("efsdp = 1: the sizes are compared over dp_replicate alone, in the group that disagrees") {
     // ep = fsdp: efsdp groups of one rank; dp_replicate groups {0,2} and {1,3}, which
     // share no reduction: {0,2} reduces as usual.

@@ -72,6 +72,22 @@ void check_hooks_refuse(bool check_counts) {
   CHECK(msg.find("reduce_scatter_expert_gradients: the ranks disagree") != std::string::npos);
   CHECK(msg.find("passes a gradient of 13 elements, not efsdp size (2) x its shard (6)") != std::string::npos);
 
+  // Rank 0 cannot hand the dense hook a gradient (a binding's tensor of another type):
+  // it joins the agreement, and every rank raises naming it.
+  std::vector<float> dense(6, 1.0f);
+  msg = raised_input([&] {
+    if (rank == 0)
+      epx::detail::refuse_hook("reduce_dense_gradients", hooks.fsdp(), "fsdp", hooks.dp_replicate(), false,
+                               "a gradient of int64 cannot be reduced");
+    else
+      hooks.reduce_dense(epx::span<float>(dense));
+  });
+  CAPTURE(msg);
+  CHECK(msg.find("reduce_dense_gradients: the ranks disagree") != std::string::npos);
+  CHECK(msg.find("rank 0 of the fsdp group cannot reduce its gradient: a gradient of int64 cannot be reduced") !=
+        std::string::npos);
+  for (float v : dense) CHECK(v == 1.0f);
+
   // The ranks are in step: equal sizes go through (ones summed over efsdp and dp_replicate, / B).
   std::vector<double> ok(6, 1.0);
   hooks.reduce_expert(epx::span<double>(ok));

@@ -17,7 +17,10 @@
 // each hook therefore first all-gathers one small record per rank over its first group
 // (efsdp or fsdp), then over dp_replicate (detail::agree_on_hook_sizes), and every rank of
 // the two groups raises errc::input, naming the hook and the ranks, before any element is
-// reduced. A device communicator (NCCL) skips this (it would cost a host synchronisation
+// reduced. A rank that cannot hand the hook a gradient at all (a binding's tensor of a type
+// or on a device the hooks do not take) calls detail::refuse_hook in its place, which joins
+// the same agreement with its reason, so that the others raise too instead of waiting in
+// the sum. A device communicator (NCCL) skips this (it would cost a host synchronisation
 // per hook): there the sizes are the caller's to keep equal.
 #pragma once
 
@@ -65,25 +68,51 @@ inline std::string hook_sizes_error(const char* who_group, std::size_t r, const 
   return why;
 }
 
+// The texts of every rank of `comm` (each cut to 511 characters): collective, for the
+// failures only, where every rank of `comm` has seen the same records and takes the branch.
+template <class Comm>
+std::vector<std::string> gather_hook_texts(Comm& comm, const std::string& mine) {
+  constexpr std::size_t B = 512;
+  const auto n = static_cast<std::size_t>(comm.size());
+  std::vector<char> msg(B, '\0'), msgs(B * n, '\0');
+  mine.copy(msg.data(), B - 1);
+  all_gather_host(comm, msg.data(), B, msgs.data());
+  std::vector<std::string> out(n);
+  for (std::size_t r = 0; r < n; ++r) out[r] = std::string(msgs.data() + r * B);
+  return out;
+}
+
 // Collective over `group` (efsdp or fsdp, named `group_name`), then over `replicas`
 // (dp_replicate): every rank of both raises errc::input with the same reasons when any rank
 // of the groups that meet through them passes other sizes or another element type than its
-// peers (or, `scatter`, a gradient that is not group size x shard), before anything is
-// reduced. The first group's verdict travels in the second exchange, so the ranks of a
-// group that agreed raise too instead of waiting in the dp_replicate sum for those that
-// raised. Host communicators only (see the top of this file).
+// peers (or, `scatter`, a gradient that is not group size x shard), or cannot hand the hook
+// a gradient at all (`refusal`, the caller's reason: a binding's tensor of a type or on a
+// device the hooks do not take; `mine` is then not read), before anything is reduced. The
+// first group's verdict travels in the second exchange, so the ranks of a group that
+// agreed raise too instead of waiting in the dp_replicate sum for those that raised. Host
+// communicators only (see the top of this file).
 template <class Comm>
 void agree_on_hook_sizes(const char* hook, Comm& group, const char* group_name, Comm& replicas, hook_sizes mine,
-                         bool scatter) {
+                         bool scatter, const std::string& refusal = {}) {
   // 1. Over the first group: every rank sees every record and reaches the same verdict.
   const auto G = static_cast<std::size_t>(group.size());
-  std::vector<std::int64_t> rec{mine.grad, mine.shard, mine.type}, all(3 * G);
-  if (G > 1) all_gather_host(group, rec.data(), 3, all.data());
+  const std::int64_t refused = refusal.empty() ? 0 : 1;
+  std::vector<std::int64_t> rec{mine.grad, mine.shard, mine.type, refused}, all(4 * G);
+  if (G > 1) all_gather_host(group, rec.data(), 4, all.data());
   else all = rec;
-  const auto at = [&all](std::size_t r) { return hook_sizes{all[3 * r], all[3 * r + 1], all[3 * r + 2]}; };
+  const auto at = [&all](std::size_t r) { return hook_sizes{all[4 * r], all[4 * r + 1], all[4 * r + 2]}; };
+  bool any_refused = false;
+  for (std::size_t r = 0; r < G; ++r) any_refused = any_refused || all[4 * r + 3] != 0;
   std::string why;
-  for (std::size_t r = 0; r < G; ++r)
-    why += hook_sizes_error(group_name, r, at(r), at(0), scatter, static_cast<std::int64_t>(G));
+  if (any_refused) {  // the sizes of a rank that refused mean nothing: its reason instead
+    const std::vector<std::string> reasons = G > 1 ? gather_hook_texts(group, refusal) : std::vector<std::string>{refusal};
+    for (std::size_t r = 0; r < G; ++r)
+      if (all[4 * r + 3] != 0)
+        why += concat("; rank ", r, " of the ", group_name, " group cannot reduce its gradient: ", reasons[r]);
+  } else {
+    for (std::size_t r = 0; r < G; ++r)
+      why += hook_sizes_error(group_name, r, at(r), at(0), scatter, static_cast<std::int64_t>(G));
+  }
   // 2. Over dp_replicate: each first group's verdict, and the sizes across the replicas.
   const auto R = static_cast<std::size_t>(replicas.size());
   if (R > 1) {
@@ -91,16 +120,13 @@ void agree_on_hook_sizes(const char* hook, Comm& group, const char* group_name, 
     all_gather_host(replicas, rec2.data(), 4, all2.data());
     bool failed = false;
     for (std::size_t r = 0; r < R; ++r) failed = failed || all2[4 * r] != 0;
-    if (failed) {  // every rank of `replicas` takes this branch: the second all_gather matches
-      constexpr std::size_t B = 512;
-      std::vector<char> msg(B, '\0'), msgs(B * R, '\0');
-      why.copy(msg.data(), B - 1);
-      all_gather_host(replicas, msg.data(), B, msgs.data());
+    if (failed) {  // every rank of `replicas` takes this branch: the texts' all_gather matches
+      const std::vector<std::string> theirs = gather_hook_texts(replicas, why);
       const auto me = static_cast<std::size_t>(replicas.rank());
       for (std::size_t r = 0; r < R; ++r)
         if (r != me && all2[4 * r] != 0)
           why += concat("; in the ", group_name, " group of rank ", r, " of the dp_replicate group: ",
-                        std::string(msgs.data() + r * B).substr(2));
+                        theirs[r].substr(2));
     } else {
       // Every first group agreed within itself, so these records are the same for each of them.
       const auto at2 = [&all2](std::size_t r) { return hook_sizes{all2[4 * r + 1], all2[4 * r + 2], all2[4 * r + 3]}; };
@@ -124,6 +150,19 @@ void check_hook_sizes(const char* hook, Comm& group, const char* group_name, Com
   } else {
     (void)hook, (void)group, (void)group_name, (void)replicas, (void)grad, (void)shard, (void)scatter;
   }
+}
+
+// A rank that cannot hand a hook a gradient (`why`, e.g. a binding's tensor of a dtype the
+// hooks do not take) in place of the hook's call: on a host communicator it joins the
+// agreement, so that every rank of the hook's groups raises errc::input naming it (the
+// others call the hook as usual); on a device communicator, where the hooks do not agree,
+// it raises on this rank only.
+template <class Comm>
+[[noreturn]] void refuse_hook(const char* hook, Comm& group, const char* group_name, Comm& replicas, bool scatter,
+                              const std::string& why) {
+  if constexpr (!is_device_communicator_v<Comm>) agree_on_hook_sizes(hook, group, group_name, replicas, {}, scatter, why);
+  else (void)group, (void)group_name, (void)replicas, (void)scatter;
+  EPX_THROW(errc::input, hook, ": ", why);
 }
 
 }  // namespace detail
