@@ -506,91 +506,57 @@ bool basic_torch_layer<Exec, Comm>::returned_rows(const dispatch_state& s, const
 }
 
 namespace layer_detail {
-template <class F>
-void with_grad_type(const at::Tensor& g, const at::Device& d, const char* what, F&& f) {
-  EPX_REQUIRE(g.defined() && g.device() == d && g.is_contiguous(), epx::errc::input, what,
-              ": the gradient must be a contiguous tensor on ", d.str());
+// Why this rank cannot hand epx's hooks the tensor `g` ("" when it can): the hooks take a
+// contiguous tensor on the layer's device of one of their element types.
+inline std::string unreducible(const at::Tensor& g, const at::Device& d) {
+  if (!g.defined() || g.device() != d || !g.is_contiguous())
+    return concat("the gradient must be a contiguous tensor on ", d.str());
   switch (g.scalar_type()) {
-    case at::kFloat: f(epx::span<float>(ptr<float>(g), static_cast<std::size_t>(g.numel()))); break;
-    case at::kDouble: f(epx::span<double>(ptr<double>(g), static_cast<std::size_t>(g.numel()))); break;
-    case at::kBFloat16: f(epx::span<epx::bf16>(ptr<epx::bf16>(g), static_cast<std::size_t>(g.numel()))); break;
-    case at::kHalf: f(epx::span<epx::fp16>(ptr<epx::fp16>(g), static_cast<std::size_t>(g.numel()))); break;
+    case at::kFloat: case at::kDouble: case at::kBFloat16: case at::kHalf: return {};
     default:
-      throw epx::error(epx::errc::input, concat(what, ": gradients of dtype ", c10::toString(g.scalar_type()),
-                                                " cannot be reduced (float32, float64, bfloat16, float16)"),
-                       EPX_HERE);
-  }
-}
-// The host layer's check before a gradient reduction, on every rank that sums with this one:
-// each rank's record (its world rank, whether its gradient can be reduced, its size and
-// type) is gathered in `first` (efsdp or fsdp), then those records in `second`
-// (dp_replicate), so that every rank of the ranks the two groups join sees them all (the
-// groups are orthogonal dimensions of the mesh) and every one raises the same error, naming
-// the ranks, when one cannot reduce its gradient or two pass different sizes or types. (The
-// sums gather every rank's block: blocks of different sizes would read past the smaller
-// ones, and gloo aborts the process on a size it did not expect.)
-template <class Comm>
-void agree_on_gradient(Comm& first, Comm& second, int world_rank, const at::Tensor& g, const at::Device& d,
-                       const char* what) {
-  if (first.size() == 1 && second.size() == 1) return;
-  enum : std::int64_t { fine = 0, not_on_device = 1, not_reducible = 2 };
-  std::int64_t code = fine;
-  if (!g.defined() || g.device() != d || !g.is_contiguous()) code = not_on_device;
-  else if (const auto t = g.scalar_type(); t != at::kFloat && t != at::kDouble && t != at::kBFloat16 && t != at::kHalf)
-    code = not_reducible;  // with_grad_type's types
-  const std::int64_t mine[4] = {world_rank, code, g.defined() ? static_cast<std::int64_t>(g.numel()) : 0,
-                                g.defined() ? static_cast<std::int64_t>(g.scalar_type()) : -1};
-  std::vector<std::int64_t> some(mine, mine + 4);
-  if (first.size() > 1) {
-    some.resize(4 * static_cast<std::size_t>(first.size()));
-    epx::detail::all_gather_host(first, mine, 4, some.data());
-  }
-  std::vector<std::int64_t> flat = some;
-  if (second.size() > 1) {
-    flat.resize(some.size() * static_cast<std::size_t>(second.size()));
-    epx::detail::all_gather_host(second, some.data(), some.size(), flat.data());
-  }
-  std::vector<std::array<std::int64_t, 4>> recs(flat.size() / 4);
-  for (std::size_t i = 0; i < recs.size(); ++i) std::copy_n(flat.data() + 4 * i, 4, recs[i].begin());
-  std::sort(recs.begin(), recs.end());  // by world rank: the same message on every rank
-  const auto type = [](std::int64_t t) -> std::string {
-    return t < 0 ? "None" : c10::toString(static_cast<at::ScalarType>(t));
-  };
-  std::string bad;
-  for (const auto& r : recs) {
-    if (r[1] == not_on_device)
-      bad += concat("; rank ", r[0], ": the gradient is not a contiguous tensor on ", d.str());
-    else if (r[1] == not_reducible)
-      bad += concat("; rank ", r[0], ": gradients of dtype ", type(r[3]),
+      return concat("gradients of dtype ", c10::toString(g.scalar_type()),
                     " cannot be reduced (float32, float64, bfloat16, float16)");
   }
-  if (bad.empty())
-    for (const auto& r : recs)
-      if (r[2] != recs[0][2] || r[3] != recs[0][3])
-        bad += concat("; rank ", r[0], " passes ", r[2], " elements of ", type(r[3]), " but rank ", recs[0][0],
-                      " passes ", recs[0][2], " elements of ", type(recs[0][3]));
-  EPX_REQUIRE(bad.empty(), epx::errc::input, what, ": the ranks that reduce this gradient together ",
-              "do not pass the same gradient", bad);
+}
+
+// Runs `reduce` on `g` as a span of its element type. The ranks' agreement is epx's own
+// (epx/grad/hooks.hpp): on the host layer (gloo) each hook all-gathers one small record per
+// rank over `first` (efsdp or fsdp, named `first_name`), then over `second` (dp_replicate),
+// and every rank of those groups raises errc::input, naming the hook and the ranks, when
+// two pass different sizes or element types, before anything is reduced (the sums gather
+// every rank's block: blocks of different sizes would read past the smaller ones, and gloo
+// aborts the process on a size it did not expect). A rank whose tensor the hooks cannot
+// take joins that agreement through refuse_hook with its reason instead, so the others
+// raise too rather than wait in the sum. Device layers do not agree (it would add a host
+// wait to every reduction): there such a rank raises alone.
+template <class Comm, class F>
+void reduce_as_typed(Comm& first, const char* first_name, Comm& second, const at::Tensor& g, const at::Device& d,
+                     const char* what, F&& reduce) {
+  if (const std::string why = unreducible(g, d); !why.empty())
+    epx::detail::refuse_hook(what, first, first_name, second, false, why);
+  const auto n = static_cast<std::size_t>(g.numel());
+  switch (g.scalar_type()) {
+    case at::kFloat: reduce(epx::span<float>(ptr<float>(g), n)); break;
+    case at::kDouble: reduce(epx::span<double>(ptr<double>(g), n)); break;
+    case at::kBFloat16: reduce(epx::span<epx::bf16>(ptr<epx::bf16>(g), n)); break;
+    case at::kHalf: reduce(epx::span<epx::fp16>(ptr<epx::fp16>(g), n)); break;
+    default: break;  // refused above
+  }
 }
 }  // namespace layer_detail
 
 template <class Exec, class Comm>
 void basic_torch_layer<Exec, Comm>::reduce_expert_gradients(at::Tensor& grad) {
   const typename layer_side<Exec>::guard on_device(device_);
-  // Device layers do not check (it would add a host wait to every reduction).
-  if constexpr (on_host)
-    layer_detail::agree_on_gradient(*efsdp_, *dp_replicate_, world_rank_, grad, device(), "reduce_expert_gradients");
-  layer_detail::with_grad_type(grad, device(), "reduce_expert_gradients",
-                 [&](auto g) { epx::reduce_expert_gradients(*efsdp_, *dp_replicate_, *mesh_, g); });
+  layer_detail::reduce_as_typed(*efsdp_, "efsdp", *dp_replicate_, grad, device(), "reduce_expert_gradients",
+                                [&](auto g) { epx::reduce_expert_gradients(*efsdp_, *dp_replicate_, *mesh_, g); });
 }
 
 template <class Exec, class Comm>
 void basic_torch_layer<Exec, Comm>::reduce_dense_gradients(at::Tensor& grad) {
   const typename layer_side<Exec>::guard on_device(device_);
-  if constexpr (on_host)
-    layer_detail::agree_on_gradient(*fsdp_, *dp_replicate_, world_rank_, grad, device(), "reduce_dense_gradients");
-  layer_detail::with_grad_type(grad, device(), "reduce_dense_gradients",
-                 [&](auto g) { epx::reduce_dense_gradients(*fsdp_, *dp_replicate_, *mesh_, g); });
+  layer_detail::reduce_as_typed(*fsdp_, "fsdp", *dp_replicate_, grad, device(), "reduce_dense_gradients",
+                                [&](auto g) { epx::reduce_dense_gradients(*fsdp_, *dp_replicate_, *mesh_, g); });
 }
 
 }  // namespace epx_torch
