@@ -125,14 +125,25 @@ TEST_CASE("mpi: a caught timeout at access_peers' entry names access_peers") {
       CHECK(e.category() == epx::errc::communicator);
     }
     CHECK_MESSAGE(contains(what, "watchdog: MPI access_peers on rank " + std::to_string(me)), what);
-    // The late rank's exit barrier (a nonblocking one: only those match it), so that it
-    // leaves access_peers normally.
+    // The timeout hit the call header (the agreement), which the late rank's header
+    // completes. The rest of the late rank's access_peers, as nonblocking calls (only those
+    // match them), so that it leaves access_peers normally: its gather of the records, with
+    // this rank's record of the first call's copy (one int at offset 0 of its segment), and
+    // its exit barrier.
+    constexpr std::size_t L = epx::detail::mpi_peer_record;
+    std::vector<std::uint64_t> rec(static_cast<std::size_t>(n) * L, 0);
+    rec[static_cast<std::size_t>(me) * L + 1] = 1;
+    rec[static_cast<std::size_t>(me) * L + 2] = epx::detail::mpi_peer_round(sizeof(int));
+    MPI_Request gather = MPI_REQUEST_NULL;
+    MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, rec.data(), static_cast<int>(L), MPI_UINT64_T, w.native(),
+                   &gather);
+    MPI_Wait(&gather, MPI_STATUS_IGNORE);
     MPI_Request exit_barrier = MPI_REQUEST_NULL;
     MPI_Ibarrier(w.native(), &exit_barrier);
     MPI_Wait(&exit_barrier, MPI_STATUS_IGNORE);
   } else {
     std::this_thread::sleep_for(std::chrono::milliseconds(1000));
-    access();  // meets the others' timed-out entry gathers, then their barrier above
+    access();  // meets the others' timed-out headers, then their gather and barrier above
     CHECK(seen == n * (n - 1) / 2);
   }
   world.barrier();

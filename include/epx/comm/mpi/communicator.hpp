@@ -29,12 +29,13 @@
 // - Every collective but split runs as the nonblocking MPI call and waits for it with a
 //   watchdog (`options::timeout`, default 10 minutes), so a rank that stalls or leaves turns
 //   into an error on the ranks that wait instead of a hang: epx/comm/mpi/wait.hpp.
-// - With `options::check_counts` (default on) every collective first agrees, with one small
-//   MPI_Allreduce, that all ranks called it with the same datatype and counts; all_to_allv
-//   also exchanges the counts (an all_to_all of one integer per peer) and checks that what
-//   each sender sends is what its receiver expects. A disagreement raises
-//   epx::error(errc::communicator) on every rank, naming the values:
-//   epx/comm/mpi/agreement.hpp.
+// - With `options::check_counts` (default on) every collective (barrier, split and the peer
+//   access calls too) first agrees, with one small MPI_Allreduce of the same shape on every
+//   rank, that all ranks called the same collective with the same datatype and counts; in
+//   all_to_allv and the segmented and indexed exchanges the same reduction checks that
+//   what each sender sends is what its receiver expects. A disagreement (different
+//   collectives included) raises epx::error(errc::communicator) on every rank at once,
+//   naming the collectives and ranks or the values: epx/comm/mpi/agreement.hpp.
 // - Peer access (access_peers, the layer's direct route): when every rank of the
 //   communicator runs on one node, the published buffers are copied into a shared window
 //   (MPI_Win_allocate_shared, grow-only, one per communicator) and read there in place by
@@ -114,10 +115,10 @@ class communicator {
   // Colors must be non-negative; a negative color raises on every rank.
   communicator split(int color, int key) const {
     detail::mpi_enter(*s_, "split");
-    agree("split", {}, color < 0 ? detail::concat("split: color (", color, ") on rank ", rank(),
-                                                   " must be non-negative")
-                                  : std::string(),
-          errc::input);
+    // Agreed with or without options::check_counts: a negative color raises on every rank.
+    detail::mpi_agree_kind(*s_, opt_, detail::mpi_kind::split,
+                           color < 0 ? detail::concat("split: color (", color, ") on rank ", rank(), " must be non-negative")
+                                     : std::string());
     // A gate before the blocking split (mpi_buffers::gate: a timeout ends the job).
     EPX_MPI_BOUNDED_KEEP(*s_, opt_, detail::mpi_buffers::gate, nullptr, MPI_Ibarrier(s_->comm, &epx_req_));
     MPI_Comm out = MPI_COMM_NULL;
@@ -125,15 +126,20 @@ class communicator {
     return communicator(out, true, opt_);
   }
 
+  // With check_counts the agreement's reduction is the barrier.
   void barrier() {
     detail::mpi_enter(*s_, "barrier");
+    if (opt_.check_counts) {
+      detail::mpi_agree_kind(*s_, opt_, detail::mpi_kind::barrier);
+      return;
+    }
     EPX_MPI_BOUNDED_KEEP(*s_, opt_, detail::mpi_buffers::own, nullptr, MPI_Ibarrier(s_->comm, &epx_req_));
   }
 
   // `send` is [size(), count_per_peer]: block p goes to rank p; `recv` likewise by source.
   void all_to_all(const void* send, void* recv, std::size_t count_per_peer, datatype t) {
     detail::mpi_enter(*s_, "all_to_all");
-    if (opt_.check_counts) agree_same("all_to_all", t, count_per_peer);
+    if (opt_.check_counts) agree_same(detail::mpi_kind::all_to_all, t, count_per_peer);
     all_to_all_unchecked(send, recv, count_per_peer, t);
   }
 
@@ -154,7 +160,7 @@ class communicator {
       exchange_chunked(send, send_counts, send_displs, recv, recv_counts, recv_displs, t);
       return;
     }
-    large = check_counts_v(send_counts, recv_counts, t, large);
+    large = detail::mpi_check_pairs(*s_, opt_, detail::mpi_kind::all_to_allv, send_counts, recv_counts, 1, t, large);
     exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, t, large);
   }
 
@@ -171,7 +177,8 @@ class communicator {
     const std::size_t m = n * nseg;
     bool large = nseg > static_cast<std::size_t>(INT_MAX);
     for (std::size_t j = 0; j < m; ++j) large = large || send_counts[j] > opt_.max_count || recv_counts[j] > opt_.max_count;
-    large = opt_.check_counts ? detail::mpi_check_segment_counts(*s_, opt_, send_counts, recv_counts, nseg, t, large)
+    large = opt_.check_counts ? detail::mpi_check_pairs(*s_, opt_, detail::mpi_kind::all_to_allv_segments, send_counts,
+                                                        recv_counts, nseg, t, large)
                               : detail::mpi_any(*s_, opt_, large);
     if (nseg == 0) return;
     if (large) {
@@ -238,7 +245,8 @@ class communicator {
     }
     // Counts in elements (rows times row_elems), checked as the segmented exchange checks them.
     large = opt_.check_counts
-                ? detail::mpi_check_segment_counts(*s_, opt_, sc, rc, nseg, t, large, "all_to_allv_indexed", bad_rows)
+                ? detail::mpi_check_pairs(*s_, opt_, detail::mpi_kind::all_to_allv_indexed, sc, rc, nseg, t, large,
+                                          row_elems, bad_rows)
                 : detail::mpi_any(*s_, opt_, large);
     if (nseg == 0) return;
     const std::size_t row_bytes = row_elems * size_of(t);
@@ -280,7 +288,7 @@ class communicator {
   // recv = scale * sum over ranks of send (send == recv allowed); bitwise equal on all ranks.
   void all_reduce(const void* send, void* recv, std::size_t count, datatype t, double scale) {
     detail::mpi_enter(*s_, "all_reduce");
-    if (opt_.check_counts) agree_same("all_reduce", t, count, 0, reducible_error("all_reduce", t));
+    if (opt_.check_counts) agree_same(detail::mpi_kind::all_reduce, t, count, 0, reducible_error("all_reduce", t));
     else require_reducible("all_reduce", t);
     const auto n = static_cast<std::size_t>(size());
     const auto me = static_cast<std::size_t>(rank());
@@ -329,7 +337,7 @@ class communicator {
   // `send` is [size(), recv_count]; block r, summed over ranks and scaled, lands on rank r.
   void reduce_scatter(const void* send, void* recv, std::size_t recv_count, datatype t, double scale) {
     detail::mpi_enter(*s_, "reduce_scatter");
-    if (opt_.check_counts) agree_same("reduce_scatter", t, recv_count, 0, reducible_error("reduce_scatter", t));
+    if (opt_.check_counts) agree_same(detail::mpi_kind::reduce_scatter, t, recv_count, 0, reducible_error("reduce_scatter", t));
     else require_reducible("reduce_scatter", t);
     const auto n = static_cast<std::size_t>(size());
     std::vector<unsigned char> parts(n * recv_count * size_of(t));  // [n, recv_count] by source rank
@@ -340,7 +348,7 @@ class communicator {
   // `recv` is [size(), count]: block r holds rank r's `send`.
   void all_gather(const void* send, void* recv, std::size_t count, datatype t) {
     detail::mpi_enter(*s_, "all_gather");
-    if (opt_.check_counts) agree_same("all_gather", t, count);
+    if (opt_.check_counts) agree_same(detail::mpi_kind::all_gather, t, count);
     if (count <= opt_.max_count) {
       const MPI_Datatype mt = detail::mpi_type(t);
       EPX_MPI_BOUNDED(MPI_Iallgather(send, static_cast<int>(count), mt, recv, static_cast<int>(count), mt, s_->comm, &epx_req_));
@@ -361,7 +369,7 @@ class communicator {
     std::string bad;
     if (root < 0 || root >= size())
       bad = detail::concat("broadcast: root (", root, ") on rank ", rank(), " out of range [0, ", size(), ")");
-    if (opt_.check_counts) agree_same("broadcast", t, count, root, bad);
+    if (opt_.check_counts) agree_same(detail::mpi_kind::broadcast, t, count, root, bad);
     else EPX_REQUIRE(bad.empty(), errc::input, bad);
     const MPI_Datatype mt = detail::mpi_type(t);
     auto* p = static_cast<unsigned char*>(data);
@@ -377,6 +385,9 @@ class communicator {
   // it; later calls return the kept answer, the same on every rank.
   bool peer_access_available() {
     detail::mpi_enter(*s_, "peer_access_available");
+    // The collective first call agrees like any other collective.
+    if (opt_.check_counts && opt_.shared_memory && s_->peer.available < 0)
+      detail::mpi_agree_kind(*s_, opt_, detail::mpi_kind::peer_access_available);
     return detail::mpi_peer_access_available(*s_, opt_);
   }
 
@@ -415,19 +426,25 @@ class communicator {
   // communicator or its copies. Needs peer_access_available().
   void* peer_memory(std::size_t bytes) {
     detail::mpi_enter(*s_, "peer_memory");
-    EPX_REQUIRE(peer_access_available(), errc::configuration, "peer_memory: the ranks of this MPI communicator (",
-                size(), ") do not all share one node, or options::shared_memory is off: no peer access");
-    s_->op = "peer_memory";  // peer_access_available named its own collective
-    return detail::mpi_peer_memory(*s_, opt_, bytes);
+    // The agreement's reduction also finds the largest size asked for.
+    const bool agreed = opt_.check_counts && opt_.shared_memory;
+    std::size_t most = bytes;
+    if (agreed)
+      most = static_cast<std::size_t>(
+          detail::mpi_agree_kind(*s_, opt_, detail::mpi_kind::peer_memory, std::string(), static_cast<long long>(bytes)));
+    EPX_REQUIRE(detail::mpi_peer_access_available(*s_, opt_), errc::configuration,
+                "peer_memory: the ranks of this MPI communicator (", size(),
+                ") do not all share one node, or options::shared_memory is off: no peer access");
+    return detail::mpi_peer_memory(*s_, opt_, most, agreed);
   }
 
   template <class F>
   void access_peers(const void* const* mine, const std::size_t* bytes, std::size_t count, F&& f) {
     detail::mpi_enter(*s_, "access_peers");
-    EPX_REQUIRE(peer_access_available(), errc::configuration,
+    if (opt_.check_counts && opt_.shared_memory) detail::mpi_agree_kind(*s_, opt_, detail::mpi_kind::access_peers);
+    EPX_REQUIRE(detail::mpi_peer_access_available(*s_, opt_), errc::configuration,
                 "access_peers: the ranks of this MPI communicator (", size(),
                 ") do not all share one node, or options::shared_memory is off: no peer access");
-    s_->op = "access_peers";  // peer_access_available named its own collective
     auto& w = s_->peer;
     const auto n = static_cast<std::size_t>(size());
     constexpr std::size_t L = detail::mpi_peer_record;
@@ -561,17 +578,9 @@ class communicator {
   }
 
   // The agreement (epx/comm/mpi/agreement.hpp), on this communicator.
-  long long agree(const char* op, std::initializer_list<std::pair<const char*, long long>> values,
-                  const std::string& local_error, errc local_category, long long any = 0) const {
-    return detail::mpi_agree(*s_, opt_, op, values, local_error, local_category, any);
-  }
-  void agree_same(const char* op, datatype t, std::size_t count, int root = 0,
+  void agree_same(detail::mpi_kind kind, datatype t, std::size_t count, int root = 0,
                   const std::string& local_error = std::string()) const {
-    detail::mpi_agree_same(*s_, opt_, op, t, count, root, local_error);
-  }
-  // all_to_allv count check; returns whether any rank needs the chunked path.
-  bool check_counts_v(const std::size_t* send_counts, const std::size_t* recv_counts, datatype t, bool large) {
-    return detail::mpi_check_counts_v(*s_, opt_, send_counts, recv_counts, t, large);
+    detail::mpi_agree_same(*s_, opt_, kind, t, count, root, local_error);
   }
 
   // The transport (epx/comm/mpi/transport.hpp), on this communicator.

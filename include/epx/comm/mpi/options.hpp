@@ -10,10 +10,12 @@ namespace epx::mpi {
 
 // Tuning and checking of one communicator (plain aggregate; copies made by split inherit it).
 struct options {
-  // Agree on datatype and counts (and on the collective) before each collective, and check
-  // in all_to_allv that the counts each rank sends match what the receivers expect. Costs one small MPI_Allreduce
-  // (plus, for all_to_allv, an all_to_all of one integer per peer) per call. Without it,
-  // all_to_allv runs as point-to-point messages with no extra synchronization.
+  // Agree on the collective, datatype and counts before each collective (every entry point,
+  // barrier, split and the peer access calls included), and check in all_to_allv and the
+  // segmented and indexed exchanges that the counts each rank sends match what the
+  // receivers expect. Costs one small MPI_Allreduce per call (with check_counts, barrier is
+  // that reduction). Without it, all_to_allv runs as point-to-point messages with no extra
+  // synchronization, and ranks in different collectives wait for the watchdog.
   // (epx/comm/mpi/agreement.hpp)
   bool check_counts = true;
   // Largest count or displacement, in elements, handed to one MPI call. Larger transfers go

@@ -138,9 +138,10 @@ inline void mpi_peer_copy_in(mpi_state& s, const void* const* mine, const std::s
 
 // Peer memory (communicator::peer_memory): this rank's `bytes` of the arena window, grown
 // (collectively, never shrunk) when some rank asks for more than a segment holds.
-inline void* mpi_peer_memory(mpi_state& s, const mpi::options& opt, std::size_t bytes) {
+// `agreed`: `bytes` is already the largest size over the ranks (the agreement found it).
+inline void* mpi_peer_memory(mpi_state& s, const mpi::options& opt, std::size_t bytes, bool agreed = false) {
   std::vector<unsigned long long> most(1, static_cast<unsigned long long>(bytes));
-  {
+  if (!agreed) {
     mpi_keep keep(most);
     EPX_MPI_BOUNDED_IDLE(s, opt, &keep,
                          MPI_Iallreduce(MPI_IN_PLACE, most.data(), 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, s.comm, &epx_req_));
