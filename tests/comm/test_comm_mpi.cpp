@@ -808,6 +808,113 @@ TEST_CASE("mpi: mismatched counts are reported on every rank") {
   check_all_reduce<float>(w, 9, 1.0, false, 5);
 }
 
+// Every collective entry point opens with the same agreement, so ranks in different
+// collectives (or in one whose counts differ) raise errc::communicator on every rank at once,
+// naming the collectives and a rank of each, instead of pairing calls that MPI cannot pair
+// and waiting for the watchdog. The communicator's watchdog is long (60 s) and every case
+// must raise well within it.
+TEST_CASE("mpi: every collective agrees on the collective and its counts, on every rank and at once") {
+  epx::mpi::options o;
+  o.timeout = std::chrono::seconds(60);
+  communicator w = communicator::world(o);
+  const int n = w.size(), me = w.rank();
+  if (n < 2) return;
+  const auto start = std::chrono::steady_clock::now();
+  const std::string one = "ranks disagree on the collective: rank ";
+  // Rank 0 calls `a`, the others `b` (a is the smaller kind): the message names both.
+  auto across = [&](auto&& a, auto&& b, const char* name_a, const char* name_b) {
+    check_error([&] { me == 0 ? a() : b(); }, epx::errc::communicator,
+                one + "0 called " + name_a + ", rank 1 called " + name_b);
+    // The smaller kind on the last rank: the message names the lowest rank of each.
+    check_error([&] { me == n - 1 ? a() : b(); }, epx::errc::communicator,
+                one + std::to_string(n - 1) + " called " + name_a + ", rank 0 called " + name_b);
+  };
+  const auto un = static_cast<std::size_t>(n);
+  std::vector<float> in(8 * un, 1.0f), out(8 * un, 0.0f);
+  std::vector<std::size_t> ones(2 * un, 1), displ(2 * un);
+  for (std::size_t j = 0; j < displ.size(); ++j) displ[j] = j;
+  std::vector<std::int64_t> rows(2 * un, 0);
+  auto a2a = [&] { w.all_to_all(in.data(), out.data(), 1, epx::datatype::float32); };
+  auto a2av = [&] { w.all_to_allv(in.data(), ones.data(), displ.data(), out.data(), ones.data(), displ.data(),
+                                  epx::datatype::float32); };
+  auto segs = [&] { w.all_to_allv_segments(in.data(), ones.data(), displ.data(), out.data(), ones.data(), displ.data(),
+                                           2, epx::datatype::float32); };
+  auto indexed = [&] { w.all_to_allv_indexed(in.data(), rows.data(), 1, ones.data(), displ.data(), out.data(),
+                                             ones.data(), displ.data(), 2, epx::datatype::float32); };
+  auto all_reduce = [&] { w.all_reduce(in.data(), out.data(), 4, epx::datatype::float32, 1.0); };
+  auto barrier = [&] { w.barrier(); };
+  auto split = [&] { (void)w.split(0, me); };
+  // all_to_allv beside all_to_all: both open with an all-to-all, which MPI would pair.
+  across(a2a, a2av, "all_to_all", "all_to_allv");
+  // The segmented and indexed exchanges beside each other and beside all_to_allv.
+  across(a2av, segs, "all_to_allv", "all_to_allv_segments");
+  across(segs, indexed, "all_to_allv_segments", "all_to_allv_indexed");
+  // barrier and split beside the collectives and each other.
+  across(all_reduce, barrier, "all_reduce", "barrier");
+  across(indexed, barrier, "all_to_allv_indexed", "barrier");
+  across(barrier, split, "barrier", "split");
+  across(a2a, split, "all_to_all", "split");
+  // The peer access calls (when the ranks share a node, as in the tests).
+  if (w.peer_access_available()) {
+    int v = me;
+    const void* mine[1] = {&v};
+    const std::size_t bytes[1] = {sizeof(int)};
+    bool ran = false;
+    auto access = [&] { w.access_peers(mine, bytes, 1, [&](const auto&) { ran = true; }); };
+    auto memory = [&] { (void)w.peer_memory(64); };
+    across(barrier, access, "barrier", "access_peers");
+    across(memory, access, "peer_memory", "access_peers");
+    across(split, memory, "split", "peer_memory");
+    CHECK(!ran);
+    // peer_access_available is collective on its first call on a communicator.
+    communicator fresh = communicator::world(o);
+    check_error([&] { me == 0 ? fresh.barrier() : (void)fresh.peer_access_available(); }, epx::errc::communicator,
+                one + "0 called barrier, rank 1 called peer_access_available");
+    CHECK(fresh.peer_access_available());
+    // peer_memory asks for each rank's own size: sizes that differ agree, and the largest grows it.
+    void* p = w.peer_memory(64 + 64 * static_cast<std::size_t>(me));
+    CHECK(p != nullptr);
+  }
+  // Counts that differ in the newly agreed collectives: the row width of all_to_allv_indexed.
+  check_error([&] { w.all_to_allv_indexed(in.data(), rows.data(), me == 0 ? 1 : 2, ones.data(), displ.data(),
+                                          out.data(), ones.data(), displ.data(), 2, epx::datatype::float32); },
+              epx::errc::communicator, "all_to_allv_indexed: ranks disagree on the row width (values from 1 to 2");
+  // all_to_allv's pairs: rank 1 expects 2 elements from rank 0, which sends 1 (checked in
+  // the agreement's reduction; the all_to_all that names them only then).
+  {
+    std::vector<std::size_t> rc(ones.begin(), ones.begin() + n), d(displ.begin(), displ.begin() + n);
+    for (int p = 0; p < n; ++p) d[p] = 2 * static_cast<std::size_t>(p);
+    if (me == 1) rc[0] = 2;
+    check_error([&] { w.all_to_allv(in.data(), ones.data(), d.data(), out.data(), rc.data(), d.data(),
+                                    epx::datatype::float32); },
+                epx::errc::communicator,
+                "all_to_allv: send and receive counts disagree: rank 1 expects 2 float32 elements from rank 0, "
+                "which sends 1");
+    // Counts that differ pairwise but balance over the ranks in total still differ pair by pair.
+    std::vector<std::size_t> sc(n, 1);
+    std::fill(rc.begin(), rc.end(), 1);
+    if (me == 0) sc[1] = 2, sc[0] = 0;        // rank 0 sends 2 to rank 1 and 0 to itself
+    if (me == 1) rc[0] = 0, rc[1] = 2;        // rank 1 expects 0 from rank 0 and 2 from itself
+    check_error([&] { w.all_to_allv(in.data(), sc.data(), d.data(), out.data(), rc.data(), d.data(),
+                                    epx::datatype::float32); },
+                epx::errc::communicator, "all_to_allv: send and receive counts disagree: rank ");
+  }
+  const auto took = std::chrono::steady_clock::now() - start;
+  CHECK(took < std::chrono::seconds(30));  // promptly: none of them waited for the watchdog
+  // Nothing is left half-done: every collective still works.
+  w.barrier();
+  CHECK(w.split(me % 2, me).size() == (n - me % 2 + 1) / 2);
+  check_all_to_allv<std::int32_t>(w, 4);
+  check_all_reduce<float>(w, 9, 1.0, false, 5);
+  check_segments<float>(w, 3, 7);
+  // Without check_counts, barrier is a plain barrier and nothing is compared.
+  epx::mpi::options off = o;
+  off.check_counts = false;
+  communicator unchecked = communicator::world(off);
+  unchecked.barrier();
+  check_all_to_allv<std::int32_t>(unchecked, 3);
+}
+
 // A datatype that is none of epx::datatype's on one rank: errc::input on every rank, naming
 // the rank, before anything moves (was errc::internal, a "bug" category, or a disagreement
 // on the datatype); the unchecked communicator refuses it on that rank.
