@@ -255,4 +255,60 @@ TEST_CASE("balance: bad inputs and parameters") {
                        doctest::Contains("load of expert 1 is negative (-1)"), epx::error);
 }
 
+// A finite coefficient whose scaled value is beyond float32's range would make the float32
+// coefficient of the gradient infinite: the loss and its _backward refuse it
+// (errc::configuration), before any gradient is written; a grad_loss that takes the
+// coefficient beyond the range is errc::input.
+TEST_CASE("balance: coefficients beyond float32's range") {
+  const epx::exec::serial ex;
+  const std::vector<float> l(12, 0.5f);
+  const std::vector<std::int32_t> ids = {0, 1, 2, 3, 0, 1};
+  const std::vector<std::int64_t> load = {1, 2, 2, 1};
+  std::vector<float> g(12, -7.0f);
+  const auto category = [](auto&& call) {
+    try {
+      call();
+    } catch (const epx::error& e) {
+      return e.category();
+    }
+    return epx::errc::internal;  // did not raise
+  };
+  for (const double big : {4e38, -4e38, 1e300}) {
+    CHECK_THROWS_WITH_AS(routing::aux_loss(ex, l.data(), 3, 4, epx::make_span(load), big),
+                         doctest::Contains("aux_loss: alpha ("), epx::error);
+    CHECK_THROWS_WITH_AS(routing::aux_loss_backward(ex, l.data(), 3, 4, epx::make_span(load), big, 1.0f, g.data()),
+                         doctest::Contains("not finite in float32"), epx::error);
+    CHECK_THROWS_WITH_AS(routing::sequence_balance_loss(ex, l.data(), ids.data(), 3, 4, 2, 1, big * 3),
+                         doctest::Contains("sequence_balance_loss: alpha ("), epx::error);
+    CHECK_THROWS_WITH_AS(
+        routing::sequence_balance_loss_backward(ex, l.data(), ids.data(), 3, 4, 2, 1, big * 3, 1.0f, g.data()),
+        doctest::Contains("not finite in float32"), epx::error);
+    CHECK_THROWS_WITH_AS(routing::z_loss(ex, l.data(), 3, 4, big * 1.5), doctest::Contains("z_loss: beta ("),
+                         epx::error);
+    CHECK_THROWS_WITH_AS(routing::z_loss_backward(ex, l.data(), 3, 4, big * 1.5, 1.0f, g.data()),
+                         doctest::Contains("not finite in float32"), epx::error);
+    CHECK(category([&] { routing::z_loss_backward(ex, l.data(), 3, 4, big * 1.5, 0.5f, g.data()); }) ==
+          epx::errc::configuration);
+  }
+  // The message names the coefficient and its scaled value.
+  CHECK_THROWS_WITH_AS(routing::aux_loss_backward(ex, l.data(), 3, 4, epx::make_span(load), 3e38, 1.0f, g.data()),
+                       doctest::Contains(
+                           ": aux_loss_backward: alpha (3e+38) scaled by 4 / 3 is 4e+38, not finite in float32 ["),
+                       epx::error);
+  // alpha 3e38 with E = 4, N = 3 is refused; with N = 12 tokens (scaled value 1e38) taken.
+  const std::vector<float> l12(48, 0.5f);
+  std::vector<float> g12(48, -7.0f);
+  routing::aux_loss_backward(ex, l12.data(), 12, 4, epx::make_span(load), 3e38, 1.0f, g12.data());
+  for (float x : g12) CHECK(std::isfinite(x));
+  // A grad_loss that takes a representable coefficient beyond the range: errc::input.
+  CHECK(category([&] {
+          routing::aux_loss_backward(ex, l12.data(), 12, 4, epx::make_span(load), 3e38, 1e3f, g12.data());
+        }) == epx::errc::input);
+  CHECK_THROWS_WITH_AS(routing::z_loss_backward(ex, l.data(), 3, 4, 1e30, 1e30f, g.data()),
+                       doctest::Contains("z_loss_backward: grad_loss (1e+30) times the scaled beta"), epx::error);
+  for (float x : g) CHECK(x == -7.0f);
+  // The N = 0 case scales by 1 / 1.
+  CHECK(category([&] { routing::z_loss(ex, l.data(), 0, 4, 2e38); }) == epx::errc::configuration);
+}
+
 }  // namespace test_balance_cpp

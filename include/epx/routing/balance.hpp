@@ -28,12 +28,16 @@
 // its coefficient. Pointers (logits, ids, bias, gradients) live in the execution policy's
 // memory; `load` is host memory. Non-finite logits raise errc::input naming the token,
 // expert and value; bad sizes and parameters errc::input, as does a non-finite grad_loss
-// of a _backward; a non-finite coefficient errc::configuration.
+// of a _backward; a non-finite coefficient errc::configuration, and so is a finite one whose
+// scaled value (alpha * E / N, alpha / N, beta * 2 / N) is beyond float32's range, the
+// float32 coefficient of the gradient (forward and _backward refuse it alike); a grad_loss
+// that takes grad_loss times that value beyond float32's range errc::input.
 #pragma once
 
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "epx/comm/collectives.hpp"
@@ -261,6 +265,23 @@ void check_loss_args(const char* what, const T* logits, std::size_t N, int E, do
   EPX_REQUIRE(std::isfinite(coef), errc::configuration, what, ": ", coef_name, " (", coef, ") is not finite");
 }
 
+// The float32 coefficient of a _backward, grad_loss * coef * m / N (m: E, 1 or 2; N = 0
+// counted as 1). A coefficient whose scaled value coef * m / N is beyond float32's range is
+// errc::configuration, checked by the forward too so that both refuse it; a grad_loss that
+// takes the product beyond it errc::input. With grad_loss = 1 this is only the check.
+inline float scaled_coefficient(const char* what, const char* coef_name, double coef, double m, std::size_t N,
+                                float grad_loss = 1.0f) {
+  constexpr double max = static_cast<double>(std::numeric_limits<float>::max());
+  const double n = static_cast<double>(N ? N : 1);
+  const double scaled = coef * m / n;
+  EPX_REQUIRE(std::isfinite(scaled) && std::abs(scaled) <= max, errc::configuration, what, ": ", coef_name, " (",
+              coef, ") scaled by ", m, " / ", n, " is ", scaled, ", not finite in float32");
+  const double c = static_cast<double>(grad_loss) * coef * m / n;
+  EPX_REQUIRE(std::isfinite(c) && std::abs(c) <= max, errc::input, what, ": grad_loss (", grad_loss,
+              ") times the scaled ", coef_name, " (", scaled, ") is ", c, ", not finite in float32");
+  return static_cast<float>(c);
+}
+
 // The checks every loss's _backward adds: a finite grad_loss (errc::input, like a
 // non-finite grad_weights of route_backward) and a gradient buffer for N > 0.
 inline void check_backward_args(const char* what, std::size_t N, float grad_loss, const float* grad_logits) {
@@ -361,6 +382,7 @@ std::vector<std::int64_t> expert_load(const Exec& ex, const std::int32_t* ids, s
 template <class Exec, class T>
 double aux_loss(const Exec& ex, const T* logits, std::size_t N, int E, span<const std::int64_t> load, double alpha) {
   detail::check_loss_args("aux_loss", logits, N, E, alpha, "alpha");
+  detail::scaled_coefficient("aux_loss", "alpha", alpha, E, N);
   const auto f = detail::to_policy(ex, detail::load_fractions("aux_loss", load, E));
   if (N == 0) return 0.0;
   auto q = exec::make_buffer<float>(ex, N);
@@ -378,7 +400,7 @@ void aux_loss_backward(const Exec& ex, const T* logits, std::size_t N, int E, sp
   detail::check_loss_args("aux_loss_backward", logits, N, E, alpha, "alpha");
   detail::check_backward_args("aux_loss_backward", N, grad_loss, grad_logits);
   const auto f = detail::to_policy(ex, detail::load_fractions("aux_loss_backward", load, E));
-  const auto coef = static_cast<float>(static_cast<double>(grad_loss) * alpha * E / static_cast<double>(N ? N : 1));
+  const float coef = detail::scaled_coefficient("aux_loss_backward", "alpha", alpha, E, N, grad_loss);
   detail::run_tokens(ex, N, "aux_loss_backward", [&](detail::token_status* st) {
     exec::for_each_n(ex, N, detail::aux_token<T>{logits, E, f.data(), nullptr, grad_logits, coef, st});
   });
@@ -390,6 +412,7 @@ template <class Exec, class T>
 double sequence_balance_loss(const Exec& ex, const T* logits, const std::int32_t* ids, std::size_t N, int E, int k,
                              std::size_t T_len, double alpha) {
   detail::check_loss_args("sequence_balance_loss", logits, N, E, alpha, "alpha");
+  detail::scaled_coefficient("sequence_balance_loss", "alpha", alpha, 1.0, N);
   const auto fp = detail::sequence_fractions(ex, "sequence_balance_loss", ids, N, E, k, T_len);
   if (N == 0) return 0.0;
   auto q = exec::make_buffer<float>(ex, N);
@@ -408,7 +431,8 @@ void sequence_balance_loss_backward(const Exec& ex, const T* logits, const std::
   detail::check_loss_args("sequence_balance_loss_backward", logits, N, E, alpha, "alpha");
   detail::check_backward_args("sequence_balance_loss_backward", N, grad_loss, grad_logits);
   const auto fp = detail::sequence_fractions(ex, "sequence_balance_loss_backward", ids, N, E, k, T_len);
-  const auto coef = static_cast<float>(static_cast<double>(grad_loss) * alpha / static_cast<double>(N ? N : 1));
+  const float coef =
+      detail::scaled_coefficient("sequence_balance_loss_backward", "alpha", alpha, 1.0, N, grad_loss);
   detail::run_tokens(ex, N, "sequence_balance_loss_backward", [&](detail::token_status* st) {
     exec::for_each_n(ex, N,
                      detail::sequence_token<T>{logits, ids, E, k, T_len, fp.data(), nullptr, grad_logits, coef, st});
@@ -419,6 +443,7 @@ void sequence_balance_loss_backward(const Exec& ex, const T* logits, const std::
 template <class Exec, class T>
 double z_loss(const Exec& ex, const T* logits, std::size_t N, int E, double beta) {
   detail::check_loss_args("z_loss", logits, N, E, beta, "beta");
+  detail::scaled_coefficient("z_loss", "beta", beta, 2.0, N);
   if (N == 0) return 0.0;
   auto z = exec::make_buffer<float>(ex, N);
   detail::run_tokens(ex, N, "z_loss", [&](detail::token_status* st) {
@@ -433,7 +458,7 @@ void z_loss_backward(const Exec& ex, const T* logits, std::size_t N, int E, doub
                      float* grad_logits) {
   detail::check_loss_args("z_loss_backward", logits, N, E, beta, "beta");
   detail::check_backward_args("z_loss_backward", N, grad_loss, grad_logits);
-  const auto coef = static_cast<float>(static_cast<double>(grad_loss) * beta * 2.0 / static_cast<double>(N ? N : 1));
+  const float coef = detail::scaled_coefficient("z_loss_backward", "beta", beta, 2.0, N, grad_loss);
   detail::run_tokens(ex, N, "z_loss_backward", [&](detail::token_status* st) {
     exec::for_each_n(ex, N, detail::z_token<T>{logits, E, nullptr, grad_logits, coef, st});
   });
