@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -82,8 +83,11 @@ int main(int argc, char** argv) {
       std::cout << epx::describe(c, eps);
     }
     return 0;
-  } catch (const epx::error& e) {
+  } catch (const epx::error& e) {  // the command line: flags, or a mesh they describe
     std::cerr << "epx-mesh: " << e.message() << "\n";
     return 2;
+  } catch (const std::exception& e) {  // a failure while printing (memory)
+    std::cerr << "epx-mesh: " << e.what() << "\n";
+    return 1;
   }
 }

@@ -15,8 +15,8 @@
 // thread moves the other micro-batch's rows. The printout gives, on rank 0, the intervals
 // and how long the experts and the communication were both under way; whether that
 // shortens the total depends on free cores (ranks x 2 threads want as many). The last line
-// checks that the outputs are bitwise those of the fused forward; the program exits
-// non-zero otherwise.
+// checks that the outputs are bitwise those of the fused forward; the program exits with
+// status 1 otherwise (or when the run fails), and with 2 for a command-line error.
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -143,18 +143,43 @@ micro_batch make_batch(const options& o, int rank, int index) {
   return m;
 }
 
-template <class Comm>
-int run(Comm& world, const options& o, const char* backend) {
-  const int n = world.size();
-  if (o.ranks_given && o.ranks != n)
-    throw std::runtime_error("--ranks " + std::to_string(o.ranks) + " but the " + backend + " job has " +
-                             std::to_string(n) + " ranks");
+// One EP group of all n ranks.
+epx::mesh_config mesh_of(const options& o, int n) {
   epx::mesh_config mc;
   mc.tp = 1;
   mc.fsdp = n;
   mc.ep = n;
   mc.experts = o.experts;
-  const epx::mesh m(mc);
+  return mc;
+}
+
+// The options against the job's n ranks: the message of a command-line error (exit status
+// 2), empty if none. The same on every rank of a job, so every rank returns alike.
+std::string usage_error(const options& o, int n, const char* backend) {
+  if (o.ranks_given && o.ranks != n)
+    return "--ranks " + std::to_string(o.ranks) + " but the " + backend + " job has " + std::to_string(n) + " ranks";
+  if (o.experts % n != 0)
+    return "--experts (" + std::to_string(o.experts) + ") must be a multiple of the number of ranks (" +
+           std::to_string(n) + ")";
+  try {
+    epx::mesh::validate(mesh_of(o, n));
+  } catch (const epx::error& e) {
+    return e.message();
+  }
+  return {};
+}
+
+template <class Comm>
+int run(Comm& world, const options& o, const char* backend) {
+  const int n = world.size();
+  if (const std::string bad = usage_error(o, n, backend); !bad.empty()) {  // under MPI: the job's size
+    if (world.rank() == 0) {
+      std::fprintf(stderr, "epx-overlap-example: %s\n", bad.c_str());
+      usage(stderr);
+    }
+    return 2;
+  }
+  const epx::mesh m(mesh_of(o, n));
   epx::layer_options lo;
   lo.hidden = o.hidden;
   lo.top_k = o.top_k;
@@ -265,6 +290,9 @@ int main(int argc, char** argv) {
   try {
     o = parse(argc, argv);
     if (o.experts % o.top_k != 0) throw std::runtime_error("--experts must be a multiple of --top-k");
+    const bool mpi = o.backend == "mpi" || (o.backend.empty() && launched_by_mpirun());
+    if (!mpi)  // under MPI, run() checks against the job's size
+      if (const std::string bad = usage_error(o, o.ranks, "threads"); !bad.empty()) throw std::runtime_error(bad);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "epx-overlap-example: %s\n", e.what());
     usage(stderr);

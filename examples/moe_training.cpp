@@ -32,8 +32,9 @@
 // of the whole block over all batches (reference_step below: routing, node limit, capacity,
 // auxiliary loss included), and the last line reads
 //   check: output=<max abs err> grad_x=<..> grad_w=<..> grad_experts=<..> vs float64 reference
-// The exit status is non-zero when an error exceeds its tolerance (printed above that line)
-// or when the ranks' parameters disagree after training.
+// The exit status is 1 when an error exceeds its tolerance (printed above that line), when
+// the ranks' parameters disagree after training or when the run fails; 2 for a command-line
+// error (its message and the usage on standard error, before the run starts).
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -44,6 +45,7 @@
 #include <cstring>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -775,9 +777,13 @@ long parse_number(const std::string& flag, const std::string& v, long lowest = 1
   return x;
 }
 
+constexpr double float_max = static_cast<double>(std::numeric_limits<float>::max());
+
 // A decimal number (digits, a point, an exponent): strtod alone would also take leading
-// blanks, a sign, hexadecimal and inf or nan.
-double parse_real(const std::string& flag, const std::string& v, bool zero = false) {
+// blanks, a sign, hexadecimal and inf or nan. `max`: float_max for a value the run turns
+// into a float32 (beyond it the float would be infinite).
+double parse_real(const std::string& flag, const std::string& v, bool zero = false,
+                  double max = std::numeric_limits<double>::max()) {
   const bool plain = !v.empty() && (std::isdigit(static_cast<unsigned char>(v[0])) || v[0] == '.') &&
                      v.find_first_not_of("0123456789.eE+-") == std::string::npos;
   char* end = nullptr;
@@ -785,6 +791,8 @@ double parse_real(const std::string& flag, const std::string& v, bool zero = fal
   if (!plain || *end != '\0' || !(x > 0.0 || (zero && x == 0.0)) || !std::isfinite(x))
     EPX_THROW(epx::errc::configuration, flag, zero ? " expects a number >= 0, got '" : " expects a positive number, got '",
               v, "'");
+  if (x > max)
+    EPX_THROW(epx::errc::configuration, flag, " expects a number up to ", max, " (float32's largest), got '", v, "'");
   return x;
 }
 
@@ -816,7 +824,7 @@ options parse(int argc, char** argv) {
     else if (a == "--ffn") o.ffn = static_cast<int>(parse_number(a, value()));
     else if (a == "--tokens") o.tokens = static_cast<int>(parse_number(a, value()));
     else if (a == "--seed") o.seed = static_cast<std::uint64_t>(parse_number(a, value(), 0));
-    else if (a == "--lr") o.lr = parse_real(a, value());
+    else if (a == "--lr") o.lr = parse_real(a, value(), false, float_max);
     else if (a == "--rtol") o.rtol = parse_real(a, value());
     else if (a == "--capacity-factor") o.capacity_factor = parse_real(a, value(), true);
     else if (a == "--capacity-mode") {
@@ -838,8 +846,8 @@ options parse(int argc, char** argv) {
       if (o.routing != "softmax_topk" && o.routing != "sigmoid_bias")
         EPX_THROW(epx::errc::configuration, "--routing expects softmax_topk or sigmoid_bias, got '", o.routing, "'");
     } else if (a == "--aux-alpha") o.aux_alpha = parse_real(a, value());
-    else if (a == "--bias-rate") o.bias_rate = parse_real(a, value());
-    else if (a == "--router-skew") o.router_skew = parse_real(a, value(), true);
+    else if (a == "--bias-rate") o.bias_rate = parse_real(a, value(), false, float_max);
+    else if (a == "--router-skew") o.router_skew = parse_real(a, value(), true, float_max);
     else if (a == "--max-nodes") o.max_nodes = static_cast<int>(parse_number(a, value(), 0));
     else if (a == "--ranks-per-node") o.ranks_per_node = static_cast<int>(parse_number(a, value(), 0));
     else {
@@ -855,6 +863,11 @@ options parse(int argc, char** argv) {
     EPX_THROW(epx::errc::configuration, "--max-nodes needs --ranks-per-node R (the ep ranks of a node)");
   if (has("--aux-alpha") && o.balance != "aux")
     EPX_THROW(epx::errc::configuration, "--aux-alpha needs --balance aux");
+  // The loss's gradient coefficient alpha * E / N is a float32 (epx::routing::aux_loss
+  // refuses a larger one from inside the run).
+  if (o.aux_alpha * o.experts / o.tokens > float_max)
+    EPX_THROW(epx::errc::configuration, "--aux-alpha (", o.aux_alpha, ") times --experts / --tokens = ", o.experts, " / ",
+              o.tokens, " is ", o.aux_alpha * o.experts / o.tokens, ", beyond float32's largest number ", float_max);
   if (has("--bias-rate") && o.balance != "bias")
     EPX_THROW(epx::errc::configuration, "--bias-rate needs --balance bias");
   if (o.balance == "bias" && o.routing != "sigmoid_bias" && has("--routing"))
