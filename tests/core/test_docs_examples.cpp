@@ -139,7 +139,11 @@ TEST_CASE("docs/layer.md: every code block of tests/core/docs_layer_examples.hpp
   REQUIRE_MESSAGE(!doc.empty(), "cannot read ", here, "/../../docs/layer.md");
   const auto regions = doc_regions(header);
   CHECK(regions.size() == 4);
-  for (const auto& [name, code] : regions) {
+  for (const auto& region : regions) {
+    // Named references, not a structured binding: INFO captures in a lambda, which may
+    // capture a structured binding only from C++20.
+    const std::string& name = region.first;
+    const std::string& code = region.second;
     INFO("region ", name);
     CHECK_MESSAGE(doc.find("```cpp\n" + code + "```") != std::string::npos,
                   "docs/layer.md has no ```cpp block equal to region '", name, "' of docs_layer_examples.hpp");

@@ -414,7 +414,9 @@ TEST_CASE("row launches cover every column once, in the policy's shape") {
 
 TEST_CASE("for_each_range calls f once for each index of [first, last) on every policy") {
   const std::size_t n = 40;
-  for (const auto& [first, last] : {std::pair<std::size_t, std::size_t>{0, 40}, {7, 19}, {39, 40}, {12, 12}, {30, 5}}) {
+  for (const auto& range : {std::pair<std::size_t, std::size_t>{0, 40}, {7, 19}, {39, 40}, {12, 12}, {30, 5}}) {
+    // Named variables, not a structured binding: a lambda may capture those only from C++20.
+    const std::size_t first = range.first, last = range.second;
     auto covered = [&](auto policy) {
       std::vector<int> hits(n, 0);
       epx::exec::for_each_range(policy, first, last, [&](std::size_t i) { ++hits[i]; });
