@@ -19,6 +19,7 @@
 #include "epx/exec/host.hpp"
 #include "epx/exec/host_isa.hpp"
 #include "epx/kernels/fp8.hpp"
+#include "support/bits.hpp"
 #include "support/fp8_cases.hpp"
 #include "support/host_isa.hpp"
 #include "support/reference.hpp"
@@ -32,6 +33,9 @@ namespace {
 using epx::test::for_each_host_isa;
 
 namespace model = epx::test::fp8;
+using epx::test::bits_of;
+using epx::test::double_of;
+using epx::test::float_of;
 using epx::fp8_e4m3;
 
 std::string hex(std::uint64_t v) {
@@ -66,7 +70,7 @@ TEST_CASE("fp8_e4m3: every one of the 256 codes decodes to the model's value") {
     const double want = model::decode(static_cast<std::uint8_t>(b));
     if (std::isnan(want)) {
       ++nans;
-      CHECK(model::bits_of(f) == 0x7fffffffu);  // CUDA's decoding: the canonical float NaN
+      CHECK(bits_of(f) == 0x7fffffffu);  // CUDA's decoding: the canonical float NaN
       CHECK(std::isnan(d));
       CHECK(!std::signbit(d));
     } else {
@@ -98,7 +102,7 @@ TEST_CASE("fp8_e4m3: float encoding equals the model over every float class") {
   const auto cases = model::float_cases(1, std::size_t{1} << 21);
   std::size_t bad = 0;
   for (std::uint32_t u : cases) {
-    const float f = model::float_of(u);
+    const float f = float_of(u);
     const std::uint8_t got = fp8_e4m3(f).bits;
     const std::uint8_t want = model::encode(static_cast<double>(f));
     if (got != want && ++bad <= 10) FAIL_CHECK("float " << hex(u) << " (" << f << "): " << hex(got) << " != " << hex(want));
@@ -111,7 +115,7 @@ TEST_CASE("fp8_e4m3: double encoding rounds the double once and keeps a NaN's si
   const auto cases = model::double_cases(2, std::size_t{1} << 20);
   std::size_t bad = 0, differs_from_float = 0;
   for (std::uint64_t u : cases) {
-    const double d = model::double_of(u);
+    const double d = double_of(u);
     const std::uint8_t got = fp8_e4m3(d).bits;
     const std::uint8_t want = model::encode(d, true);
     if (got != want && ++bad <= 10) FAIL_CHECK("double " << hex(u) << " (" << d << "): " << hex(got) << " != " << hex(want));
@@ -344,7 +348,7 @@ TEST_CASE_TEMPLATE("quantise_e4m3: bits of the float32 model, error of E4M3 agai
 TEST_CASE("quantise_e4m3: the block loop encodes every float class as the model does") {
   std::vector<float> x;
   for (std::uint32_t u : model::float_cases(3, std::size_t{1} << 20)) {
-    const float f = model::float_of(u);
+    const float f = float_of(u);
     if (!(std::fabs(f) <= 448.0f) && !std::isnan(f)) continue;
     if (x.size() % 128 == 0) x.push_back(448.0f);
     x.push_back(f);
@@ -360,7 +364,7 @@ TEST_CASE("quantise_e4m3: the block loop encodes every float class as the model 
     for (std::size_t i = 0; i < x.size(); ++i) {
       const std::uint8_t want = model::encode(static_cast<double>(x[i]));
       if (q[i].bits != want && ++bad <= 10)
-        FAIL_CHECK("float " << hex(model::bits_of(x[i])) << " (" << x[i] << "): " << hex(q[i].bits) << " != " << hex(want));
+        FAIL_CHECK("float " << hex(bits_of(x[i])) << " (" << x[i] << "): " << hex(q[i].bits) << " != " << hex(want));
     }
     CHECK(bad == 0);
   });

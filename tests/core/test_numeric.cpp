@@ -19,6 +19,7 @@
 
 #include "epx/core/error.hpp"
 #include "epx/core/numeric.hpp"
+#include "support/bits.hpp"
 #include "support/reference.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
@@ -29,16 +30,9 @@ namespace {
 
 using epx::ref::float_format;
 
-std::uint32_t bits_of(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-float float_of(std::uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using epx::test::bits_of;
+using epx::test::float_of;
+
 
 bool is_nan_pattern(const float_format& f, std::uint32_t b) {
   return (b & f.exp_mask()) == f.exp_mask() && (b & ((1u << f.man) - 1u)) != 0;

@@ -9,7 +9,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "cuda/support/device.hpp"
@@ -18,6 +17,7 @@
 #include "epx/exec/cuda.cuh"
 #include "epx/exec/host.hpp"
 #include "epx/kernels/fp8.hpp"
+#include "support/bits.hpp"
 
 using namespace epx::test::cuda;
 
@@ -122,10 +122,8 @@ TEST_CASE("E4M3 on the device: all 256 codes decode as __nv_fp8_e4m3 does on the
   for (unsigned b = 0; b < 256; ++b) {
     CAPTURE(b);
     const float host = static_cast<float>(epx::fp8_e4m3::from_bits(static_cast<std::uint8_t>(b)));
-    unsigned hb;
-    std::memcpy(&hb, &host, sizeof hb);
     CHECK(e[b] == c[b]);
-    CHECK(e[b] == hb);
+    CHECK(e[b] == epx::test::bits_of(host));
   }
   EPX_CUDA_CHECK(cudaFree(e));
   EPX_CUDA_CHECK(cudaFree(c));

@@ -9,32 +9,12 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
-namespace epx::test::fp8 {
+#include "support/bits.hpp"
 
-inline std::uint32_t bits_of(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-inline float float_of(std::uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline std::uint64_t bits_of(double d) {
-  std::uint64_t u;
-  std::memcpy(&u, &d, sizeof u);
-  return u;
-}
-inline double double_of(std::uint64_t u) {
-  double d;
-  std::memcpy(&d, &u, sizeof d);
-  return d;
-}
+namespace epx::test::fp8 {
 
 // The value of E4M3 code b: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0
 // is subnormal (m * 2^-9); S.1111.111 is NaN; there is no infinity.

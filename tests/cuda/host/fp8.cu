@@ -12,18 +12,21 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
 #include "epx/core/fp8.hpp"
 #include "epx/exec/host.hpp"
 #include "epx/kernels/fp8.hpp"
+#include "support/bits.hpp"
 #include "support/fp8_cases.hpp"
 
 namespace {
 
 namespace cases = epx::test::fp8;
+using epx::test::bits_of;
+using epx::test::double_of;
+using epx::test::float_of;
 
 std::uint8_t cuda_bits(float f) { return static_cast<std::uint8_t>(__nv_fp8_e4m3(f).__x); }
 std::uint8_t cuda_bits(double d) { return static_cast<std::uint8_t>(__nv_fp8_e4m3(d).__x); }
@@ -39,7 +42,7 @@ std::uint64_t mismatches(std::uint64_t first, std::uint64_t last, std::uint64_t&
   for (std::uint64_t w = first; w <= last; ++w) {
     for (std::uint32_t sign : {0u, 0x80000000u}) {
       const std::uint32_t u = static_cast<std::uint32_t>(w) | sign;
-      const float f = cases::float_of(u);
+      const float f = float_of(u);
       const std::uint8_t got = epx::fp8_e4m3(f).bits, want = cuda_bits(f);
       if (got != want) {
         ++bad;
@@ -58,8 +61,8 @@ TEST_CASE("E4M3 decoding: all 256 codes, float and double, the same bits as __nv
     const auto v = epx::fp8_e4m3::from_bits(static_cast<std::uint8_t>(b));
     const float f = static_cast<float>(v), cf = static_cast<float>(cuda_code(b));
     const double d = static_cast<double>(v), cd = static_cast<double>(cuda_code(b));
-    CHECK(cases::bits_of(f) == cases::bits_of(cf));
-    CHECK(cases::bits_of(d) == cases::bits_of(cd));
+    CHECK(bits_of(f) == bits_of(cf));
+    CHECK(bits_of(d) == bits_of(cd));
   }
 }
 
@@ -80,13 +83,13 @@ TEST_CASE("E4M3 encoding: floats and doubles of every class, the same bits as __
   std::uint64_t bad = 0;
   const auto fc = cases::float_cases(3, std::size_t{1} << 22);
   for (std::uint32_t u : fc) {
-    const float f = cases::float_of(u);
+    const float f = float_of(u);
     if (epx::fp8_e4m3(f).bits != cuda_bits(f) && ++bad <= 10)
       FAIL_CHECK("float bits " << u << ": epx " << int(epx::fp8_e4m3(f).bits) << ", CUDA " << int(cuda_bits(f)));
   }
   const auto dc = cases::double_cases(4, std::size_t{1} << 22);
   for (std::uint64_t u : dc) {
-    const double d = cases::double_of(u);
+    const double d = double_of(u);
     if (epx::fp8_e4m3(d).bits != cuda_bits(d) && ++bad <= 10)
       FAIL_CHECK("double bits " << u << ": epx " << int(epx::fp8_e4m3(d).bits) << ", CUDA " << int(cuda_bits(d)));
   }
@@ -114,12 +117,12 @@ TEST_CASE("quantise_e4m3 compiled by nvcc: the codes of __nv_fp8_e4m3(x / scale)
     float amax = 0.0f;
     for (std::size_t h = 0; h < 128; ++h) amax = std::fmax(amax, std::fabs(x[i * 128 + h]));
     const float sc = amax == 0.0f ? 1.0f : amax / 448.0f;
-    bad += cases::bits_of(sc) != cases::bits_of(scale[i]);
+    bad += bits_of(sc) != bits_of(scale[i]);
     for (std::size_t h = 0; h < 128; ++h) {
       const std::size_t e = i * 128 + h;
       const __nv_fp8_e4m3 c(x[e] / sc);
       bad += q[e].bits != c.__x;
-      bad += cases::bits_of(out[e]) != cases::bits_of(static_cast<float>(c) * sc);
+      bad += bits_of(out[e]) != bits_of(static_cast<float>(c) * sc);
     }
   }
   CHECK(bad == 0);
@@ -153,7 +156,7 @@ TEST_CASE("quantise_e4m3 of double rows compiled by nvcc: the codes of __nv_fp8_
     double amax = 0.0;
     for (std::size_t h = 0; h < 128; ++h) amax = std::fmax(amax, std::fabs(x[i * 128 + h]));
     const float sc = amax == 0.0 ? 1.0f : static_cast<float>(amax / 448.0);
-    bad += cases::bits_of(sc) != cases::bits_of(scale[i]);
+    bad += bits_of(sc) != bits_of(scale[i]);
     for (std::size_t h = 0; h < 128; ++h) {
       const std::size_t e = i * 128 + h;
       const __nv_fp8_e4m3 c(x[e] / static_cast<double>(sc));

@@ -10,22 +10,15 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <cstring>
 
 #include "epx/core/numeric.hpp"
+#include "support/bits.hpp"
 
 namespace {
 
-std::uint32_t bits_of(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-float float_of(std::uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using epx::test::bits_of;
+using epx::test::float_of;
+
 std::uint16_t cuda_encode(float f) {
   const __half_raw r = __float2half(f);
   return r.x;
