@@ -68,6 +68,22 @@
 #define EPX_HAS_OPENMP 0
 #endif
 
+// What exec::openmp does depends on EPX_HAS_OPENMP: a parallel loop in a translation unit
+// compiled with OpenMP, a serial one elsewhere. So that a program whose translation units
+// differ there (a .cu source compiled without the host compiler's OpenMP flag beside .cpp
+// sources compiled with it) holds two distinct sets of definitions, not one inline
+// definition that differs between translation units (an ODR violation, of which the linker
+// would keep either), the policy lives in an inline namespace named after EPX_HAS_OPENMP:
+// every function and template that takes exec::openmp, epx's own included, is then a
+// different entity in each kind of translation unit. Each keeps its own behaviour: serial
+// where the unit lacks OpenMP. The CMake targets give every source, CUDA included, the
+// flag (README.md, "Using epx from CMake"), so that no program mixes the two by accident.
+#if EPX_HAS_OPENMP
+#define EPX_OPENMP_ABI_NAMESPACE with_openmp
+#else
+#define EPX_OPENMP_ABI_NAMESPACE without_openmp
+#endif
+
 namespace epx {
 
 // Used in static_assert inside `if constexpr` chains so that an invalid policy composition

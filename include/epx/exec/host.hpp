@@ -13,7 +13,8 @@
 // neighbouring bytes). The functor is the same either way.
 //
 // Host policies: `serial` (one thread) and `openmp` (a parallel loop when the translation
-// unit is compiled with OpenMP, serial otherwise). The CUDA policy `epx::exec::cuda`
+// unit is compiled with OpenMP, serial otherwise; the two are distinct types, see
+// EPX_OPENMP_ABI_NAMESPACE in epx/core/config.hpp). The CUDA policy `epx::exec::cuda`
 // (epx/exec/cuda.cuh) launches the very same functors with a grid-stride kernel on a user
 // stream.
 //
@@ -33,9 +34,14 @@ namespace epx::exec {
 
 struct serial {};
 
+// In an inline namespace named after EPX_HAS_OPENMP (epx/core/config.hpp): a translation
+// unit compiled without OpenMP has a different type, so nothing that takes it is one inline
+// definition with two bodies.
+inline namespace EPX_OPENMP_ABI_NAMESPACE {
 struct openmp {
   int threads = 0;  // 0: the OpenMP default
 };
+}  // namespace EPX_OPENMP_ABI_NAMESPACE
 
 template <class P>
 struct is_host_policy : std::false_type {};

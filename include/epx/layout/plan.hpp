@@ -338,7 +338,9 @@ struct scatter_pairs {
   }
 };
 
-// Chunk count used when the caller passes 0: one per thread on the host.
+// Chunk count used when the caller passes 0: one per thread on the host. The openmp
+// overload's body depends on EPX_HAS_OPENMP; its parameter type (exec::openmp, in an inline
+// namespace named after it) makes it a different function in each kind of translation unit.
 inline std::size_t default_chunks(const exec::serial&) { return 1; }
 inline std::size_t default_chunks(const exec::openmp& p) {
 #if EPX_HAS_OPENMP
