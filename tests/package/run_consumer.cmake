@@ -13,6 +13,12 @@
 #   -DEPX_HAVE_OPENMP=ON|OFF  whether epx::epx carries OpenMP: the consumer, linking only
 #                             epx::epx, must then compile with it and run exec::openmp on
 #                             2 threads (it prints "exec::openmp: parallel, 2 threads")
+#                             and its plans' default_chunks(exec::openmp{}) is then the
+#                             thread count (the program runs with OMP_NUM_THREADS=3), else 1
+#   -DCUDA_OPENMP=ON|OFF      nvcc compiles openmp.cu into the consumer program beside
+#                             main.cpp (default: EPX_HAVE_CUDA in the find_package mode, OFF
+#                             otherwise): it must print the same as main.cpp (OpenMP reaches
+#                             CUDA sources through epx::epx)
 #   -DINSTALL_CONFIGURE_FLAGS="<flags>"  (find_package) install from a fresh configure of
 #                             EPX_SOURCE_DIR with these flags (README's install command)
 #                             instead of EPX_BINARY_DIR, where find_package finds no
@@ -88,12 +94,28 @@ endif()
 if(EPX_PROJECT_VERSION)
   list(APPEND extra -DEPX_CONSUMER_EXPECT_VERSION=${EPX_PROJECT_VERSION})
 endif()
+if(NOT DEFINED CUDA_OPENMP)
+  if(MODE STREQUAL "find_package" AND EPX_HAVE_CUDA)
+    set(CUDA_OPENMP ON)
+  else()
+    set(CUDA_OPENMP OFF)
+  endif()
+endif()
+list(APPEND extra -DEPX_CONSUMER_CUDA_OPENMP=${CUDA_OPENMP})
 if(EPX_HAVE_OPENMP)
   list(APPEND extra -DEPX_CONSUMER_EXPECT_OPENMP=ON)
-  set(want_openmp "exec::openmp: parallel, 2 threads\n")
+  set(want_openmp "exec::openmp: parallel, 2 threads\ndefault_chunks(exec::openmp{}): 3\n")
+  if(CUDA_OPENMP)
+    string(APPEND want_openmp ".cu source: exec::openmp: parallel, 2 threads\n"
+                              ".cu source: default_chunks(exec::openmp{}): 3\n")
+  endif()
 else()
   list(APPEND extra -DEPX_CONSUMER_EXPECT_OPENMP=OFF)
-  set(want_openmp "exec::openmp: serial\n")
+  set(want_openmp "exec::openmp: serial\ndefault_chunks(exec::openmp{}): 1\n")
+  if(CUDA_OPENMP)
+    string(APPEND want_openmp ".cu source: exec::openmp: serial\n"
+                              ".cu source: default_chunks(exec::openmp{}): 1\n")
+  endif()
   if(NOT MODE STREQUAL "find_package")
     # The epx under test has no OpenMP: the nested epx must not look for it either.
     list(APPEND extra -DEPX_ENABLE_OPENMP=OFF)
@@ -153,8 +175,10 @@ if(NOT MODE STREQUAL "find_package" AND NOT DEFINED EPX_ENABLE_CUDA)
   endforeach()
 endif()
 run("build" ${CMAKE_COMMAND} --build ${WORK_DIR}/build -j2)
-# OMP_THREAD_LIMIT or OMP_DYNAMIC in the environment could hold the team below 2 threads.
-run("run" ${CMAKE_COMMAND} -E env --unset=OMP_THREAD_LIMIT --unset=OMP_DYNAMIC ${WORK_DIR}/build/epx_consumer)
+# OMP_THREAD_LIMIT or OMP_DYNAMIC in the environment could hold the team below 2 threads;
+# OMP_NUM_THREADS=3 fixes the OpenMP default that default_chunks reports.
+run("run" ${CMAKE_COMMAND} -E env --unset=OMP_THREAD_LIMIT --unset=OMP_DYNAMIC OMP_NUM_THREADS=3
+    ${WORK_DIR}/build/epx_consumer)
 file(READ ${EXPECT} want)
 string(APPEND want "${want_openmp}")
 if(NOT run_out STREQUAL want)

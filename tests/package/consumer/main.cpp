@@ -1,5 +1,6 @@
 // Builds a mesh through the public umbrella header and prints its rank table, then says
-// whether exec::openmp runs in parallel with nothing but epx::epx linked.
+// whether exec::openmp runs in parallel with nothing but epx::epx linked, and the chunk
+// count of its plans; with EPX_CONSUMER_CUDA_OPENMP, openmp.cu (nvcc) says the same.
 #include <epx/epx.hpp>
 
 #include <cstddef>
@@ -9,6 +10,11 @@
 
 #if EPX_HAS_OPENMP
 #include <omp.h>
+#endif
+
+#if EPX_CONSUMER_CUDA_OPENMP
+#include <ostream>
+void epx_consumer_cuda_openmp(std::ostream& out);  // openmp.cu
 #endif
 
 // Set by the package tests: whether the epx under test was built with OpenMP. epx::epx
@@ -54,5 +60,10 @@ int main() {
   } else {
     std::cout << "exec::openmp: serial\n";
   }
+  // One chunk per OpenMP thread (OMP_NUM_THREADS=3 in the package tests), 1 without OpenMP.
+  std::cout << "default_chunks(exec::openmp{}): " << epx::layout::default_chunks(epx::exec::openmp{}) << "\n";
+#if EPX_CONSUMER_CUDA_OPENMP
+  epx_consumer_cuda_openmp(std::cout);  // openmp.cu: the same, from a CUDA source
+#endif
   return 0;
 }
