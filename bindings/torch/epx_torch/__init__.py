@@ -434,10 +434,18 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, expert_out, weights, rows, link, layer, state, anchors):
         impl = layer._impl
         ctx.impl, ctx.layer, ctx.state, ctx.anchors = impl, layer, state, anchors
-        if state.masked:
-            # The masked path's backward reads expert_out itself (the all-to-all path keeps
-            # a copy): saved, so that an in-place change after combine raises torch's error.
-            ctx.save_for_backward(expert_out)
+        # The masked path's backward reads expert_out itself (the all-to-all path keeps a
+        # copy): saved, so that an in-place change after combine raises torch's error. `link`
+        # is saved on every rank (zero elements): under non-reentrant activation checkpointing
+        # (torch.utils.checkpoint, use_reentrant=False) around dispatch and combine, unpacking
+        # it in backward is what makes each rank recompute the checkpointed forward, and so
+        # every rank recomputes it (and runs its dispatch and combine, collectives) at the same
+        # point, at the start of combine's backward, through combine's forward; without it a
+        # rank whose experts received no rows, and saved nothing, recomputed nothing while
+        # another recomputed at its experts' backward, each waiting in another collective.
+        saved = ([expert_out] if state.masked else []) + ([link] if link is not None else [])
+        if saved:
+            ctx.save_for_backward(*saved)
         return impl.combine(state, expert_out.detach(), weights.detach())
 
     @staticmethod
