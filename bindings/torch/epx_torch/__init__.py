@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from datetime import timedelta
 from typing import Iterable, Sequence
 
@@ -302,12 +303,22 @@ class _HookHandle:
             self._entries[:] = [e for e in self._entries if e is not self._entry]
 
 
-# Per backward (autograd's graph task, so that a reentrant backward inside another one keeps
-# its own): the layers whose hooked gradients it reduces at its end, by creation order, each
-# with the kinds of its hooked parameters that got a gradient there. A backward that raised
-# before its end leaves its entry behind (at most a few are kept).
+# Per backward (autograd's graph task, by its id): a weak reference to the callback queued
+# on it (alive while the graph task is: a backward that raised drops its callbacks, and its
+# entry is then pruned) and the layers whose hooked gradients it reduces at its end, by
+# creation order, each with the kinds of its hooked parameters that got a gradient there.
 _PENDING: dict = {}
 _LAYER_ORDER = itertools.count()
+
+
+class _Reductions:
+    """The callback queued on a graph task: runs _run_reductions for it."""
+
+    def __init__(self, task: int):
+        self.task = task
+
+    def __call__(self) -> None:
+        _run_reductions(self.task)
 
 
 def _queue_reductions(layer: Layer, kind: str | None = None) -> None:
@@ -318,19 +329,35 @@ def _queue_reductions(layer: Layer, kind: str | None = None) -> None:
     if not (layer._hooked["expert"] or layer._hooked["dense"]):
         return
     task = torch._C._current_graph_task_id()
-    mine = _PENDING.get(task)
-    if mine is None:
-        for old in sorted(_PENDING)[:-16]:
-            del _PENDING[old]
-        mine = _PENDING[task] = {}
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_run_reductions, task))
-    fired = mine.setdefault(layer._order, (layer, set()))[1]
+    entry = _PENDING.get(task)
+    if entry is None:
+        for old in [t for t, (alive, _) in _PENDING.items() if alive() is None]:
+            del _PENDING[old]  # a backward that raised before its end
+        callback = _Reductions(task)
+        entry = _PENDING[task] = (weakref.ref(callback), {})
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+    fired = entry[1].setdefault(layer._order, (layer, set()))[1]
     if kind is not None:
         fired.add(kind)
 
 
 def _run_reductions(task: int) -> None:
-    mine = _PENDING.pop(task, {})
+    _, mine = _PENDING.pop(task, (None, {}))
+    # A backward nested in a running one that has reductions queued too (graph task ids grow:
+    # an older one still alive encloses this one) leaves its reductions to it. This is
+    # reentrant activation checkpointing (use_reentrant=True) around the experts: there the
+    # enclosing backward runs combine's backward, on every rank, before the nested one, while
+    # the nested one reaches the hooks only on the ranks whose experts received rows; reducing
+    # at its end, those ranks would wait for the others in another collective. Around the
+    # whole layer (dispatch, experts and combine), combine's backward is in the nested backward
+    # on every rank: it reduces at its own end everywhere, unless an enclosing one has
+    # reductions queued (on every rank too: a combine or a dense parameter's hook before it).
+    enclosing = [t for t, (alive, _) in _PENDING.items() if t < task and alive() is not None]
+    if enclosing:
+        outer = _PENDING[max(enclosing)][1]
+        for order, (layer, fired) in mine.items():
+            outer.setdefault(order, (layer, set()))[1].update(fired)
+        return
     for order in sorted(mine):
         layer, fired = mine[order]
         layer._reduce_hooked(fired)
