@@ -630,6 +630,78 @@ def unused_expert_hook_case(device="cpu", dp_replicate=1):
         raise AssertionError(f"after remove(): the gradient is {A_loc.grad}")
 
 
+def checkpoint_hook_case(use_reentrant: bool, ep: int = 1, scope: str = "layer", device: str = "cpu"):
+    """Activation checkpointing (torch.utils.checkpoint, reentrant or not) around the whole
+    MoE layer (scope "layer": dispatch, experts, combine) or around the experts alone
+    ("experts"), with expert hooks, on a job where only rank 0 has tokens, all routed to
+    expert 0 (padding off): the experts of every other rank receive no rows and are skipped
+    (their output is the rows themselves, no parameter read), so that their parameters get
+    no gradient there. Every gradient (expert parameters after the hook, a dense parameter
+    before the layer after its hook, the input and the routing weights) must equal, bit for
+    bit, those of the same steps without checkpointing, and no rank may wait for another:
+    the layer's group times out after 30 s."""
+    import datetime
+
+    from torch.utils.checkpoint import checkpoint
+
+    W, rank = dist.get_world_size(), dist.get_rank()
+    quick = dist.new_group(list(range(W)), timeout=datetime.timedelta(seconds=30))
+    mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=ep, experts=2 * ep)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=1, dtype=torch.float64, padding=(0, 1), group=quick, device=device)
+    gen = torch.Generator().manual_seed(11)
+    A = torch.randn(layer.local_experts, H, H, generator=gen, dtype=torch.float64) / math.sqrt(H)
+    A_loc = torch.nn.Parameter(A + layer.first_expert)
+    s = torch.nn.Parameter(torch.linspace(0.5, 1.5, H, dtype=torch.float64))  # a dense weight before the layer
+    handles = layer.register_expert_hooks([A_loc]) + layer.register_dense_hooks([s])
+    N = 3 if rank == 0 else 0
+    g = torch.Generator().manual_seed(700 + rank)
+    x0 = torch.randn(N, H, generator=g, dtype=torch.float64)
+    w0 = torch.rand(N, 1, generator=g, dtype=torch.float64).float()
+    G = torch.randn(N, H, generator=g, dtype=torch.float64)
+    ids = torch.zeros(N, 1, dtype=torch.int64)
+
+    def experts(rows, offsets):
+        if rows.shape[0] == 0:
+            return rows  # skipped: no row, no parameter read
+        return torch.cat([rows[int(offsets[l]):int(offsets[l + 1])] @ A_loc[l] for l in range(layer.local_experts)
+                          if int(offsets[l + 1]) > int(offsets[l])])
+
+    def moe(h, w):
+        rows, offsets, handle = epx_torch.dispatch(h, ids, w, layer)
+        if scope == "experts":
+            y = checkpoint(experts, rows, offsets, use_reentrant=use_reentrant)
+        else:
+            y = experts(rows, offsets)
+        return epx_torch.combine(y, handle)
+
+    def step(ckpt: bool):
+        for p in (A_loc, s):
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        w = w0.clone().requires_grad_()
+        h = x * s
+        if ckpt and scope == "layer":
+            out = checkpoint(moe, h, w, use_reentrant=use_reentrant)
+        else:
+            out = moe(h, w)
+        out.backward(G)
+        return [t.grad.clone() if t.grad is not None else None for t in (A_loc, s, x, w)]
+
+    want = step(False)
+    for i in range(2):  # twice: the reductions are queued again in every backward
+        got = step(True)
+        for name, a, b in zip(("expert gradient (after the hook)", "dense gradient (after the hook)",
+                               "input gradient", "routing-weight gradient"), got, want):
+            if a is None and b is None:
+                continue  # no rank of its group got a gradient (efsdp 1): none is reduced, with or without
+            if a is None or b is None:
+                raise AssertionError(f"step {i}: {name}: {'no gradient' if a is None else 'one'} with checkpointing, "
+                                     f"{'none' if b is None else 'one'} without")
+            check_equal(f"step {i}: {name}", a, b)
+    for hd in handles:
+        hd.remove()
+
+
 def constant_experts_case(device="cpu"):
     """Neither x nor the routing weights require grad, and a rank whose experts received no
     rows returns a constant: combine's output still requires grad on every rank (the
@@ -766,6 +838,12 @@ def cases(W: int):
         add("expert hooks on a rank whose experts received no rows, dp_replicate 2",
             lambda: unused_expert_hook_case(dp_replicate=2))
         add("experts that return a constant, no input requires grad", constant_experts_case)
+        for reentrant in (True, False):
+            for ep, scope in ((1, "layer"), (W, "layer"), (1, "experts")) + (((2, "layer"), (2, "experts"))
+                                                                            if W >= 4 else ()):
+                add(f"activation checkpointing (use_reentrant={reentrant}, around the {scope}, ep{ep}): expert hooks "
+                    f"on a rank whose experts received no rows",
+                    lambda r=reentrant, e=ep, sc=scope: checkpoint_hook_case(r, ep=e, scope=sc))
         add("auto: masked for inference when ep == tp", lambda: layer_case(tp=2, ep=2, path="auto", train=False))
         add("auto: all_to_all for training", lambda: layer_case(tp=2, ep=2, path="auto"))
         add("bitwise = epx::moe_layer (all_to_all, float32)", lambda: bitwise_case(dtype=f32))
@@ -820,6 +898,10 @@ def emulated_cases(W: int):
         add("experts that do not read the rows on a rank that received none", lambda: unused_rows_case("emulated"))
         add("expert hooks on a rank whose experts received no rows", lambda: unused_expert_hook_case("emulated"))
         add("experts that return a constant, no input requires grad", lambda: constant_experts_case("emulated"))
+        add("activation checkpointing (use_reentrant=False, around the layer): expert hooks on a rank whose "
+            "experts received no rows", lambda: checkpoint_hook_case(False, ep=W, device="emulated"))
+        add("activation checkpointing (use_reentrant=True, around the experts): expert hooks on a rank whose "
+            "experts received no rows", lambda: checkpoint_hook_case(True, scope="experts", device="emulated"))
         add("bitwise = epx::moe_layer (all_to_all, tp2, float64)",
             lambda: bitwise_case(tp=2, dtype=f64, device="emulated"))
         add("bitwise = epx::moe_layer, inference (all_to_all, float32)",
