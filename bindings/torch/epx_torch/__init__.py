@@ -253,7 +253,10 @@ class Layer:
         experts received no rows and were skipped) gets a zero gradient there, reduced with
         the others', so that no rank waits for it. One reduction per backward: with gradient
         accumulation over several backward passes, call reduce_expert_gradients yourself
-        instead. Returns one handle per parameter; handle.remove() undoes it."""
+        instead. Under activation checkpointing, reentrant or not, around the layer or its
+        experts, the gradients are those without it (docs/pytorch.md): a backward nested in
+        another leaves its reductions to the enclosing one where that one has some queued.
+        Returns one handle per parameter; handle.remove() undoes it."""
         return self._register("expert", params)
 
     def register_dense_hooks(self, params: Iterable[torch.nn.Parameter]) -> list:
