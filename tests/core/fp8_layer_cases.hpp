@@ -130,6 +130,23 @@ std::string check_fp8_layer(Comm& world, const layer_case& c, Exec policy = {}) 
       if (!bitwise_equal(st.out, mb.out) || !bitwise_equal(st.gx, mb.gx) || !bitwise_equal(st.gw, mb.gw))
         f += where + "the direct and staged routes differ bitwise\n";
     }
+    // The staged route with its rows gathered into send order first (where staged sends go
+    // by index out of the quantised rows): bitwise the same.
+    if (o.indexed_sends || direct) {
+      micro_batch<T> gt(c, b);
+      layer_options go = o;
+      go.peer_access = false;
+      go.indexed_sends = false;
+      moe_layer<Comm, T, impl::all_to_all, Exec> gathered(m, world, go, policy);
+      fp8_scale_experts<T> gathered_experts{m.expert_begin(rank)};
+      auto gs = gathered.forward(span<const T>(gt.x), span<const std::int32_t>(gt.d.ids), span<const float>(gt.w),
+                                 span<T>(gt.out), gathered_experts, mode::train);
+      if (gathered.stats().peer_access || gathered.stats().indexed_sends)
+        f += where + "peer_access = indexed_sends = false did not gather\n";
+      gathered.backward(std::move(gs), span<const T>(gt.go), span<T>(gt.gx), span<float>(gt.gw), gathered_experts);
+      if (!bitwise_equal(gt.out, mb.out) || !bitwise_equal(gt.gx, mb.gx) || !bitwise_equal(gt.gw, mb.gw))
+        f += where + "the gathered staged route differs bitwise\n";
+    }
 
     // The references.
     using A = accum_t<T>;

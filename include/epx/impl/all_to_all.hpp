@@ -23,7 +23,8 @@
 //      for backward and moves them in one round, and the FP8 dispatch's rows go out in one
 //      round (an inference call's outputs still come back in rounds). On communicators
 //      that send rows by index (epx::has_indexed_sends_v: threads, MPI) and host
-//      policies, the forward dispatch (not FP8's) sends the rows straight out of x, in one
+//      policies, the forward dispatch sends the rows straight out of x (FP8: the bytes,
+//      then the scales, out of the quantised rows, in two collectives), in one
 //      collective, with no gather (layer_options::indexed_sends): three passes;
 //   direct (communicators with peer access, epx::has_peer_access_v, whose ranks can use it
 //      now, epx::peer_access_available; layer_options::peer_access): each owner copies
@@ -229,7 +230,7 @@ class all_to_all_impl {
     s.fp8 = ctx_.options.fp8_dispatch;
     s.per_rank = ctx_.options.sends == row_sends::per_rank;
     s.direct = uses_peer_access<Exec>() && !s.per_rank;
-    s.by_index = !s.direct && !s.fp8 && sends_by_index<Exec>();
+    s.by_index = !s.direct && sends_by_index<Exec>();
     if (ctx_.stats != nullptr) {
       ctx_.stats->peer_access = s.direct;
       ctx_.stats->indexed_sends = s.by_index;
@@ -345,23 +346,33 @@ class all_to_all_impl {
       s.seg = segments_of(lay, me);
       // In rounds (epx/layout/rounds.hpp) each round's rows go through the stage; in one
       // round through a send buffer of all S rows, which a training call keeps as the
-      // outputs in send order. FP8 dispatch moves in one round: its rows are half as many
-      // bytes, and each round's collective cost it more than the stage saved (measured:
-      // the dispatch phase at 0.65-0.76x bf16's in rounds, 0.51-0.57x in one); its way back
-      // (rows in T) takes rounds like any other, planned by combine.
+      // outputs in send order. FP8 dispatch moves in one round, by index out of the
+      // quantised rows where sends go by index (no send buffer), else gathered (its rows are
+      // half as many bytes, and each round's collective cost it more than the stage saved);
+      // its way back (rows in T) takes rounds like any other, planned by combine.
       const bool in_rounds = !training && !s.fp8 && plan_staged_rounds(ex, s);
       const staged_rounds& o = s.rounds;
       if (s.fp8) {
-        // FP8: the quantised rows' bytes and scales gathered into send order (one buffer,
-        // as on the owners' side), then one collective.
-        auto send8 = make_rows<fp8_e4m3>(ws_, ex, S * H + S * B * sizeof(float));
-        float* const send_scales = reinterpret_cast<float*>(send8.data() + S * H);
         zero_padding(ex, s.x8.data(), lay, me, H);
         unit_padding_scales(ex, s.scales, lay, me, B);
-        kernels::gather_e4m3(ex, S, H, static_cast<const fp8_e4m3*>(rows8.data()), row_scales,
-                             static_cast<const std::int64_t*>(s.src_row.data()), send8.data(), send_scales);
-        order_before_collective(ex, *ctx_.ep);
-        exchange_fp8_rows(s.seg, send8.data(), S, s.x8.data(), R, H);
+        if (s.by_index) {
+          // FP8 by index: the bytes, then the scales, read straight out of the quantised
+          // rows as they are sent (two collectives, no gather: the gather wrote and the
+          // collective read again all S rows' bytes).
+          const auto* src = static_cast<const std::int64_t*>(s.src_row.data());
+          send_by_index(s.seg, reinterpret_cast<const unsigned char*>(rows8.data()), n, src, S,
+                        reinterpret_cast<unsigned char*>(s.x8.data()), L, H);
+          send_by_index(s.seg, static_cast<const float*>(row_scales), n, src, S, s.scales, L, B);
+        } else {
+          // FP8 gathered: the quantised rows' bytes and scales gathered into send order
+          // (one buffer, as on the owners' side), then one collective.
+          auto send8 = make_rows<fp8_e4m3>(ws_, ex, S * H + S * B * sizeof(float));
+          float* const send_scales = reinterpret_cast<float*>(send8.data() + S * H);
+          kernels::gather_e4m3(ex, S, H, static_cast<const fp8_e4m3*>(rows8.data()), row_scales,
+                               static_cast<const std::int64_t*>(s.src_row.data()), send8.data(), send_scales);
+          order_before_collective(ex, *ctx_.ep);
+          exchange_fp8_rows(s.seg, send8.data(), S, s.x8.data(), R, H);
+        }
       } else {
         // The send buffer (or stage) is also where the outputs come back (FP8: the send
         // buffer of the way back is made by combine).

@@ -67,8 +67,9 @@ struct layer_options {
   bool peer_access = true;
   // On communicators that send rows by index (epx::has_indexed_sends_v: threads, MPI) and
   // host policies, the staged route sends rows straight out of x (grad_out for per-rank
-  // sends in backward) by index, with no gather into a send buffer and, for an inference
-  // call in rounds, in one collective (the way back still takes the rounds).
+  // sends in backward; FP8 dispatch: out of the quantised rows, bytes and scales) by index,
+  // with no gather into a send buffer and, for an inference call in rounds, in one
+  // collective (the way back still takes the rounds).
   // false: gather first (same results, bitwise).
   bool indexed_sends = true;
   // Capacity and token dropping (spec section 8; epx/layout/capacity.hpp): off by default.

@@ -41,8 +41,9 @@ struct layer_stats {
   // instead of moving them through the communicator's all-to-all.
   bool peer_access = false;
   // The staged route's row sends (forward dispatch, and backward's with per-rank sends) read
-  // the rows by index straight out of the caller's x or grad_out as they went
-  // (layer_options::indexed_sends) instead of gathering them into a send buffer first.
+  // the rows by index straight out of the caller's x or grad_out (FP8 dispatch: out of the
+  // quantised rows) as they went (layer_options::indexed_sends) instead of gathering them
+  // into a send buffer first.
   bool indexed_sends = false;
   // Rounds of the staged route in the last call that ran it in rounds
   // (layer_options::stage_bytes, epx/layout/rounds.hpp); 0 when it moved all rows at once.
