@@ -7,25 +7,18 @@
 
 namespace epx::test {
 
-inline std::uint32_t bits_of(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
+// The bits of `from` as a `To` of the same size.
+template <class To, class From>
+To same_bits(From from) {
+  static_assert(sizeof(To) == sizeof(From));
+  To to;
+  std::memcpy(&to, &from, sizeof to);
+  return to;
 }
-inline float float_of(std::uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline std::uint64_t bits_of(double d) {
-  std::uint64_t u;
-  std::memcpy(&u, &d, sizeof u);
-  return u;
-}
-inline double double_of(std::uint64_t u) {
-  double d;
-  std::memcpy(&d, &u, sizeof d);
-  return d;
-}
+
+inline std::uint32_t bits_of(float f) { return same_bits<std::uint32_t>(f); }
+inline std::uint64_t bits_of(double d) { return same_bits<std::uint64_t>(d); }
+inline float float_of(std::uint32_t u) { return same_bits<float>(u); }
+inline double double_of(std::uint64_t u) { return same_bits<double>(u); }
 
 }  // namespace epx::test
