@@ -3,14 +3,9 @@
 // count of its plans; with EPX_CONSUMER_CUDA_OPENMP, openmp.cu (nvcc) says the same.
 #include <epx/epx.hpp>
 
-#include <cstddef>
 #include <iostream>
-#include <set>
-#include <vector>
 
-#if EPX_HAS_OPENMP
-#include <omp.h>
-#endif
+#include "openmp_probe.hpp"
 
 #if EPX_CONSUMER_CUDA_OPENMP
 #include <ostream>
@@ -45,23 +40,7 @@ int main() {
     std::cout << "error: " << e.message() << "\n";
   }
 
-  // Two threads asked for: each element records the OpenMP thread that ran it.
-  std::vector<int> ran_on(64, 0);
-  epx::exec::for_each_n(epx::exec::openmp{2}, ran_on.size(), [&](std::size_t i) {
-#if EPX_HAS_OPENMP
-    ran_on[i] = omp_get_thread_num();
-#else
-    (void)i;
-#endif
-  });
-  const std::set<int> threads(ran_on.begin(), ran_on.end());
-  if (threads.size() > 1) {
-    std::cout << "exec::openmp: parallel, " << threads.size() << " threads\n";
-  } else {
-    std::cout << "exec::openmp: serial\n";
-  }
-  // One chunk per OpenMP thread (OMP_NUM_THREADS=3 in the package tests), 1 without OpenMP.
-  std::cout << "default_chunks(exec::openmp{}): " << epx::layout::default_chunks(epx::exec::openmp{}) << "\n";
+  epx_consumer_report_openmp(std::cout, "");
 #if EPX_CONSUMER_CUDA_OPENMP
   epx_consumer_cuda_openmp(std::cout);  // openmp.cu: the same, from a CUDA source
 #endif
