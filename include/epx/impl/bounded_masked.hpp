@@ -192,23 +192,22 @@ class bounded_masked_route {
                       static_cast<const float*>(s.weights.data()), grad_y.data());
     else
       exec::fill_zero(ex, grad_y.data(), XR * H);
+    // The weight gradients go into `gw`, whose sum carries each rank's forward call number in
+    // a slot of its own after the N*k gradients: a rank that finds another number than its
+    // own counts the call (check() raises it on every rank), as the all-to-all path's slab
+    // headers do.
+    const auto slots = static_cast<std::size_t>(sh.ep);
+    auto gw = make_rows<float>(ws_, ex, N * k + slots);
     if (ok)
       kernels::weight_gradients(ex, N, H, s.top_k, static_cast<const T*>(s.y_local.data()), a.grad_out,
-                                static_cast<const std::int64_t*>(s.local_pos.data()), a.grad_weights);
+                                static_cast<const std::int64_t*>(s.local_pos.data()), gw.data());
+    else
+      exec::fill_zero(ex, gw.data(), N * k);
     const expert_rows<const T> er{s.x_local.data(), XR, H, b.offsets.data(), sh.L, ctx_.first_expert(), s.rows_of.data()};
     experts.backward(ex, er, static_cast<const T*>(grad_y.data()), grad_in.data());
     if (ok)
       kernels::reduce(ex, N, H, s.top_k, static_cast<const T*>(grad_in.data()),
                       static_cast<const std::int64_t*>(s.local_pos.data()), a.grad_x);
-    // The weight gradients' sum carries each rank's forward call number in a slot of its
-    // own after the N*k gradients: a rank that finds another number than its own counts the
-    // call (check() raises it on every rank), as the all-to-all path's slab headers do.
-    const auto slots = static_cast<std::size_t>(sh.ep);
-    auto gw = make_rows<float>(ws_, ex, N * k + slots);
-    if (ok)
-      exec::copy_n(ex, static_cast<const float*>(a.grad_weights), N * k, gw.data());
-    else
-      exec::fill_zero(ex, gw.data(), N * k);
     const float mine = ok && call > 0 ? layout::bound_call_slot_value(call) : 0.0f;
     exec::for_each_n(ex, 1, layout::bound_call_slots{gw.data() + N * k, sh.ep, ctx_.ep_rank(), mine});
     order_before_collective(ex, *ctx_.ep);
