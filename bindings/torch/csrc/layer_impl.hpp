@@ -333,7 +333,13 @@ at::Tensor basic_torch_layer<Exec, Comm>::combine_t(dispatch_state& s, const at:
   // The experts' output is the user's: check it on every rank before rows move back.
   std::string why = check_tensor("expert output", y_in, scalar_type_of(dtype_), static_cast<std::int64_t>(R),
                                  static_cast<std::int64_t>(H));
-  if (why.empty() && s.combined) why = "this dispatch handle was already combined (one combine per dispatch)";
+  // A second combine of one dispatch is also what recomputing an activation checkpoint that
+  // holds combine without its dispatch does (torch.utils.checkpoint, either mode): every rank
+  // recomputes there, so every rank raises this, agreed below.
+  if (why.empty() && s.combined)
+    why = "this dispatch handle was already combined (one combine per dispatch; an activation checkpoint "
+          "(torch.utils.checkpoint) around combine without its dispatch is not supported: it recomputes combine "
+          "on the same handle; checkpoint the whole layer, dispatch and the experts, or the experts alone)";
   if (why.empty())
     why = check_tensor("routing weights", weights, at::kFloat, static_cast<std::int64_t>(N),
                        static_cast<std::int64_t>(ks));

@@ -229,10 +229,14 @@ class Layer:
         """The batch this rank holds, in [0, mesh.batches)."""
         return self.mesh.batch(self.rank)
 
-    def uses_masked_path(self) -> bool:
+    def uses_masked_path(self, training: bool | None = None) -> bool:
+        """Whether a call takes the masked path: path "all_reduce", or "auto" with ep == tp
+        for a call without gradients (`training`: whether the call keeps what backward needs;
+        by default whether gradients are enabled)."""
         if self.path == "all_reduce":
             return True
-        return self.path == "auto" and self.mesh.ep == self.mesh.tp and not torch.is_grad_enabled()
+        training = torch.is_grad_enabled() if training is None else training
+        return self.path == "auto" and self.mesh.ep == self.mesh.tp and not training
 
     # The contract's gradient semantics (section 6).
     def reduce_expert_gradients(self, grad: torch.Tensor) -> torch.Tensor:
@@ -253,9 +257,10 @@ class Layer:
         experts received no rows and were skipped) gets a zero gradient there, reduced with
         the others', so that no rank waits for it. One reduction per backward: with gradient
         accumulation over several backward passes, call reduce_expert_gradients yourself
-        instead. Under activation checkpointing, reentrant or not, around the layer or its
-        experts, the gradients are those without it (docs/pytorch.md): a backward nested in
-        another leaves its reductions to the enclosing one where that one has some queued.
+        instead. Under activation checkpointing, reentrant or not, around the layer, its
+        experts, or dispatch with or without the experts, the gradients are those without it
+        (docs/pytorch.md; around combine alone it raises): a backward nested in another
+        leaves its reductions to the enclosing one where that one has some queued.
         Returns one handle per parameter; handle.remove() undoes it."""
         return self._register("expert", params)
 
@@ -348,7 +353,8 @@ def _run_reductions(task: int) -> None:
     _, mine = _PENDING.pop(task, (None, {}))
     # A backward nested in a running one that has reductions queued too (graph task ids grow:
     # an older one still alive encloses this one) leaves its reductions to it. This is
-    # reentrant activation checkpointing (use_reentrant=True) around the experts: there the
+    # reentrant activation checkpointing (use_reentrant=True) around the experts (or around
+    # dispatch with or without the experts, whose hooks fire in the recomputation): there the
     # enclosing backward runs combine's backward, on every rank, before the nested one, while
     # the nested one reaches the hooks only on the ranks whose experts received rows; reducing
     # at its end, those ranks would wait for the others in another collective. Around the
@@ -444,11 +450,21 @@ class _Dispatch(torch.autograd.Function):
         box.append(state)
         ctx.impl, ctx.state = impl, state
         ctx.mark_non_differentiable(offsets)
+        # A zero-element tensor saved on every rank, as combine's `link`: under non-reentrant
+        # activation checkpointing (use_reentrant=False) around dispatch and the experts
+        # without combine, unpacking it at the start of dispatch's backward makes every rank
+        # recompute the checkpointed forward (and run its dispatch, a collective) before
+        # dispatch's backward: a rank whose experts saved tensors recomputes at its experts'
+        # backward, one whose experts were skipped (and saved nothing) here, and both then
+        # meet in the same collectives, in the same order.
+        if training:
+            ctx.save_for_backward(torch.empty(0))
         return rows, offsets
 
     @staticmethod
     @_first_order
     def backward(ctx, grad_rows, _grad_offsets):
+        _ = ctx.saved_tensors  # recomputes a checkpointed forward here at the latest (see forward)
         grad_x = ctx.impl.dispatch_backward(ctx.state, grad_rows.contiguous())
         return grad_x, None, None, None, None, None, None
 
@@ -511,11 +527,22 @@ def dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: L
     int64, handle). Differentiable with respect to x; the weights' gradient comes from
     combine.
     """
-    masked = layer.uses_masked_path()
-    w = _weights32(weights)
+    # The call keeps what backward needs where gradients are enabled, and also under
+    # torch.no_grad where x or the weights require grad: that is the forward of a reentrant
+    # activation checkpoint (use_reentrant=True), whose segment may hold dispatch and the
+    # experts without combine; combine, outside it, then runs with gradients on this handle,
+    # and its backward on this call's state, while the segment's recomputation dispatches
+    # again for the experts' and dispatch's backward. The weights' conversion to float32 is
+    # recorded for the same reason: combine's routing-weight gradient reaches the caller's.
+    grads = not torch.is_inference_mode_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (x, weights))
+    training = torch.is_grad_enabled() or grads
+    masked = layer.uses_masked_path(training)
+    with torch.set_grad_enabled(training):
+        w = _weights32(weights)
     box: list = []
     rows, offsets = _Dispatch.apply(x, _ids32(ids), w.detach() if isinstance(w, torch.Tensor) else w,
-                                    layer._impl, masked, torch.is_grad_enabled(), box)
+                                    layer._impl, masked, training, box)
     # The rows only when they carry a graph: an inference handle holds no reference to them.
     return rows, offsets, Handle(layer, box[0], w, offsets, rows if rows.requires_grad else None)
 
@@ -534,8 +561,8 @@ def combine(expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
         isinstance(t, torch.Tensor) and t.requires_grad for t in (expert_out, handle.weights))
     if needs_grad and not handle.state.training:
         raise EpxError("epx_torch combine: gradients are enabled here, but the dispatch of this handle ran "
-                       "without them (under torch.no_grad or torch.inference_mode): run dispatch and combine "
-                       "under the same grad mode")
+                       "without them (under torch.inference_mode, or under torch.no_grad with neither x nor the "
+                       "weights requiring grad): run dispatch and combine under the same grad mode")
     # Zero-element copies of the differentiable inputs (no memory held): where a double
     # backward must raise (_first_order).
     anchors = [t[:0].clone() for t in (expert_out, handle.weights) if isinstance(t, torch.Tensor) and t.requires_grad] \

@@ -630,16 +630,22 @@ def unused_expert_hook_case(device="cpu", dp_replicate=1):
         raise AssertionError(f"after remove(): the gradient is {A_loc.grad}")
 
 
-def checkpoint_hook_case(use_reentrant: bool, ep: int = 1, scope: str = "layer", device: str = "cpu"):
-    """Activation checkpointing (torch.utils.checkpoint, reentrant or not) around the whole
-    MoE layer (scope "layer": dispatch, experts, combine) or around the experts alone
-    ("experts"), with expert hooks, on a job where only rank 0 has tokens, all routed to
-    expert 0 (padding off): the experts of every other rank receive no rows and are skipped
-    (their output is the rows themselves, no parameter read), so that their parameters get
-    no gradient there. Every gradient (expert parameters after the hook, a dense parameter
-    before the layer after its hook, the input and the routing weights) must equal, bit for
-    bit, those of the same steps without checkpointing, and no rank may wait for another:
-    the layer's group times out after 30 s."""
+def checkpoint_hook_case(use_reentrant: bool, ep: int = 1, scope: str = "layer", device: str = "cpu",
+                         skip: bool = True, wdtype=torch.float32):
+    """Activation checkpointing (torch.utils.checkpoint, reentrant or not) around a part of
+    the MoE layer, with expert hooks: the whole layer (scope "layer": dispatch, experts,
+    combine), the experts alone ("experts"), dispatch and the experts without combine
+    ("dispatch"), dispatch alone ("dispatch alone"), or combine alone ("combine", which is
+    not supported: every rank must raise EpxError saying so, in backward, where the
+    checkpoint recomputes combine on a handle already combined; then a step without
+    checkpointing runs as before). With `skip`, only rank 0 has tokens, all routed to expert
+    0 (padding off): the experts of every other rank receive no rows and are skipped (their
+    output is the rows themselves, no parameter read), so that their parameters get no
+    gradient there; without it every rank has a token for every expert. The routing weights
+    are of `wdtype` (float32, or converted to it in dispatch). Every gradient (expert
+    parameters after the hook, a dense parameter before the layer after its hook, the input
+    and the routing weights) must equal, bit for bit, those of the same steps without
+    checkpointing, and no rank may wait for another: the layer's group times out after 30 s."""
     import datetime
 
     from torch.utils.checkpoint import checkpoint
@@ -653,12 +659,13 @@ def checkpoint_hook_case(use_reentrant: bool, ep: int = 1, scope: str = "layer",
     A_loc = torch.nn.Parameter(A + layer.first_expert)
     s = torch.nn.Parameter(torch.linspace(0.5, 1.5, H, dtype=torch.float64))  # a dense weight before the layer
     handles = layer.register_expert_hooks([A_loc]) + layer.register_dense_hooks([s])
-    N = 3 if rank == 0 else 0
+    N = (3 if rank == 0 else 0) if skip else 2 * ep
     g = torch.Generator().manual_seed(700 + rank)
     x0 = torch.randn(N, H, generator=g, dtype=torch.float64)
-    w0 = torch.rand(N, 1, generator=g, dtype=torch.float64).float()
+    w0 = torch.rand(N, 1, generator=g, dtype=torch.float64).to(wdtype)
     G = torch.randn(N, H, generator=g, dtype=torch.float64)
-    ids = torch.zeros(N, 1, dtype=torch.int64)
+    # Every token to expert 0 (skip), or token t to expert t: each rank's experts get rows.
+    ids = torch.zeros(N, 1, dtype=torch.int64) if skip else torch.arange(N, dtype=torch.int64)[:, None]
 
     def experts(rows, offsets):
         if rows.shape[0] == 0:
@@ -666,28 +673,42 @@ def checkpoint_hook_case(use_reentrant: bool, ep: int = 1, scope: str = "layer",
         return torch.cat([rows[int(offsets[l]):int(offsets[l + 1])] @ A_loc[l] for l in range(layer.local_experts)
                           if int(offsets[l + 1]) > int(offsets[l])])
 
-    def moe(h, w):
+    def dispatch_experts(h, w):
         rows, offsets, handle = epx_torch.dispatch(h, ids, w, layer)
-        if scope == "experts":
-            y = checkpoint(experts, rows, offsets, use_reentrant=use_reentrant)
-        else:
-            y = experts(rows, offsets)
-        return epx_torch.combine(y, handle)
+        return experts(rows, offsets), handle
+
+    def moe(h, w, ckpt: bool):
+        part = (lambda f, *a: checkpoint(f, *a, use_reentrant=use_reentrant)) if ckpt else (lambda f, *a: f(*a))
+        if ckpt and scope == "layer":
+            return checkpoint(moe, h, w, False, use_reentrant=use_reentrant)
+        if scope == "dispatch":
+            y, handle = part(dispatch_experts, h, w)
+            return epx_torch.combine(y, handle)
+        rows, offsets, handle = part(lambda h, w: epx_torch.dispatch(h, ids, w, layer), h, w) \
+            if scope == "dispatch alone" else epx_torch.dispatch(h, ids, w, layer)
+        y = part(experts, rows, offsets) if scope == "experts" else experts(rows, offsets)
+        return part(epx_torch.combine, y, handle) if scope == "combine" else epx_torch.combine(y, handle)
 
     def step(ckpt: bool):
         for p in (A_loc, s):
             p.grad = None
         x = x0.clone().requires_grad_()
         w = w0.clone().requires_grad_()
-        h = x * s
-        if ckpt and scope == "layer":
-            out = checkpoint(moe, h, w, use_reentrant=use_reentrant)
-        else:
-            out = moe(h, w)
+        out = moe(x * s, w, ckpt)
         out.backward(G)
         return [t.grad.clone() if t.grad is not None else None for t in (A_loc, s, x, w)]
 
-    want = step(False)
+    want = step(False)  # no checkpoint anywhere
+    if scope == "combine":
+        expect_error(lambda: step(True), "already combined", "around combine without its dispatch is not supported")
+        got = step(False)  # nothing left behind: the next step reduces as before
+        for name, a, b in zip(("expert gradient", "dense gradient", "input gradient", "routing-weight gradient"),
+                              got, want):
+            if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
+                raise AssertionError(f"after the refused checkpoint: {name} differs")
+        for hd in handles:
+            hd.remove()
+        return
     for i in range(2):  # twice: the reductions are queued again in every backward
         got = step(True)
         for name, a, b in zip(("expert gradient (after the hook)", "dense gradient (after the hook)",
@@ -844,6 +865,19 @@ def cases(W: int):
                 add(f"activation checkpointing (use_reentrant={reentrant}, around the {scope}, ep{ep}): expert hooks "
                     f"on a rank whose experts received no rows",
                     lambda r=reentrant, e=ep, sc=scope: checkpoint_hook_case(r, ep=e, scope=sc))
+            for ep in (1, W):
+                for skip in (True, False):
+                    what = "on a rank whose experts received no rows" if skip else "on every rank's experts"
+                    add(f"activation checkpointing (use_reentrant={reentrant}, around dispatch and the experts, "
+                        f"ep{ep}): expert hooks {what}",
+                        lambda r=reentrant, e=ep, sk=skip: checkpoint_hook_case(
+                            r, ep=e, scope="dispatch", skip=sk, wdtype=torch.float32 if sk else torch.float64))
+                    add(f"activation checkpointing (use_reentrant={reentrant}, around combine alone, ep{ep}): refused "
+                        f"on every rank, {what}",
+                        lambda r=reentrant, e=ep, sk=skip: checkpoint_hook_case(r, ep=e, scope="combine", skip=sk))
+            add(f"activation checkpointing (use_reentrant={reentrant}, around dispatch alone, ep{W}): expert hooks "
+                f"on a rank whose experts received no rows",
+                lambda r=reentrant: checkpoint_hook_case(r, ep=W, scope="dispatch alone"))
         add("auto: masked for inference when ep == tp", lambda: layer_case(tp=2, ep=2, path="auto", train=False))
         add("auto: all_to_all for training", lambda: layer_case(tp=2, ep=2, path="auto"))
         add("bitwise = epx::moe_layer (all_to_all, float32)", lambda: bitwise_case(dtype=f32))
@@ -902,6 +936,12 @@ def emulated_cases(W: int):
             "experts received no rows", lambda: checkpoint_hook_case(False, ep=W, device="emulated"))
         add("activation checkpointing (use_reentrant=True, around the experts): expert hooks on a rank whose "
             "experts received no rows", lambda: checkpoint_hook_case(True, scope="experts", device="emulated"))
+        for reentrant in (True, False):
+            add(f"activation checkpointing (use_reentrant={reentrant}, around dispatch and the experts): expert "
+                f"hooks on a rank whose experts received no rows",
+                lambda r=reentrant: checkpoint_hook_case(r, ep=W, scope="dispatch", device="emulated"))
+            add(f"activation checkpointing (use_reentrant={reentrant}, around combine alone): refused on every rank",
+                lambda r=reentrant: checkpoint_hook_case(r, ep=W, scope="combine", device="emulated"))
         add("bitwise = epx::moe_layer (all_to_all, tp2, float64)",
             lambda: bitwise_case(tp=2, dtype=f64, device="emulated"))
         add("bitwise = epx::moe_layer, inference (all_to_all, float32)",
