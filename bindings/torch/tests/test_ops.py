@@ -723,6 +723,57 @@ def checkpoint_hook_case(use_reentrant: bool, ep: int = 1, scope: str = "layer",
         hd.remove()
 
 
+def checkpoint_tp_case(use_reentrant: bool, path: str, scope: str = "dispatch"):
+    """Activation checkpointing around dispatch and the experts without combine (scope
+    "dispatch") or around the whole layer ("layer"), with tp 2 (the ranks of a TP group hold
+    the same rows and dispatch their slices) on the all-to-all path, the masked path, or
+    "auto" (masked for calls without gradients, ep == tp): the output and every gradient
+    (the expert parameters after the hook, the input, the routing weights) equal, bit for
+    bit, those of the same step without checkpointing."""
+    import datetime
+
+    from torch.utils.checkpoint import checkpoint
+
+    W = dist.get_world_size()
+    quick = dist.new_group(list(range(W)), timeout=datetime.timedelta(seconds=30))
+    mesh = epx_torch.Mesh(tp=2, fsdp=W // 2, ep=2, experts=4)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=2, dtype=torch.float64, path=path, group=quick)
+    x0, ids, w0, G = batch_data(layer.batch, 6, 2, 4, torch.float64)
+    gen = torch.Generator().manual_seed(13 + layer.first_expert)
+    A = torch.nn.Parameter(torch.randn(layer.local_experts, H, H, generator=gen, dtype=torch.float64) / math.sqrt(H))
+    handles = layer.register_expert_hooks([A])
+
+    def experts(rows, offsets):
+        return torch.cat([rows[int(offsets[l]):int(offsets[l + 1])] @ A[l] for l in range(layer.local_experts)])
+
+    def dispatch_experts(h, w):
+        rows, offsets, handle = epx_torch.dispatch(h, ids, w, layer)
+        return experts(rows, offsets), handle
+
+    def moe(h, w):
+        return epx_torch.combine(*dispatch_experts(h, w))
+
+    def step(ckpt: bool):
+        A.grad = None
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if ckpt and scope == "layer":
+            out = checkpoint(moe, x, w, use_reentrant=use_reentrant)
+        elif ckpt:
+            out = epx_torch.combine(*checkpoint(dispatch_experts, x, w, use_reentrant=use_reentrant))
+        else:
+            out = moe(x, w)
+        out.backward(G)
+        return [out.detach(), A.grad.clone(), x.grad.clone(), w.grad.clone()]
+
+    want = step(False)
+    got = step(True)
+    for name, a, b in zip(("output", "expert gradient (after the hook)", "input gradient", "routing-weight gradient"),
+                          got, want):
+        check_equal(name, a, b)
+    for hd in handles:
+        hd.remove()
+
+
 def constant_experts_case(device="cpu"):
     """Neither x nor the routing weights require grad, and a rank whose experts received no
     rows returns a constant: combine's output still requires grad on every rank (the
@@ -878,6 +929,13 @@ def cases(W: int):
             add(f"activation checkpointing (use_reentrant={reentrant}, around dispatch alone, ep{W}): expert hooks "
                 f"on a rank whose experts received no rows",
                 lambda r=reentrant: checkpoint_hook_case(r, ep=W, scope="dispatch alone"))
+            if W % 2 == 0:
+                for path in ("all_to_all", "all_reduce", "auto"):
+                    add(f"activation checkpointing (use_reentrant={reentrant}, around dispatch and the experts, "
+                        f"tp2 ep2, path {path}): bitwise the gradients without it",
+                        lambda r=reentrant, p=path: checkpoint_tp_case(r, p))
+                add(f"activation checkpointing (use_reentrant={reentrant}, around the layer, tp2 ep2, path auto): "
+                    f"bitwise the gradients without it", lambda r=reentrant: checkpoint_tp_case(r, "auto", "layer"))
         add("auto: masked for inference when ep == tp", lambda: layer_case(tp=2, ep=2, path="auto", train=False))
         add("auto: all_to_all for training", lambda: layer_case(tp=2, ep=2, path="auto"))
         add("bitwise = epx::moe_layer (all_to_all, float32)", lambda: bitwise_case(dtype=f32))
