@@ -150,7 +150,11 @@ class basic_torch_layer {
                                                                               const at::Tensor& ids,
                                                                               const at::Tensor& weights, bool training,
                                                                               bool masked);
-  at::Tensor combine(const std::shared_ptr<dispatch_state>& s, const at::Tensor& expert_out, const at::Tensor& weights);
+  // `keep`: keep what combine's backward needs (a training dispatch's state, combined with
+  // gradients enabled); else combine as for inference (a training dispatch combined under
+  // torch.no_grad, as the forward of a reentrant activation checkpoint does).
+  at::Tensor combine(const std::shared_ptr<dispatch_state>& s, const at::Tensor& expert_out, const at::Tensor& weights,
+                     bool keep);
   std::tuple<at::Tensor, at::Tensor> combine_backward(const std::shared_ptr<dispatch_state>& s,
                                                       const at::Tensor& grad_out);
   at::Tensor dispatch_backward(const std::shared_ptr<dispatch_state>& s, const at::Tensor& grad_rows);
@@ -181,7 +185,7 @@ class basic_torch_layer {
                                                                                 bool training, bool masked,
                                                                                 const std::string& why);
   template <class T>
-  at::Tensor combine_t(dispatch_state& s, const at::Tensor& y, const at::Tensor& weights);
+  at::Tensor combine_t(dispatch_state& s, const at::Tensor& y, const at::Tensor& weights, bool keep);
   template <class T>
   std::tuple<at::Tensor, at::Tensor> combine_backward_t(dispatch_state& s, const at::Tensor& grad_out);
   template <class T>

@@ -316,15 +316,17 @@ at::Tensor basic_torch_layer<Exec, Comm>::adopt(B&& b, std::size_t n) const {
 
 template <class Exec, class Comm>
 at::Tensor basic_torch_layer<Exec, Comm>::combine(const std::shared_ptr<dispatch_state>& s,
-                                                  const at::Tensor& expert_out, const at::Tensor& weights) {
+                                                  const at::Tensor& expert_out, const at::Tensor& weights,
+                                                  bool keep) {
   EPX_REQUIRE(s != nullptr, epx::errc::input, "combine needs the handle of a dispatch");
   const typename layer_side<Exec>::guard on_device(device_);
-  return with_type(dtype_, [&](auto t) { return combine_t<decltype(t)>(*s, expert_out, weights); });
+  return with_type(dtype_, [&](auto t) { return combine_t<decltype(t)>(*s, expert_out, weights, keep); });
 }
 
 template <class Exec, class Comm>
 template <class T>
-at::Tensor basic_torch_layer<Exec, Comm>::combine_t(dispatch_state& s, const at::Tensor& y_in, const at::Tensor& weights) {
+at::Tensor basic_torch_layer<Exec, Comm>::combine_t(dispatch_state& s, const at::Tensor& y_in, const at::Tensor& weights,
+                                                    bool keep) {
   const auto ex = exec();
   const epx::mesh& m = *mesh_;
   const int tp = m.tp();
@@ -350,6 +352,7 @@ at::Tensor basic_torch_layer<Exec, Comm>::combine_t(dispatch_state& s, const at:
                                 no_counts.size(), why, "epx_torch combine", s.masked ? m.ep() : tp,
                                 epx::detail::record_combine);
   s.combined = true;
+  keep = keep && s.training;  // what backward needs: the experts' output (send order on the all-to-all path)
   const at::Tensor y = y_in.contiguous(), w = weights.contiguous();
   const at::ScalarType st = scalar_type_of(dtype_);
   at::Tensor out = pool_.get(tensor_pool::out, static_cast<std::int64_t>(N), static_cast<std::int64_t>(H), st);
@@ -361,22 +364,22 @@ at::Tensor basic_torch_layer<Exec, Comm>::combine_t(dispatch_state& s, const at:
     epx::exec::fill_zero(ex, o + sl.end * H, (N - sl.end) * H);
     const float* wp = ptr<const float>(w) + sl.begin * ks;
     // 6. The outputs back to their send positions (read in place with shared memory, except
-    // in training, whose backward keeps them in send order for the routing-weight
+    // where backward needs them: `keep` keeps them in send order for the routing-weight
     // gradients); 7. the weighted sum in slot order.
     at::Tensor back;
     std::vector<const T*> table;
     const auto* pos = ptr<const std::int64_t>(s.pos);
-    if (returned_rows(s, static_cast<const T*>(ptr<T>(y)), !s.training, tensor_pool::back, back, table))
+    if (returned_rows(s, static_cast<const T*>(ptr<T>(y)), !keep, tensor_pool::back, back, table))
       epx::kernels::combine(ex, n, H, s.top_k, epx::kernels::row_table<T>{table.data()}, wp, pos, o + sl.begin * H);
     else
       epx::kernels::combine(ex, n, H, s.top_k, static_cast<const T*>(ptr<T>(back)), wp, pos, o + sl.begin * H);
-    if (s.training) s.y = back;
+    if (keep) s.y = back;
     if (tp > 1) epx::all_reduce(*tp_, epx::span<T>(o, N * H));
   } else {
     epx::kernels::combine(ex, N, H, s.top_k, static_cast<const T*>(ptr<T>(y)), ptr<const float>(w),
                           ptr<const std::int64_t>(s.pos), ptr<T>(out));
     epx::all_reduce(*ep_, epx::span<T>(ptr<T>(out), N * H));
-    if (s.training) s.y = y;
+    if (keep) s.y = y;
   }
   (void)R;
   return out;

@@ -168,6 +168,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("masked", &dispatch_state::masked)
       .def_readonly("training", &dispatch_state::training)
       .def_readonly("combined", &dispatch_state::combined)
+      // Whether the state holds the experts' output for combine's backward (a combine with
+      // gradients on a training dispatch's handle, until that backward).
+      .def_property_readonly("keeps_output", [](const dispatch_state& s) { return s.y.defined(); })
       .def_property_readonly("slice", [](const dispatch_state& s) { return py::make_tuple(s.slice.begin, s.slice.end); })
       .def_property_readonly("offsets", [](const dispatch_state& s) { return s.offsets; });
 

@@ -492,7 +492,11 @@ class _Combine(torch.autograd.Function):
         saved = ([expert_out] if state.masked else []) + ([link] if link is not None else [])
         if saved:
             ctx.save_for_backward(*saved)
-        return impl.combine(state, expert_out.detach(), weights.detach())
+        # What backward needs is kept where a backward can follow (`link`: gradients enabled
+        # on a training dispatch's handle); a training dispatch's handle combined under
+        # torch.no_grad (a reentrant checkpoint's forward, where x requires grad) combines as
+        # for inference.
+        return impl.combine(state, expert_out.detach(), weights.detach(), link is not None)
 
     @staticmethod
     @_first_order

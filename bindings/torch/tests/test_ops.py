@@ -774,6 +774,48 @@ def checkpoint_tp_case(use_reentrant: bool, path: str, scope: str = "dispatch"):
         hd.remove()
 
 
+def no_grad_training_case():
+    """Under torch.no_grad (a reentrant activation checkpoint's forward), a dispatch whose x
+    or weights require grad keeps what backward needs (path "auto" then takes the
+    all-to-all path, as the recomputation with gradients will), one whose inputs need no
+    gradient does not, nor one under torch.inference_mode; and a training dispatch's handle
+    combined under torch.no_grad combines as for inference, keeping nothing of the experts'
+    output, with the same output bits as a combine with gradients, which keeps it until its
+    backward."""
+    W = dist.get_world_size()
+    tp = 2 if W % 2 == 0 else 1
+    mesh = epx_torch.Mesh(tp=tp, fsdp=W // tp, ep=tp, experts=2 * tp)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=2, dtype=torch.float64, path="auto")
+    x, ids, w, G = batch_data(layer.batch, 6, 2, 2 * tp, torch.float64)
+
+    def state(x, w):
+        return epx_torch.dispatch(x, ids, w, layer)
+
+    with torch.no_grad():
+        for xg, wg, training in ((True, False, True), (False, True, True), (False, False, False)):
+            rows, offsets, h = state(x.clone().requires_grad_(xg), w.clone().requires_grad_(wg))
+            if h.state.training != training or h.state.masked == training:
+                raise AssertionError(f"no_grad, x requires grad {xg}, weights {wg}: training {h.state.training}, "
+                                     f"masked {h.state.masked}")
+            if training:
+                out_no_grad = epx_torch.combine(rows * 2, h)
+                if h.state.keeps_output:
+                    raise AssertionError("a combine under no_grad kept the experts' output")
+    with torch.inference_mode():
+        _, _, h = state(x.clone().requires_grad_(), w)
+        if h.state.training:
+            raise AssertionError("a dispatch under inference_mode kept what backward needs")
+    xr = x.clone().requires_grad_()
+    rows, offsets, h = state(xr, w)
+    out = epx_torch.combine(rows * 2, h)
+    if not h.state.keeps_output:
+        raise AssertionError("a combine with gradients did not keep the experts' output")
+    check_equal("output of a combine under no_grad", out_no_grad, out.detach())
+    out.backward(G)
+    if h.state.keeps_output:
+        raise AssertionError("combine's backward left the experts' output in the handle")
+
+
 def constant_experts_case(device="cpu"):
     """Neither x nor the routing weights require grad, and a rank whose experts received no
     rows returns a constant: combine's output still requires grad on every rank (the
@@ -910,6 +952,8 @@ def cases(W: int):
         add("expert hooks on a rank whose experts received no rows, dp_replicate 2",
             lambda: unused_expert_hook_case(dp_replicate=2))
         add("experts that return a constant, no input requires grad", constant_experts_case)
+        add("a training dispatch under no_grad (a reentrant checkpoint's forward); its combine under no_grad keeps "
+            "nothing", no_grad_training_case)
         for reentrant in (True, False):
             for ep, scope in ((1, "layer"), (W, "layer"), (1, "experts")) + (((2, "layer"), (2, "experts"))
                                                                             if W >= 4 else ()):
