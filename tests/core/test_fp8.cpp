@@ -420,6 +420,76 @@ TEST_CASE("quantise_e4m3: NaN, infinity, underflowing scales and rows that are n
   });
 }
 
+TEST_CASE("fp8_e4m3: the in-range float encoding equals the full one up to 464") {
+  const auto cases = model::float_cases(4, std::size_t{1} << 21);
+  std::size_t bad = 0, checked = 0;
+  for (std::uint32_t u : cases) {
+    const float f = float_of(u);
+    if (!(std::fabs(f) <= 464.0f)) continue;  // NaN, beyond 464
+    ++checked;
+    const std::uint8_t got = epx::detail::float_to_fp8_e4m3_bits_in_range(f);
+    const std::uint8_t want = epx::detail::float_to_fp8_e4m3_bits(f);
+    if (got != want && ++bad <= 10) FAIL_CHECK("float " << hex(u) << " (" << f << "): " << hex(got) << " != " << hex(want));
+  }
+  CHECK(bad == 0);
+  CHECK(checked > cases.size() / 4);
+}
+
+// The block loop takes a shorter conversion where every element is finite and the scale is
+// a normal float (no quotient saturates or is NaN there), the full one elsewhere: blocks
+// whose largest magnitude sweeps across the smallest normal scale (448 * 2^-126), up to
+// the largest float, down to float subnormals, with an infinity or a NaN, against the model.
+template <class T>
+void check_block_paths() {
+  std::vector<float> amaxes;
+  const float edge = 448.0f * 0x1p-126f;  // amax / 448 is the smallest normal float
+  for (int k = -40; k <= 40; ++k) {
+    amaxes.push_back(float_of(static_cast<std::uint32_t>(static_cast<std::int64_t>(bits_of(edge)) + k)));
+    amaxes.push_back(float_of(static_cast<std::uint32_t>(static_cast<std::int64_t>(bits_of(edge)) + k * 4099)));
+  }
+  for (float a : {0x1p-149f, 0x1p-140f, 0x1p-127f, 0x1p-120f, 0x1p-118f, 0x1p-117f, 1.0f, 448.0f, 0x1p100f, 0x1p127f,
+                  std::numeric_limits<float>::max()})
+    amaxes.push_back(a);
+  const std::size_t H = 128;
+  epx::ref::rng g(17);
+  std::vector<T> x;
+  for (std::size_t i = 0; i < amaxes.size() * 4; ++i) {
+    const float amax = amaxes[i / 4];
+    const std::size_t variant = i % 4, at = (i * 37) % H;
+    for (std::size_t h = 0; h < H; ++h) {
+      float v = h == at ? (i % 8 < 4 ? amax : -amax) : static_cast<float>(amax * std::ldexp(g.uniform(-1, 1), -static_cast<int>(h % 24)));
+      if (variant == 1 && h == (at + 5) % H) v = std::numeric_limits<float>::quiet_NaN();
+      if (variant == 2 && h == (at + 9) % H) v = -std::numeric_limits<float>::infinity();
+      if (variant == 3 && h % 2) v = 0.0f;
+      x.push_back(epx::convert<T>(v));
+    }
+  }
+  const std::size_t rows = x.size() / H;
+  std::vector<std::uint8_t> mq;
+  std::vector<float> ms;
+  model_quantise(x, rows, H, mq, ms);
+  std::size_t fast = 0;
+  for (std::size_t r = 0; r < rows; ++r) fast += ms[r] >= 0x1p-126f && std::isfinite(ms[r]) && r % 4 != 1 && r % 4 != 2;
+  CHECK(fast > 0);
+  CHECK(fast < rows / 2);
+  for_each_host_isa([&] {
+    std::vector<fp8_e4m3> q(x.size());
+    std::vector<float> s(rows);
+    epx::kernels::quantise_e4m3(epx::exec::serial{}, rows, H, x.data(), q.data(), s.data());
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < x.size(); ++i)
+      if (q[i].bits != mq[i] && ++bad <= 10)
+        FAIL_CHECK("element " << i << " (block amax " << amaxes[i / H / 4] << "): " << hex(q[i].bits)
+                              << " != " << hex(mq[i]));
+    CHECK(bad == 0);
+    CHECK(std::memcmp(s.data(), ms.data(), rows * sizeof(float)) == 0);
+  });
+}
+
+TEST_CASE_TEMPLATE("quantise_e4m3: blocks on either side of the finite, normal-scale conversion", T, float, epx::bf16) {
+  check_block_paths<T>();
+}
+
 TEST_CASE("quantise_e4m3: double rows are scaled in double, each quotient rounded to E4M3 once") {
   for_each_host_isa([] {
     const std::size_t H = 256;

@@ -85,6 +85,18 @@ EPX_HOST_DEVICE inline std::uint8_t float_to_fp8_e4m3_bits(float f) noexcept {
   return static_cast<std::uint8_t>(code);
 }
 
+// float_to_fp8_e4m3_bits(f) for an f that is not NaN and at most 464 in magnitude (no
+// saturation, no NaN code): the same bits with two selections fewer.
+EPX_HOST_DEVICE inline std::uint8_t float_to_fp8_e4m3_bits_in_range(float f) noexcept {
+  const std::uint32_t u = float_bits(f);
+  const std::uint32_t a = u & 0x7fffffffu;
+  const std::uint32_t sign = (u >> 24) & 0x80u;
+  const std::uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+  const std::uint32_t sub = float_bits(bits_float(a) * 512.0f + 8388608.0f) - 0x4b000000u;
+  const std::uint32_t is_sub = 0u - static_cast<std::uint32_t>(a < 0x3c800000u);  // below 2^-6
+  return static_cast<std::uint8_t>(((sub & is_sub) | (normal & ~is_sub)) | sign);
+}
+
 EPX_HOST_DEVICE inline std::uint8_t double_to_fp8_e4m3_bits(double d) noexcept {
   const std::uint64_t u = fp8_double_bits(d);
   const std::uint64_t a = u & 0x7fffffffffffffffull;

@@ -22,10 +22,10 @@
 // null row pointer) quantises to zero bytes with scale 1.
 //
 // Every operation is one EPX_HOST_DEVICE functor run by every policy, host and device
-// alike, with the same bits: quantisation by exec::for_each_n, one call per (row, block);
-// the gather and the dequantisation by exec::for_each_row. Divisions and products are
-// rounded to nearest on every compiler (no contraction into a fused multiply-add, no
-// approximate division). On x86-64 hosts the quantisation and the dequantisation run the
+// alike, with the same bits: quantisation by exec::for_each_n, one call per block on a
+// device and per 16 blocks on the host; the gather and the dequantisation by
+// exec::for_each_row. Divisions and products are rounded to nearest on every compiler (no
+// contraction into a fused multiply-add, no approximate division). On x86-64 hosts the quantisation and the dequantisation run the
 // widest of their baseline, AVX2 and AVX-512 versions that the CPU supports
 // (epx/exec/host_isa.hpp), the same bits from each.
 //
@@ -122,26 +122,41 @@ EPX_HOST_DEVICE inline float fp8_block_scale_of_double(double amax) noexcept {
   return s > 0.0f ? s : 1.0f;
 }
 
-// Block i = r * H/128 + b: q[r, 128b : 128b+128] and scale[i] from src(r).
+// Blocks [i * group, (i + 1) * group) of all rows' blocks (block j = r * H/128 + b is
+// q[r, 128b : 128b+128] and scale[j] from src(r)): one block a call on a device, a group
+// of blocks a call on the host (the call's version choice and set-up paid once a group).
 template <class T, class Src>
 struct fp8_quantise {
   Src src;            // row source (epx/kernels/rows.hpp)
   fp8_e4m3* dst;      // [rows, H]
   float* scale;       // [rows, H / 128]
   std::size_t hidden;
+  std::size_t group;  // blocks a call
+  std::size_t count;  // blocks in all
 
   EPX_HOST_DEVICE void operator()(std::size_t i) const { EPX_RUN_WIDEST(i); }
 
-  // The block's loops, written without branches so that they vectorise on the host.
   EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t i) const {
     const std::size_t blocks = hidden / fp8_block;
-    const std::size_t r = i / blocks;
-    const std::size_t h0 = (i - r * blocks) * fp8_block;
+    const std::size_t j0 = i * group, j1 = count - j0 < group ? count : j0 + group;
+    std::size_t r = j0 / blocks, b = j0 - r * blocks;
+    for (std::size_t j = j0; j < j1; ++j) {
+      block(j, r, b * fp8_block);
+      if (++b == blocks) {
+        b = 0;
+        ++r;
+      }
+    }
+  }
+
+  // Block j (row r, elements h0 : h0 + 128). The loops are written without branches so
+  // that they vectorise on the host.
+  EPX_HOST_DEVICE EPX_HOST_INLINE void block(std::size_t j, std::size_t r, std::size_t h0) const {
     fp8_e4m3* d = dst + r * hidden + h0;
     const T* s = row_at(src, r, hidden);
     if (s == nullptr) {
       for (std::size_t h = 0; h < fp8_block; ++h) d[h] = fp8_e4m3::from_bits(0);
-      scale[i] = 1.0f;
+      scale[j] = 1.0f;
       return;
     }
     s += h0;
@@ -157,20 +172,38 @@ struct fp8_quantise {
       const float sc = fp8_block_scale_of_double(amax);
       for (std::size_t h = 0; h < fp8_block; ++h)
         d[h] = fp8_e4m3(detail::div_rn(s[h], static_cast<double>(sc)));
-      scale[i] = sc;
+      scale[j] = sc;
       return;
     }
-    // The largest magnitude, NaN left out, as the largest bits of |x| (non-negative floats
-    // order as their bits; an integer max reduction vectorises on the host).
+    // The largest magnitude as the largest bits of |x| (non-negative floats order as their
+    // bits; an integer max reduction vectorises on the host). Bits above infinity's are a
+    // NaN's: then again with NaN left out.
     std::uint32_t amax_bits = 0;
     for (std::size_t h = 0; h < fp8_block; ++h) {
-      std::uint32_t a = epx::detail::float_bits(convert<float>(s[h])) & 0x7fffffffu;
-      a &= 0u - static_cast<std::uint32_t>(a <= 0x7f800000u);  // NaN: 0
+      const std::uint32_t a = epx::detail::float_bits(convert<float>(s[h])) & 0x7fffffffu;
       amax_bits = a > amax_bits ? a : amax_bits;
     }
+    const bool finite = amax_bits < 0x7f800000u;  // no NaN, no infinity
+    if (amax_bits > 0x7f800000u) {
+      amax_bits = 0;
+      for (std::size_t h = 0; h < fp8_block; ++h) {
+        std::uint32_t a = epx::detail::float_bits(convert<float>(s[h])) & 0x7fffffffu;
+        a &= 0u - static_cast<std::uint32_t>(a <= 0x7f800000u);  // NaN: 0
+        amax_bits = a > amax_bits ? a : amax_bits;
+      }
+    }
     const float sc = fp8_block_scale(epx::detail::bits_float(amax_bits));
-    for (std::size_t h = 0; h < fp8_block; ++h) d[h] = fp8_e4m3(detail::div_rn(convert<float>(s[h]), sc));
-    scale[i] = sc;
+    if (finite && sc >= 0x1p-126f) {
+      // Finite elements and a normal scale (sc = amax / 448 within 2^-24 relative): every
+      // quotient is finite and at most 448 * (1 + 2^-23) in magnitude, so no element
+      // saturates or is NaN (the same bits as fp8_e4m3(quotient), two selections fewer).
+      for (std::size_t h = 0; h < fp8_block; ++h)
+        d[h] = fp8_e4m3::from_bits(
+            epx::detail::float_to_fp8_e4m3_bits_in_range(detail::div_rn(convert<float>(s[h]), sc)));
+    } else {
+      for (std::size_t h = 0; h < fp8_block; ++h) d[h] = fp8_e4m3(detail::div_rn(convert<float>(s[h]), sc));
+    }
+    scale[j] = sc;
   }
 };
 
@@ -237,7 +270,8 @@ template <class Exec, class T, class Src>
 void quantise_e4m3_rows(const Exec& ex, std::size_t rows, std::size_t H, Src src, fp8_e4m3* q, float* scale) {
   check_fp8_hidden(H);  // else the tail of each row would be left unwritten
   const std::size_t n = rows * (H / fp8_block);
-  if (n) exec::for_each_n(ex, n, fp8_quantise<T, Src>{src, q, scale, H});
+  const std::size_t group = exec::is_host_policy_v<Exec> ? 16 : 1;  // blocks a call
+  if (n) exec::for_each_n(ex, (n + group - 1) / group, fp8_quantise<T, Src>{src, q, scale, H, group, n});
 }
 
 template <class Exec, class T>
