@@ -101,9 +101,10 @@ std::vector<float> model_dots(std::size_t n, std::size_t H, std::size_t k, const
 }
 
 template <class T>
-void check_row_loops(std::size_t H) {
+void check_row_loops(std::size_t H, std::size_t k) {
   CAPTURE(H);
-  const std::size_t n = 9, k = 4, R = 23;
+  CAPTURE(k);
+  const std::size_t n = 9, R = 23;
   epx::ref::rng g(H * 31 + sizeof(T));
   std::vector<T> y(R * H), x(n * H), grad(n * H);
   for (auto& v : y) v = epx::convert<T>(g.normal());
@@ -127,6 +128,13 @@ void check_row_loops(std::size_t H) {
     epx::kernels::reduce(ex, n, H, static_cast<int>(k), y.data(), pos.data(), red.data());
     epx::kernels::gather(ex, R, H, x.data(), index.data(), scale.data(), gat.data());
     epx::kernels::weight_gradients(ex, n, H, static_cast<int>(k), y.data(), grad.data(), pos.data(), dots.data());
+    // y through a table of rows: the direct route's shape.
+    std::vector<const T*> table(R);
+    for (std::size_t r = 0; r < R; ++r) table[r] = y.data() + r * H;
+    std::vector<float> table_dots(n * k);
+    epx::kernels::weight_gradients(ex, n, H, static_cast<int>(k), epx::kernels::row_table<T>{table.data()}, grad.data(),
+                                   pos.data(), table_dots.data());
+    CHECK(same_bits(table_dots, want_dots));
     CHECK(same_bits(out, want_combine));
     CHECK(same_bits(red, want_reduce));
     CHECK(same_bits(gat, want_gather));
@@ -142,7 +150,7 @@ void check_row_loops(std::size_t H) {
 TEST_CASE_TEMPLATE("host versions: combine, reduce, scaled gather and weight gradients give the model's bits", T, float,
                    double, epx::bf16, epx::fp16) {
   for (std::size_t H : {std::size_t{16}, std::size_t{300}, std::size_t{4096}, std::size_t{7168 + 5}})
-    check_row_loops<T>(H);
+    for (std::size_t k : {std::size_t{4}, std::size_t{9}}) check_row_loops<T>(H, k);
 }
 
 TEST_CASE_TEMPLATE("host versions: FP8 dequantisation gives the model's bits", T, float, double, epx::bf16, epx::fp16) {
