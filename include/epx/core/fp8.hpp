@@ -68,19 +68,24 @@ EPX_HOST_DEVICE inline std::uint8_t fp8_e4m3_round(U a) noexcept {
 // float's 23-bit mantissa to 3 bits by integer arithmetic (nearest even, as the bf16
 // conversion does); below 2^-6 the E4M3 code is |x| * 2^9 rounded to an integer, which
 // the FPU's addition of 2^23 rounds to nearest even (|x| * 2^9 is exact: a power of two).
-EPX_HOST_DEVICE inline std::uint8_t float_to_fp8_e4m3_bits(float f) noexcept {
-  const std::uint32_t u = float_bits(f);
-  const std::uint32_t a = u & 0x7fffffffu;
-  const std::uint32_t sign = (u >> 24) & 0x80u;
+// fp8_e4m3_magnitude_code rounds a magnitude a (a float's bits without the sign) of at most
+// 464; float_to_fp8_e4m3_bits adds saturation, the sign and NaN, and
+// float_to_fp8_e4m3_bits_in_range only the sign.
+EPX_HOST_DEVICE inline std::uint32_t fp8_e4m3_magnitude_code(std::uint32_t a) noexcept {
   const std::uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
   const std::uint32_t sub = float_bits(bits_float(a) * 512.0f + 8388608.0f) - 0x4b000000u;
   // Selections by masks (not branches, which the host compiler would not vectorise).
   const std::uint32_t is_sub = 0u - static_cast<std::uint32_t>(a < 0x3c800000u);  // below 2^-6
+  return (sub & is_sub) | (normal & ~is_sub);
+}
+
+EPX_HOST_DEVICE inline std::uint8_t float_to_fp8_e4m3_bits(float f) noexcept {
+  const std::uint32_t u = float_bits(f);
+  const std::uint32_t a = u & 0x7fffffffu;
   const std::uint32_t is_big = 0u - static_cast<std::uint32_t>(a > 0x43e80000u);  // above 464, inf: +-448
   const std::uint32_t is_nan = 0u - static_cast<std::uint32_t>(a > 0x7f800000u);  // NaN, sign dropped
-  std::uint32_t code = (sub & is_sub) | (normal & ~is_sub);
-  code = (0x7eu & is_big) | (code & ~is_big);
-  code |= sign;
+  std::uint32_t code = (0x7eu & is_big) | (fp8_e4m3_magnitude_code(a) & ~is_big);
+  code |= (u >> 24) & 0x80u;
   code = (0x7fu & is_nan) | (code & ~is_nan);
   return static_cast<std::uint8_t>(code);
 }
@@ -89,12 +94,7 @@ EPX_HOST_DEVICE inline std::uint8_t float_to_fp8_e4m3_bits(float f) noexcept {
 // saturation, no NaN code): the same bits with two selections fewer.
 EPX_HOST_DEVICE inline std::uint8_t float_to_fp8_e4m3_bits_in_range(float f) noexcept {
   const std::uint32_t u = float_bits(f);
-  const std::uint32_t a = u & 0x7fffffffu;
-  const std::uint32_t sign = (u >> 24) & 0x80u;
-  const std::uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
-  const std::uint32_t sub = float_bits(bits_float(a) * 512.0f + 8388608.0f) - 0x4b000000u;
-  const std::uint32_t is_sub = 0u - static_cast<std::uint32_t>(a < 0x3c800000u);  // below 2^-6
-  return static_cast<std::uint8_t>(((sub & is_sub) | (normal & ~is_sub)) | sign);
+  return static_cast<std::uint8_t>(fp8_e4m3_magnitude_code(u & 0x7fffffffu) | ((u >> 24) & 0x80u));
 }
 
 EPX_HOST_DEVICE inline std::uint8_t double_to_fp8_e4m3_bits(double d) noexcept {
