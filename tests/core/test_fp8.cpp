@@ -435,6 +435,29 @@ TEST_CASE("fp8_e4m3: the in-range float encoding equals the full one up to 464")
   CHECK(checked > cases.size() / 4);
 }
 
+// fp8_e4m3_magnitude_code (no branches: each of its two roundings sees the magnitude
+// clamped to its range) against fp8_e4m3_round (branches: exponent, shift, remainder) over
+// every magnitude from just below 2^-10 (the first subnormal tie) to just above 2^-6, and
+// above that every magnitude within 64 of a binade's start, of a tie of E4M3 and of the
+// next binade, up to 464 (the largest the callers pass); below 2^-11 (code 0) a sweep.
+TEST_CASE("fp8_e4m3: the branch-free magnitude rounding equals the branching one up to 464") {
+  std::size_t bad = 0, checked = 0;
+  const auto check = [&](std::uint32_t a) {
+    ++checked;
+    const std::uint32_t got = epx::detail::fp8_e4m3_magnitude_code(a);
+    const std::uint32_t want = epx::detail::fp8_e4m3_round<std::uint32_t, 23, 127>(a);
+    if (got != want && ++bad <= 10) FAIL_CHECK("magnitude " << hex(a) << ": " << hex(got) << " != " << hex(want));
+  };
+  for (std::uint32_t a = 0; a < 0x3a000000u; a += 4099) check(a);
+  for (std::uint32_t a = 0x3a000000u; a < 0x3c900000u; ++a) check(a);
+  for (std::uint32_t p = 0x3c900000u; p < 0x43e80000u; p += 0x100000u)
+    for (std::uint32_t low : {0x0u, 0x7ffc0u, 0xfffc0u})
+      for (std::uint32_t j = 0; j < 64; ++j) check(p + low + j);
+  check(0x43e80000u);  // 464: the tie above 448 goes to 448
+  CHECK(bad == 0);
+  CHECK(checked > 40000000u);
+}
+
 // The block loop takes a shorter conversion where every element is finite and the scale is
 // a normal float (no quotient saturates or is NaN there), the full one elsewhere: blocks
 // whose largest magnitude sweeps across the smallest normal scale (448 * 2^-126), up to
