@@ -20,6 +20,7 @@
 #include "core/layer_cases.hpp"
 #include "core/sizes_cases.hpp"
 #include "epx/comm/threads.hpp"
+#include "epx/exec/stream.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
 // source, where another file may use the same names.
@@ -76,6 +77,18 @@ TEST_CASE_TEMPLATE("layer sizes: H = 300, 4096, 7168 against float64 with derive
     CAPTURE(H);
     check_sizes<T>(H);
   }
+}
+
+// Every host row copy and every block of the threads communicator written around the
+// caches (epx/exec/stream.hpp: from 16 MiB of one operation by default, which the cases
+// above do not reach): at H = 300 (rows of 600 or 1200 bytes, so heads and tails) and 4096.
+TEST_CASE_TEMPLATE("layer sizes: every row copy streamed (stream threshold 0) against float64", T, float, epx::bf16) {
+  const std::size_t before = epx::exec::set_stream_threshold(0);
+  for (int H : {300, 4096}) {
+    CAPTURE(H);
+    check_sizes<T>(H);
+  }
+  epx::exec::set_stream_threshold(before);
 }
 
 TEST_CASE("layer sizes: fp16 at H = 4096, and padding at H = 7168") {

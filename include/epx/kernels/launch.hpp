@@ -9,6 +9,9 @@
 //   gather(ex, rows, H, x, index, scale, dst)    dst[r] = scale[r] * x[index[r]]
 //   copy(ex, rows, H, table, dst)                dst[r] = *table[r]              (zero for null)
 //   copy(ex, rows, H, table, scale, dst)         dst[r] = scale[r] * *table[r]
+//                                                (gather and copy without a scale write around
+//                                                the caches on a host policy from
+//                                                exec::stream_threshold() bytes: exec/stream.hpp)
 //   peer_table(ex, R, from, rows, index, weights, width, table, scale)
 //                                                table[i] = rows[m] + index[m][q] * width for
 //                                                (m, q) = from[i] (null for m < 0); scale[i] =
@@ -21,6 +24,7 @@
 //   fill(ex, n, v, out)                          out[i] = v
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -41,12 +45,28 @@ template <class T>
 row_table<T> rows_of(row_table<T> t) noexcept {
   return t;
 }
+
+
+// row_copy over [rows, H]; on a host policy a plain copy of at least
+// exec::stream_threshold() bytes streams (row_stream_copy, about 128 KiB of rows a call).
+template <class Exec, class T, class Src>
+void copy_rows(const Exec& ex, std::size_t rows, std::size_t H, Src src, const float* scale, T* dst) {
+  if constexpr (exec::is_host_policy_v<Exec>) {
+    const std::size_t row_bytes = H * sizeof(T);
+    if (scale == nullptr && rows > 0 && row_bytes > 0 && exec::streams(rows * row_bytes)) {
+      const std::size_t group = std::max<std::size_t>(16, (std::size_t{128} << 10) / row_bytes);
+      exec::for_each_n(ex, (rows + group - 1) / group, row_stream_copy<T, Src>{src, dst, H, rows, group});
+      return;
+    }
+  }
+  exec::for_each_row<T>(ex, rows, H, row_copy<T, Src>{src, scale, dst, H});
+}
 }  // namespace detail
 
 template <class Exec, class T>
 void gather(const Exec& ex, std::size_t rows, std::size_t H, const T* x, const std::int64_t* index, const float* scale,
             T* dst) {
-  exec::for_each_row<T>(ex, rows, H, row_copy<T, indexed_rows<T>>{{x, index}, scale, dst, H});
+  detail::copy_rows(ex, rows, H, indexed_rows<T>{x, index}, scale, dst);
 }
 template <class Exec, class T>
 void gather(const Exec& ex, std::size_t rows, std::size_t H, const T* x, const std::int64_t* index, T* dst) {
@@ -55,7 +75,7 @@ void gather(const Exec& ex, std::size_t rows, std::size_t H, const T* x, const s
 
 template <class Exec, class T>
 void copy(const Exec& ex, std::size_t rows, std::size_t H, const T* const* table, const float* scale, T* dst) {
-  exec::for_each_row<T>(ex, rows, H, row_copy<T, row_table<T>>{{table}, scale, dst, H});
+  detail::copy_rows(ex, rows, H, row_table<T>{table}, scale, dst);
 }
 template <class Exec, class T>
 void copy(const Exec& ex, std::size_t rows, std::size_t H, const T* const* table, T* dst) {

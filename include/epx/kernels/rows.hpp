@@ -12,7 +12,9 @@
 // send order, the direct route's pull from the peers, the gradient rows w * grad_out.
 // Launched through exec::for_each_row (epx/kernels/launch.hpp), so the policy chooses the
 // shape: whole rows on the host, 16-byte chunks on a device. The scaled copy runs the
-// widest host version of its loop (epx/exec/host_isa.hpp).
+// widest host version of its loop (epx/exec/host_isa.hpp). A plain copy of at least
+// exec::stream_threshold() bytes on a host policy writes around the caches instead
+// (row_stream_copy, groups of rows a call).
 #pragma once
 
 #include <cstddef>
@@ -23,6 +25,7 @@
 #include "epx/core/config.hpp"
 #include "epx/core/numeric.hpp"
 #include "epx/exec/host_isa.hpp"
+#include "epx/exec/stream.hpp"
 
 namespace epx::kernels {
 
@@ -111,6 +114,35 @@ struct row_copy {
     T* d = dst + r * hidden;
     const A w = static_cast<A>(scale[r]);
     for (std::size_t h = h0; h < h1; ++h) d[h] = convert<T>(w * convert<A>(s[h]));
+  }
+};
+
+// The plain row copy of at least exec::stream_threshold() bytes on a host policy
+// (epx/exec/stream.hpp; kernels::gather and copy choose it): call i copies rows
+// [i * group, (i + 1) * group) with non-temporal stores (a missing row as zeros, with
+// ordinary stores), then fences, so that each call's stores are ordered on the thread that
+// made them before the launch returns. The same bytes as row_copy; device policies always
+// take row_copy.
+template <class T, class Src>
+struct row_stream_copy {
+  Src src;
+  T* dst;  // [rows, H]
+  std::size_t hidden;
+  std::size_t rows;
+  std::size_t group;  // rows a call
+
+  void operator()(std::size_t i) const {
+    const std::size_t r0 = i * group, r1 = rows - r0 < group ? rows : r0 + group;
+    for (std::size_t r = r0; r < r1; ++r) {
+      T* d = dst + r * hidden;
+      const T* s = row_at(src, r, hidden);
+      if (s == nullptr) {
+        for (std::size_t h = 0; h < hidden; ++h) d[h] = convert<T>(0.0f);
+      } else {
+        exec::stream_copy(d, s, hidden * sizeof(T));
+      }
+    }
+    exec::stream_fence();
   }
 };
 
