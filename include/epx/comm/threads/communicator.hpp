@@ -48,6 +48,7 @@
 #include "epx/comm/threads/options.hpp"
 #include "epx/comm/threads/state.hpp"
 #include "epx/core/error.hpp"
+#include "epx/exec/stream.hpp"
 
 namespace epx {
 namespace threads {
@@ -463,6 +464,16 @@ class communicator {
     d.rows = rows;
     d.row_elems = row_elems;
     const std::size_t es = size_of(t) * row_elems;  // bytes per unit of the counts
+    // A call that writes at least exec::stream_threshold() bytes into host memory writes
+    // them around the caches (epx/exec/stream.hpp), each peer's blocks then a fence.
+    const bool stream = world_->memory().copy == nullptr && exec::streams(total_recv * size_of(t) * row_elems);
+    const auto copy = [&](void* to, const void* from, std::size_t bytes) {
+      if (stream) {
+        if (to != from) exec::stream_copy(to, from, bytes);
+      } else {
+        copy_bytes(to, from, bytes);
+      }
+    };
     enter_pull(d, [&](int p) {
       const auto& s = slot(p);
       const std::size_t from = static_cast<std::size_t>(rank_) * nseg;  // our row of p's arrays
@@ -470,13 +481,14 @@ class communicator {
       for (std::size_t i = 0; i < nseg; ++i) {
         char* dst = static_cast<char*>(recv) + recv_displs[to + i] * es;
         if (!indexed) {
-          copy_bytes(dst, static_cast<const char*>(s.send) + s.send_displs[from + i] * es, recv_counts[to + i] * es);
+          copy(dst, static_cast<const char*>(s.send) + s.send_displs[from + i] * es, recv_counts[to + i] * es);
           continue;
         }
         const std::int64_t* r = s.rows + s.send_displs[from + i];
         for (std::size_t j = 0; j < recv_counts[to + i]; ++j)
-          copy_bytes(dst + j * es, static_cast<const char*>(s.send) + static_cast<std::size_t>(r[j]) * es, es);
+          copy(dst + j * es, static_cast<const char*>(s.send) + static_cast<std::size_t>(r[j]) * es, es);
       }
+      if (stream) exec::stream_fence();
     });
   }
 
