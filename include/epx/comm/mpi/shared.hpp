@@ -32,6 +32,7 @@
 #include "epx/comm/mpi/support.hpp"
 #include "epx/comm/mpi/wait.hpp"
 #include "epx/core/error.hpp"
+#include "epx/exec/stream.hpp"
 
 namespace epx::detail {
 
@@ -126,12 +127,24 @@ inline bool mpi_in_arena(const mpi_state& s, const void* p, std::size_t bytes, s
 }
 
 // Copies this rank's published buffers into its segment at the offsets of its record
-// (those already in the peer memory stay where they are).
+// (those already in the peer memory stay where they are); around the caches when they
+// come to exec::stream_threshold() bytes (epx/exec/stream.hpp: the peers read them, not
+// this rank).
 inline void mpi_peer_copy_in(mpi_state& s, const void* const* mine, const std::size_t* bytes, std::size_t count,
                              const std::uint64_t* record) {
   char* seg = s.peer.base[static_cast<std::size_t>(s.rank)];
+  std::size_t total = 0;
   for (std::size_t i = 0; i < count; ++i)
-    if (bytes[i] != 0 && (record[4 + i] & mpi_peer_in_arena) == 0) std::memcpy(seg + record[4 + i], mine[i], bytes[i]);
+    if ((record[4 + i] & mpi_peer_in_arena) == 0) total += bytes[i];
+  const bool stream = exec::streams(total);
+  for (std::size_t i = 0; i < count; ++i) {
+    if (bytes[i] == 0 || (record[4 + i] & mpi_peer_in_arena) != 0) continue;
+    if (stream)
+      exec::stream_copy(seg + record[4 + i], mine[i], bytes[i]);
+    else
+      std::memcpy(seg + record[4 + i], mine[i], bytes[i]);
+  }
+  if (stream) exec::stream_fence();
   MPI_Win_sync(s.peer.win);
   if (s.arena.win != MPI_WIN_NULL) MPI_Win_sync(s.arena.win);
 }
