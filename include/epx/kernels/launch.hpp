@@ -46,7 +46,6 @@ row_table<T> rows_of(row_table<T> t) noexcept {
   return t;
 }
 
-
 // row_copy over [rows, H]; on a host policy a plain copy of at least
 // exec::stream_threshold() bytes streams (row_stream_copy, about 128 KiB of rows a call).
 template <class Exec, class T, class Src>

@@ -467,13 +467,7 @@ class communicator {
     // A call that writes at least exec::stream_threshold() bytes into host memory writes
     // them around the caches (epx/exec/stream.hpp), each peer's blocks then a fence.
     const bool stream = world_->memory().copy == nullptr && exec::streams(total_recv * size_of(t) * row_elems);
-    const auto copy = [&](void* to, const void* from, std::size_t bytes) {
-      if (stream) {
-        if (to != from) exec::stream_copy(to, from, bytes);
-      } else {
-        copy_bytes(to, from, bytes);
-      }
-    };
+    const auto copy = [&](void* to, const void* from, std::size_t bytes) { copy_bytes(to, from, bytes, stream); };
     enter_pull(d, [&](int p) {
       const auto& s = slot(p);
       const std::size_t from = static_cast<std::size_t>(rank_) * nseg;  // our row of p's arrays
@@ -540,13 +534,16 @@ class communicator {
   // Rank r's slot for the collective in progress (this rank's sequence number's parity).
   detail::threads_slot& slot(int r) const noexcept { return group_->slot(group_->entered(rank_), r); }
 
-  // Every block a collective moves goes through here: memcpy, or the run's memory copy
+  // Every block a collective moves goes through here: memcpy (exec::stream_copy where the
+  // caller streams: host memory only, the caller fences), or the run's memory copy
   // (threads::memory), whose failure is remembered and raised once the collective is over
   // (throw_if_copy_failed), so that no member is left waiting.
-  void copy_bytes(void* dst, const void* src, std::size_t bytes) const noexcept {
+  void copy_bytes(void* dst, const void* src, std::size_t bytes, bool stream = false) const noexcept {
     if (bytes == 0 || dst == src) return;
     const auto copy = world_->memory().copy;
-    if (copy == nullptr) {
+    if (copy == nullptr && stream) {
+      exec::stream_copy(dst, src, bytes);
+    } else if (copy == nullptr) {
       std::memcpy(dst, src, bytes);
     } else if (!copy(dst, src, bytes)) {
       copy_failed_ = true;
