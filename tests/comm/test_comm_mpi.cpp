@@ -1044,6 +1044,99 @@ TEST_CASE("mpi: peer_memory buffers are published without a copy") {
 // Communicators over one MPI_Comm, each with its shared windows, destroyed in opposite
 // orders on even and odd ranks: the frees must not pair one communicator's window with the
 // other's (they hung in MPI_Win_free), and the MPI_Comm stays usable afterwards.
+TEST_CASE("mpi: peer buffers are published without a copy, several held at once, and handed out again") {
+  communicator w = communicator::world();
+  const int n = w.size(), me = w.rank();
+  REQUIRE(w.peer_access_available());
+  static_assert(epx::has_peer_buffer_v<communicator>);
+  static_assert(!epx::has_peer_buffer_v<epx::threads::communicator>);
+  const auto fill = [&](std::int64_t* p, std::size_t m, int r, std::int64_t tag) {
+    for (std::size_t i = 0; i < m; ++i) p[i] = tag * 1000000000 + r * 1000000 + static_cast<std::int64_t>(i);
+  };
+  // Three buffers held at once, of sizes that differ by rank (rank 0 asks for none of the
+  // second), all read in place by every peer.
+  const auto size_of = [](int r, int b) -> std::size_t {
+    return b == 1 && r == 0 ? 0 : 1000 * static_cast<std::size_t>((b + 1) * (r + 1));
+  };
+  std::vector<std::shared_ptr<void>> held;
+  for (int b = 0; b < 3; ++b) {
+    held.push_back(w.peer_buffer(size_of(me, b) * sizeof(std::int64_t)));
+    CHECK((held.back() == nullptr) == (size_of(me, b) == 0));
+    if (held.back() != nullptr) fill(static_cast<std::int64_t*>(held.back().get()), size_of(me, b), me, b);
+  }
+  const void* mine[3] = {held[0].get(), held[1].get(), held[2].get()};
+  std::size_t bytes[3];
+  for (int b = 0; b < 3; ++b) bytes[b] = size_of(me, b) * sizeof(std::int64_t);
+  std::string bad;
+  w.access_peers(mine, bytes, 3, [&](const auto& peers) {
+    for (int b = 0; b < 3; ++b) {
+      if (bytes[b] > 0 && peers(me, b) != mine[b]) bad += epx::detail::concat("own buffer ", b, " was copied; ");
+      for (int r = 0; r < n; ++r) {
+        const std::size_t m = size_of(r, b);
+        if (m == 0) continue;
+        const auto* q = static_cast<const std::int64_t*>(peers(r, b));
+        if (q[0] != b * std::int64_t{1000000000} + r * 1000000 ||
+            q[m - 1] != b * std::int64_t{1000000000} + r * 1000000 + static_cast<std::int64_t>(m - 1))
+          bad += epx::detail::concat("rank ", r, " buffer ", b, "; ");
+      }
+    }
+  });
+  CHECK_MESSAGE(bad.empty(), bad);
+  // A buffer handed back is handed out again (the smallest free one that fits), on every
+  // rank alike; one that no free block holds comes from a new window.
+  const void* first = held[0].get();
+  held[0].reset();
+  auto again = w.peer_buffer(size_of(me, 0) * sizeof(std::int64_t));
+  CHECK(again.get() == first);
+  held.clear();
+  auto larger = w.peer_buffer(100000 * sizeof(std::int64_t) * static_cast<std::size_t>(me + 1));
+  REQUIRE(larger != nullptr);
+  fill(static_cast<std::int64_t*>(larger.get()), 100000 * static_cast<std::size_t>(me + 1), me, 7);
+  const void* one[1] = {larger.get()};
+  const std::size_t one_bytes[1] = {100000 * sizeof(std::int64_t) * static_cast<std::size_t>(me + 1)};
+  w.access_peers(one, one_bytes, 1, [&](const auto& peers) {
+    if (peers(me, 0) != one[0]) bad += "own larger buffer was copied; ";
+    for (int r = 0; r < n; ++r) {
+      const auto* q = static_cast<const std::int64_t*>(peers(r, 0));
+      const std::size_t m = 100000 * static_cast<std::size_t>(r + 1);
+      if (q[m - 1] != 7 * std::int64_t{1000000000} + r * 1000000 + static_cast<std::int64_t>(m - 1))
+        bad += epx::detail::concat("rank ", r, " larger buffer; ");
+    }
+  });
+  CHECK_MESSAGE(bad.empty(), bad);
+  // Many rounds of calls whose sizes vary a little reuse their blocks (a new window each
+  // time would run out of the 64).
+  for (int round = 0; round < 200; ++round) {
+    auto a = w.peer_buffer(4096 + 64 * static_cast<std::size_t>((round * 7 + me) % 5));
+    auto b = w.peer_buffer(8192 + 64 * static_cast<std::size_t>((round * 3 + me) % 5));
+    CHECK((a != nullptr && b != nullptr && a.get() != b.get()));
+  }
+  // More blocks held at once than the 64 windows hold: every rank raises at the same call,
+  // and the pool still works.
+  std::vector<std::shared_ptr<void>> many;
+  check_error([&] {
+    for (int i = 0; i < 70; ++i) many.push_back(w.peer_buffer(64));
+  }, epx::errc::configuration, "each of the 64 windows of this MPI communicator's peer buffers holds a block in use");
+  CHECK(!many.empty());
+  CHECK(many.size() <= 63);  // with `larger`
+  many.clear();
+  CHECK(w.peer_buffer(64) != nullptr);
+  // A block may outlive the communicator's last copy: handing it back then does nothing.
+  {
+    std::shared_ptr<void> kept;
+    {
+      communicator c = communicator::world();
+      kept = c.peer_buffer(1 << 20);
+      std::memset(kept.get(), 1, 1 << 20);
+    }
+    kept.reset();
+  }
+  epx::mpi::options o;
+  o.shared_memory = false;
+  communicator off = communicator::world(o);
+  check_error([&] { (void)off.peer_buffer(8); }, epx::errc::configuration, "no peer access");
+}
+
 TEST_CASE("mpi: communicators over one MPI_Comm with windows, destroyed in different orders on the ranks") {
   MPI_Comm dup = MPI_COMM_NULL;
   REQUIRE(MPI_Comm_dup(MPI_COMM_WORLD, &dup) == MPI_SUCCESS);

@@ -76,10 +76,14 @@
 //                                       // communicator at run time (the same answer on every
 //                                       // member; may be collective on its first call);
 //                                       // without it, always
-//   void* peer_memory(std::size_t bytes);  // optional, collective: `bytes` of this rank's
-//                                       // memory that access_peers publishes without a copy
-//                                       // (valid until the next peer_memory call); the layer
-//                                       // does not build its buffers there yet
+//   std::shared_ptr<void> peer_buffer(std::size_t bytes);
+//                                       // optional, collective (each member its own size):
+//                                       // `bytes` of this rank's memory that access_peers
+//                                       // publishes without a copy, held while a copy of the
+//                                       // pointer lives; the layer makes the rows its peers
+//                                       // read in place there (MPI: no copy into the window)
+//   void* peer_memory(std::size_t bytes);  // optional, collective: the same, held by the
+//                                       // communicator until its next peer_memory call
 //
 // With it the MoE layer reads rows straight out of the peers' buffers (no send buffer, no
 // separate combine pass); without it, it moves them through all_to_allv.
@@ -90,6 +94,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <utility>
 
@@ -270,6 +275,20 @@ struct has_peer_memory<C, std::void_t<decltype(static_cast<void*>(std::declval<C
 template <class C>
 inline constexpr bool has_peer_memory_v =
     has_peer_access_v<C> && detail::has_peer_memory<std::remove_cv_t<std::remove_reference_t<C>>>::value;
+
+namespace detail {
+template <class C, class = void>
+struct has_peer_buffer : std::false_type {};
+template <class C>
+struct has_peer_buffer<C, std::void_t<decltype(std::shared_ptr<void>(std::declval<C&>().peer_buffer(std::size_t{})))>>
+    : std::true_type {};
+}  // namespace detail
+
+// Whether C hands out blocks of memory that access_peers publishes without a copy (see
+// above).
+template <class C>
+inline constexpr bool has_peer_buffer_v =
+    has_peer_access_v<C> && detail::has_peer_buffer<std::remove_cv_t<std::remove_reference_t<C>>>::value;
 
 // Whether access_peers works on `comm` now: has_peer_access_v<C> and, when C has the
 // query, comm.peer_access_available() (which may be collective on its first call: call it

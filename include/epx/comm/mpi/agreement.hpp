@@ -4,7 +4,8 @@
 // With `options::check_counts` (default on) every collective entry point of the
 // communicator (all_to_all, all_to_allv, all_to_allv_segments, all_to_allv_indexed,
 // all_reduce, reduce_scatter, all_gather, broadcast, barrier, split, and the peer access
-// calls peer_access_available (its collective first call), peer_memory and access_peers)
+// calls peer_access_available (its collective first call), peer_buffer, peer_memory and
+// access_peers)
 // opens with the same call header: one small MPI_Iallreduce of the same 17 integers on
 // every rank (mpi_agree_call). So ranks in different collectives meet there, whichever
 // collectives they are, instead of in calls that MPI pairs without a word or never pairs
@@ -20,9 +21,9 @@
 // collectives and the lowest rank of each, or the values; a rank's bad argument raises its
 // category (errc::input) on every rank, with the lowest such rank's message. The same
 // reduction tells every rank whether any of them needs the chunked path
-// (epx/comm/mpi/transport.hpp), so that all take the same one, and peer_memory the largest
-// size asked for. split agrees even without check_counts (a negative color raises on every
-// rank); without it, the other collectives compare nothing, and barrier is MPI_Ibarrier.
+// (epx/comm/mpi/transport.hpp), so that all take the same one. split agrees even without
+// check_counts (a negative color raises on every rank); without it, the other collectives
+// compare nothing, and barrier is MPI_Ibarrier.
 #pragma once
 
 #include <mpi.h>
@@ -133,14 +134,15 @@ enum class mpi_kind : long long {
   peer_access_available,
   peer_memory,
   access_peers,
+  peer_buffer,
 };
-inline constexpr long long mpi_kind_count = 14;  // one past the last
+inline constexpr long long mpi_kind_count = 15;  // one past the last
 
 inline const char* mpi_kind_name(mpi_kind k) noexcept {
   static constexpr const char* names[] = {"another collective", "all_to_all", "all_reduce", "reduce_scatter",
                                           "all_gather", "broadcast", "all_to_allv", "all_to_allv_segments",
                                           "all_to_allv_indexed", "barrier", "split", "peer_access_available",
-                                          "peer_memory", "access_peers"};
+                                          "peer_memory", "access_peers", "peer_buffer"};
   const auto i = static_cast<long long>(k);
   return i >= 0 && i < mpi_kind_count ? names[i] : "an unknown collective";
 }
@@ -270,7 +272,7 @@ inline mpi_header_result mpi_agree_call(mpi_state& s, const mpi::options& opt, c
   {
     mpi_keep keep(buf);
     // The peer access calls wait as they did before the header (idle: peers may compute long).
-    if (c.kind == mpi_kind::peer_memory || c.kind == mpi_kind::access_peers) {
+    if (c.kind == mpi_kind::peer_memory || c.kind == mpi_kind::access_peers || c.kind == mpi_kind::peer_buffer) {
       EPX_MPI_BOUNDED_IDLE(s, opt, &keep,
                            MPI_Iallreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(buf.size()), MPI_LONG_LONG, op,
                                           s.comm, &epx_req_));

@@ -39,8 +39,9 @@
 // - Peer access (access_peers, the layer's direct route): when every rank of the
 //   communicator runs on one node, the published buffers are copied into a shared window
 //   (MPI_Win_allocate_shared, grow-only, one per communicator) and read there in place by
-//   the peers: epx/comm/mpi/shared.hpp. peer_access_available() says whether that is the
-//   case (collective on its first call).
+//   the peers, except those made in peer buffers (peer_buffer: blocks of a pool of shared
+//   windows), which are read where they are: epx/comm/mpi/shared.hpp.
+//   peer_access_available() says whether that is the case (collective on its first call).
 #pragma once
 
 #include <mpi.h>
@@ -404,38 +405,48 @@ class communicator {
    public:
     const void* operator()(int r, std::size_t i) const noexcept {
       const std::uint64_t off = rec_[static_cast<std::size_t>(r) * detail::mpi_peer_record + 4 + i];
-      if (off & detail::mpi_peer_in_arena) return arena_[r] + (off & ~detail::mpi_peer_in_arena);
+      if (off & detail::mpi_peer_in_pool) return detail::mpi_pool_address(*pool_, r, off);
       return base_[r] + off;
     }
     int size() const noexcept { return n_; }
 
    private:
     friend class communicator;
-    peer_pointers(char* const* base, char* const* arena, const std::uint64_t* rec, int n) noexcept
-        : base_(base), arena_(arena), rec_(rec), n_(n) {}
+    peer_pointers(char* const* base, const detail::mpi_peer_pool* pool, const std::uint64_t* rec, int n) noexcept
+        : base_(base), pool_(pool), rec_(rec), n_(n) {}
     char* const* base_;
-    char* const* arena_;
+    const detail::mpi_peer_pool* pool_;
     const std::uint64_t* rec_;
     int n_;
   };
 
-  // Peer memory: `bytes` of this rank's memory that the peers can map (its segment of a
-  // second grow-only shared window). A buffer published through access_peers that lies in
-  // it is read there by the peers, without the copy. Collective (every rank asks for its own
-  // size, bounded by the watchdog); valid until the next peer_memory call on this
-  // communicator or its copies. Needs peer_access_available().
+  // A peer buffer: `bytes` of this rank's memory that the peers can map (a block of a pool
+  // of shared windows), held until the last copy of the pointer dies, which may outlive
+  // the communicator (the memory then lasts as long as the communicator's copies). A
+  // buffer published through access_peers that lies in it is read there by the peers,
+  // without the copy. Collective: every rank asks for its own size (0: a null pointer);
+  // a block handed back is handed out again, and a new window is made only when some rank
+  // has no free block that fits; at most 64 held at once. Needs peer_access_available().
+  std::shared_ptr<void> peer_buffer(std::size_t bytes) {
+    detail::mpi_enter(*s_, "peer_buffer");
+    if (opt_.check_counts && opt_.shared_memory) detail::mpi_agree_kind(*s_, opt_, detail::mpi_kind::peer_buffer);
+    EPX_REQUIRE(detail::mpi_peer_access_available(*s_, opt_), errc::configuration,
+                "peer_buffer: the ranks of this MPI communicator (", size(),
+                ") do not all share one node, or options::shared_memory is off: no peer access");
+    return detail::mpi_peer_buffer(*s_, opt_, bytes);
+  }
+
+  // Peer memory: a peer buffer of `bytes` held by the communicator until the next
+  // peer_memory call on it or its copies (which may hand out the same block again).
   void* peer_memory(std::size_t bytes) {
     detail::mpi_enter(*s_, "peer_memory");
-    // The agreement's reduction also finds the largest size asked for.
-    const bool agreed = opt_.check_counts && opt_.shared_memory;
-    std::size_t most = bytes;
-    if (agreed)
-      most = static_cast<std::size_t>(
-          detail::mpi_agree_kind(*s_, opt_, detail::mpi_kind::peer_memory, std::string(), static_cast<long long>(bytes)));
+    if (opt_.check_counts && opt_.shared_memory) detail::mpi_agree_kind(*s_, opt_, detail::mpi_kind::peer_memory);
     EPX_REQUIRE(detail::mpi_peer_access_available(*s_, opt_), errc::configuration,
                 "peer_memory: the ranks of this MPI communicator (", size(),
                 ") do not all share one node, or options::shared_memory is off: no peer access");
-    return detail::mpi_peer_memory(*s_, opt_, most, agreed);
+    s_->arena.reset();
+    s_->arena = detail::mpi_peer_buffer(*s_, opt_, bytes);
+    return s_->arena.get();
   }
 
   template <class F>
@@ -461,8 +472,8 @@ class communicator {
         if (mine[i] == nullptr && bytes[i] != 0) {
           code = 3;
           what = i;
-        } else if (detail::mpi_in_arena(*s_, mine[i], bytes[i], my[4 + i])) {
-          // made in the peer memory: published where it is
+        } else if (detail::mpi_in_pool(*s_, mine[i], bytes[i], my[4 + i])) {
+          // made in a peer buffer: published where it is
         } else {
           my[4 + i] = need;
           need += detail::mpi_peer_round(bytes[i]);
@@ -493,11 +504,10 @@ class communicator {
       detail::mpi_peer_copy_in(*s_, mine, bytes, count, rec.data() + static_cast<std::size_t>(rank()) * L);
       EPX_MPI_BOUNDED_KEEP(*s_, opt_, detail::mpi_buffers::own, nullptr, MPI_Ibarrier(s_->comm, &epx_req_));
     }
-    MPI_Win_sync(w.win);
-    if (s_->arena.win != MPI_WIN_NULL) MPI_Win_sync(s_->arena.win);
+    detail::mpi_sync_windows(*s_);
     std::exception_ptr failure;
     try {
-      const peer_pointers peers(w.base.data(), s_->arena.base.data(), rec.data(), size());
+      const peer_pointers peers(w.base.data(), s_->pool.get(), rec.data(), size());
       f(peers);
     } catch (...) {
       failure = std::current_exception();

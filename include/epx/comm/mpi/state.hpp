@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -41,6 +42,24 @@ struct mpi_peer_window {
   MPI_Win win = MPI_WIN_NULL;
   std::size_t capacity = 0;
   std::vector<char*> base;
+  std::chrono::milliseconds timeout{0};  // the watchdog of the barrier before MPI_Win_free
+};
+
+// The peer buffers (communicator::peer_buffer, epx/comm/mpi/shared.hpp): a pool of shared
+// windows in which each rank's segment is one block, handed out by this rank alone and
+// handed back when the last holder of the block lets go (on any thread: the mutex guards
+// `busy`). Slot w is the same window on every rank (slots are filled and emptied
+// collectively); an empty slot has MPI_WIN_NULL.
+struct mpi_pool_window {
+  MPI_Win win = MPI_WIN_NULL;
+  std::vector<char*> base;  // every rank's segment, mapped here
+  std::size_t bytes = 0;    // this rank's segment
+  bool busy = false;        // this rank's block is handed out
+};
+struct mpi_peer_pool {
+  static constexpr std::size_t most_windows = 64;  // a bit each in one 64-bit mask
+  std::mutex m;
+  std::vector<mpi_pool_window> windows;
   std::chrono::milliseconds timeout{0};  // the watchdog of the barrier before MPI_Win_free
 };
 
@@ -90,7 +109,10 @@ struct mpi_state {
   std::string failed;    // set by a watchdog timeout: why the communicator cannot be used
   std::vector<mpi_orphan> orphans;
   mpi_peer_window peer;   // the copies of access_peers
-  mpi_peer_window arena;  // peer_memory: buffers made in place, published without a copy
+  // peer_buffer: blocks made in place, published without a copy. Shared with the blocks'
+  // holders, which hand their block back only while the pool lives.
+  std::shared_ptr<mpi_peer_pool> pool = std::make_shared<mpi_peer_pool>();
+  std::shared_ptr<void> arena;  // peer_memory's block (valid until its next call)
   long long window_id = 0;  // the number of this state's windows on comm (mpi_next_window_id), 0: none yet
   mpi_state() = default;
   mpi_state(const mpi_state&) = delete;
@@ -146,10 +168,10 @@ struct mpi_state {
   //     that entered round 1 sends its verdict within its own watchdog time, so this wait
   //     ends.
   void free_peer_window() noexcept {
-    if (peer.win == MPI_WIN_NULL && arena.win == MPI_WIN_NULL) return;
+    if (peer.win == MPI_WIN_NULL && pool_windows() == 0) return;
     if (std::uncaught_exceptions() > 0 || !failed.empty() || !orphans.empty()) return;
     if (chunk_comm == MPI_COMM_NULL) return;  // made with the first window: not here, nothing agreed
-    const auto timeout = std::max(peer.timeout, arena.timeout);
+    const auto timeout = std::max(peer.timeout, pool->timeout);
     const bool forever = timeout.count() == 0;
     const auto never = std::chrono::steady_clock::time_point::max();
     // On the heap: a late rank may still complete the reduction after a timeout.
@@ -190,11 +212,19 @@ struct mpi_state {
     for (int p = 0; p < size; ++p) yes = yes && (p == rank || votes[p] == 1);
     delete[] votes;
     if (!yes) return;  // some rank frees different windows or gave up: leave them to MPI_Finalize
-    for (MPI_Win* w : {&peer.win, &arena.win}) {
+    std::vector<MPI_Win*> wins{&peer.win};
+    for (auto& p : pool->windows) wins.push_back(&p.win);
+    for (MPI_Win* w : wins) {
       if (*w == MPI_WIN_NULL) continue;
       MPI_Win_unlock_all(*w);
       MPI_Win_free(w);
     }
+  }
+
+  std::size_t pool_windows() const noexcept {
+    std::size_t k = 0;
+    for (const auto& p : pool->windows) k += p.win != MPI_WIN_NULL ? 1 : 0;
+    return k;
   }
 
   ~mpi_state() {
