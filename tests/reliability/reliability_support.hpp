@@ -244,6 +244,14 @@ struct faulty_peer_access<Derived, Comm, true> {
     self.after("peer_memory");
     return p;
   }
+  template <class C = Comm, std::enable_if_t<epx::has_peer_buffer_v<C>, int> = 0>
+  std::shared_ptr<void> peer_buffer(std::size_t bytes) {
+    auto& self = static_cast<Derived&>(*this);
+    self.before("peer_buffer");
+    auto p = self.inner_->peer_buffer(bytes);
+    self.after("peer_buffer");
+    return p;
+  }
 };
 
 // A communicator that forwards to `Comm` and injects the fault of its plan.

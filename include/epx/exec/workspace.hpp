@@ -127,12 +127,20 @@ class pooled_buffer {
   pooled_buffer() = default;
   pooled_buffer(std::shared_ptr<workspace_pool> pool, workspace_pool::block b, std::size_t n) noexcept
       : pool_(std::move(pool)), block_(b), size_(n) {}
+  // n elements of T in memory held by `held` (a communicator's peer buffer, at least n * sizeof(T)
+  // bytes), which goes back with the handle instead of to a pool.
+  pooled_buffer(std::shared_ptr<void> held, std::size_t n) noexcept
+      : held_(std::move(held)), block_{static_cast<std::byte*>(held_.get()), n * sizeof(T), nullptr}, size_(n) {}
   pooled_buffer(pooled_buffer&& o) noexcept
-      : pool_(std::move(o.pool_)), block_(std::exchange(o.block_, {})), size_(std::exchange(o.size_, 0)) {}
+      : pool_(std::move(o.pool_)),
+        held_(std::move(o.held_)),
+        block_(std::exchange(o.block_, {})),
+        size_(std::exchange(o.size_, 0)) {}
   pooled_buffer& operator=(pooled_buffer&& o) noexcept {
     if (this != &o) {
       reset();
       pool_ = std::move(o.pool_);
+      held_ = std::move(o.held_);
       block_ = std::exchange(o.block_, {});
       size_ = std::exchange(o.size_, 0);
     }
@@ -150,12 +158,14 @@ class pooled_buffer {
   void reset() noexcept {
     if (pool_ != nullptr && block_.data != nullptr) pool_->give_back(block_);
     pool_.reset();
+    held_.reset();
     block_ = {};
     size_ = 0;
   }
 
  private:
   std::shared_ptr<workspace_pool> pool_;
+  std::shared_ptr<void> held_;
   workspace_pool::block block_;
   std::size_t size_ = 0;
 };

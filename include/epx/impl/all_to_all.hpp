@@ -34,8 +34,11 @@
 //      the policy (kernels::peer_table reads the senders' send-position rows where they
 //      are), so device policies take it too: the threads communicator over one device's
 //      memory hands out the ranks' device pointers, as NVLink peer access would. (On
-//      MPI, the buffers published to the peers are first copied into the communicator's
-//      shared window: one more pass over x and the outputs.)
+//      MPI the peers can read only shared memory: the rows the layer publishes itself, the
+//      experts' outputs (inference in place: their inputs) and backward's input
+//      gradients, are made in peer buffers (epx::has_peer_buffer_v) and read there; the
+//      caller's x and grad_out are copied into the communicator's shared window, one more
+//      pass over them.)
 // With per-rank sends (layer_options::sends == row_sends::per_rank, spec section 14;
 // epx/layout/per_rank.hpp) the staged route moves one row per (token, destination rank):
 //   gather the unique rows, all-to-all them with their slot entries (expert-major row and
@@ -256,6 +259,8 @@ class all_to_all_impl {
       kernels::quantise_e4m3(ex, n, H, x, rows8.data(), row_scales);
       s.x8 = make_rows<fp8_e4m3>(ws_, ex, R * H + R * B * sizeof(float));
       s.scales = reinterpret_cast<float*>(s.x8.data() + R * H);
+    } else if (s.direct && !training && in_place) {
+      s.x_recv = published_rows<T>(ex, R * H);  // the experts' outputs go over it, read in place
     } else {
       s.x_recv = make_rows<T>(ws_, ex, R * H);
     }
@@ -394,7 +399,12 @@ class all_to_all_impl {
       }
     }
     // 5 is the caller's: the experts read x_recv (FP8: x8 and scales) and write out_rows.
-    s.out_rows = expert_output_rows(ws_, ex, R, H, s.x_recv.data(), training || s.fp8, in_place, s.outputs);
+    if (s.direct && (training || s.fp8 || !in_place)) {
+      s.outputs = published_rows<T>(ex, R * H);  // read in place by combine (and backward)
+      s.out_rows = s.outputs.data();
+    } else {
+      s.out_rows = expert_output_rows(ws_, ex, R, H, s.x_recv.data(), training || s.fp8, in_place, s.outputs);
+    }
     expert_batch<T> b;
     b.in = expert_rows<const T>{s.x_recv.data(), R, H, lay.offsets(me), L, ctx_.first_expert()};
     b.out = s.out_rows;
@@ -522,7 +532,7 @@ class all_to_all_impl {
                                static_cast<const float*>(s.scales), s.x_recv.data());
     }
     b.grad_recv = make_rows<T>(ws_, ex, R * H);
-    b.grad_in = make_rows<T>(ws_, ex, R * H);
+    b.grad_in = s.direct ? published_rows<T>(ex, R * H) : make_rows<T>(ws_, ex, R * H);  // direct: read in place
 
     if constexpr (has_peer_access_v<Comm>) {
       if (s.direct) {
@@ -908,6 +918,19 @@ class all_to_all_impl {
       return ctx_.options.peer_access && peer_access_available(*ctx_.ep);
     else
       return false;
+  }
+
+  // n elements of T that the direct route publishes to the peers (the experts' outputs, and
+  // in backward the input gradients): in a peer buffer on communicators that hand them out
+  // (epx::has_peer_buffer_v, MPI: access_peers then copies nothing) and host policies, in
+  // the workspace otherwise. Collective there: every rank of a direct call makes the same
+  // calls of it in the same order.
+  template <class T, class Exec>
+  rows_buffer<T, Exec> published_rows(const Exec& ex, std::size_t n) {
+    if constexpr (has_peer_buffer_v<Comm> && exec::is_host_policy_v<Exec>)
+      return rows_buffer<T, Exec>(ctx_.ep->peer_buffer(n * sizeof(T)), n);
+    else
+      return make_rows<T>(ws_, ex, n);
   }
 
   // The direct route's row tables. Row i of this owner's expert-major buffer comes from
