@@ -12,9 +12,9 @@
 // reports. One iteration: barrier, the layer call timed on every rank, the slowest rank's
 // time (MPI_Allreduce MAX) is the iteration's; then the floor: every rank memcpys half the
 // bytes its call reads plus writes (bench/layer_common.hpp's route_traffic, plus on the
-// direct route the copies of the published buffers into the shared window: x and the
-// experts' outputs in forward; grad_out, the kept outputs and grad_in in backward),
-// all ranks at once, timed the same way. Every benchmark checks its outputs once against the direct
+// direct route the copy of the caller's rows into the shared window: x in forward,
+// grad_out in backward; the layer's own published rows live in peer buffers), all ranks
+// at once, timed the same way. Every benchmark checks its outputs once against the direct
 // computation (identity experts). Counters as in bench_layer (epx_ms, floor_ms,
 // floor_ratio, floor_bytes, memcpy_GB/s, rows_sent, repeat_fraction, checked); on the
 // staged and per-rank routes also gathered_ms and speedup_vs_gathered(_paired): the same
@@ -176,13 +176,11 @@ void bench_mpi_route(benchmark::State& state, shape s, route rt, bool backward) 
                                                  static_cast<double>(P), static_cast<double>(N), static_cast<double>(N), 1,
                                                  static_cast<double>(got), epx::bench::gathered());
   if (rt == route::direct) {
-    // The copies into the shared window (a copy reads and writes): forward x (N rows) and
-    // the experts' outputs (R); backward grad_out (N), the outputs kept since forward (R)
-    // and the input gradients (R). The index and weight arrays are small beside them and
-    // not counted.
-    const double Nd = static_cast<double>(N), Rd = static_cast<double>(R);
-    if (backward) route_rows.insert(route_rows.end(), {2 * Nd, 2 * Rd, 2 * Rd});
-    else route_rows.insert(route_rows.end(), {2 * Nd, 2 * Rd});
+    // The copy into the shared window (a copy reads and writes) of the caller's rows: x
+    // (N rows) in forward, grad_out (N) in backward. The rows the layer publishes itself
+    // (the experts' outputs, the input gradients) are made in peer buffers and read where
+    // they are; the index and weight arrays are small beside them and not counted.
+    route_rows.push_back(2 * static_cast<double>(N));
   }
   for (double p : route_rows) {
     traffic += p * row_bytes;

@@ -70,6 +70,12 @@ class timed_comm {
   }
   void barrier() { timed([&] { c_.barrier(); }); }
   bool peer_access_available() { return epx::peer_access_available(c_); }
+  template <class CC = C>
+  auto peer_buffer(std::size_t bytes) -> decltype(std::declval<CC&>().peer_buffer(bytes)) {
+    std::shared_ptr<void> p;
+    timed([&] { p = c_.peer_buffer(bytes); });
+    return p;
+  }
   template <class F>
   void access_peers(const void* const* mine, const std::size_t* bytes, std::size_t count, F&& f) {
     double inside = 0;
@@ -115,16 +121,17 @@ inline double percentile(std::vector<double> v, double q) {
 }
 
 // Rows each rank reads plus writes per call (identity experts in place move nothing):
-//   direct  pull 2R, padding P (normal), combine S + n; on MPI (`window`) also the copies
-//           of x and of the outputs into the communicator's shared window, 2n + 2R
+//   direct  pull 2R, padding P (normal), combine S + n; on MPI (`window`) also the copy
+//           of x into the communicator's shared window, 2n, and in bounded mode that of
+//           the outputs, 2R (the normal mode makes them in a peer buffer)
 //   staged  gather 2S (bounded; the normal mode sends rows by index straight from x),
 //           all-to-all out (the threads all-to-all copies what each rank receives: normal
 //           2R, bounded the fixed slabs 2*ep*slab), unpack 2R (bounded) or padding P
 //           (normal), pack 2R (bounded), all-to-all back (as out), combine S + n
 //   fp8     (normal) quantise n rows (read n, write n/2), experts dequantise (read R/2,
 //           write R), and by route:
-//           direct  pull R/2 + R/2, padding P/2, combine S + n; on MPI also the copies of the quantised
-//                   rows and of the outputs into the shared window, n + 2R
+//           direct  pull R/2 + R/2, padding P/2, combine S + n; on MPI also the copy of
+//                   the quantised rows into the shared window, n
 //           staged  all-to-all out by index out of the quantised rows R/2 + R/2, padding
 //                   P/2, all-to-all back 2R, combine S + n
 //           (in rows of T; E4M3 rows are half as wide; scales left out)
@@ -133,9 +140,12 @@ inline double percentile(std::vector<double> v, double q) {
 inline double route_rows(const shape& s, bool bounded, bool direct, bool fp8 = false, bool window = false) {
   const double n = static_cast<double>(s.tokens), S = n * s.top_k, R = S;
   const int L = s.experts / s.ep;
-  if (fp8 && direct) return 1.5 * n + 1.5 * R + R + 0.5 * L + S + n + (window ? n + 2 * R : 0.0);
+  if (fp8 && direct) return 1.5 * n + 1.5 * R + R + 0.5 * L + S + n + (window ? n : 0.0);
   if (fp8) return 1.5 * n + R + 0.5 * L + 1.5 * R + 2 * R + S + n;
-  if (direct) return 2 * R + (bounded ? 0.0 : static_cast<double>(L)) + S + n + (window ? 2 * n + 2 * R : 0.0);
+  if (direct) {
+    const double copies = window ? 2 * n + (bounded ? 2 * R : 0.0) : 0.0;  // into MPI's window
+    return 2 * R + (bounded ? 0.0 : static_cast<double>(L)) + S + n + copies;
+  }
   const double slab = 1.0 + static_cast<double>(L) * static_cast<double>(s.cap);
   const double moved = bounded ? 2.0 * s.ep * slab : 2 * R;
   const double pack = bounded ? 4 * R : static_cast<double>(L);
@@ -195,7 +205,8 @@ struct rank_result {
 // One rank of a decode measurement over `world` (threads or MPI): bounded or normal mode,
 // direct or staged route, bf16 rows or (fp8: normal mode) E4M3 rows with
 // experts that dequantise; `calls` timed calls after 10 warm-up calls. `window`: the
-// direct route copies x and the outputs into a shared window (MPI), which the floor counts.
+// direct route copies x (bounded mode: and the outputs) into a shared window (MPI), which
+// the floor counts.
 template <class C>
 rank_result decode_rank(C& world, const shape& s, int calls, bool bounded, bool direct, bool fp8, bool window) {
   using T = epx::bf16;
