@@ -86,18 +86,25 @@ std::string check_bounded_case(Comm& world, const layer_case& c, std::int64_t ca
       f += detail::concat(where, ": check().calls ", rep.calls, ", expected ", m.ep(), "\n");
     if (expect_drops != (total > 0)) f += detail::concat(where, ": the case drops ", total, " pairs\n");
 
-    // Inference, twice (the layer's buffers are reused): bitwise the training forward's out.
-    for (int rep_i = 0; rep_i < 2; ++rep_i) {
+    // Inference, twice (the layer's buffers are reused), then with experts that run in
+    // place (their outputs over their inputs, which the direct route then publishes):
+    // bitwise the training forward's out.
+    in_place_experts<T> in_place{experts};
+    for (int rep_i = 0; rep_i < 3; ++rep_i) {
       std::vector<T> out(N * H, convert<T>(7.0f));
-      auto s = layer.forward(span<const T>(x), span<const std::int32_t>(d.ids), span<const float>(w), span<T>(out),
-                             experts, mode::inference);
+      const span<const T> xs(x);
+      const span<const std::int32_t> ids(d.ids);
+      const span<const float> ws(w);
+      auto s = rep_i < 2 ? layer.forward(xs, ids, ws, span<T>(out), experts, mode::inference)
+                         : layer.forward(xs, ids, ws, span<T>(out), in_place, mode::inference);
       if (!s.empty()) f += where + ": inference saved state not empty\n";
       if (!bitwise_equal(out, normal.out))
         f += detail::concat(where, ": inference call ", rep_i, " differs bitwise from the normal mode\n");
     }
+    if (in_place.in_place_calls != 1) f += where + ": the experts that run in place did not\n";
     const bound_report rep2 = layer.check();
-    if (rep2.overflow_pairs != 2 * total)
-      f += detail::concat(where, ": second check().overflow_pairs ", rep2.overflow_pairs, ", expected ", 2 * total,
+    if (rep2.overflow_pairs != 3 * total)
+      f += detail::concat(where, ": second check().overflow_pairs ", rep2.overflow_pairs, ", expected ", 3 * total,
                           "\n");
   } catch (const std::exception& ex) {
     f += where + ": exception: " + ex.what() + "\n";

@@ -43,6 +43,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -166,8 +168,12 @@ struct bound_buffers {
   exec::buffer<std::int64_t, Exec> rows;               // [L]
   exec::buffer<T, Exec> send, recv;                    // [ep*slab, H] (staged route)
   exec::buffer<T, Exec> x_recv, y;                     // [L*block, H]
-  // Direct route (host policies).
+  // Direct route (host policies). On communicators with peer buffers (MPI) the rows
+  // combine reads in place (the experts' outputs; their inputs when they run in place) are
+  // one, made by the first direct call on every rank (zeroed, as x_recv and y are).
   std::vector<const T*> table;
+  std::shared_ptr<void> published;
+  bool published_made = false;
   std::vector<std::int64_t> start;                     // [E] first row of this rank's rows at the owner
   // Masked path: one plan per slice ([ep] summaries, kept counts, segments; another
   // slice's kept counts and segments hold only the local experts') and the token of each
@@ -614,7 +620,16 @@ class bounded_route {
       const int L = sh.L, ep = sh.ep, E = sh.experts(), me = ctx_.ep_rank();
       const std::size_t H = sh.hidden, XR = sh.expert_rows(), SR = sh.send_rows();
       const auto cap = static_cast<std::size_t>(sh.cap);
-      T* x_recv = b.expert_rows_buffer(ex);
+      T* peer = nullptr;  // see bound_buffers::published
+      if constexpr (has_peer_buffer_v<Comm>) {
+        if (!b.published_made) {
+          b.published = ctx_.ep->peer_buffer(XR * H * sizeof(T));
+          b.published_made = true;
+          if (b.published != nullptr) std::memset(b.published.get(), 0, XR * H * sizeof(T));
+        }
+        peer = static_cast<T*>(b.published.get());
+      }
+      T* x_recv = forward_in_place_v<Experts> && peer != nullptr ? peer : b.expert_rows_buffer(ex);
       b.table.resize(std::max(XR, SR));
       const T** table = b.table.data();
       std::int64_t* row_off = b.row_off.data();
@@ -651,7 +666,7 @@ class bounded_route {
         }
       });
       const expert_rows<const T> er{x_recv, XR, H, b.offsets.data(), L, ctx_.first_expert(), rows_of};
-      T* y = forward_in_place_v<Experts> ? x_recv : b.outputs(ex);
+      T* y = forward_in_place_v<Experts> ? x_recv : peer != nullptr ? peer : b.outputs(ex);
       bounded_expert_forward(experts, ex, er, y);
       const std::int64_t* kept = b.kept.data();
       const void* mine_y[1] = {y};
