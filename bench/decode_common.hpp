@@ -122,8 +122,8 @@ inline double percentile(std::vector<double> v, double q) {
 
 // Rows each rank reads plus writes per call (identity experts in place move nothing):
 //   direct  pull 2R, padding P (normal), combine S + n; on MPI (`window`) also the copy
-//           of x into the communicator's shared window, 2n, and in bounded mode that of
-//           the outputs, 2R (the normal mode makes them in a peer buffer)
+//           of x into the communicator's shared window, 2n (the outputs are made in a
+//           peer buffer)
 //   staged  gather 2S (bounded; the normal mode sends rows by index straight from x),
 //           all-to-all out (the threads all-to-all copies what each rank receives: normal
 //           2R, bounded the fixed slabs 2*ep*slab), unpack 2R (bounded) or padding P
@@ -142,10 +142,7 @@ inline double route_rows(const shape& s, bool bounded, bool direct, bool fp8 = f
   const int L = s.experts / s.ep;
   if (fp8 && direct) return 1.5 * n + 1.5 * R + R + 0.5 * L + S + n + (window ? n : 0.0);
   if (fp8) return 1.5 * n + R + 0.5 * L + 1.5 * R + 2 * R + S + n;
-  if (direct) {
-    const double copies = window ? 2 * n + (bounded ? 2 * R : 0.0) : 0.0;  // into MPI's window
-    return 2 * R + (bounded ? 0.0 : static_cast<double>(L)) + S + n + copies;
-  }
+  if (direct) return 2 * R + (bounded ? 0.0 : static_cast<double>(L)) + S + n + (window ? 2 * n : 0.0);
   const double slab = 1.0 + static_cast<double>(L) * static_cast<double>(s.cap);
   const double moved = bounded ? 2.0 * s.ep * slab : 2 * R;
   const double pack = bounded ? 4 * R : static_cast<double>(L);
@@ -205,8 +202,7 @@ struct rank_result {
 // One rank of a decode measurement over `world` (threads or MPI): bounded or normal mode,
 // direct or staged route, bf16 rows or (fp8: normal mode) E4M3 rows with
 // experts that dequantise; `calls` timed calls after 10 warm-up calls. `window`: the
-// direct route copies x (bounded mode: and the outputs) into a shared window (MPI), which
-// the floor counts.
+// direct route copies x into a shared window (MPI), which the floor counts.
 template <class C>
 rank_result decode_rank(C& world, const shape& s, int calls, bool bounded, bool direct, bool fp8, bool window) {
   using T = epx::bf16;
