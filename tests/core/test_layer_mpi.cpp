@@ -128,6 +128,51 @@ TEST_CASE("layer (MPI): the direct route (shared memory) and the staged one agre
   CHECK_MESSAGE(ref.empty(), ref);
 }
 
+// The direct route makes its published rows in the communicator's peer buffers: each
+// saved state holds its outputs' block until its backward, so 70 training forwards held at
+// once (the pool has 64 windows) end with some in the layer's own memory, published by
+// copy. Every call's out, grad_x and grad_w are bitwise the staged route's.
+TEST_CASE("layer (MPI): more saved states held at once than the peer buffers hold") {
+  comm_t world = comm_t::world();
+  REQUIRE(world.peer_access_available());
+  const int n = world.size();
+  layer_case c = make(1, n, n, 2 * n, std::min(2, 2 * n));
+  c.hidden = 8;
+  const epx::mesh m(c.topology);
+  const int rank = world.rank(), b = m.batch(rank);
+  const auto global = epx::ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
+  const epx::test::batch_data d = epx::test::make_batch<float>(c, b);
+  const std::size_t N = c.rows_of(b), H = static_cast<std::size_t>(c.hidden), K = static_cast<std::size_t>(c.top_k);
+  const auto x = epx::ref::from_double<float>(d.x);
+  const auto go = epx::ref::from_double<float>(d.grad_out);
+  const std::vector<float> w(d.w.begin(), d.w.end());
+  layer_case staged_case = c;
+  staged_case.peer_access = false;
+  const auto want = epx::test::run_layer<comm_t, float, epx::impl::all_to_all>(world, staged_case, global);
+  layer_case direct_case = c;
+  direct_case.peer_access = true;
+  epx::moe_layer<comm_t, float> layer(m, world, epx::test::options_for(direct_case));
+  epx::ref::test_linear_experts<float> experts(global, m.ep_rank(rank), m.local_experts());
+  constexpr int calls = 70;
+  std::vector<epx::saved_state<float>> saved;
+  std::string bad;
+  for (int i = 0; i < calls; ++i) {
+    std::vector<float> out(N * H, 7.0f);
+    saved.push_back(layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(d.ids),
+                                  epx::span<const float>(w), epx::span<float>(out), experts, epx::mode::train));
+    if (out != want.out) bad += epx::detail::concat("forward ", i, " out; ");
+  }
+  CHECK(layer.stats().peer_access);
+  for (int i = calls - 1; i >= 0; --i) {
+    std::vector<float> gx(N * H, 7.0f), gw(N * K, 7.0f);
+    layer.backward(std::move(saved[static_cast<std::size_t>(i)]), epx::span<const float>(go), epx::span<float>(gx),
+                   epx::span<float>(gw), experts);
+    if (gx != want.grad_x) bad += epx::detail::concat("backward ", i, " grad_x; ");
+    if (gw != want.grad_w) bad += epx::detail::concat("backward ", i, " grad_w; ");
+  }
+  CHECK_MESSAGE(bad.empty(), bad);
+}
+
 // Per-rank sends (spec section 14): against float64, and against per-slot sends (expert
 // and weight gradients bitwise, out and grad_x within rounding, no more rows sent).
 TEST_CASE("layer (MPI): per-rank sends against float64 and against per-slot sends") {

@@ -80,8 +80,9 @@
 //                                       // optional, collective (each member its own size):
 //                                       // `bytes` of this rank's memory that access_peers
 //                                       // publishes without a copy, held while a copy of the
-//                                       // pointer lives; the layer makes the rows its peers
-//                                       // read in place there (MPI: no copy into the window)
+//                                       // pointer lives, or null when there is none to give;
+//                                       // the layer makes the rows its peers read in place
+//                                       // there (MPI: no copy into the window)
 //   void* peer_memory(std::size_t bytes);  // optional, collective: the same, held by the
 //                                       // communicator until its next peer_memory call
 //

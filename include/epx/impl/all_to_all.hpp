@@ -923,14 +923,16 @@ class all_to_all_impl {
   // n elements of T that the direct route publishes to the peers (the experts' outputs, and
   // in backward the input gradients): in a peer buffer on communicators that hand them out
   // (epx::has_peer_buffer_v, MPI: access_peers then copies nothing) and host policies, in
-  // the workspace otherwise. Collective there: every rank of a direct call makes the same
+  // the workspace otherwise (and when the communicator has no block to give: then
+  // access_peers copies them). Collective there: every rank of a direct call makes the same
   // calls of it in the same order.
   template <class T, class Exec>
   rows_buffer<T, Exec> published_rows(const Exec& ex, std::size_t n) {
-    if constexpr (has_peer_buffer_v<Comm> && exec::is_host_policy_v<Exec>)
-      return rows_buffer<T, Exec>(ctx_.ep->peer_buffer(n * sizeof(T)), n);
-    else
-      return make_rows<T>(ws_, ex, n);
+    if constexpr (has_peer_buffer_v<Comm> && exec::is_host_policy_v<Exec>) {
+      std::shared_ptr<void> block = ctx_.ep->peer_buffer(n * sizeof(T));
+      if (block != nullptr || n == 0) return rows_buffer<T, Exec>(std::move(block), n);
+    }
+    return make_rows<T>(ws_, ex, n);
   }
 
   // The direct route's row tables. Row i of this owner's expert-major buffer comes from

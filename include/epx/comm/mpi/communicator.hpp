@@ -426,7 +426,9 @@ class communicator {
   // buffer published through access_peers that lies in it is read there by the peers,
   // without the copy. Collective: every rank asks for its own size (0: a null pointer);
   // a block handed back is handed out again, and a new window is made only when some rank
-  // has no free block that fits; at most 64 held at once. Needs peer_access_available().
+  // has no free block that fits. At most 64 windows: past them a rank without a free block
+  // gets a null pointer (its buffers are then published by copy). Needs
+  // peer_access_available().
   std::shared_ptr<void> peer_buffer(std::size_t bytes) {
     detail::mpi_enter(*s_, "peer_buffer");
     if (opt_.check_counts && opt_.shared_memory) detail::mpi_agree_kind(*s_, opt_, detail::mpi_kind::peer_buffer);
@@ -437,7 +439,8 @@ class communicator {
   }
 
   // Peer memory: a peer buffer of `bytes` held by the communicator until the next
-  // peer_memory call on it or its copies (which may hand out the same block again).
+  // peer_memory call on it or its copies (which may hand out the same block again); null
+  // when the pool has no block for it.
   void* peer_memory(std::size_t bytes) {
     detail::mpi_enter(*s_, "peer_memory");
     if (opt_.check_counts && opt_.shared_memory) detail::mpi_agree_kind(*s_, opt_, detail::mpi_kind::peer_memory);

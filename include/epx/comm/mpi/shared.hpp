@@ -192,7 +192,8 @@ inline void mpi_peer_copy_in(mpi_state& s, const void* const* mine, const std::s
 // some rank has none, the ranks free the windows that are free on every rank and make one
 // more, in which each rank without a block gets one (1/32 larger, for calls whose sizes
 // vary a little, in whole 64 KiB) and the others none. So the pool holds about as many
-// windows as blocks were in use at once.
+// windows as blocks were in use at once, and at most 64: past that, a rank without a free
+// block that fits gets a null pointer.
 inline std::shared_ptr<void> mpi_peer_buffer(mpi_state& s, const mpi::options& opt, std::size_t bytes) {
   auto& pool = *s.pool;
   constexpr std::size_t W = mpi_peer_pool::most_windows;
@@ -232,14 +233,13 @@ inline std::shared_ptr<void> mpi_peer_buffer(mpi_state& s, const mpi::options& o
       lack = std::max(lack, rec[2 * static_cast<std::size_t>(r)]);
       everywhere &= rec[2 * static_cast<std::size_t>(r) + 1];
     }
-    if (lack > 0) {
-      // The slots are alike on every rank, so every rank finds the same one (or none).
-      std::size_t slot = W;
-      for (std::size_t w = 0; w < W && slot == W; ++w)
-        if (pool.windows[w].win == MPI_WIN_NULL || (everywhere >> w & 1u) != 0) slot = w;
-      EPX_REQUIRE(slot != W, errc::configuration, "peer_buffer: each of the ", W,
-                  " windows of this MPI communicator's peer buffers holds a block in use on some rank; "
-                  "hand some back first");
+    // The slots are alike on every rank, so every rank finds the same one, or none: then
+    // the ranks without a block get none (a null pointer: they publish their own memory,
+    // which access_peers copies).
+    std::size_t slot = W;
+    for (std::size_t w = 0; w < W && slot == W && lack > 0; ++w)
+      if (pool.windows[w].win == MPI_WIN_NULL || (everywhere >> w & 1u) != 0) slot = w;
+    if (slot != W) {
       mpi_window_gate(s, opt);
       for (std::size_t w = 0; w < W; ++w) {
         auto& x = pool.windows[w];
