@@ -430,11 +430,7 @@ class communicator {
   // gets a null pointer (its buffers are then published by copy). Needs
   // peer_access_available().
   std::shared_ptr<void> peer_buffer(std::size_t bytes) {
-    detail::mpi_enter(*s_, "peer_buffer");
-    if (opt_.check_counts && opt_.shared_memory) detail::mpi_agree_kind(*s_, opt_, detail::mpi_kind::peer_buffer);
-    EPX_REQUIRE(detail::mpi_peer_access_available(*s_, opt_), errc::configuration,
-                "peer_buffer: the ranks of this MPI communicator (", size(),
-                ") do not all share one node, or options::shared_memory is off: no peer access");
+    enter_peer_call("peer_buffer", detail::mpi_kind::peer_buffer);
     return detail::mpi_peer_buffer(*s_, opt_, bytes);
   }
 
@@ -442,11 +438,7 @@ class communicator {
   // peer_memory call on it or its copies (which may hand out the same block again); null
   // when the pool has no block for it.
   void* peer_memory(std::size_t bytes) {
-    detail::mpi_enter(*s_, "peer_memory");
-    if (opt_.check_counts && opt_.shared_memory) detail::mpi_agree_kind(*s_, opt_, detail::mpi_kind::peer_memory);
-    EPX_REQUIRE(detail::mpi_peer_access_available(*s_, opt_), errc::configuration,
-                "peer_memory: the ranks of this MPI communicator (", size(),
-                ") do not all share one node, or options::shared_memory is off: no peer access");
+    enter_peer_call("peer_memory", detail::mpi_kind::peer_memory);
     s_->arena.reset();
     s_->arena = detail::mpi_peer_buffer(*s_, opt_, bytes);
     return s_->arena.get();
@@ -454,11 +446,7 @@ class communicator {
 
   template <class F>
   void access_peers(const void* const* mine, const std::size_t* bytes, std::size_t count, F&& f) {
-    detail::mpi_enter(*s_, "access_peers");
-    if (opt_.check_counts && opt_.shared_memory) detail::mpi_agree_kind(*s_, opt_, detail::mpi_kind::access_peers);
-    EPX_REQUIRE(detail::mpi_peer_access_available(*s_, opt_), errc::configuration,
-                "access_peers: the ranks of this MPI communicator (", size(),
-                ") do not all share one node, or options::shared_memory is off: no peer access");
+    enter_peer_call("access_peers", detail::mpi_kind::access_peers);
     auto& w = s_->peer;
     const auto n = static_cast<std::size_t>(size());
     constexpr std::size_t L = detail::mpi_peer_record;
@@ -522,6 +510,16 @@ class communicator {
   }
 
  private:
+  // The opening of every peer access call: the entry, the agreement on the call, and the
+  // check that every rank shares this node (errc::configuration on every rank otherwise).
+  void enter_peer_call(const char* name, detail::mpi_kind kind) {
+    detail::mpi_enter(*s_, name);
+    if (opt_.check_counts && opt_.shared_memory) detail::mpi_agree_kind(*s_, opt_, kind);
+    EPX_REQUIRE(detail::mpi_peer_access_available(*s_, opt_), errc::configuration, name,
+                ": the ranks of this MPI communicator (", size(),
+                ") do not all share one node, or options::shared_memory is off: no peer access");
+  }
+
   // After the access_peers gather: raises on every rank, with the same message, when a rank
   // passed bad arguments or the counts differ.
   void check_peer_records(const std::vector<std::uint64_t>& rec) const {
