@@ -9,6 +9,7 @@
 //   ./bench_decode --quick                                   # seconds (bench-smoke): 8 tokens, H = 256
 //   ./bench_decode --host-isa=baseline                       # the FP8 loops at the build's flags
 //   ./bench_decode --stage-bytes=all                         # the staged route in one round
+//   ./bench_decode --stream-threshold=0                      # every host row copy streams
 //
 // One benchmark iteration is one measurement of `--calls` calls (default 300) after 10
 // warm-up calls; each call runs between two barriers of all ranks, so its latency is that
@@ -225,6 +226,7 @@ int main(int argc, char** argv) {
       g_calls = std::max(1, std::atoi(a.c_str() + 8));
     } else if (epx::bench::host_isa_flag(a)) {
     } else if (epx::bench::stage_bytes_flag(a)) {
+    } else if (epx::bench::stream_threshold_flag(a)) {
     } else if (a.rfind("--dispatch-calls=", 0) == 0) {
       g_dispatch_calls = std::max(1, std::atoi(a.c_str() + 17));
     } else {
@@ -266,6 +268,7 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMicrosecond);
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
+  benchmark::AddCustomContext("stream_threshold", std::to_string(epx::exec::stream_threshold()));
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return epx::bench::check_failed() ? 1 : 0;  // a failed output check fails the run

@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--quick") quick = true;
     else if (a.rfind("--calls=", 0) == 0) g_calls = std::max(1, std::atoi(a.c_str() + 8));
-    else args.push_back(argv[i]);
+    else if (!epx::bench::stream_threshold_flag(a)) args.push_back(argv[i]);
   }
   g_shape.ep = size;
   if (quick) {
@@ -115,6 +115,7 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMicrosecond);
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
+  benchmark::AddCustomContext("stream_threshold", std::to_string(epx::exec::stream_threshold()));
   run_on_every_rank(rank, n, args.data());
   benchmark::Shutdown();
   MPI_Finalize();

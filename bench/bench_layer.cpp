@@ -1185,7 +1185,8 @@ void print_summary() {
 // --heap=system: see the heap namespace above. --host-isa=baseline|avx2|avx512: the version
 // of the host row loops (default the widest the CPU supports; the context says which).
 // --stage-bytes=B|all: layer_options::stage_bytes of the staged route (default 0,
-// automatic; `all`: one round, a send buffer of all n*k rows). Any Google Benchmark flag
+// automatic; `all`: one round, a send buffer of all n*k rows). --stream-threshold=B: the
+// bytes from which host row copies stream (epx/exec/stream.hpp). Any Google Benchmark flag
 // (--benchmark_filter, --benchmark_out, ...) works as usual.
 int main(int argc, char** argv) {
   bool quick = false;
@@ -1203,6 +1204,8 @@ int main(int argc, char** argv) {
       continue;
     else if (epx::bench::stage_bytes_flag(argv[i]))
       continue;
+    else if (epx::bench::stream_threshold_flag(argv[i]))
+      continue;
     else
       args.push_back(argv[i]);
   }
@@ -1212,6 +1215,7 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("host_isa", epx::exec::to_string(epx::exec::active_host_isa()));
   benchmark::AddCustomContext("stage_bytes", epx::bench::stage_bytes_context());
   benchmark::AddCustomContext("staged_sends", epx::bench::gathered() ? "gathered" : "by index");
+  benchmark::AddCustomContext("stream_threshold", std::to_string(epx::exec::stream_threshold()));
   register_all(quick);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -267,11 +267,12 @@ int main(int argc, char** argv) {
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
-    else if (!epx::bench::gathered_flag(argv[i])) args.push_back(argv[i]);
+    else if (!epx::bench::gathered_flag(argv[i]) && !epx::bench::stream_threshold_flag(argv[i])) args.push_back(argv[i]);
   }
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
   benchmark::AddCustomContext("staged_sends", epx::bench::gathered() ? "gathered" : "by index");
+  benchmark::AddCustomContext("stream_threshold", std::to_string(epx::exec::stream_threshold()));
   for (route rt : {route::direct, route::staged, route::per_rank}) {
     if (quick) {
       reg<bf16>({128, 1024, 8, 64}, rt, false, 3);

@@ -233,6 +233,15 @@ inline std::string stage_bytes_context() {
   return b == 0 ? "automatic" : b == std::numeric_limits<std::size_t>::max() ? "all (one round)" : std::to_string(b);
 }
 
+// --stream-threshold=B: exec::set_stream_threshold(B), the bytes from which the host row
+// copies write around the caches (epx/exec/stream.hpp; 0: every copy streams). Returns
+// whether `arg` was that flag.
+inline bool stream_threshold_flag(const std::string& arg) {
+  if (arg.rfind("--stream-threshold=", 0) != 0) return false;
+  epx::exec::set_stream_threshold(static_cast<std::size_t>(std::stoull(arg.substr(19))));
+  return true;
+}
+
 // --gathered: layer_options::indexed_sends = false in the layers a benchmark makes (the
 // staged route gathers its rows into a send buffer before it sends them). Returns whether
 // `arg` was that flag.

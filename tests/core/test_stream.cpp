@@ -64,7 +64,7 @@ TEST_CASE("stream_copy: the bytes of memcpy at every alignment, nothing written 
 
 TEST_CASE("stream threshold: set for every thread, returns the previous value") {
   const std::size_t before = epx::exec::stream_threshold();
-  CHECK(before == (std::size_t{16} << 20));  // the documented default
+  CHECK(before == (std::size_t{4} << 20));  // the documented default
   CHECK(epx::exec::set_stream_threshold(100) == before);
   CHECK(epx::exec::stream_threshold() == 100);
   CHECK(epx::exec::streams(100));

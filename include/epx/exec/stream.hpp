@@ -9,9 +9,12 @@
 // with streamed stores (bench/README.md, "Streamed row copies").
 //
 // The library's host row copies stream when the whole operation writes at least
-// stream_threshold() bytes (by default 16 MiB): a destination that large is mostly out of
-// the caches again by the time its reader comes, so writing it around them costs the
-// reader little. Below that the copies go through the caches as before.
+// stream_threshold() bytes (by default 4 MiB): a destination that large is mostly out of
+// the caches again by the time its reader comes (it is larger than a core's L2, and the
+// ranks of a node fill their shared last-level cache together), so writing it around them
+// costs the reader little. Below that the copies go through the caches as before. (It was
+// 16 MiB: at 1024 x 1024 bf16 a rank's 16 MiB of received rows then streamed on some ranks
+// and not on others, and the bf16 layer took 5-16% longer; bench/README.md.)
 //
 //   exec::stream_copy(dst, src, bytes)  memcpy's contract (no overlap); non-temporal 16-byte
 //                                       stores where dst is 16-byte aligned (x86-64 with
@@ -44,7 +47,7 @@ namespace epx::exec {
 
 namespace detail {
 inline std::atomic<std::size_t>& stream_threshold_value() noexcept {
-  static std::atomic<std::size_t> bytes{std::size_t{16} << 20};
+  static std::atomic<std::size_t> bytes{std::size_t{4} << 20};
   return bytes;
 }
 }  // namespace detail
