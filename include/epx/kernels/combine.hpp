@@ -10,7 +10,10 @@
 // Each column sums its slots in slot order from A(0) whatever the launch shape: the host
 // runs whole rows in blocks of column_block accumulators (every slot's row streamed into
 // them), a device 16-byte chunks; the operations per column are the same, so every policy
-// gives the same bits. On the host the loop runs its widest version (epx/exec/host_isa.hpp).
+// gives the same bits. On the host the loop runs its widest version (epx/exec/host_isa.hpp),
+// and a token's call first prefetches the first prefetch_bytes of each of the next token's
+// rows: the rows are scattered over the owners' buffers, mostly out of the caches, and the
+// hardware prefetcher carries on from there (bench/README.md, "Prefetching the combine").
 #pragma once
 
 #include <cstddef>
@@ -29,6 +32,7 @@ inline constexpr std::size_t column_block = 16;  // a chunk of 16 bytes is at mo
 #else
 inline constexpr std::size_t column_block = 256;
 #endif
+inline constexpr std::size_t prefetch_bytes = 1024;  // of each of the next token's rows (host)
 }  // namespace detail
 
 template <class T, class Rows>
@@ -39,6 +43,7 @@ struct row_combine {
   T* out;                   // [n, H]
   std::size_t hidden;
   int top_k;
+  std::size_t tokens;       // n: the host prefetches token t + 1's rows while t < n - 1
 
   EPX_HOST_DEVICE void operator()(std::size_t t, std::size_t h0, std::size_t h1) const { EPX_RUN_WIDEST(t, h0, h1); }
 
@@ -47,6 +52,18 @@ struct row_combine {
     constexpr std::size_t B = detail::column_block;
     const std::size_t k = static_cast<std::size_t>(top_k);
     T* o = out + t * hidden;
+#if !defined(__CUDA_ARCH__) && defined(__GNUC__)
+    if (t + 1 < tokens) {
+      const std::size_t row = (h1 - h0) * sizeof(T);
+      const std::size_t bytes = row < detail::prefetch_bytes ? row : detail::prefetch_bytes;
+      for (std::size_t j = 0; j < k; ++j) {
+        const std::int64_t p = pos[(t + 1) * k + j];
+        if (p < 0) continue;
+        const char* next = reinterpret_cast<const char*>(row_at(y, static_cast<std::size_t>(p), hidden) + h0);
+        for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b);
+      }
+    }
+#endif
     A acc[B];
     for (std::size_t b = h0; b < h1; b += B) {
       const std::size_t m = h1 - b < B ? h1 - b : B;

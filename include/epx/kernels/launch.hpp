@@ -93,7 +93,7 @@ template <class Exec, class T, class Rows>
 void combine(const Exec& ex, std::size_t n, std::size_t H, int k, Rows y, const float* w, const std::int64_t* pos,
              T* out) {
   using R = decltype(detail::rows_of(y));
-  exec::for_each_row<T>(ex, n, H, row_combine<T, R>{detail::rows_of(y), w, pos, out, H, k});
+  exec::for_each_row<T>(ex, n, H, row_combine<T, R>{detail::rows_of(y), w, pos, out, H, k, n});
 }
 
 template <class Exec, class T, class Rows>
