@@ -10,6 +10,7 @@
 //   ./bench_decode --host-isa=baseline                       # the FP8 loops at the build's flags
 //   ./bench_decode --stage-bytes=all                         # the staged route in one round
 //   ./bench_decode --stream-threshold=0                      # every host row copy streams
+//   ./bench_decode --benchmark_filter=quantise --host-isa=avx2 # the E4M3 quantisation alone
 //
 // One benchmark iteration is one measurement of `--calls` calls (default 300) after 10
 // warm-up calls; each call runs between two barriers of all ranks, so its latency is that
@@ -47,6 +48,12 @@
 //                              loop (`--dispatch-calls`, default 20); counters bf16_median_us,
 //                              fp8_median_us and fp8_over_bf16 (target 0.65); each layer's
 //                              full forward checked once
+//   quantise/bf16/rows:1024/hidden:7168
+//                              kernels::quantise_e4m3 alone on one thread (exec::serial):
+//                              1024 token rows of the benchmarks' inputs, ns_per_element
+//                              (median of the iterations) and the host version it ran;
+//                              checked once against each element's scalar conversion
+//                              fp8_e4m3(x / scale) with scale = amax / 448 of its block
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -121,6 +128,44 @@ void BM_decode(benchmark::State& state, bool bounded, bool direct, bool fp8) {
   state.SetLabel(std::string("threads ep=") + std::to_string(g_shape.ep) + (fp8 ? " bf16 layer, fp8 rows out " : " bf16 ") +
                  (bounded ? "bounded" : "normal") + " route=" + (direct ? "direct" : "staged") +
                  (fp8 ? std::string(" (") + epx::exec::to_string(epx::exec::active_host_isa()) + ")" : std::string()));
+}
+
+// kernels::quantise_e4m3 on one thread, checked once against the scalar conversion.
+void BM_quantise(benchmark::State& state) {
+  using T = epx::bf16;
+  const std::size_t rows = 1024, H = 7168, blocks = rows * H / epx::kernels::fp8_block;
+  const std::vector<T> x = epx::bench::make_rows<T>(rows, H, 0);
+  std::vector<epx::fp8_e4m3> q(rows * H);
+  std::vector<float> scale(blocks);
+  epx::kernels::quantise_e4m3(epx::exec::serial{}, rows, H, x.data(), q.data(), scale.data());
+  for (std::size_t b = 0; b < blocks; ++b) {
+    float amax = 0.0f;
+    for (std::size_t h = 0; h < epx::kernels::fp8_block; ++h)
+      amax = std::max(amax, std::fabs(epx::convert<float>(x[b * epx::kernels::fp8_block + h])));
+    const float sc = amax > 0.0f ? amax / 448.0f : 1.0f;
+    bool same = scale[b] == sc;
+    for (std::size_t h = 0; h < epx::kernels::fp8_block && same; ++h) {
+      const std::size_t e = b * epx::kernels::fp8_block + h;
+      same = q[e].bits == epx::fp8_e4m3(epx::convert<float>(x[e]) / sc).bits;
+    }
+    if (!same) {
+      epx::bench::fail_check(state, "output check failed: block " + std::to_string(b));
+      return;
+    }
+  }
+  std::vector<double> ns;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    epx::kernels::quantise_e4m3(epx::exec::serial{}, rows, H, x.data(), q.data(), scale.data());
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    benchmark::DoNotOptimize(q.data());
+    state.SetIterationTime(t);
+    ns.push_back(t * 1e9 / static_cast<double>(rows * H));
+  }
+  std::sort(ns.begin(), ns.end());
+  state.counters["ns_per_element"] = ns[ns.size() / 2];
+  state.counters["checked"] = 1;
+  state.SetLabel(std::string("one thread, host version ") + epx::exec::to_string(epx::exec::active_host_isa()));
 }
 
 std::size_t g_dispatch_tokens = 4096;
@@ -266,6 +311,10 @@ int main(int argc, char** argv) {
         ->UseManualTime()
         ->Iterations(1)
         ->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("quantise/bf16/rows:1024/hidden:7168", BM_quantise)
+      ->UseManualTime()
+      ->Iterations(quick ? 3 : 30)
+      ->Unit(benchmark::kMicrosecond);
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
   benchmark::AddCustomContext("stream_threshold", std::to_string(epx::exec::stream_threshold()));

@@ -513,6 +513,81 @@ TEST_CASE_TEMPLATE("quantise_e4m3: blocks on either side of the finite, normal-s
   check_block_paths<T>();
 }
 
+// The rounding of E4M3's normals alone (the block loop's conversion where no quotient is
+// below 2^-6) against the full float conversion, over every float magnitude from 2^-6 to
+// 464 with either sign.
+TEST_CASE("fp8_e4m3: the normal-range float encoding equals the full one from 2^-6 to 464") {
+  std::size_t bad = 0, checked = 0;
+  for (std::uint32_t a = 0x3c800000u; a <= 0x43e80000u; ++a) {
+    const std::uint32_t u = a | ((a & 1u) << 31);  // every other magnitude negative
+    const float f = float_of(u);
+    ++checked;
+    const std::uint8_t got = epx::detail::float_to_fp8_e4m3_bits_normal(f);
+    const std::uint8_t want = epx::detail::float_to_fp8_e4m3_bits(f);
+    if (got != want && ++bad <= 10) FAIL_CHECK("float " << hex(u) << " (" << f << "): " << hex(got) << " != " << hex(want));
+  }
+  CHECK(bad == 0);
+  CHECK(checked == 0x43e80000u - 0x3c800000u + 1);
+}
+
+// The block loop rounds a finite block with a normal scale by the normals' rounding alone
+// when its smallest magnitude's quotient is at least 2^-6: blocks whose smallest element's
+// quotient lies a few steps of T on either side of 2^-6, or further inside either range
+// (0.26 to 1.5 times it; the others between 2^-5 and 448),
+// for scales from the smallest normal float up, against the model on every host version;
+// both conversions are taken.
+template <class T>
+void check_normal_blocks() {
+  const std::size_t H = 128;
+  epx::ref::rng g(29);
+  std::vector<T> x;
+  std::vector<bool> normal_only;  // per block, from the model's quotients
+  for (float amax : {1.0f, 448.0f, 3.14159f, 1e-3f, 1e20f, 448.0f * 0x1p-120f, 0.75f}) {
+    const float a = epx::convert<float>(epx::convert<T>(amax));  // representable in T
+    const float sc = a / 448.0f;
+    const T edge = epx::convert<T>(0x1p-6f * sc);  // near the smallest quotient of 2^-6
+    std::vector<float> leasts;
+    const std::uint32_t mag = epx::test::bits_of(epx::convert<float>(edge)) & 0x7fffffffu;
+    const std::uint32_t step = std::is_same_v<T, float> ? 1u : 0x10000u;  // one step of T
+    for (int d = -3; d <= 3; ++d) leasts.push_back(float_of(mag + static_cast<std::uint32_t>(d) * step));
+    for (float f : {0.26f, 0.5f, 0.74f, 0.9f, 1.1f, 1.5f})  // further inside either range
+      leasts.push_back(epx::convert<float>(epx::convert<T>(f * epx::convert<float>(edge))));
+    for (float least : leasts) {
+      for (int sign = 0; sign < 2; ++sign) {
+        const std::size_t at = 1 + static_cast<std::size_t>(g.below(static_cast<int>(H) - 1));
+        for (std::size_t h = 0; h < H; ++h) {
+          float v = h == 0 ? a : h == at ? least : static_cast<float>(g.uniform(2 * 0x1p-6 * sc, a));
+          if (g.uniform(0, 1) < 0.5) v = -v;
+          if (h == at && sign) v = -least;
+          x.push_back(epx::convert<T>(v));
+        }
+        normal_only.push_back(epx::test::bits_of(epx::convert<float>(epx::convert<T>(least)) / sc) >= 0x3c800000u);
+      }
+    }
+  }
+  const std::size_t rows = x.size() / H;
+  CHECK(std::count(normal_only.begin(), normal_only.end(), true) > 0);
+  CHECK(std::count(normal_only.begin(), normal_only.end(), false) > 0);
+  std::vector<std::uint8_t> mq;
+  std::vector<float> ms;
+  model_quantise(x, rows, H, mq, ms);
+  for_each_host_isa([&] {
+    std::vector<fp8_e4m3> q(x.size());
+    std::vector<float> s(rows);
+    epx::kernels::quantise_e4m3(epx::exec::serial{}, rows, H, x.data(), q.data(), s.data());
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < x.size(); ++i)
+      if (q[i].bits != mq[i] && ++bad <= 10)
+        FAIL_CHECK("element " << i << " of block " << i / H << ": " << hex(q[i].bits) << " != " << hex(mq[i]));
+    CHECK(bad == 0);
+    CHECK(std::memcmp(s.data(), ms.data(), rows * sizeof(float)) == 0);
+  });
+}
+
+TEST_CASE_TEMPLATE("quantise_e4m3: blocks on either side of the normals-only conversion", T, float, epx::bf16) {
+  check_normal_blocks<T>();
+}
+
 TEST_CASE("quantise_e4m3: double rows are scaled in double, each quotient rounded to E4M3 once") {
   for_each_host_isa([] {
     const std::size_t H = 256;

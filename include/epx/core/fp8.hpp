@@ -102,6 +102,16 @@ EPX_HOST_DEVICE inline std::uint8_t float_to_fp8_e4m3_bits_in_range(float f) noe
   return static_cast<std::uint8_t>(fp8_e4m3_magnitude_code(u & 0x7fffffffu) | ((u >> 24) & 0x80u));
 }
 
+// float_to_fp8_e4m3_bits(f) for an f that is not NaN and whose magnitude lies in
+// [2^-6, 464] (E4M3's normals and the ties at their ends): the rounding of the normals
+// alone, which is fp8_e4m3_magnitude_code's where the subnormal rounding gives 8.
+EPX_HOST_DEVICE inline std::uint8_t float_to_fp8_e4m3_bits_normal(float f) noexcept {
+  const std::uint32_t u = float_bits(f);
+  const std::uint32_t a = u & 0x7fffffffu;
+  const std::uint32_t code = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+  return static_cast<std::uint8_t>(code | ((u >> 24) & 0x80u));
+}
+
 EPX_HOST_DEVICE inline std::uint8_t double_to_fp8_e4m3_bits(double d) noexcept {
   const std::uint64_t u = fp8_double_bits(d);
   const std::uint64_t a = u & 0x7fffffffffffffffull;

@@ -176,12 +176,13 @@ struct fp8_quantise {
       return;
     }
     // The largest magnitude as the largest bits of |x| (non-negative floats order as their
-    // bits; an integer max reduction vectorises on the host). Bits above infinity's are a
-    // NaN's: then again with NaN left out.
-    std::uint32_t amax_bits = 0;
+    // bits; an integer max reduction vectorises on the host), and the smallest alongside.
+    // Bits above infinity's are a NaN's: then again with NaN left out.
+    std::uint32_t amax_bits = 0, amin_bits = 0xffffffffu;
     for (std::size_t h = 0; h < fp8_block; ++h) {
       const std::uint32_t a = epx::detail::float_bits(convert<float>(s[h])) & 0x7fffffffu;
       amax_bits = a > amax_bits ? a : amax_bits;
+      amin_bits = a < amin_bits ? a : amin_bits;
     }
     const bool finite = amax_bits < 0x7f800000u;  // no NaN, no infinity
     if (amax_bits > 0x7f800000u) {
@@ -197,9 +198,18 @@ struct fp8_quantise {
       // Finite elements and a normal scale (sc = amax / 448 within 2^-24 relative): every
       // quotient is finite and at most 448 * (1 + 2^-23) in magnitude, so no element
       // saturates or is NaN (the same bits as fp8_e4m3(quotient), two selections fewer).
-      for (std::size_t h = 0; h < fp8_block; ++h)
-        d[h] = fp8_e4m3::from_bits(
-            epx::detail::float_to_fp8_e4m3_bits_in_range(detail::div_rn(convert<float>(s[h]), sc)));
+      // Where the smallest magnitude's quotient is at least 2^-6, so is every quotient (a
+      // rounded division is monotone): no element is an E4M3 subnormal, and the rounding of
+      // the normals alone gives the same bits (12-25% less time per element on the host).
+      if (epx::detail::float_bits(detail::div_rn(epx::detail::bits_float(amin_bits), sc)) >= 0x3c800000u) {
+        for (std::size_t h = 0; h < fp8_block; ++h)
+          d[h] = fp8_e4m3::from_bits(
+              epx::detail::float_to_fp8_e4m3_bits_normal(detail::div_rn(convert<float>(s[h]), sc)));
+      } else {
+        for (std::size_t h = 0; h < fp8_block; ++h)
+          d[h] = fp8_e4m3::from_bits(
+              epx::detail::float_to_fp8_e4m3_bits_in_range(detail::div_rn(convert<float>(s[h]), sc)));
+      }
     } else {
       for (std::size_t h = 0; h < fp8_block; ++h) d[h] = fp8_e4m3(detail::div_rn(convert<float>(s[h]), sc));
     }
