@@ -458,6 +458,25 @@ TEST_CASE("fp8_e4m3: the branch-free magnitude rounding equals the branching one
   CHECK(checked > 40000000u);
 }
 
+// quantise_e4m3 of rows x [., H] on every host version against the model's bytes mq and
+// scales ms, bit for bit; where(i) names element i's block in a failure.
+template <class T, class Where>
+void check_blocks_against_model(const std::vector<T>& x, std::size_t H, const std::vector<std::uint8_t>& mq,
+                                const std::vector<float>& ms, Where where) {
+  const std::size_t rows = x.size() / H;
+  for_each_host_isa([&] {
+    std::vector<fp8_e4m3> q(x.size());
+    std::vector<float> s(rows);
+    epx::kernels::quantise_e4m3(epx::exec::serial{}, rows, H, x.data(), q.data(), s.data());
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < x.size(); ++i)
+      if (q[i].bits != mq[i] && ++bad <= 10)
+        FAIL_CHECK("element " << i << " (" << where(i) << "): " << hex(q[i].bits) << " != " << hex(mq[i]));
+    CHECK(bad == 0);
+    CHECK(std::memcmp(s.data(), ms.data(), rows * sizeof(float)) == 0);
+  });
+}
+
 // The block loop takes a shorter conversion where every element is finite and the scale is
 // a normal float (no quotient saturates or is NaN there), the full one elsewhere: blocks
 // whose largest magnitude sweeps across the smallest normal scale (448 * 2^-126), up to
@@ -495,18 +514,7 @@ void check_block_paths() {
   for (std::size_t r = 0; r < rows; ++r) fast += ms[r] >= 0x1p-126f && std::isfinite(ms[r]) && r % 4 != 1 && r % 4 != 2;
   CHECK(fast > 0);
   CHECK(fast < rows / 2);
-  for_each_host_isa([&] {
-    std::vector<fp8_e4m3> q(x.size());
-    std::vector<float> s(rows);
-    epx::kernels::quantise_e4m3(epx::exec::serial{}, rows, H, x.data(), q.data(), s.data());
-    std::size_t bad = 0;
-    for (std::size_t i = 0; i < x.size(); ++i)
-      if (q[i].bits != mq[i] && ++bad <= 10)
-        FAIL_CHECK("element " << i << " (block amax " << amaxes[i / H / 4] << "): " << hex(q[i].bits)
-                              << " != " << hex(mq[i]));
-    CHECK(bad == 0);
-    CHECK(std::memcmp(s.data(), ms.data(), rows * sizeof(float)) == 0);
-  });
+  check_blocks_against_model(x, H, mq, ms, [&](std::size_t i) { return "block amax " + std::to_string(amaxes[i / H / 4]); });
 }
 
 TEST_CASE_TEMPLATE("quantise_e4m3: blocks on either side of the finite, normal-scale conversion", T, float, epx::bf16) {
@@ -571,17 +579,7 @@ void check_normal_blocks() {
   std::vector<std::uint8_t> mq;
   std::vector<float> ms;
   model_quantise(x, rows, H, mq, ms);
-  for_each_host_isa([&] {
-    std::vector<fp8_e4m3> q(x.size());
-    std::vector<float> s(rows);
-    epx::kernels::quantise_e4m3(epx::exec::serial{}, rows, H, x.data(), q.data(), s.data());
-    std::size_t bad = 0;
-    for (std::size_t i = 0; i < x.size(); ++i)
-      if (q[i].bits != mq[i] && ++bad <= 10)
-        FAIL_CHECK("element " << i << " of block " << i / H << ": " << hex(q[i].bits) << " != " << hex(mq[i]));
-    CHECK(bad == 0);
-    CHECK(std::memcmp(s.data(), ms.data(), rows * sizeof(float)) == 0);
-  });
+  check_blocks_against_model(x, H, mq, ms, [&](std::size_t i) { return "block " + std::to_string(i / H); });
 }
 
 TEST_CASE_TEMPLATE("quantise_e4m3: blocks on either side of the normals-only conversion", T, float, epx::bf16) {
