@@ -6,7 +6,8 @@
 #   2. the extension built (or found built) by importing epx_torch;
 #   3. the tests under torchrun (gloo, CPU) with 2, 4 and 8 processes: the ops suite and the
 #      emulated device layer against the host layer on each, the docs example on 4, the
-#      transformers comparison and the benchmark on 8;
+#      transformers comparison and the benchmark on 8; then exit_clean.py on 8, a job that
+#      ends with destroy_process_group and the interpreter's exit (exit status 0, no abort);
 #   4. with nvcc, the CUDA build of the extension (EPX_TORCH_CUDA=1: compiled and imported;
 #      its layer runs only where torch sees GPUs: run.py --device cuda).
 # Prints every case as `torch[np=N] PASS|FAIL name` and ends with `N passed, N failed`; exits
@@ -119,6 +120,26 @@ for np in 2 4 8; do
   echo "torch[np=$np] done in $(( $(date +%s) - t0 ))s (rc=$rc)"
   rm -f "$log"
 done
+# A job that ends as users end one: destroy_process_group with a layer alive, then the
+# interpreter's own exit (run.py's harness skips it with os._exit). Every rank must exit
+# with 0, and no process may abort in the teardown.
+echo "==== torch: torchrun --nproc-per-node=8 exit_clean.py ===="
+log=$(mktemp)
+t0=$(date +%s)
+timeout --kill-after=30 "${EPX_TORCH_RUN_TIMEOUT:-900}" "$venv/bin/torchrun" --standalone --nproc-per-node=8 \
+  bindings/torch/tests/exit_clean.py >"$log" 2>&1 9>&-
+rc=$?
+name="a job that destroys its process groups with a layer alive and exits normally"
+if [ "$rc" -eq 0 ] && grep -q '^exit_clean: every rank reached the end$' "$log" &&
+  ! grep -q 'terminate called' "$log"; then
+  passed=$((passed + 1))
+  echo "torch[np=8] PASS $name ($(( $(date +%s) - t0 ))s)"
+else
+  failed=$((failed + 1))
+  echo "torch[np=8] FAIL $name: torchrun exited with $rc; the end of its output:"
+  grep -Ev "$noise" "$log" | tail -40
+fi
+rm -f "$log"
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "==== torch: the CUDA build (EPX_TORCH_CUDA=1) ===="
   t0=$(date +%s)

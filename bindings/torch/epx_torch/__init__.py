@@ -44,10 +44,14 @@ _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16:
 _PATHS = {"all_to_all": 0, "all_reduce": 1, "auto": 2}
 _TRANSPORTS = {"auto": 0, "shm": 1, "group": 2}
 
-# Groups made for splits, by their members (every rank of the job makes every group once),
-# for the job's default group `_GROUPS_WORLD`: a job that destroys its process groups and
-# initialises new ones (whose names start again at "0") gets new groups.
-_GROUPS: dict[tuple, list] = {}
+# The name of this rank's group of each split, by the split's members (every rank of the job
+# makes every group once),
+# for the job's default group `_GROUPS_WORLD` (a weak reference): a job that destroys its
+# process groups and initialises new ones (whose names start again at "0") gets new groups.
+# Only the groups' names are kept: torch holds the groups until destroy_process_group, and a
+# group that outlived it here would be destroyed at interpreter exit, where gloo's threads
+# abort the process ("terminate called without an active exception").
+_GROUPS: dict[tuple, str] = {}
 _GROUPS_WORLD = None
 
 
@@ -90,16 +94,17 @@ def _integer(name: str, v) -> int:
 
 def _make_groups(groups: Sequence[Sequence[int]], mine: int) -> str:
     global _GROUPS_WORLD
-    if _GROUPS_WORLD is not dist.group.WORLD:  # a new default group: the cached ones are gone
+    if _GROUPS_WORLD is None or _GROUPS_WORLD() is not dist.group.WORLD:  # a new default group
         _GROUPS.clear()
-        _GROUPS_WORLD = dist.group.WORLD
+        _GROUPS_WORLD = weakref.ref(dist.group.WORLD)
     key = tuple(tuple(g) for g in groups)
     if key not in _GROUPS:
         world = list(range(dist.get_world_size()))
         timeout = _timeout(dist.group.WORLD)  # sub-groups fail as soon as the job's group would
-        _GROUPS[key] = [dist.group.WORLD if list(g) == world else dist.new_group(ranks=list(g), timeout=timeout)
-                        for g in groups]
-    return _GROUPS[key][mine].group_name
+        made = [dist.group.WORLD if list(g) == world else dist.new_group(ranks=list(g), timeout=timeout)
+                for g in groups]  # every rank makes every group; another's is a placeholder here
+        _GROUPS[key] = made[mine].group_name
+    return _GROUPS[key]
 
 
 _C.set_split_callback(_make_groups)
