@@ -183,6 +183,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // communicator timeout bounds.
   m.def("_emulated_strict_memory", &epx::exec::emulated_strict_memory);
   m.def("_emulated_unbounded_waits", &epx::exec::emulated_unbounded_waits);
+  // The bytes from which epx's host copies, and the shared-memory exchange's, stream (returns
+  // the previous value; 0: every copy streams).
+  m.def("_set_stream_threshold", &epx::exec::set_stream_threshold);
   // The host synchronisations epx has made on device policies on this thread.
   m.def("_host_syncs", [] { return epx::detail::host_syncs_on_this_thread(); });
 #if EPX_TORCH_WITH_CUDA

@@ -1005,6 +1005,7 @@ def cases(W: int):
         add("all_to_all tp2 fsdp4 ep4 (the seed's mesh) float32", lambda: layer_case(tp=2, fsdp=4, ep=4, dtype=f32))
         add("all_to_all tp2 fsdp4 ep8 efsdp1 bfloat16", lambda: layer_case(tp=2, fsdp=4, ep=8, dtype=bf16))
         add("bitwise = epx::moe_layer (tp2 ep4, float32)", lambda: bitwise_case(tp=2, ep=4, dtype=f32))
+    add("every copy streamed (stream threshold 0), against the reference", streamed_case)
     out.extend(emulated_cases(W))
     out.extend(error_cases(W))
     # Last: it replaces the job's process groups.
@@ -1063,6 +1064,21 @@ def emulated_cases(W: int):
     add("error: device='cuda' without the CUDA build", cuda_without_build)
     add("error: transport='shm' on a device layer", shm_on_device_layer)
     return out
+
+
+def streamed_case():
+    """With a stream threshold of 0 every host copy of epx and every copy of the
+    shared-memory exchange writes around the caches (non-temporal stores, as an exchange of
+    4 MiB or more does by default): the layers still match the float64 reference."""
+    C = epx_torch._C
+    prev = C._set_stream_threshold(0)
+    try:
+        layer_case(tp=1, dtype=torch.float32)
+        layer_case(tp=1, dtype=torch.bfloat16)
+        if dist.get_world_size() >= 4:
+            layer_case(tp=2, dtype=torch.float64)
+    finally:
+        C._set_stream_threshold(prev)
 
 
 def strict_memory_case():
