@@ -77,7 +77,7 @@ TEST_CASE("stream threshold: set for every thread, returns the previous value") 
 // destination starts as garbage so that a zero row that is not written shows.
 template <class T, class Exec>
 void check_row_copies(const Exec& ex) {
-  for (std::size_t H : {std::size_t{1}, std::size_t{7}, std::size_t{300}, std::size_t{4096}}) {
+  for (std::size_t H : {std::size_t{1}, std::size_t{7}, std::size_t{300}, std::size_t{4096}, std::size_t{7168}}) {
     CAPTURE(H);
     const std::size_t n = 37, rows = 53;
     const auto x = random_rows<T>(n, H, 11 + H);
@@ -87,21 +87,40 @@ void check_row_copies(const Exec& ex) {
       index[r] = r % 9 == 4 ? -1 : static_cast<std::int64_t>((r * 17) % n);
       table[r] = index[r] < 0 ? nullptr : x.data() + static_cast<std::size_t>(index[r]) * H;
     }
+    std::vector<float> w(rows);
+    for (std::size_t r = 0; r < rows; ++r) w[r] = 0.03f + 0.11f * static_cast<float>(r % 13);
     // The destination one element off a 16-byte boundary where H is odd (unaligned rows).
-    std::vector<T> a(rows * H + 1, epx::convert<T>(9.0f)), b = a, c = a, d = a;
+    std::vector<T> a(rows * H + 1, epx::convert<T>(9.0f)), b = a, c = a, d = a, e = a, f = a;
     {
       threshold_scope s(std::numeric_limits<std::size_t>::max());
       epx::kernels::gather(ex, rows, H, x.data(), index.data(), a.data() + 1);
       epx::kernels::copy(ex, rows, H, table.data(), c.data() + 1);
+      epx::kernels::gather(ex, rows, H, x.data(), index.data(), w.data(), e.data() + 1);
     }
     {
       threshold_scope s(0);
       epx::kernels::gather(ex, rows, H, x.data(), index.data(), b.data() + 1);
       epx::kernels::copy(ex, rows, H, table.data(), d.data() + 1);
+      epx::kernels::gather(ex, rows, H, x.data(), index.data(), w.data(), f.data() + 1);
     }
     CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
     CHECK(std::memcmp(c.data(), d.data(), c.size() * sizeof(T)) == 0);
     CHECK(std::memcmp(a.data(), c.data(), a.size() * sizeof(T)) == 0);
+    // Scaled (w[r] * row, rounded to T in accum_t<T>; float and double stream it in chunks
+    // through a buffer, bf16 takes the caches either way): the bits of the copy through the
+    // caches, and each element the rounded product.
+    CHECK(std::memcmp(e.data(), f.data(), e.size() * sizeof(T)) == 0);
+    using A = epx::accum_t<T>;
+    bool products = true;
+    for (std::size_t r = 0; r < rows; ++r)
+      for (std::size_t h = 0; h < H; ++h) {
+        const A v = index[r] < 0 ? A(0)
+                                 : static_cast<A>(w[r]) *
+                                       epx::convert<A>(x[static_cast<std::size_t>(index[r]) * H + h]);
+        const T want = epx::convert<T>(v);
+        products = products && std::memcmp(&f[1 + r * H + h], &want, sizeof(T)) == 0;
+      }
+    CHECK(products);
     CHECK(epx::convert<float>(b[1 + 4 * H]) == 0.0f);   // row 4: index -1, a zero row
     CHECK(epx::convert<float>(b[1 + 5 * H]) == epx::convert<float>(x[(5 * 17 % n) * H]));
   }

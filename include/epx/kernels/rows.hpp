@@ -12,9 +12,9 @@
 // send order, the direct route's pull from the peers, the gradient rows w * grad_out.
 // Launched through exec::for_each_row (epx/kernels/launch.hpp), so the policy chooses the
 // shape: whole rows on the host, 16-byte chunks on a device. The scaled copy runs the
-// widest host version of its loop (epx/exec/host_isa.hpp). A plain copy of at least
-// exec::stream_threshold() bytes on a host policy writes around the caches instead
-// (row_stream_copy, groups of rows a call).
+// widest host version of its loop (epx/exec/host_isa.hpp). A copy of at least
+// exec::stream_threshold() bytes on a host policy (plain, or scaled float and double rows)
+// writes around the caches instead (row_stream_copy, groups of rows a call).
 #pragma once
 
 #include <cstddef>
@@ -117,21 +117,31 @@ struct row_copy {
   }
 };
 
-// The plain row copy of at least exec::stream_threshold() bytes on a host policy
+// The row copy of at least exec::stream_threshold() bytes on a host policy
 // (epx/exec/stream.hpp; kernels::gather and copy choose it): call i copies rows
 // [i * group, (i + 1) * group) with non-temporal stores (a missing row as zeros, with
 // ordinary stores), then fences, so that each call's stores are ordered on the thread that
-// made them before the launch returns. The same bytes as row_copy; device policies always
-// take row_copy.
+// made them before the launch returns. A scaled copy computes each `chunk` of a row into a
+// buffer on the stack (the widest host version of row_copy's loop, the same arithmetic)
+// and streams it from there. The same bytes as row_copy; device policies always take
+// row_copy.
 template <class T, class Src>
 struct row_stream_copy {
   Src src;
-  T* dst;  // [rows, H]
+  const float* scale;  // [rows] or null
+  T* dst;              // [rows, H]
   std::size_t hidden;
   std::size_t rows;
   std::size_t group;  // rows a call
 
+  // Elements of a scaled row computed at a time (4 KiB: they stay in L1 until streamed).
+  static constexpr std::size_t chunk = std::size_t{4096} / sizeof(T);
+
   void operator()(std::size_t i) const {
+    if (scale != nullptr) {
+      EPX_RUN_WIDEST(i);
+      return;
+    }
     const std::size_t r0 = i * group, r1 = rows - r0 < group ? rows : r0 + group;
     for (std::size_t r = r0; r < r1; ++r) {
       T* d = dst + r * hidden;
@@ -140,6 +150,28 @@ struct row_stream_copy {
         for (std::size_t h = 0; h < hidden; ++h) d[h] = convert<T>(0.0f);
       } else {
         exec::stream_copy(d, s, hidden * sizeof(T));
+      }
+    }
+    exec::stream_fence();
+  }
+
+  // The scaled copy (scale not null).
+  EPX_HOST_INLINE void body(std::size_t i) const {
+    using A = accum_t<T>;
+    alignas(64) T buf[chunk];
+    const std::size_t r0 = i * group, r1 = rows - r0 < group ? rows : r0 + group;
+    for (std::size_t r = r0; r < r1; ++r) {
+      T* d = dst + r * hidden;
+      const T* s = row_at(src, r, hidden);
+      if (s == nullptr) {
+        for (std::size_t h = 0; h < hidden; ++h) d[h] = convert<T>(0.0f);
+        continue;
+      }
+      const A w = static_cast<A>(scale[r]);
+      for (std::size_t h0 = 0; h0 < hidden; h0 += chunk) {
+        const std::size_t n = hidden - h0 < chunk ? hidden - h0 : chunk;
+        for (std::size_t h = 0; h < n; ++h) buf[h] = convert<T>(w * convert<A>(s[h0 + h]));
+        exec::stream_copy(d + h0, buf, n * sizeof(T));
       }
     }
     exec::stream_fence();
