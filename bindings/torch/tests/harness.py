@@ -127,7 +127,8 @@ def expect_error(fn, *parts: str, error=None) -> str:
 def finish(failed: int) -> None:
     """Ends the job: the exit status is the verdict. os._exit skips the interpreter's
     teardown, where torch 2.15's gloo threads now and then abort a process ("terminate called
-    without an active exception", seen without epx_torch too) after every case has passed."""
+    without an active exception", seen without epx_torch too) after every case has passed.
+    The teardown users go through, with epx_torch's layers alive, is exit_clean.py's test."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
