@@ -49,7 +49,7 @@ row_table<T> rows_of(row_table<T> t) noexcept {
 // row_copy over [rows, H]; on a host policy a copy of at least exec::stream_threshold()
 // bytes streams (row_stream_copy, about 128 KiB of rows a call): a plain copy of any type, a
 // scaled one of float or double. (Streamed through its stack buffer, the scaled copy made the
-// float32 backward 9-12% faster at 1024 x 1024 and the bf16 one 3-13% slower at 1024 x 1024
+// float32 backward 6-11% faster at 1024 x 1024 and the bf16 one 3-13% slower at 1024 x 1024
 // and 4096 x 4096, where the conversion to bf16 and the extra pass through the buffer
 // cost more than the line reads they save; bench/README.md.)
 template <class Exec, class T, class Src>
