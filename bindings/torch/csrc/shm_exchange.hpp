@@ -150,9 +150,7 @@ class shm_exchange {
     const bool stream = epx::exec::streams(total);
     exchange_in_place(send, send_counts, send_displs, recv_counts, nseg,
                       [&](std::size_t q, std::size_t i, const std::byte* block, std::size_t bytes) {
-                        if (!bytes) return;
-                        if (stream) epx::exec::stream_copy(recv + recv_displs[q * nseg + i], block, bytes);
-                        else std::memcpy(recv + recv_displs[q * nseg + i], block, bytes);
+                        copy(recv + recv_displs[q * nseg + i], block, bytes, stream);
                       });
     if (stream) epx::exec::stream_fence();
   }
@@ -185,10 +183,7 @@ class shm_exchange {
         continue;
       }
       off[j] = at;
-      if (send_counts[j]) {
-        if (stream) epx::exec::stream_copy(buf + at, send + send_displs[j], send_counts[j]);
-        else std::memcpy(buf + at, send + send_displs[j], send_counts[j]);
-      }
+      copy(buf + at, send + send_displs[j], send_counts[j], stream);
       at += round_up(send_counts[j]);
     }
     if (stream) epx::exec::stream_fence();
@@ -271,6 +266,13 @@ class shm_exchange {
   };
 
   static std::size_t round_up(std::size_t n) { return (n + 63) / 64 * 64; }
+
+  // n bytes from s to d, around the caches when `stream` (the caller fences).
+  static void copy(std::byte* d, const std::byte* s, std::size_t n, bool stream) {
+    if (n == 0) return;
+    if (stream) epx::exec::stream_copy(d, s, n);
+    else std::memcpy(d, s, n);
+  }
 
   // Raises when a rank of the group has failed (on every later call too: the exchange is
   // broken for good), with that rank's reason.

@@ -122,8 +122,8 @@ struct row_copy {
 // [i * group, (i + 1) * group) with non-temporal stores (a missing row as zeros, with
 // ordinary stores), then fences, so that each call's stores are ordered on the thread that
 // made them before the launch returns. A scaled copy computes each `chunk` of a row into a
-// buffer on the stack (the widest host version of row_copy's loop, the same arithmetic)
-// and streams it from there. The same bytes as row_copy; device policies always take
+// buffer on the stack (row_copy's loop and arithmetic, in the widest host version) and
+// streams it from there. The same bytes as row_copy; device policies always take
 // row_copy.
 template <class T, class Src>
 struct row_stream_copy {
@@ -137,41 +137,26 @@ struct row_stream_copy {
   // Elements of a scaled row computed at a time (4 KiB: they stay in L1 until streamed).
   static constexpr std::size_t chunk = std::size_t{4096} / sizeof(T);
 
-  void operator()(std::size_t i) const {
-    if (scale != nullptr) {
-      EPX_RUN_WIDEST(i);
-      return;
-    }
-    const std::size_t r0 = i * group, r1 = rows - r0 < group ? rows : r0 + group;
-    for (std::size_t r = r0; r < r1; ++r) {
-      T* d = dst + r * hidden;
-      const T* s = row_at(src, r, hidden);
-      if (s == nullptr) {
-        for (std::size_t h = 0; h < hidden; ++h) d[h] = convert<T>(0.0f);
-      } else {
-        exec::stream_copy(d, s, hidden * sizeof(T));
-      }
-    }
-    exec::stream_fence();
-  }
+  void operator()(std::size_t i) const { EPX_RUN_WIDEST(i); }
 
-  // The scaled copy (scale not null).
   EPX_HOST_INLINE void body(std::size_t i) const {
     using A = accum_t<T>;
-    alignas(64) T buf[chunk];
+    alignas(64) T buf[chunk];  // a scaled copy's elements on their way out
     const std::size_t r0 = i * group, r1 = rows - r0 < group ? rows : r0 + group;
     for (std::size_t r = r0; r < r1; ++r) {
       T* d = dst + r * hidden;
       const T* s = row_at(src, r, hidden);
       if (s == nullptr) {
         for (std::size_t h = 0; h < hidden; ++h) d[h] = convert<T>(0.0f);
-        continue;
-      }
-      const A w = static_cast<A>(scale[r]);
-      for (std::size_t h0 = 0; h0 < hidden; h0 += chunk) {
-        const std::size_t n = hidden - h0 < chunk ? hidden - h0 : chunk;
-        for (std::size_t h = 0; h < n; ++h) buf[h] = convert<T>(w * convert<A>(s[h0 + h]));
-        exec::stream_copy(d + h0, buf, n * sizeof(T));
+      } else if (scale == nullptr) {
+        exec::stream_copy(d, s, hidden * sizeof(T));
+      } else {
+        const A w = static_cast<A>(scale[r]);
+        for (std::size_t h0 = 0; h0 < hidden; h0 += chunk) {
+          const std::size_t n = hidden - h0 < chunk ? hidden - h0 : chunk;
+          for (std::size_t h = 0; h < n; ++h) buf[h] = convert<T>(w * convert<A>(s[h0 + h]));
+          exec::stream_copy(d + h0, buf, n * sizeof(T));
+        }
       }
     }
     exec::stream_fence();
