@@ -911,8 +911,21 @@ int main(int argc, char** argv) {
   const bool use_mpi = o.backend == "mpi" || (o.backend.empty() && launched_by_mpirun());
   if (use_mpi) {
 #ifdef EPX_HAVE_MPI
-    // An exception on any rank aborts the whole job with its message (epx::mpi::run).
-    return epx::mpi::run(argc, argv, [&](epx::mpi::communicator& world) { return train(world, o, "mpi"); });
+    // An exception on any rank aborts the whole job with its message (epx::mpi::run). A job
+    // whose size is not the mesh's is a command-line error: every rank returns 2.
+    return epx::mpi::run(argc, argv, [&](epx::mpi::communicator& world) {
+      if (world.size() != o.world()) {
+        if (world.rank() == 0) {
+          std::fprintf(stderr,
+                       "epx-moe-example: the mpi job has %d ranks but the mesh needs --tp * --fsdp * --dp-replicate "
+                       "= %d * %d * %d = %d (mpirun -np %d, or other mesh flags)\n",
+                       world.size(), o.tp, o.fsdp, o.dp_replicate, o.world(), o.world());
+          usage(stderr);
+        }
+        return 2;
+      }
+      return train(world, o, "mpi");
+    });
 #else
     std::fprintf(stderr, "epx-moe-example: this build has no MPI backend (configure with MPI found and "
                          "EPX_ENABLE_MPI=ON), or pass --backend threads\n");
