@@ -555,6 +555,11 @@ TEST_CASE("saved state: inference keeps nothing; backward of an empty state rais
       layer.backward(std::move(s), epx::span<const float>(out), epx::span<float>(gx), epx::span<float>(gw), ex);
     } catch (const epx::error& e) {
       raised_input = e.category() == epx::errc::input;
+      // Both ranks made the same mistake: one entry names them both, the text once.
+      const std::string& msg = e.message();
+      if (msg.find("group; rank 0,1: backward needs the saved state of a training forward") == std::string::npos ||
+          msg.find("; rank 1: ") != std::string::npos)
+        throw std::runtime_error("the ranks' equal messages are not one entry: " + msg);
     }
     if (!raised_input) throw std::runtime_error("backward of an empty saved state did not raise errc::input");
     auto t = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),

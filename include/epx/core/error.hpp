@@ -15,6 +15,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace epx {
 
@@ -153,6 +154,29 @@ template <class... Args>
 [[noreturn]] EPX_DETAIL_COLD void raise(errc category, const source_location& where, const Args&... args) {
   raise_message(category, where, concat(args...));
 }
+
+// The ranks' messages of a collective error, one entry per distinct message with the ranks
+// that report it, in the order of their first rank: "; rank 0,2: <a>; rank 1: <b>".
+class rank_messages {
+ public:
+  void add(long long rank, const std::string& message) {
+    std::size_t i = 0;
+    while (i < text_.size() && text_[i] != message) ++i;
+    if (i == text_.size()) {
+      text_.push_back(message);
+      ranks_.emplace_back();
+    }
+    ranks_[i] += (ranks_[i].empty() ? "" : ",") + std::to_string(rank);
+  }
+  std::string str() const {
+    std::string out;
+    for (std::size_t i = 0; i < text_.size(); ++i) out += "; rank " + ranks_[i] + ": " + text_[i];
+    return out;
+  }
+
+ private:
+  std::vector<std::string> text_, ranks_;
+};
 
 // Message of an in-flight exception: epx::error's message, what() otherwise.
 inline std::string describe_exception(const std::exception_ptr& e) {

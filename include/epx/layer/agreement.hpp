@@ -149,24 +149,11 @@ void agree_on_layer(Comm& comm, const mesh& m, const layer_options& o, int world
     std::vector<char> msg(B, '\0'), msgs(B * P, '\0');
     local_error.copy(msg.data(), B - 1);
     all_gather_host(comm, msg.data(), B, msgs.data());
-    // One entry per distinct message, with the ranks that report it.
-    std::vector<std::string> text;
-    std::vector<std::string> ranks;
-    for (std::size_t r = 0; r < P; ++r) {
-      if (all[r * F + F - 1] == 0) continue;
-      const std::string t(msgs.data() + r * B);
-      std::size_t i = 0;
-      while (i < text.size() && text[i] != t) ++i;
-      if (i == text.size()) {
-        text.push_back(t);
-        ranks.emplace_back();
-      }
-      ranks[i] += concat(ranks[i].empty() ? "" : ",", all[r * F]);
-    }
-    std::string why;
-    for (std::size_t i = 0; i < text.size(); ++i) why += concat("; rank ", ranks[i], ": ", text[i]);
-    throw error(errc::configuration, concat("moe_layer: bad configuration in the ", where, " communicator", why),
-                EPX_HERE);
+    rank_messages why;  // one entry per distinct message, with the ranks that report it
+    for (std::size_t r = 0; r < P; ++r)
+      if (all[r * F + F - 1] != 0) why.add(all[r * F], std::string(msgs.data() + r * B));
+    throw error(errc::configuration,
+                concat("moe_layer: bad configuration in the ", where, " communicator", why.str()), EPX_HERE);
   }
   std::string why;
   for (std::size_t r = 1; r < P; ++r)

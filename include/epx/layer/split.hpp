@@ -132,13 +132,14 @@ void agree_on_phase(Comm& comm, bool failed, errc category, const std::string& m
   std::memcpy(msg.data(), message.data(), std::min(message.size(), message_bytes - 1));
   std::vector<char> texts(message_bytes * static_cast<std::size_t>(n), '\0');
   all_gather_host(comm, msg.data(), message_bytes, texts.data());
-  std::string full = concat(what, ": a split-phase call failed in the expert-parallel group");
+  rank_messages bad;  // one entry per distinct message, with the ranks that report it
   for (int r = 0; r < n; ++r) {
     if (all[at(r, 0)] == 0) continue;
     const char* m = texts.data() + static_cast<std::size_t>(r) * message_bytes;
-    full += concat("; rank ", all[at(r, 1)], ": ", std::string(m, std::find(m, m + message_bytes, '\0')));
+    bad.add(all[at(r, 1)], std::string(m, std::find(m, m + message_bytes, '\0')));
   }
-  throw error(configuration ? errc::configuration : errc::input, full, EPX_HERE);
+  throw error(configuration ? errc::configuration : errc::input,
+              concat(what, ": a split-phase call failed in the expert-parallel group", bad.str()), EPX_HERE);
 }
 }  // namespace detail
 

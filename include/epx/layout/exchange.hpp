@@ -110,14 +110,13 @@ void check_records(Comm& comm, const group_records& g, int me, Message&& message
   std::memcpy(msg.data(), mine.data(), std::min(mine.size(), message_bytes - 1));
   std::vector<char> all(message_bytes * static_cast<std::size_t>(g.size), '\0');
   all_gather_host(comm, msg.data(), message_bytes, all.data());
-  std::string full = concat(what, ": bad input in the expert-parallel group");
+  rank_messages bad;  // one entry per distinct message, with the ranks that report it
   for (int r = 0; r < g.size; ++r) {
     if (g.status(r) == 0) continue;
     const char* m = all.data() + static_cast<std::size_t>(r) * message_bytes;
-    full += concat("; rank ", g.world_rank(r), ": ", std::string(m, std::find(m, m + message_bytes, '\0')));
+    bad.add(g.world_rank(r), std::string(m, std::find(m, m + message_bytes, '\0')));
   }
-  full += why;
-  throw error(errc::input, full, EPX_HERE);
+  throw error(errc::input, concat(what, ": bad input in the expert-parallel group", bad.str(), why), EPX_HERE);
 }
 
 // Collective over `comm`. `counts` (host memory, ncounts entries) may be null when
