@@ -6,6 +6,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <memory>
+#include <optional>
 #include <string>
 
 #include "layer.hpp"
@@ -26,8 +28,25 @@ void bind_layer(pybind11::module_& m, const char* name) {
       .def_property_readonly("shared_memory", &Layer::shared_memory)
       .def_property_readonly("mesh", [](const Layer& l) { return l.topology(); })
       .def_property_readonly("device", [](const Layer& l) { return l.device().str(); })
-      .def("dispatch", &Layer::dispatch, py::call_guard<py::gil_scoped_release>())
-      .def("combine", &Layer::combine, py::call_guard<py::gil_scoped_release>())
+      // None for a tensor comes as an undefined one, with `not_tensors` saying why (the
+      // Python wrappers'): it joins the group's check instead of failing on this rank alone.
+      .def(
+          "dispatch",
+          [](Layer& l, const std::optional<at::Tensor>& x, const std::optional<at::Tensor>& ids,
+             const std::optional<at::Tensor>& weights, bool training, bool masked, const std::string& not_tensors) {
+            return l.dispatch(x.value_or(at::Tensor()), ids.value_or(at::Tensor()), weights.value_or(at::Tensor()),
+                              training, masked, not_tensors);
+          },
+          py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("training"), py::arg("masked"),
+          py::arg("not_tensors") = std::string(), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "combine",
+          [](Layer& l, const std::shared_ptr<dispatch_state>& s, const std::optional<at::Tensor>& expert_out,
+             const at::Tensor& weights, bool keep, const std::string& not_tensors) {
+            return l.combine(s, expert_out.value_or(at::Tensor()), weights, keep, not_tensors);
+          },
+          py::arg("state"), py::arg("expert_out"), py::arg("weights"), py::arg("keep"),
+          py::arg("not_tensors") = std::string(), py::call_guard<py::gil_scoped_release>())
       .def("combine_backward", &Layer::combine_backward, py::call_guard<py::gil_scoped_release>())
       .def("dispatch_backward", &Layer::dispatch_backward, py::call_guard<py::gil_scoped_release>())
       .def("reduce_expert_gradients", &Layer::reduce_expert_gradients, py::call_guard<py::gil_scoped_release>())

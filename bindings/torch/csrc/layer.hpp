@@ -146,15 +146,19 @@ class basic_torch_layer {
                     std::size_t hidden, int top_k, int pad_rows, int pad_align, int dtype, int path, int transport,
                     double timeout_s);
 
+  // `not_tensors`: empty, or why an argument is not a tensor (Python's None or another
+  // object; that argument comes undefined): this rank's verdict in the group's check, so that
+  // every rank raises it, as for a bad tensor.
   std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> dispatch(const at::Tensor& x,
                                                                               const at::Tensor& ids,
                                                                               const at::Tensor& weights, bool training,
-                                                                              bool masked);
+                                                                              bool masked,
+                                                                              const std::string& not_tensors = {});
   // `keep`: keep what combine's backward needs (a training dispatch's state, combined with
   // gradients enabled); else combine as for inference (a training dispatch combined under
   // torch.no_grad, as the forward of a reentrant activation checkpoint does).
   at::Tensor combine(const std::shared_ptr<dispatch_state>& s, const at::Tensor& expert_out, const at::Tensor& weights,
-                     bool keep);
+                     bool keep, const std::string& not_tensors = {});
   std::tuple<at::Tensor, at::Tensor> combine_backward(const std::shared_ptr<dispatch_state>& s,
                                                       const at::Tensor& grad_out);
   at::Tensor dispatch_backward(const std::shared_ptr<dispatch_state>& s, const at::Tensor& grad_rows);
@@ -185,7 +189,8 @@ class basic_torch_layer {
                                                                                 bool training, bool masked,
                                                                                 const std::string& why);
   template <class T>
-  at::Tensor combine_t(dispatch_state& s, const at::Tensor& y, const at::Tensor& weights, bool keep);
+  at::Tensor combine_t(dispatch_state& s, const at::Tensor& y, const at::Tensor& weights, bool keep,
+                       const std::string& not_tensors);
   template <class T>
   std::tuple<at::Tensor, at::Tensor> combine_backward_t(dispatch_state& s, const at::Tensor& grad_out);
   template <class T>

@@ -131,10 +131,19 @@ basic_torch_layer<Exec, Comm>::basic_torch_layer(const epx::mesh_config& mc, con
     if (rec[1] != all[1])
       differ += concat("; rank ", rec[0], " has dtype=", dtype_name(static_cast<dtype_code>(rec[1])), " but rank ",
                        all[0], " has dtype=", dtype_name(static_cast<dtype_code>(all[1])));
+    // As Python spells them (epx_torch's _PATHS and _TRANSPORTS).
+    const auto path_name = [](std::int64_t v) {
+      return v == 0 ? "'all_to_all'" : v == 1 ? "'all_reduce'" : v == 2 ? "'auto'" : "unknown";
+    };
+    const auto transport_name = [](std::int64_t v) {
+      return v == 0 ? "'auto'" : v == 1 ? "'shm'" : v == 2 ? "'group'" : "unknown";
+    };
     if (rec[2] != all[2])
-      differ += concat("; rank ", rec[0], " has path=", rec[2], " but rank ", all[0], " has path=", all[2]);
+      differ += concat("; rank ", rec[0], " has path=", path_name(rec[2]), " but rank ", all[0], " has path=",
+                       path_name(all[2]));
     if (rec[3] != all[3])
-      differ += concat("; rank ", rec[0], " has transport=", rec[3], " but rank ", all[0], " has transport=", all[3]);
+      differ += concat("; rank ", rec[0], " has transport=", transport_name(rec[3]), " but rank ", all[0],
+                       " has transport=", transport_name(all[3]));
   }
   EPX_REQUIRE(differ.empty(), epx::errc::configuration,
               "epx_torch layer: the ranks of the world process group built different layers", differ);
@@ -170,11 +179,13 @@ std::string basic_torch_layer<Exec, Comm>::check_tensor(const char* what, const 
 
 template <class Exec, class Comm>
 std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> basic_torch_layer<Exec, Comm>::dispatch(
-    const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, bool training, bool masked) {
+    const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, bool training, bool masked,
+    const std::string& not_tensors) {
   const typename layer_side<Exec>::guard on_device(device_);
   const auto H = static_cast<std::int64_t>(options_.hidden);
   const auto k = static_cast<std::int64_t>(options_.top_k);
-  std::string why = check_tensor("x", x, scalar_type_of(dtype_), -1, H);
+  std::string why = not_tensors;
+  if (why.empty()) why = check_tensor("x", x, scalar_type_of(dtype_), -1, H);
   const std::int64_t N = x.defined() && x.dim() == 2 ? x.size(0) : 0;
   if (why.empty()) why = check_tensor("expert ids", ids, at::kInt, N, k);
   if (why.empty()) why = check_tensor("routing weights", weights, at::kFloat, N, k);
@@ -317,24 +328,26 @@ at::Tensor basic_torch_layer<Exec, Comm>::adopt(B&& b, std::size_t n) const {
 template <class Exec, class Comm>
 at::Tensor basic_torch_layer<Exec, Comm>::combine(const std::shared_ptr<dispatch_state>& s,
                                                   const at::Tensor& expert_out, const at::Tensor& weights,
-                                                  bool keep) {
+                                                  bool keep, const std::string& not_tensors) {
   EPX_REQUIRE(s != nullptr, epx::errc::input, "combine needs the handle of a dispatch");
   const typename layer_side<Exec>::guard on_device(device_);
-  return with_type(dtype_, [&](auto t) { return combine_t<decltype(t)>(*s, expert_out, weights, keep); });
+  return with_type(dtype_,
+                   [&](auto t) { return combine_t<decltype(t)>(*s, expert_out, weights, keep, not_tensors); });
 }
 
 template <class Exec, class Comm>
 template <class T>
 at::Tensor basic_torch_layer<Exec, Comm>::combine_t(dispatch_state& s, const at::Tensor& y_in, const at::Tensor& weights,
-                                                    bool keep) {
+                                                    bool keep, const std::string& not_tensors) {
   const auto ex = exec();
   const epx::mesh& m = *mesh_;
   const int tp = m.tp();
   const std::size_t H = s.hidden, N = s.rows, R = s.expert_rows;
   const auto ks = static_cast<std::size_t>(s.top_k);
   // The experts' output is the user's: check it on every rank before rows move back.
-  std::string why = check_tensor("expert output", y_in, scalar_type_of(dtype_), static_cast<std::int64_t>(R),
-                                 static_cast<std::int64_t>(H));
+  std::string why = !not_tensors.empty() ? not_tensors
+                                         : check_tensor("expert output", y_in, scalar_type_of(dtype_),
+                                                        static_cast<std::int64_t>(R), static_cast<std::int64_t>(H));
   // A second combine of one dispatch is also what recomputing an activation checkpoint that
   // holds combine without its dispatch does (torch.utils.checkpoint, either mode): every rank
   // recomputes there, so every rank raises this, agreed below.

@@ -211,6 +211,21 @@ class Layer:
         """Whether dispatch and combine move rows through shared memory (transport)."""
         return self._impl.shared_memory
 
+    # A layer is made collectively and holds the job's groups and its hooked parameters:
+    # neither a copy nor a pickle of it could be one. Both raise, saying what to do instead.
+    def __deepcopy__(self, memo):
+        raise TypeError("epx_torch.Layer cannot be deep-copied: it is made by every rank together and holds the "
+                        "job's process groups and its hooked parameters. To copy a module that holds one (an EMA "
+                        "copy, say), share the layer: copy.deepcopy(model, {id(layer): layer}) (the copy's "
+                        "parameters are not hooked: reduce their gradients yourself if the copy trains); to save "
+                        "a model, save its state_dict()")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("epx_torch.Layer cannot be pickled (torch.save of a whole module that holds one, "
+                        "copy.copy): it is made by every rank together and holds the job's process groups. Save "
+                        "the module's state_dict() (the layer has no parameters or buffers) and make the Layer "
+                        "again where the model is loaded")
+
     # Where this rank sits in the mesh.
     @property
     def local_experts(self) -> int:
@@ -527,6 +542,16 @@ def _weights32(weights: torch.Tensor) -> torch.Tensor:
     return weights
 
 
+def _not_tensors(**args) -> str:
+    """Why an argument is not a tensor ("" when all are): a rank's verdict that the group's check
+    of dispatch or combine carries to every rank, instead of a TypeError on this rank alone while
+    the others go on and meet its next call."""
+    for name, t in args.items():
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is None" if t is None else f"{name} is a {type(t).__name__}, not a tensor"
+    return ""
+
+
 def dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: Layer):
     """Sends each (token, slot) pair's row to the owner of its expert.
 
@@ -547,6 +572,11 @@ def dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: L
         isinstance(t, torch.Tensor) and t.requires_grad for t in (x, weights))
     training = torch.is_grad_enabled() or grads
     masked = layer.uses_masked_path(training)
+    why = _not_tensors(x=x, **{"expert ids": ids, "routing weights": weights})
+    if why:  # raises EpxError on every rank of the group
+        layer._impl.dispatch(*(t if isinstance(t, torch.Tensor) else None for t in (x, ids, weights)),
+                             training, masked, why)
+        raise EpxError(f"epx_torch dispatch: {why}")
     with torch.set_grad_enabled(training):
         w = _weights32(weights)
     box: list = []
@@ -566,6 +596,9 @@ def combine(expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
     differentiable once (a gradient taken with create_graph=True cannot be differentiated
     again: doing so raises). Dispatch's backward runs wherever combine's does, also on a
     rank whose experts' output does not depend on the rows."""
+    if why := _not_tensors(**{"expert output": expert_out}):  # raises EpxError on every rank of the group
+        handle.layer._impl.combine(handle.state, None, handle.weights.detach(), False, why)
+        raise EpxError(f"epx_torch combine: {why}")
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (expert_out, handle.weights))
     if needs_grad and not handle.state.training:

@@ -164,6 +164,20 @@ def bitwise_case(tp=1, ep=None, dtype=torch.float32, path="all_to_all", N=10, k=
 
 # ---- bad input ------------------------------------------------------------------------
 
+class ScaledBlock(torch.nn.Module):
+    """A module that holds a layer (at module level: picklable but for the layer)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+        self.scale = torch.nn.Parameter(torch.full((layer.local_experts,), 2.0))
+
+    def forward(self, x, ids, w):
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, self.layer)
+        per_row = torch.repeat_interleave(self.scale, offsets.diff())
+        return epx_torch.combine(rows * per_row[:, None].to(rows.dtype), h)
+
+
 def error_cases(W: int):
     rank = dist.get_rank()
     mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=E_DEFAULT)
@@ -250,6 +264,43 @@ def error_cases(W: int):
         rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
         y = rows[1:] if rank == bad else rows
         expect_error(lambda: epx_torch.combine(y, h), "epx_torch combine", f"rank {bad}", "expert output has shape")
+
+    def not_a_tensor():
+        # None (or another object) for a tensor on one rank: every rank raises, naming it, and
+        # the next call pairs with the next call (not with the bad rank's retry).
+        for which, what in ((0, "x"), (1, "expert ids"), (2, "routing weights")):
+            for wrong, text in ((None, f"{what} is None"), ([1.0], f"{what} is a list, not a tensor")):
+                args = list(data())
+                if rank == bad:
+                    args[which] = wrong
+                expect_error(lambda: epx_torch.dispatch(*args, layer), "epx_torch dispatch", f"rank {bad}", text)
+        x, ids, w = data()
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        expect_error(lambda: epx_torch.combine(None if rank == bad else rows, h), "epx_torch combine",
+                     f"rank {bad}", "expert output is None")
+        x, ids, w = data()
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        check_close("combine after the errors", epx_torch.combine(rows * 2, h), 2 * w.sum(1, keepdim=True) * x, 1e-5)
+
+    def copy_or_pickle():
+        # A module that holds the layer: deepcopy and pickling say what to do instead; a deep
+        # copy that shares the layer (memo) computes what the original does.
+        import copy
+        import io
+        import pickle
+
+        block = ScaledBlock(layer)
+        expect_error(lambda: copy.deepcopy(block), "cannot be deep-copied", "copy.deepcopy(model, {id(layer): layer})",
+                     error=TypeError)
+        expect_error(lambda: pickle.dumps(block), "cannot be pickled", "state_dict()", error=TypeError)
+        expect_error(lambda: torch.save(block, io.BytesIO()), "cannot be pickled", error=TypeError)
+        twin = copy.deepcopy(block, {id(layer): layer})
+        if twin.layer is not layer or twin.scale is block.scale:
+            raise AssertionError("the copy does not share the layer, or shares the parameters")
+        x, ids, w = data()
+        with torch.no_grad():
+            check_equal("a copy sharing the layer", twin(x, ids, w), block(x, ids, w))
+        block.load_state_dict(twin.state_dict())  # the layer has no state of its own
 
     def combine_twice():
         x, ids, w = data()
@@ -361,6 +412,13 @@ def error_cases(W: int):
                                              dtype=torch.float64 if rank == bad else torch.float32),
                      f"rank {bad} has dtype=torch.float64 but rank 0 has dtype=torch.float32")
 
+    def paths_or_transports_disagree():
+        # Named as the Layer's arguments spell them.
+        expect_error(lambda: epx_torch.Layer(mesh, hidden=H, top_k=2, path="auto" if rank == bad else "all_to_all"),
+                     f"rank {bad} has path='auto' but rank 0 has path='all_to_all'")
+        expect_error(lambda: epx_torch.Layer(mesh, hidden=H, top_k=2, transport="group" if rank == bad else "auto"),
+                     f"rank {bad} has transport='group' but rank 0 has transport='auto'")
+
     def devices_disagree():
         # The host and device layers talk through different communicators: a rank with
         # another device raises with the others at once (a group that times out after 10 s:
@@ -451,6 +509,8 @@ def error_cases(W: int):
             ("error: wrong ids shape", ids_shape), ("error: expert id out of range", bad_expert_id),
             ("error: NaN routing weight", nan_weight), ("error: combine with a wrong expert output", combine_shape),
             ("error: a handle combined twice", combine_twice),
+            ("error: None or another object for a tensor on one rank", not_a_tensor),
+            ("error: a layer is neither deep-copied nor pickled; a copy may share it", copy_or_pickle),
             ("error: process group size disagrees with the mesh", group_size_disagrees),
             ("error: sub-group size disagrees with the mesh", subgroup_size_disagrees),
             ("error: a second backward through combine", backward_twice),
@@ -460,6 +520,7 @@ def error_cases(W: int):
             ("error: combine needs gradients, its dispatch ran without", grad_mode_mixed),
             ("error: ranks built different meshes", meshes_disagree),
             ("error: ranks built different dtypes", dtypes_disagree),
+            ("error: ranks chose different paths or transports", paths_or_transports_disagree),
             ("error: ranks passed different devices", devices_disagree),
             ("error: wrong arguments on one rank", arguments_wrong_on_one_rank),
             ("error: masked path needs ep == tp", masked_needs_ep_eq_tp),
