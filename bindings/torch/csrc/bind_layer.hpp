@@ -49,8 +49,22 @@ void bind_layer(pybind11::module_& m, const char* name) {
           py::arg("not_tensors") = std::string(), py::call_guard<py::gil_scoped_release>())
       .def("combine_backward", &Layer::combine_backward, py::call_guard<py::gil_scoped_release>())
       .def("dispatch_backward", &Layer::dispatch_backward, py::call_guard<py::gil_scoped_release>())
-      .def("reduce_expert_gradients", &Layer::reduce_expert_gradients, py::call_guard<py::gil_scoped_release>())
-      .def("reduce_dense_gradients", &Layer::reduce_dense_gradients, py::call_guard<py::gil_scoped_release>());
+      // None (Python's wrappers: for anything not a tensor) comes as an undefined tensor,
+      // which the hooks' agreement refuses on every rank of the groups.
+      .def(
+          "reduce_expert_gradients",
+          [](Layer& l, const std::optional<at::Tensor>& grad) {
+            at::Tensor g = grad.value_or(at::Tensor());
+            l.reduce_expert_gradients(g);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "reduce_dense_gradients",
+          [](Layer& l, const std::optional<at::Tensor>& grad) {
+            at::Tensor g = grad.value_or(at::Tensor());
+            l.reduce_dense_gradients(g);
+          },
+          py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace epx_torch

@@ -531,7 +531,10 @@ namespace layer_detail {
 // Why this rank cannot hand epx's hooks the tensor `g` ("" when it can): the hooks take a
 // contiguous tensor on the layer's device of one of their element types.
 inline std::string unreducible(const at::Tensor& g, const at::Device& d) {
-  if (!g.defined() || g.device() != d || !g.is_contiguous())
+  if (!g.defined())
+    return "the gradient is None or not a tensor (a parameter without a gradient on this rank, one whose experts "
+           "received no rows say, reduces torch.zeros_like(param) there)";
+  if (g.device() != d || !g.is_contiguous())
     return concat("the gradient must be a contiguous tensor on ", d.str());
   switch (g.scalar_type()) {
     case at::kFloat: case at::kDouble: case at::kBFloat16: case at::kHalf: return {};

@@ -394,7 +394,11 @@ def _run_reductions(task: int) -> None:
 
 def _in_place(reduce, grad: torch.Tensor) -> torch.Tensor:
     """reduce(grad) in place; a gradient that is not contiguous (a channels_last or
-    transposed parameter's) is reduced in a contiguous copy, copied back."""
+    transposed parameter's) is reduced in a contiguous copy, copied back. None (or another
+    object) joins the reduction's agreement as a refusal: every rank of its groups raises."""
+    if not isinstance(grad, torch.Tensor):
+        reduce(None)
+        raise EpxError("epx_torch: the gradient to reduce is None or not a tensor")  # reduce(None) raised already
     if grad.is_contiguous():
         reduce(grad)
     else:

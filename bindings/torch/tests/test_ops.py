@@ -370,6 +370,12 @@ def error_cases(W: int):
         expect_error(lambda: lay.reduce_dense_gradients(g), "reduce_dense_gradients",
                      f"rank {bad} of the fsdp group cannot reduce its gradient: gradients of dtype Long cannot be "
                      "reduced")
+        # None where a gradient goes (a parameter without one on this rank): the same.
+        for reduce, hook, group in ((lay.reduce_expert_gradients, "reduce_expert_gradients", "efsdp"),
+                                    (lay.reduce_dense_gradients, "reduce_dense_gradients", "fsdp")):
+            expect_error(lambda: reduce(None if rank == bad else torch.ones(4)), hook,
+                         f"rank {bad} of the {group} group cannot reduce its gradient: the gradient is None",
+                         "torch.zeros_like(param)")
         g = torch.ones(4)
         expect_error(lambda: lay._impl.reduce_expert_gradients(g[::2] if rank == bad else g[:2]),
                      "reduce_expert_gradients", f"rank {bad} of the efsdp group cannot reduce its gradient: "
