@@ -1402,6 +1402,34 @@ TEST_CASE("mpi: a late rank after a caught timeout in split ends the job" * doct
   }
 }
 
+// Run only by the ctest test_comm_mpi_caught_timeout_owned_np2 (--no-skip): a barrier on
+// an owned (split) communicator times out on rank 0, which catches the error and destroys
+// the communicator while its barrier is still pending; the late rank then arrives and MPI
+// progresses that barrier. The communicator must not have been freed under it (Open MPI
+// crashed there): every rank returns normally and the job ends with status 0.
+TEST_CASE("mpi: a caught timeout on an owned communicator, then the late rank" * doctest::skip()) {
+  epx::mpi::options o;
+  o.timeout = std::chrono::milliseconds(1000);
+  communicator w(MPI_COMM_WORLD, o);
+  bool timed_out = false;
+  {
+    communicator sub = w.split(0, w.rank());
+    if (sub.rank() == sub.size() - 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    try {
+      sub.barrier();
+    } catch (const epx::error& e) {
+      timed_out = std::string(e.message()).find("watchdog") != std::string::npos;
+    }
+  }  // rank 0: destroyed with its barrier pending
+  if (w.rank() == 0) CHECK(timed_out);
+  // Alive and driving MPI's progress while the late rank's barrier completes rank 0's.
+  for (int i = 0; i < 3000; ++i) {
+    int flag = 0;
+    MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD, &flag, MPI_STATUS_IGNORE);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 // A failed assertion on one rank while the others wait: the test main aborts the job.
 TEST_CASE("mpi: injected assertion failure on one rank aborts every rank" * doctest::skip()) {
   communicator w = communicator::world();

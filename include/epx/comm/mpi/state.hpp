@@ -6,8 +6,10 @@
 // the message (`failed`: the communicator cannot be used any more) and the timed-out
 // requests with the library's buffers they still read and write (`orphans`), kept until
 // the requests complete. An owned communicator and the duplicate are freed with the state,
-// unless MPI is finalized by then; orphaned buffers whose requests never completed are
-// left allocated (freeing them could let a late rank write into reused memory).
+// unless MPI is finalized by then or requests are still pending on them; orphaned buffers
+// whose requests never completed are left allocated (freeing them could let a late rank
+// write into reused memory), and so are the communicators of such requests (a late rank's
+// arrival makes MPI progress them: on a freed communicator Open MPI crashes).
 // The shared-memory window of peer access (epx/comm/mpi/shared.hpp) lives here too.
 #pragma once
 
@@ -114,6 +116,10 @@ struct mpi_state {
   std::shared_ptr<mpi_peer_pool> pool = std::make_shared<mpi_peer_pool>();
   std::shared_ptr<void> arena;  // peer_memory's block (valid until its next call)
   long long window_id = 0;  // the number of this state's windows on comm (mpi_next_window_id), 0: none yet
+  // Requests left pending on comm or chunk_comm (a watchdog's orphans, free_peer_window's
+  // timed-out rounds): MPI may still progress them, so the communicators are not freed
+  // (Open MPI's nonblocking collectives then touch a freed communicator and crash).
+  bool requests_left = false;
   mpi_state() = default;
   mpi_state(const mpi_state&) = delete;
   mpi_state& operator=(const mpi_state&) = delete;
@@ -184,7 +190,10 @@ struct mpi_state {
     const bool in_time = wait_until(&req, 1, forever ? never : deadline_after(timeout));
     bool yes = in_time && ids[0] == window_id && -ids[1] == window_id;
     if (in_time) delete[] ids;
-    else new MPI_Request(req);  // pending: it, its buffer and the windows stay to MPI_Finalize
+    else {  // pending: it, its buffer, the windows and the communicators stay to MPI_Finalize
+      new MPI_Request(req);
+      requests_left = true;
+    }
     // Round 2: the verdicts. The send buffers are static: nothing to keep alive.
     static const int verdict[2] = {0, 1};
     for (int p = 0; p < size; ++p) {
@@ -206,7 +215,10 @@ struct mpi_state {
     const auto bound = forever || huge ? never : deadline_after(2 * timeout + std::chrono::seconds(1));
     if (!yes || !wait_until(rq.data(), size, bound)) {
       for (auto& r : rq)
-        if (r != MPI_REQUEST_NULL) new MPI_Request(r);  // pending receives into `votes`: left with it
+        if (r != MPI_REQUEST_NULL) {  // pending receives into `votes`: left with it
+          new MPI_Request(r);
+          requests_left = true;
+        }
       return;
     }
     for (int p = 0; p < size; ++p) yes = yes && (p == rank || votes[p] == 1);
@@ -233,8 +245,10 @@ struct mpi_state {
     if (!orphans.empty() && settle_orphans() != 0) {
       // Still pending: a late rank may write into these buffers at any time. Leave them.
       new std::vector<mpi_orphan>(std::move(orphans));
+      requests_left = true;
     }
     free_peer_window();
+    if (requests_left) return;  // the communicators stay to MPI_Finalize with their requests
     if (chunk_comm != MPI_COMM_NULL) MPI_Comm_free(&chunk_comm);
     if (owned && comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
   }
