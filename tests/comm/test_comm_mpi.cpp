@@ -1430,6 +1430,19 @@ TEST_CASE("mpi: a caught timeout on an owned communicator, then the late rank" *
   }
 }
 
+// Run only by the ctest test_comm_mpi_after_finalize_np1 (--no-skip; it finalizes MPI):
+// wrapping a communicator after MPI_Finalize raises errc::mpi saying so (no MPI call).
+TEST_CASE("mpi: a communicator made after MPI_Finalize raises" * doctest::skip()) {
+  MPI_Finalize();
+  bool raised = false;
+  try {
+    communicator w(MPI_COMM_WORLD);
+  } catch (const epx::error& e) {
+    raised = e.category() == epx::errc::mpi && e.message().find("MPI was finalized already") != std::string::npos;
+  }
+  CHECK(raised);
+}
+
 // A failed assertion on one rank while the others wait: the test main aborts the job.
 TEST_CASE("mpi: injected assertion failure on one rank aborts every rank" * doctest::skip()) {
   communicator w = communicator::world();

@@ -564,6 +564,9 @@ class communicator {
     EPX_REQUIRE(initialized, errc::mpi,
                 "mpi::communicator: MPI is not initialized (create an epx::mpi::environment or call "
                 "MPI_Init_thread first)");
+    int finalized = 0;
+    EPX_MPI_CHECK(MPI_Finalized(&finalized));
+    EPX_REQUIRE(!finalized, errc::mpi, "mpi::communicator: MPI was finalized already (no MPI call may follow)");
     EPX_REQUIRE(comm != MPI_COMM_NULL, errc::input, "mpi::communicator: MPI_COMM_NULL cannot be wrapped");
     int inter = 0;
     EPX_MPI_CHECK(MPI_Comm_test_inter(comm, &inter));
