@@ -212,6 +212,7 @@ BENCHMARK(threads_barrier)->ArgName("ranks")->Arg(2)->Arg(4)->Arg(8)->UseManualT
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;  // a mistyped flag is not ignored
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return epx::bench::check_failed() ? 1 : 0;  // a failed output check fails the run

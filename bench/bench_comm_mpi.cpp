@@ -158,6 +158,8 @@ int main(int argc, char** argv) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   benchmark::Initialize(&argc, argv);
+  // A mistyped flag is not ignored: rank 0 names it, every rank returns 1.
+  if (rank == 0 ? benchmark::ReportUnrecognizedArguments(argc, argv) : argc > 1) return 1;
   epx::bench::run_on_every_rank(rank, argc, argv);
   benchmark::Shutdown();
   return epx::bench::check_failed() ? 1 : 0;  // a failed output check fails the run

@@ -317,6 +317,7 @@ int main(int argc, char** argv) {
       ->Unit(benchmark::kMicrosecond);
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
+  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;  // a mistyped flag is not ignored
   benchmark::AddCustomContext("stream_threshold", std::to_string(epx::exec::stream_threshold()));
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

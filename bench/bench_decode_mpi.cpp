@@ -115,6 +115,11 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMicrosecond);
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
+  // A mistyped flag is not ignored: rank 0 names it, every rank returns 1.
+  if (rank == 0 ? benchmark::ReportUnrecognizedArguments(n, args.data()) : n > 1) {
+    MPI_Finalize();
+    return 1;
+  }
   benchmark::AddCustomContext("stream_threshold", std::to_string(epx::exec::stream_threshold()));
   run_on_every_rank(rank, n, args.data());
   benchmark::Shutdown();

@@ -271,6 +271,11 @@ int main(int argc, char** argv) {
   }
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
+  // A mistyped flag is not ignored: rank 0 names it, every rank returns 1.
+  if (rank == 0 ? benchmark::ReportUnrecognizedArguments(n, args.data()) : n > 1) {
+    MPI_Finalize();
+    return 1;
+  }
   benchmark::AddCustomContext("staged_sends", epx::bench::gathered() ? "gathered" : "by index");
   benchmark::AddCustomContext("stream_threshold", std::to_string(epx::exec::stream_threshold()));
   for (route rt : {route::direct, route::staged, route::per_rank}) {
