@@ -201,7 +201,12 @@ struct mpi_state {
       MPI_Request sr = MPI_REQUEST_NULL;
       if (MPI_Isend(&verdict[yes ? 1 : 0], 1, MPI_INT, p, 1, chunk_comm, &sr) == MPI_SUCCESS) MPI_Request_free(&sr);
     }
-    if (!yes) return;
+    // A rank that says no posts no receives, and a rank that hears a no frees nothing: some
+    // verdict sent then stays unreceived, its request on chunk_comm with it.
+    if (!yes) {
+      requests_left = true;
+      return;
+    }
     std::vector<MPI_Request> rq(static_cast<std::size_t>(size), MPI_REQUEST_NULL);
     auto* votes = new int[static_cast<std::size_t>(size)]();
     for (int p = 0; p < size; ++p)
@@ -223,7 +228,10 @@ struct mpi_state {
     }
     for (int p = 0; p < size; ++p) yes = yes && (p == rank || votes[p] == 1);
     delete[] votes;
-    if (!yes) return;  // some rank frees different windows or gave up: leave them to MPI_Finalize
+    if (!yes) {  // some rank frees different windows or gave up: leave them to MPI_Finalize
+      requests_left = true;
+      return;
+    }
     std::vector<MPI_Win*> wins{&peer.win};
     for (auto& p : pool->windows) wins.push_back(&p.win);
     for (MPI_Win* w : wins) {
