@@ -257,7 +257,7 @@ TEST_CASE("per-rank sends refused with FP8, bounded mode, the all_reduce path, a
     CAPTURE(x.message);
     REQUIRE(x.thrown);
     CHECK(x.category == epx::errc::configuration);
-    CHECK(x.message.find("rank 3 has sends=0 but rank 0 has sends=1") != std::string::npos);
+    CHECK(x.message.find("rank 3 has sends=row_sends::per_slot but rank 0 has sends=row_sends::per_rank") != std::string::npos);
   }
   // impl::automatic builds no masked path with per-rank sends: it constructs.
   epx::threads::run(4, [&](comm_t& comm) {
@@ -370,7 +370,7 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
       CAPTURE(x.message);
       REQUIRE(x.thrown);
       CHECK(x.category == epx::errc::configuration);
-      CHECK(x.message.find("rank 1 has exec::is_host_policy_v<Exec>=0 but rank 0 has exec::is_host_policy_v<Exec>=1") !=
+      CHECK(x.message.find("rank 1 has exec::is_host_policy_v<Exec>=false but rank 0 has exec::is_host_policy_v<Exec>=true") !=
             std::string::npos);
     }
   }
@@ -395,6 +395,41 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
       CHECK(x.message.find("rank 2 has capacity.factor=1.1000000000000003 but rank 0 has capacity.factor=1.5") !=
             std::string::npos);
     }
+  }
+  SUBCASE("the ranks disagree on options that are enumerators or bools: the message names them") {
+    std::vector<raised> seen(3);
+    epx::threads::run(3, [&](comm_t& comm) {
+      seen[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
+        const epx::mesh m(epx::mesh_config{1, 3, 1, 1, 3, 6, 0});
+        epx::layer_options mine = o;
+        if (comm.rank() == 1) {
+          mine.capacity.mode = epx::capacity_mode::global;
+          mine.capacity.priority = epx::drop_priority::score;
+        }
+        if (comm.rank() == 2) {
+          mine.peer_access = !mine.peer_access;
+          mine.counts = epx::count_exchange::device;
+          mine.bound.cap = 4;
+        }
+        epx::moe_layer<comm_t, float> layer(m, comm, mine);
+      });
+    });
+    const bool access = o.peer_access;
+    for (const auto& x : seen) {
+      CAPTURE(x.message);
+      REQUIRE(x.thrown);
+      CHECK(x.category == epx::errc::configuration);
+      for (const std::string part :
+           {"rank 1 has capacity.mode=capacity_mode::global but rank 0 has capacity.mode=capacity_mode::off",
+            "rank 1 has capacity.priority=drop_priority::score but rank 0 has capacity.priority=drop_priority::position",
+            "rank 2 has counts=count_exchange::device but rank 0 has counts=count_exchange::host"})
+        CHECK(x.message.find(part) != std::string::npos);
+      CHECK(x.message.find(std::string("rank 2 has peer_access=") + (access ? "false" : "true") +
+                           " but rank 0 has peer_access=" + (access ? "true" : "false")) != std::string::npos);
+    }
+    // A value outside an enumeration reads as its number.
+    CHECK(epx::detail::record_text(epx::detail::record_format::capacity_mode, 7) == "7");
+    CHECK(epx::detail::record_text(epx::detail::record_format::boolean, -1) == "-1");
   }
   SUBCASE("one rank's own configuration is bad: every rank hears it") {
     std::vector<raised> seen(4);

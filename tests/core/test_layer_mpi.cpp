@@ -257,7 +257,7 @@ TEST_CASE("layer (MPI): ranks that disagree on the options or the template argum
          if (odd) epx::moe_layer<comm_t, float, epx::impl::all_reduce> l(m, world, o);
          else epx::moe_layer<comm_t, float, epx::impl::all_to_all> l(m, world, o);
        }},
-      {"exec::is_host_policy_v<Exec>=0", [&] {
+      {"exec::is_host_policy_v<Exec>=false", [&] {
          if (odd) epx::moe_layer<comm_t, float, epx::impl::all_to_all, device> l(m, world, o);
          else epx::moe_layer<comm_t, float> l(m, world, o);
        }},

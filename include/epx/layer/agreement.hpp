@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -29,8 +30,19 @@
 
 namespace epx::detail {
 
-// How a field's value reads in a message.
-enum class record_format : int { integer, double_bits, element_type, implementation };
+// How a field's value reads in a message: a number, or the name of a bool or an option's
+// enumerator (as layer_options spells it).
+enum class record_format : int {
+  integer,
+  double_bits,
+  element_type,
+  implementation,
+  boolean,
+  count_exchange,
+  capacity_mode,
+  drop_priority,
+  row_sends
+};
 
 struct layer_record_field {
   const char* name;
@@ -61,8 +73,12 @@ inline std::int64_t implementation_code(const char* name) noexcept {
 }
 
 // A field's value as a message shows it: a double as the shortest text that reads back to
-// its bits, an element type and a built-in implementation by their names.
+// its bits; an element type, a built-in implementation, a bool and an enumerator by their
+// names (a value outside the enumeration as a number).
 inline std::string record_text(record_format f, std::int64_t v) {
+  const auto named = [v](std::initializer_list<const char*> names) {
+    return v >= 0 && static_cast<std::size_t>(v) < names.size() ? std::string(names.begin()[v]) : std::to_string(v);
+  };
   if (f == record_format::double_bits) {
     double d = 0.0;
     std::memcpy(&d, &v, sizeof d);
@@ -82,7 +98,15 @@ inline std::string record_text(record_format f, std::int64_t v) {
       if (implementation_code(name) == v) return name;
     return v == 0 ? "unknown" : concat("another (name hash ", v, ")");
   }
-  return std::to_string(v);
+  switch (f) {
+    case record_format::boolean: return named({"false", "true"});
+    case record_format::count_exchange: return named({"count_exchange::host", "count_exchange::device"});
+    case record_format::capacity_mode:
+      return named({"capacity_mode::off", "capacity_mode::local", "capacity_mode::global"});
+    case record_format::drop_priority: return named({"drop_priority::position", "drop_priority::score"});
+    case record_format::row_sends: return named({"row_sends::per_slot", "row_sends::per_rank"});
+    default: return std::to_string(v);
+  }
 }
 
 // The layer's template arguments as record values (0 where the caller agrees on them
@@ -100,7 +124,7 @@ inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_o
   return {{"world_rank", world_rank},
           {"element type T", types.element_type, record_format::element_type},
           {"implementation", types.implementation, record_format::implementation},
-          {"exec::is_host_policy_v<Exec>", types.host_policy},
+          {"exec::is_host_policy_v<Exec>", types.host_policy, record_format::boolean},
           {"tp", m.tp()},
           {"fsdp", m.fsdp()},
           {"ep", m.ep()},
@@ -111,20 +135,20 @@ inline std::vector<layer_record_field> layer_record(const mesh& m, const layer_o
           {"top_k", o.top_k},
           {"pad.rows_per_expert", o.pad.rows_per_expert},
           {"pad.align", o.pad.align},
-          {"counts", static_cast<std::int64_t>(o.counts)},
+          {"counts", static_cast<std::int64_t>(o.counts), record_format::count_exchange},
           {"bound.cap", o.bound.cap},
-          {"bound.raise_on_overflow", o.bound.raise_on_overflow ? 1 : 0},
+          {"bound.raise_on_overflow", o.bound.raise_on_overflow ? 1 : 0, record_format::boolean},
           {"chunks", static_cast<std::int64_t>(o.chunks)},
-          {"peer_access", o.peer_access ? 1 : 0},
-          {"indexed_sends", o.indexed_sends ? 1 : 0},
-          {"capacity.mode", static_cast<std::int64_t>(o.capacity.mode)},
+          {"peer_access", o.peer_access ? 1 : 0, record_format::boolean},
+          {"indexed_sends", o.indexed_sends ? 1 : 0, record_format::boolean},
+          {"capacity.mode", static_cast<std::int64_t>(o.capacity.mode), record_format::capacity_mode},
           {"capacity.factor", double_bits(o.capacity.factor), record_format::double_bits},
           {"capacity.rows", o.capacity.rows},
-          {"capacity.priority", static_cast<std::int64_t>(o.capacity.priority)},
+          {"capacity.priority", static_cast<std::int64_t>(o.capacity.priority), record_format::drop_priority},
           {"ranks_per_node", o.ranks_per_node},
           {"max_nodes", o.max_nodes},
-          {"fp8_dispatch", o.fp8_dispatch ? 1 : 0},
-          {"sends", static_cast<std::int64_t>(o.sends)},
+          {"fp8_dispatch", o.fp8_dispatch ? 1 : 0, record_format::boolean},
+          {"sends", static_cast<std::int64_t>(o.sends), record_format::row_sends},
           {"stage_bytes", static_cast<std::int64_t>(o.stage_bytes)}};
 }
 
