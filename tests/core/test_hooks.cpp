@@ -195,17 +195,30 @@ TEST_CASE("hooks: a rank that passes another size or element type raises errc::i
       h.reduce_expert(epx::span<double>(g));
     }, seconds);
     expect_refused(seen, seconds, "reduce_expert_gradients",
-                   "rank 1 of the efsdp group passes a gradient of 7 elements but rank 0 passes 6");
+                   "rank 1 of the efsdp group (world rank 1) passes a gradient of 7 elements but rank 0 passes 6");
     // The other efsdp group agreed within itself and learns why through dp_replicate.
-    CHECK(seen[2].message.find("in the efsdp group of rank 0 of the dp_replicate group") != std::string::npos);
+    CHECK(seen[2].message.find("in the efsdp group of rank 0 of the dp_replicate group (world rank 0): rank 1 of "
+                               "the efsdp group (world rank 1) passes") != std::string::npos);
+  }
+  SUBCASE("the free function without a world rank names the rank in its group alone") {
+    const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
+      std::vector<double> g(kLen + (rank == 1 ? 1 : 0), 1.0);
+      epx::reduce_expert_gradients(h.efsdp(), h.dp_replicate(), h.topology(), epx::span<double>(g));
+    }, seconds);
+    expect_refused(seen, seconds, "reduce_expert_gradients",
+                   "rank 1 of the efsdp group passes a gradient of 7 elements but rank 0 passes 6");
+    for (const auto& x : seen) CHECK(x.message.find("world rank") == std::string::npos);
   }
   SUBCASE("reduce_dense: the fsdp groups agree within themselves but not across dp_replicate") {
     const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
       std::vector<float> g(kLen + (rank >= 2 ? 1 : 0), 1.0f);
       h.reduce_dense(epx::span<float>(g));
     }, seconds);
-    expect_refused(seen, seconds, "reduce_dense_gradients",
-                   "rank 1 of the dp_replicate group passes a gradient of 7 elements but rank 0 passes 6");
+    expect_refused(seen, seconds, "reduce_dense_gradients", "passes a gradient of 7 elements but rank 0 passes 6");
+    // dp_replicate groups {0,2} and {1,3}: the member that passes more is world rank 2 or 3.
+    for (std::size_t r = 0; r < seen.size(); ++r)
+      CHECK(seen[r].message.find("rank 1 of the dp_replicate group (world rank " + std::to_string(2 + r % 2) +
+                                 ") passes a gradient of 7 elements") != std::string::npos);
   }
   SUBCASE("reduce_scatter_expert: one rank's gradient is not efsdp x its shard") {
     const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
@@ -213,7 +226,8 @@ TEST_CASE("hooks: a rank that passes another size or element type raises errc::i
       h.reduce_scatter_expert(epx::span<const double>(g), epx::span<double>(shard));
     }, seconds);
     expect_refused(seen, seconds, "reduce_scatter_expert_gradients",
-                   "rank 1 of the efsdp group passes a gradient of 13 elements, not efsdp size (2) x its shard (6)");
+                   "rank 1 of the efsdp group (world rank 3) passes a gradient of 13 elements, not efsdp size (2) x its shard "
+                   "(6)");
   }
   SUBCASE("reduce_scatter_expert: shards of different sizes") {
     const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
@@ -222,7 +236,7 @@ TEST_CASE("hooks: a rank that passes another size or element type raises errc::i
       h.reduce_scatter_expert(epx::span<const double>(g), epx::span<double>(shard));
     }, seconds);
     expect_refused(seen, seconds, "reduce_scatter_expert_gradients",
-                   "rank 1 of the efsdp group passes a gradient of 12 elements but rank 0 passes 14");
+                   "rank 1 of the efsdp group (world rank 1) passes a gradient of 12 elements but rank 0 passes 14");
   }
   SUBCASE("reduce_expert: one rank passes float, the others double") {
     const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
@@ -235,25 +249,26 @@ TEST_CASE("hooks: a rank that passes another size or element type raises errc::i
       }
     }, seconds);
     expect_refused(seen, seconds, "reduce_expert_gradients",
-                   "rank 1 of the efsdp group passes float64 elements but rank 0 passes float32");
+                   "rank 1 of the efsdp group (world rank 1) passes float64 elements but rank 0 passes float32");
   }
   SUBCASE("refuse_hook: a rank that cannot hand the hook a gradient joins the agreement, named everywhere") {
     const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
       if (rank == 1) {
         epx::detail::refuse_hook("reduce_dense_gradients", h.fsdp(), "fsdp", h.dp_replicate(), false,
-                                 "gradients of dtype Long cannot be reduced");
+                                 "gradients of dtype Long cannot be reduced", rank);
       } else {
         std::vector<double> g(kLen, 1.0);
         h.reduce_dense(epx::span<double>(g));
       }
     }, seconds);
     expect_refused(seen, seconds, "reduce_dense_gradients",
-                   "rank 1 of the fsdp group cannot reduce its gradient: gradients of dtype Long cannot be reduced");
+                   "rank 1 of the fsdp group (world rank 1) cannot reduce its gradient: gradients of dtype Long "
+                   "cannot be reduced");
     // Rank 1's sizes (none) are not compared: only its reason is named.
     CHECK(seen[0].message.find("passes") == std::string::npos);
     // The other fsdp group agreed within itself and learns why through dp_replicate.
-    CHECK(seen[3].message.find("in the fsdp group of rank 0 of the dp_replicate group: rank 1 of the fsdp group "
-                               "cannot reduce its gradient") != std::string::npos);
+    CHECK(seen[3].message.find("in the fsdp group of rank 0 of the dp_replicate group (world rank 1): rank 1 of "
+                               "the fsdp group (world rank 1) cannot reduce its gradient") != std::string::npos);
   }
   SUBCASE("efsdp = 1: the sizes are compared over dp_replicate alone, in the group that disagrees") {
     // ep = fsdp: efsdp groups of one rank; dp_replicate groups {0,2} and {1,3}, which
@@ -264,7 +279,8 @@ TEST_CASE("hooks: a rank that passes another size or element type raises errc::i
       h.reduce_expert(epx::span<double>(g));
     }, seconds);
     expect_refused(seen, seconds, "reduce_expert_gradients",
-                   "rank 1 of the dp_replicate group passes a gradient of 8 elements but rank 0 passes 6", {1, 3});
+                   "rank 1 of the dp_replicate group (world rank 3) passes a gradient of 8 elements but rank 0 passes 6",
+                   {1, 3});
   }
 }
 

@@ -49,8 +49,8 @@ void check_hooks_refuse(bool check_counts) {
   std::string msg = raised_input([&] { hooks.reduce_expert(epx::span<double>(g)); });
   CAPTURE(msg);
   CHECK(msg.find("reduce_expert_gradients: the ranks disagree on the gradient they reduce") != std::string::npos);
-  CHECK(msg.find("rank 1 of the efsdp group passes a gradient of 7 elements but rank 0 passes 6") !=
-        std::string::npos);
+  CHECK(msg.find("rank 1 of the efsdp group (world rank " + std::to_string(n - 1) +
+                 ") passes a gradient of 7 elements but rank 0 passes 6") != std::string::npos);
   CHECK(msg.find("nothing was reduced") != std::string::npos);
   for (std::size_t i = 0; i < 6; ++i) CHECK(g[i] == 1.0);  // untouched
 
@@ -60,8 +60,10 @@ void check_hooks_refuse(bool check_counts) {
     msg = raised_input([&] { hooks.reduce_dense(epx::span<float>(d)); });
     CAPTURE(msg);
     CHECK(msg.find("reduce_dense_gradients: the ranks disagree") != std::string::npos);
-    CHECK(msg.find(" of the dp_replicate group passes a gradient of 8 elements but rank 0 passes 6") !=
-          std::string::npos);
+    const int last = m.dp_replicate() - 1;
+    CHECK(msg.find("rank " + std::to_string(last) + " of the dp_replicate group (world rank " +
+                   std::to_string(m.group_member(epx::group_kind::dp_replicate, rank, last)) +
+                   ") passes a gradient of 8 elements but rank 0 passes 6") != std::string::npos);
   }
 
   // A reduce-scatter whose gradient is not efsdp x shard on rank 0 only.
@@ -84,6 +86,7 @@ void check_hooks_refuse(bool check_counts) {
   });
   CAPTURE(msg);
   CHECK(msg.find("reduce_dense_gradients: the ranks disagree") != std::string::npos);
+  // refuse_hook without the world rank: the rank is named in its group alone.
   CHECK(msg.find("rank 0 of the fsdp group cannot reduce its gradient: a gradient of int64 cannot be reduced") !=
         std::string::npos);
   for (float v : dense) CHECK(v == 1.0f);

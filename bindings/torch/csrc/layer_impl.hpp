@@ -556,9 +556,9 @@ inline std::string unreducible(const at::Tensor& g, const at::Device& d) {
 // wait to every reduction): there such a rank raises alone.
 template <class Comm, class F>
 void reduce_as_typed(Comm& first, const char* first_name, Comm& second, const at::Tensor& g, const at::Device& d,
-                     const char* what, F&& reduce) {
+                     const char* what, int world_rank, F&& reduce) {
   if (const std::string why = unreducible(g, d); !why.empty())
-    epx::detail::refuse_hook(what, first, first_name, second, false, why);
+    epx::detail::refuse_hook(what, first, first_name, second, false, why, world_rank);
   const auto n = static_cast<std::size_t>(g.numel());
   switch (g.scalar_type()) {
     case at::kFloat: reduce(epx::span<float>(ptr<float>(g), n)); break;
@@ -574,14 +574,18 @@ template <class Exec, class Comm>
 void basic_torch_layer<Exec, Comm>::reduce_expert_gradients(at::Tensor& grad) {
   const typename layer_side<Exec>::guard on_device(device_);
   layer_detail::reduce_as_typed(*efsdp_, "efsdp", *dp_replicate_, grad, device(), "reduce_expert_gradients",
-                                [&](auto g) { epx::reduce_expert_gradients(*efsdp_, *dp_replicate_, *mesh_, g); });
+                                world_rank_, [&](auto g) {
+                                  epx::reduce_expert_gradients(*efsdp_, *dp_replicate_, *mesh_, g, world_rank_);
+                                });
 }
 
 template <class Exec, class Comm>
 void basic_torch_layer<Exec, Comm>::reduce_dense_gradients(at::Tensor& grad) {
   const typename layer_side<Exec>::guard on_device(device_);
   layer_detail::reduce_as_typed(*fsdp_, "fsdp", *dp_replicate_, grad, device(), "reduce_dense_gradients",
-                                [&](auto g) { epx::reduce_dense_gradients(*fsdp_, *dp_replicate_, *mesh_, g); });
+                                world_rank_, [&](auto g) {
+                                  epx::reduce_dense_gradients(*fsdp_, *dp_replicate_, *mesh_, g, world_rank_);
+                                });
 }
 
 }  // namespace epx_torch

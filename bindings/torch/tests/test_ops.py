@@ -352,38 +352,39 @@ def error_cases(W: int):
         # The ranks that sum a gradient together (efsdp or fsdp, and dp_replicate) must pass
         # the same size and type: else every one raises, naming them (the sums would read
         # past the smaller block, or gloo would abort the process); the groups work after.
-        # The agreement is epx's own (epx/grad/hooks.hpp), which names ranks in the group.
+        # The agreement is epx's own (epx/grad/hooks.hpp), which names ranks in the group and
+        # by world rank (here the same: efsdp = fsdp = W).
         m = epx_torch.Mesh(tp=1, fsdp=W, ep=1, experts=2)  # efsdp = fsdp = W
         lay = epx_torch.Layer(m, hidden=H, top_k=1)
         g = torch.ones(5 if rank == bad else 4)
         expect_error(lambda: lay.reduce_expert_gradients(g), "reduce_expert_gradients: the ranks disagree",
-                     f"rank {bad} of the efsdp group passes a gradient of 5 elements but rank 0 passes 4",
+                     f"rank {bad} of the efsdp group (world rank {bad}) passes a gradient of 5 elements but rank 0 passes 4",
                      "nothing was reduced")
         g = torch.ones(4, dtype=torch.float64 if rank == bad else torch.float32)
         expect_error(lambda: lay.reduce_dense_gradients(g), "reduce_dense_gradients",
-                     f"rank {bad} of the fsdp group passes float64 elements but rank 0 passes float32")
+                     f"rank {bad} of the fsdp group (world rank {bad}) passes float64 elements but rank 0 passes float32")
         g = torch.ones(4, dtype=torch.bfloat16 if rank == bad else torch.float16)
         expect_error(lambda: lay.reduce_dense_gradients(g), "reduce_dense_gradients",
-                     f"rank {bad} of the fsdp group passes bfloat16 elements but rank 0 passes float16")
+                     f"rank {bad} of the fsdp group (world rank {bad}) passes bfloat16 elements but rank 0 passes float16")
         # A tensor the hooks cannot take on one rank: the others raise too, naming it.
         g = torch.ones(4, dtype=torch.int64 if rank == bad else torch.float32)
         expect_error(lambda: lay.reduce_dense_gradients(g), "reduce_dense_gradients",
-                     f"rank {bad} of the fsdp group cannot reduce its gradient: gradients of dtype Long cannot be "
+                     f"rank {bad} of the fsdp group (world rank {bad}) cannot reduce its gradient: gradients of dtype Long cannot be "
                      "reduced")
         # None where a gradient goes (a parameter without one on this rank): the same.
         for reduce, hook, group in ((lay.reduce_expert_gradients, "reduce_expert_gradients", "efsdp"),
                                     (lay.reduce_dense_gradients, "reduce_dense_gradients", "fsdp")):
             expect_error(lambda: reduce(None if rank == bad else torch.ones(4)), hook,
-                         f"rank {bad} of the {group} group cannot reduce its gradient: the gradient is None",
+                         f"rank {bad} of the {group} group (world rank {bad}) cannot reduce its gradient: the gradient is None",
                          "torch.zeros_like(param)")
         g = torch.ones(4)
         expect_error(lambda: lay._impl.reduce_expert_gradients(g[::2] if rank == bad else g[:2]),
-                     "reduce_expert_gradients", f"rank {bad} of the efsdp group cannot reduce its gradient: "
+                     "reduce_expert_gradients", f"rank {bad} of the efsdp group (world rank {bad}) cannot reduce its gradient: "
                      "the gradient must be a contiguous tensor on cpu")
         p = torch.nn.Parameter(torch.ones(3 if rank == bad else 2))  # a hook on parameters that differ
         handles = lay.register_expert_hooks([p])
         expect_error(lambda: p.sum().backward(), "reduce_expert_gradients",
-                     f"rank {bad} of the efsdp group passes a gradient of 3 elements")
+                     f"rank {bad} of the efsdp group (world rank {bad}) passes a gradient of 3 elements")
         for hd in handles:
             hd.remove()
         g = torch.full((4,), float(rank + 1))

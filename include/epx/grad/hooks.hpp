@@ -16,7 +16,8 @@
 // communicator does not check counts, a wrong sum). On host communicators (threads, MPI)
 // each hook therefore first all-gathers one small record per rank over its first group
 // (efsdp or fsdp), then over dp_replicate (detail::agree_on_hook_sizes), and every rank of
-// the two groups raises errc::input, naming the hook and the ranks, before any element is
+// the two groups raises errc::input, naming the hook and the ranks (in their groups, and by
+// world rank where the caller passes it: gradient_hooks does), before any element is
 // reduced. A rank that cannot hand the hook a gradient at all (a binding's tensor of a type
 // or on a device the hooks do not take) calls detail::refuse_hook in its place, which joins
 // the same agreement with its reason, so that the others raise too instead of waiting in
@@ -48,23 +49,29 @@ struct hook_sizes {
   std::int64_t grad = 0, shard = 0, type = 0;
 };
 
-// Why the sizes of rank `r` of a group (`who`, e.g. "rank 1 of the efsdp group") do not fit
-// those of `ref` (its rank 0), or its own reduce-scatter shape is wrong; "" when they fit.
-inline std::string hook_sizes_error(const char* who_group, std::size_t r, const hook_sizes& have,
+// How a message names rank `r` of a group: "rank 1 of the efsdp group", with its world rank
+// (the mesh's) where the caller told it (`job` >= 0: " (world rank 5)").
+inline std::string hook_member(const char* group, std::size_t r, std::int64_t job) {
+  return job >= 0 ? concat("rank ", r, " of the ", group, " group (world rank ", job, ")")
+                  : concat("rank ", r, " of the ", group, " group");
+}
+
+// Why the sizes of a rank of a group (`who`, hook_member's text; the group `group_name`)
+// do not fit those of `ref` (its rank 0), or its own reduce-scatter shape is wrong; "" when
+// they fit.
+inline std::string hook_sizes_error(const std::string& who, const char* group_name, const hook_sizes& have,
                                     const hook_sizes& ref, bool scatter, std::int64_t group_size) {
   std::string why;
   if (scatter && have.grad != group_size * have.shard)
-    why += concat("; rank ", r, " of the ", who_group, " group passes a gradient of ", have.grad,
-                  " elements, not ", who_group, " size (", group_size, ") x its shard (", have.shard, ")");
+    why += concat("; ", who, " passes a gradient of ", have.grad, " elements, not ", group_name, " size (",
+                  group_size, ") x its shard (", have.shard, ")");
   if (have.type != ref.type)
-    why += concat("; rank ", r, " of the ", who_group, " group passes ", to_string(static_cast<datatype>(have.type)),
-                  " elements but rank 0 passes ", to_string(static_cast<datatype>(ref.type)));
+    why += concat("; ", who, " passes ", to_string(static_cast<datatype>(have.type)), " elements but rank 0 passes ",
+                  to_string(static_cast<datatype>(ref.type)));
   if (have.grad != ref.grad)
-    why += concat("; rank ", r, " of the ", who_group, " group passes a gradient of ", have.grad,
-                  " elements but rank 0 passes ", ref.grad);
+    why += concat("; ", who, " passes a gradient of ", have.grad, " elements but rank 0 passes ", ref.grad);
   else if (scatter && have.shard != ref.shard)
-    why += concat("; rank ", r, " of the ", who_group, " group passes a shard of ", have.shard,
-                  " elements but rank 0 passes ", ref.shard);
+    why += concat("; ", who, " passes a shard of ", have.shard, " elements but rank 0 passes ", ref.shard);
   return why;
 }
 
@@ -89,48 +96,50 @@ std::vector<std::string> gather_hook_texts(Comm& comm, const std::string& mine) 
 // a gradient at all (`refusal`, the caller's reason: a binding's tensor of a type or on a
 // device the hooks do not take; `mine` is then not read), before anything is reduced. The
 // first group's verdict travels in the second exchange, so the ranks of a group that
-// agreed raise too instead of waiting in the dp_replicate sum for those that raised. Host
+// agreed raise too instead of waiting in the dp_replicate sum for those that raised.
+// `world_rank` (-1: not known) travels with the records, for the messages only. Host
 // communicators only (see the top of this file).
 template <class Comm>
 void agree_on_hook_sizes(const char* hook, Comm& group, const char* group_name, Comm& replicas, hook_sizes mine,
-                         bool scatter, const std::string& refusal = {}) {
+                         bool scatter, const std::string& refusal = {}, int world_rank = -1) {
   // 1. Over the first group: every rank sees every record and reaches the same verdict.
+  constexpr std::size_t F = 5;
   const auto G = static_cast<std::size_t>(group.size());
   const std::int64_t refused = refusal.empty() ? 0 : 1;
-  std::vector<std::int64_t> rec{mine.grad, mine.shard, mine.type, refused}, all(4 * G);
-  if (G > 1) all_gather_host(group, rec.data(), 4, all.data());
+  std::vector<std::int64_t> rec{mine.grad, mine.shard, mine.type, refused, world_rank < 0 ? -1 : world_rank}, all(F * G);
+  if (G > 1) all_gather_host(group, rec.data(), F, all.data());
   else all = rec;
-  const auto at = [&all](std::size_t r) { return hook_sizes{all[4 * r], all[4 * r + 1], all[4 * r + 2]}; };
+  const auto at = [&all](std::size_t r) { return hook_sizes{all[F * r], all[F * r + 1], all[F * r + 2]}; };
+  const auto who = [&all, group_name](std::size_t r) { return hook_member(group_name, r, all[F * r + 4]); };
   bool any_refused = false;
-  for (std::size_t r = 0; r < G; ++r) any_refused = any_refused || all[4 * r + 3] != 0;
+  for (std::size_t r = 0; r < G; ++r) any_refused = any_refused || all[F * r + 3] != 0;
   std::string why;
   if (any_refused) {  // the sizes of a rank that refused mean nothing: its reason instead
     const std::vector<std::string> reasons = G > 1 ? gather_hook_texts(group, refusal) : std::vector<std::string>{refusal};
     for (std::size_t r = 0; r < G; ++r)
-      if (all[4 * r + 3] != 0)
-        why += concat("; rank ", r, " of the ", group_name, " group cannot reduce its gradient: ", reasons[r]);
+      if (all[F * r + 3] != 0) why += concat("; ", who(r), " cannot reduce its gradient: ", reasons[r]);
   } else {
     for (std::size_t r = 0; r < G; ++r)
-      why += hook_sizes_error(group_name, r, at(r), at(0), scatter, static_cast<std::int64_t>(G));
+      why += hook_sizes_error(who(r), group_name, at(r), at(0), scatter, static_cast<std::int64_t>(G));
   }
   // 2. Over dp_replicate: each first group's verdict, and the sizes across the replicas.
   const auto R = static_cast<std::size_t>(replicas.size());
   if (R > 1) {
-    std::vector<std::int64_t> rec2{why.empty() ? 0 : 1, mine.grad, mine.shard, mine.type}, all2(4 * R);
-    all_gather_host(replicas, rec2.data(), 4, all2.data());
+    std::vector<std::int64_t> rec2{why.empty() ? 0 : 1, mine.grad, mine.shard, mine.type, rec[4]}, all2(F * R);
+    all_gather_host(replicas, rec2.data(), F, all2.data());
+    const auto who2 = [&all2](std::size_t r) { return hook_member("dp_replicate", r, all2[F * r + 4]); };
     bool failed = false;
-    for (std::size_t r = 0; r < R; ++r) failed = failed || all2[4 * r] != 0;
+    for (std::size_t r = 0; r < R; ++r) failed = failed || all2[F * r] != 0;
     if (failed) {  // every rank of `replicas` takes this branch: the texts' all_gather matches
       const std::vector<std::string> theirs = gather_hook_texts(replicas, why);
       const auto me = static_cast<std::size_t>(replicas.rank());
       for (std::size_t r = 0; r < R; ++r)
-        if (r != me && all2[4 * r] != 0)
-          why += concat("; in the ", group_name, " group of rank ", r, " of the dp_replicate group: ",
-                        theirs[r].substr(2));
+        if (r != me && all2[F * r] != 0)
+          why += concat("; in the ", group_name, " group of ", who2(r), ": ", theirs[r].substr(2));
     } else {
       // Every first group agreed within itself, so these records are the same for each of them.
-      const auto at2 = [&all2](std::size_t r) { return hook_sizes{all2[4 * r + 1], all2[4 * r + 2], all2[4 * r + 3]}; };
-      for (std::size_t r = 0; r < R; ++r) why += hook_sizes_error("dp_replicate", r, at2(r), at2(0), false, 0);
+      const auto at2 = [&all2](std::size_t r) { return hook_sizes{all2[F * r + 1], all2[F * r + 2], all2[F * r + 3]}; };
+      for (std::size_t r = 0; r < R; ++r) why += hook_sizes_error(who2(r), "dp_replicate", at2(r), at2(0), false, 0);
     }
   }
   EPX_REQUIRE(why.empty(), errc::input, hook, ": the ranks disagree on the gradient they reduce", why,
@@ -141,14 +150,15 @@ void agree_on_hook_sizes(const char* hook, Comm& group, const char* group_name, 
 // synchronisation (threads, MPI); nothing on a device communicator.
 template <class Comm, class T>
 void check_hook_sizes(const char* hook, Comm& group, const char* group_name, Comm& replicas, std::size_t grad,
-                      std::size_t shard, bool scatter) {
+                      std::size_t shard, bool scatter, int world_rank) {
   if constexpr (!is_device_communicator_v<Comm>) {
     agree_on_hook_sizes(hook, group, group_name, replicas,
                         hook_sizes{static_cast<std::int64_t>(grad), static_cast<std::int64_t>(shard),
                                    static_cast<std::int64_t>(datatype_of<T>())},
-                        scatter);
+                        scatter, {}, world_rank);
   } else {
-    (void)hook, (void)group, (void)group_name, (void)replicas, (void)grad, (void)shard, (void)scatter;
+    (void)hook, (void)group, (void)group_name, (void)replicas, (void)grad, (void)shard, (void)scatter,
+        (void)world_rank;
   }
 }
 
@@ -159,22 +169,28 @@ void check_hook_sizes(const char* hook, Comm& group, const char* group_name, Com
 // it raises on this rank only.
 template <class Comm>
 [[noreturn]] void refuse_hook(const char* hook, Comm& group, const char* group_name, Comm& replicas, bool scatter,
-                              const std::string& why) {
-  if constexpr (!is_device_communicator_v<Comm>) agree_on_hook_sizes(hook, group, group_name, replicas, {}, scatter, why);
-  else (void)group, (void)group_name, (void)replicas, (void)scatter;
+                              const std::string& why, int world_rank = -1) {
+  if constexpr (!is_device_communicator_v<Comm>)
+    agree_on_hook_sizes(hook, group, group_name, replicas, {}, scatter, why, world_rank);
+  else (void)group, (void)group_name, (void)replicas, (void)scatter, (void)world_rank;
   EPX_THROW(errc::input, hook, ": ", why);
 }
 
 }  // namespace detail
 
+// `world_rank` (optional, every hook): this rank's world rank in the mesh, for the messages
+// of a disagreement only ("rank 1 of the efsdp group (world rank 5)"); gradient_hooks
+// passes it.
+
 // Expert weights replicated over efsdp: grad = (sum over efsdp and dp_replicate) / B.
 template <class Comm, class T>
-void reduce_expert_gradients(Comm& efsdp, Comm& dp_replicate, const mesh& m, span<T> grad) {
+void reduce_expert_gradients(Comm& efsdp, Comm& dp_replicate, const mesh& m, span<T> grad, int world_rank = -1) {
   EPX_REQUIRE(efsdp.size() == m.efsdp() && dp_replicate.size() == m.dp_replicate(), errc::configuration,
               "reduce_expert_gradients: communicator sizes (efsdp ", efsdp.size(), ", dp_replicate ",
               dp_replicate.size(), ") do not match the mesh (efsdp ", m.efsdp(), ", dp_replicate ", m.dp_replicate(),
               ")");
-  detail::check_hook_sizes<Comm, T>("reduce_expert_gradients", efsdp, "efsdp", dp_replicate, grad.size(), 0, false);
+  detail::check_hook_sizes<Comm, T>("reduce_expert_gradients", efsdp, "efsdp", dp_replicate, grad.size(), 0, false,
+                                    world_rank);
   all_reduce(efsdp, grad, 1.0 / static_cast<double>(m.batches()));
   if (dp_replicate.size() > 1) all_reduce(dp_replicate, grad);
 }
@@ -183,25 +199,26 @@ void reduce_expert_gradients(Comm& efsdp, Comm& dp_replicate, const mesh& m, spa
 // `shard` receives this rank's block, reduced over efsdp and dp_replicate and divided by B.
 template <class Comm, class T>
 void reduce_scatter_expert_gradients(Comm& efsdp, Comm& dp_replicate, const mesh& m, span<const T> grad,
-                                     span<T> shard) {
+                                     span<T> shard, int world_rank = -1) {
   EPX_REQUIRE(efsdp.size() == m.efsdp() && dp_replicate.size() == m.dp_replicate(), errc::configuration,
               "reduce_scatter_expert_gradients: communicator sizes (efsdp ", efsdp.size(), ", dp_replicate ",
               dp_replicate.size(), ") do not match the mesh (efsdp ", m.efsdp(), ", dp_replicate ",
               m.dp_replicate(), ")");
   detail::check_hook_sizes<Comm, T>("reduce_scatter_expert_gradients", efsdp, "efsdp", dp_replicate, grad.size(),
-                                    shard.size(), true);
+                                    shard.size(), true, world_rank);
   reduce_scatter(efsdp, grad, shard, 1.0 / static_cast<double>(m.batches()));
   if (dp_replicate.size() > 1) all_reduce(dp_replicate, shard);
 }
 
 // Dense (non-expert) weights replicated over fsdp and dp_replicate: mean over the B batches.
 template <class Comm, class T>
-void reduce_dense_gradients(Comm& fsdp, Comm& dp_replicate, const mesh& m, span<T> grad) {
+void reduce_dense_gradients(Comm& fsdp, Comm& dp_replicate, const mesh& m, span<T> grad, int world_rank = -1) {
   EPX_REQUIRE(fsdp.size() == m.fsdp() && dp_replicate.size() == m.dp_replicate(), errc::configuration,
               "reduce_dense_gradients: communicator sizes (fsdp ", fsdp.size(), ", dp_replicate ",
               dp_replicate.size(), ") do not match the mesh (fsdp ", m.fsdp(), ", dp_replicate ", m.dp_replicate(),
               ")");
-  detail::check_hook_sizes<Comm, T>("reduce_dense_gradients", fsdp, "fsdp", dp_replicate, grad.size(), 0, false);
+  detail::check_hook_sizes<Comm, T>("reduce_dense_gradients", fsdp, "fsdp", dp_replicate, grad.size(), 0, false,
+                                    world_rank);
   all_reduce(fsdp, grad, 1.0 / static_cast<double>(m.batches()));
   if (dp_replicate.size() > 1) all_reduce(dp_replicate, grad);
 }
@@ -212,18 +229,19 @@ class gradient_hooks {
  public:
   gradient_hooks(const mesh& m, const Comm& world)
       : mesh_(m),
+        world_rank_(world.rank()),
         efsdp_(std::make_unique<Comm>(sub_communicator(world, m, group_kind::efsdp))),
         fsdp_(std::make_unique<Comm>(sub_communicator(world, m, group_kind::fsdp))),
         dp_replicate_(std::make_unique<Comm>(sub_communicator(world, m, group_kind::dp_replicate))) {}
 
   template <class T>
-  void reduce_expert(span<T> grad) { reduce_expert_gradients(*efsdp_, *dp_replicate_, mesh_, grad); }
+  void reduce_expert(span<T> grad) { reduce_expert_gradients(*efsdp_, *dp_replicate_, mesh_, grad, world_rank_); }
   template <class T>
   void reduce_scatter_expert(span<const T> grad, span<T> shard) {
-    reduce_scatter_expert_gradients(*efsdp_, *dp_replicate_, mesh_, grad, shard);
+    reduce_scatter_expert_gradients(*efsdp_, *dp_replicate_, mesh_, grad, shard, world_rank_);
   }
   template <class T>
-  void reduce_dense(span<T> grad) { reduce_dense_gradients(*fsdp_, *dp_replicate_, mesh_, grad); }
+  void reduce_dense(span<T> grad) { reduce_dense_gradients(*fsdp_, *dp_replicate_, mesh_, grad, world_rank_); }
 
   const mesh& topology() const noexcept { return mesh_; }
   Comm& efsdp() noexcept { return *efsdp_; }
@@ -232,6 +250,7 @@ class gradient_hooks {
 
  private:
   mesh mesh_;
+  int world_rank_;
   std::unique_ptr<Comm> efsdp_;
   std::unique_ptr<Comm> fsdp_;
   std::unique_ptr<Comm> dp_replicate_;
