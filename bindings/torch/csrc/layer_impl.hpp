@@ -125,19 +125,19 @@ basic_torch_layer<Exec, Comm>::basic_torch_layer(const epx::mesh_config& mc, con
   const std::int64_t mine[4] = {world_rank, dtype, path, transport};
   std::vector<std::int64_t> all(4 * static_cast<std::size_t>(world_->size()));
   epx::detail::all_gather_host(*world_, mine, 4, all.data());
+  // As Python spells them (epx_torch's _PATHS and _TRANSPORTS).
+  const auto path_name = [](std::int64_t v) {
+    return v == 0 ? "'all_to_all'" : v == 1 ? "'all_reduce'" : v == 2 ? "'auto'" : "unknown";
+  };
+  const auto transport_name = [](std::int64_t v) {
+    return v == 0 ? "'auto'" : v == 1 ? "'shm'" : v == 2 ? "'group'" : "unknown";
+  };
   std::string differ;
   for (int r = 1; r < world_->size(); ++r) {
     const auto* rec = all.data() + 4 * static_cast<std::size_t>(r);
     if (rec[1] != all[1])
       differ += concat("; rank ", rec[0], " has dtype=", dtype_name(static_cast<dtype_code>(rec[1])), " but rank ",
                        all[0], " has dtype=", dtype_name(static_cast<dtype_code>(all[1])));
-    // As Python spells them (epx_torch's _PATHS and _TRANSPORTS).
-    const auto path_name = [](std::int64_t v) {
-      return v == 0 ? "'all_to_all'" : v == 1 ? "'all_reduce'" : v == 2 ? "'auto'" : "unknown";
-    };
-    const auto transport_name = [](std::int64_t v) {
-      return v == 0 ? "'auto'" : v == 1 ? "'shm'" : v == 2 ? "'group'" : "unknown";
-    };
     if (rec[2] != all[2])
       differ += concat("; rank ", rec[0], " has path=", path_name(rec[2]), " but rank ", all[0], " has path=",
                        path_name(all[2]));
