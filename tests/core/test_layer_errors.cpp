@@ -11,6 +11,7 @@
 #include "core/layer_cases.hpp"
 #include "epx/comm/threads.hpp"
 #include "epx/exec/emulated.hpp"
+#include "epx/grad/hooks.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
 // source, where another file may use the same names.
@@ -552,6 +553,73 @@ TEST_CASE("framework constructor: the caller's ep and tp communicators, checked 
     CHECK(seen[3].message.find("bad configuration in the tp communicator; rank 0: layer_options.hidden (0)") !=
           std::string::npos);
     CHECK(seen[2].message.find("the tp communicator does not hold the ranks of the mesh's tp group") != std::string::npos);
+  }
+}
+
+// A user's communicator over the threads backend whose split orders a color's members by
+// descending key (`reversed`), or as the concept asks.
+struct split_comm {
+  comm_t c;
+  bool reversed = false;
+  int rank() const { return c.rank(); }
+  int size() const { return c.size(); }
+  split_comm split(int color, int key) const { return {c.split(color, reversed ? -key : key), reversed}; }
+  void all_to_all(const void* s, void* r, std::size_t n, epx::datatype t) { c.all_to_all(s, r, n, t); }
+  void all_to_allv(const void* s, const std::size_t* sc, const std::size_t* sd, void* r, const std::size_t* rc,
+                   const std::size_t* rd, epx::datatype t) {
+    c.all_to_allv(s, sc, sd, r, rc, rd, t);
+  }
+  void all_reduce(const void* s, void* r, std::size_t n, epx::datatype t, double k) { c.all_reduce(s, r, n, t, k); }
+  void reduce_scatter(const void* s, void* r, std::size_t n, epx::datatype t, double k) {
+    c.reduce_scatter(s, r, n, t, k);
+  }
+  void all_gather(const void* s, void* r, std::size_t n, epx::datatype t) { c.all_gather(s, r, n, t); }
+  void broadcast(void* d, std::size_t n, epx::datatype t, int root) { c.broadcast(d, n, t, root); }
+  void barrier() { c.barrier(); }
+};
+static_assert(epx::check_communicator<split_comm>());
+
+TEST_CASE("a communicator whose split does not order members by key: the layer and the hooks refuse it on every rank") {
+  const epx::mesh_config mc{2, 4, 1, 1, 4, 8, 0};  // tp=2, fsdp=4, ep=4: world 8
+  epx::layer_options o;
+  o.hidden = 4;
+  o.top_k = 2;
+  for (const bool reversed : {false, true}) {
+    CAPTURE(reversed);
+    std::vector<raised> layer(8), hooks(8);
+    epx::threads::run(8, [&](comm_t& comm) {
+      split_comm world{std::move(comm), reversed};
+      const epx::mesh m(mc);
+      const auto r = static_cast<std::size_t>(world.rank());
+      layer[r] = epx::test::capture([&] { epx::moe_layer<split_comm, float> l(m, world, o); });
+      hooks[r] = epx::test::capture([&] { epx::gradient_hooks<split_comm> h(m, world); });
+    });
+    for (std::size_t r = 0; r < 8; ++r) {
+      CAPTURE(r);
+      CAPTURE(layer[r].message);
+      CAPTURE(hooks[r].message);
+      REQUIRE(layer[r].thrown == reversed);
+      REQUIRE(hooks[r].thrown == reversed);
+      if (!reversed) continue;
+      CHECK(layer[r].category == epx::errc::configuration);
+      CHECK(hooks[r].category == epx::errc::configuration);
+      // Every rank names every rank's finding (the first group that fails on each).
+      CHECK(layer[r].message.find("moe_layer: the communicators that split made from the world communicator do not "
+                                  "hold the mesh's groups (split must order the members of a color by (key, rank))") !=
+            std::string::npos);
+      // ep groups {0,1,2,3} and {4,5,6,7}, each in reverse.
+      CHECK(layer[r].message.find("; rank 0,1,2,3: moe_layer: the ep communicator does not hold the ranks of the "
+                                  "mesh's ep group; member 0 is world rank 3 but the mesh puts world rank 0 there") !=
+            std::string::npos);
+      CHECK(layer[r].message.find("; rank 4,5,6,7: moe_layer: the ep communicator does not hold the ranks of the "
+                                  "mesh's ep group; member 0 is world rank 7 but the mesh puts world rank 4 there") !=
+            std::string::npos);
+      CHECK(hooks[r].message.find("gradient_hooks: the communicators that split made") != std::string::npos);
+      // efsdp groups {0,4}, {1,5}, {2,6}, {3,7}.
+      CHECK(hooks[r].message.find("; rank 1,5: gradient_hooks: the efsdp communicator does not hold the ranks of the "
+                                  "mesh's efsdp group; member 0 is world rank 5 but the mesh puts world rank 1 there") !=
+            std::string::npos);
+    }
   }
 }
 

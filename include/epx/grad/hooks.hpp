@@ -37,6 +37,7 @@
 #include "epx/comm/host_arrays.hpp"
 #include "epx/core/error.hpp"
 #include "epx/core/span.hpp"
+#include "epx/layer/agreement.hpp"
 #include "epx/mesh/mesh.hpp"
 
 namespace epx {
@@ -223,16 +224,23 @@ void reduce_dense_gradients(Comm& fsdp, Comm& dp_replicate, const mesh& m, span<
   if (dp_replicate.size() > 1) all_reduce(dp_replicate, grad);
 }
 
-// The sub-communicators the hooks need, made once (collective over `world`).
+// The sub-communicators the hooks need, made once (collective over `world`; raises
+// errc::configuration on every rank when Comm::split did not make the mesh's groups).
 template <class Comm>
 class gradient_hooks {
+  static_assert(check_communicator<Comm>(), "epx::gradient_hooks: Comm must be a communicator");
+
  public:
-  gradient_hooks(const mesh& m, const Comm& world)
+  gradient_hooks(const mesh& m, Comm& world)
       : mesh_(m),
         world_rank_(world.rank()),
         efsdp_(std::make_unique<Comm>(sub_communicator(world, m, group_kind::efsdp))),
         fsdp_(std::make_unique<Comm>(sub_communicator(world, m, group_kind::fsdp))),
-        dp_replicate_(std::make_unique<Comm>(sub_communicator(world, m, group_kind::dp_replicate))) {}
+        dp_replicate_(std::make_unique<Comm>(sub_communicator(world, m, group_kind::dp_replicate))) {
+    Comm* const groups[3] = {efsdp_.get(), fsdp_.get(), dp_replicate_.get()};
+    const group_kind kinds[3] = {group_kind::efsdp, group_kind::fsdp, group_kind::dp_replicate};
+    detail::agree_on_split(world, m, groups, kinds, "gradient_hooks");
+  }
 
   template <class T>
   void reduce_expert(span<T> grad) { reduce_expert_gradients(*efsdp_, *dp_replicate_, mesh_, grad, world_rank_); }

@@ -192,9 +192,9 @@ void agree_on_layer(Comm& comm, const mesh& m, const layer_options& o, int world
 
 // Collective over `comm`, a group of kind g of mesh m holding world rank `world_rank`:
 // raises errc::configuration on every rank of comm unless its members are, in rank order,
-// the world ranks the mesh puts in that group.
+// the world ranks the mesh puts in that group. `who` begins the message.
 template <class Comm>
-void agree_on_group(Comm& comm, const mesh& m, group_kind g, int world_rank) {
+void agree_on_group(Comm& comm, const mesh& m, group_kind g, int world_rank, const char* who = "moe_layer") {
   const auto P = static_cast<std::size_t>(comm.size());
   const std::int64_t mine[2] = {world_rank, comm.rank()};
   std::vector<std::int64_t> all(2 * P);
@@ -208,8 +208,47 @@ void agree_on_group(Comm& comm, const mesh& m, group_kind g, int world_rank) {
     if (w != expect)
       why += concat("; member ", r, " is world rank ", w, " but the mesh puts world rank ", expect, " there");
   }
-  EPX_REQUIRE(why.empty(), errc::configuration, "moe_layer: the ", to_string(g),
+  EPX_REQUIRE(why.empty(), errc::configuration, who, ": the ", to_string(g),
               " communicator does not hold the ranks of the mesh's ", to_string(g), " group", why);
+}
+
+// Collective over `world` and over each of `groups` (the sub-communicators that
+// sub_communicator made from `world` for the mesh's group kinds `kinds`): raises
+// errc::configuration on every rank of `world` unless every group holds, in rank order,
+// the world ranks the mesh puts in it. Comm::split orders a color's members by (key, rank);
+// a communicator whose split does not (a user's own) would otherwise pair the wrong rows
+// or the wrong blocks: a wrong result, or a hang where nothing checks counts. `who` begins
+// the message.
+template <class Comm, std::size_t N>
+void agree_on_split(Comm& world, const mesh& m, Comm* const (&groups)[N], const group_kind (&kinds)[N],
+                    const char* who) {
+  std::string mine;
+  for (std::size_t i = 0; i < N; ++i) {
+    try {
+      agree_on_group(*groups[i], m, kinds[i], world.rank(), who);
+    } catch (const error& e) {
+      if (mine.empty()) mine = e.message();
+    }
+  }
+  const auto P = static_cast<std::size_t>(world.size());
+  const std::int64_t status[2] = {world.rank(), mine.empty() ? 0 : 1};
+  std::vector<std::int64_t> all(2 * P);
+  all_gather_host(world, status, 2, all.data());
+  bool failed = false;
+  for (std::size_t r = 0; r < P; ++r) failed = failed || all[2 * r + 1] != 0;
+  if (!failed) return;
+  constexpr std::size_t B = 384;  // every rank takes this branch: the second all_gather matches
+  std::vector<char> msg(B, '\0'), msgs(B * P, '\0');
+  mine.copy(msg.data(), B - 1);
+  all_gather_host(world, msg.data(), B, msgs.data());
+  rank_messages why;
+  for (std::size_t r = 0; r < P; ++r)
+    if (all[2 * r + 1] != 0) why.add(all[2 * r], std::string(msgs.data() + r * B));
+  throw error(errc::configuration,
+              concat(who, ": the communicators that split made from the world communicator do not hold the mesh's "
+                          "groups (split must order the members of a color by (key, rank))",
+                     why.str()),
+              EPX_HERE);
 }
 
 }  // namespace epx::detail

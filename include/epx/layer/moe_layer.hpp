@@ -95,8 +95,9 @@ class moe_layer {
 
   // Collective over `world`: makes the ep and tp sub-communicators. Raises
   // errc::configuration on every rank when a rank's mesh does not fit `world`, its options
-  // do not fit the mesh or the implementation, or two ranks built different meshes,
-  // options, T or Impl, or one a host and another a device policy.
+  // do not fit the mesh or the implementation, two ranks built different meshes, options,
+  // T or Impl, or one a host and another a device policy, or when Comm::split did not
+  // make the mesh's groups (members ordered by (key, rank)).
   moe_layer(const mesh& m, Comm& world, const layer_options& options, Exec policy = Exec{})
       : mesh_(std::make_unique<mesh>(m)), exec_(policy), options_(options) {
     std::string why = local_check(m, world.size(), options_);
@@ -105,6 +106,11 @@ class moe_layer {
     detail::agree_on_layer(world, m, options_, world.rank(), "world", why, types());
     ep_ = std::make_unique<Comm>(sub_communicator(world, m, group_kind::ep));
     tp_ = std::make_unique<Comm>(sub_communicator(world, m, group_kind::tp));
+    {
+      Comm* const groups[2] = {ep_.get(), tp_.get()};
+      const group_kind kinds[2] = {group_kind::ep, group_kind::tp};
+      detail::agree_on_split(world, m, groups, kinds, "moe_layer");
+    }
     start(world.rank());
   }
 
