@@ -195,7 +195,8 @@ TEST_CASE("hooks: a rank that passes another size or element type raises errc::i
       h.reduce_expert(epx::span<double>(g));
     }, seconds);
     expect_refused(seen, seconds, "reduce_expert_gradients",
-                   "rank 1 of the efsdp group (world rank 1) passes a gradient of 7 elements but rank 0 passes 6");
+                   "rank 1 of the efsdp group (world rank 1) passes a gradient of 7 elements but rank 0 (world rank 0) "
+                   "passes 6");
     // The other efsdp group agreed within itself and learns why through dp_replicate.
     CHECK(seen[2].message.find("in the efsdp group of rank 0 of the dp_replicate group (world rank 0): rank 1 of "
                                "the efsdp group (world rank 1) passes") != std::string::npos);
@@ -214,11 +215,12 @@ TEST_CASE("hooks: a rank that passes another size or element type raises errc::i
       std::vector<float> g(kLen + (rank >= 2 ? 1 : 0), 1.0f);
       h.reduce_dense(epx::span<float>(g));
     }, seconds);
-    expect_refused(seen, seconds, "reduce_dense_gradients", "passes a gradient of 7 elements but rank 0 passes 6");
+    expect_refused(seen, seconds, "reduce_dense_gradients", "passes a gradient of 7 elements");
     // dp_replicate groups {0,2} and {1,3}: the member that passes more is world rank 2 or 3.
     for (std::size_t r = 0; r < seen.size(); ++r)
       CHECK(seen[r].message.find("rank 1 of the dp_replicate group (world rank " + std::to_string(2 + r % 2) +
-                                 ") passes a gradient of 7 elements") != std::string::npos);
+                                 ") passes a gradient of 7 elements but rank 0 (world rank " + std::to_string(r % 2) +
+                                 ") passes 6") != std::string::npos);
   }
   SUBCASE("reduce_scatter_expert: one rank's gradient is not efsdp x its shard") {
     const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
@@ -236,7 +238,8 @@ TEST_CASE("hooks: a rank that passes another size or element type raises errc::i
       h.reduce_scatter_expert(epx::span<const double>(g), epx::span<double>(shard));
     }, seconds);
     expect_refused(seen, seconds, "reduce_scatter_expert_gradients",
-                   "rank 1 of the efsdp group (world rank 1) passes a gradient of 12 elements but rank 0 passes 14");
+                   "rank 1 of the efsdp group (world rank 1) passes a gradient of 12 elements but rank 0 (world rank 0) "
+                   "passes 14");
   }
   SUBCASE("reduce_expert: one rank passes float, the others double") {
     const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
@@ -249,7 +252,8 @@ TEST_CASE("hooks: a rank that passes another size or element type raises errc::i
       }
     }, seconds);
     expect_refused(seen, seconds, "reduce_expert_gradients",
-                   "rank 1 of the efsdp group (world rank 1) passes float64 elements but rank 0 passes float32");
+                   "rank 1 of the efsdp group (world rank 1) passes float64 elements but rank 0 (world rank 0) passes "
+                   "float32");
   }
   SUBCASE("refuse_hook: a rank that cannot hand the hook a gradient joins the agreement, named everywhere") {
     const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
@@ -279,7 +283,8 @@ TEST_CASE("hooks: a rank that passes another size or element type raises errc::i
       h.reduce_expert(epx::span<double>(g));
     }, seconds);
     expect_refused(seen, seconds, "reduce_expert_gradients",
-                   "rank 1 of the dp_replicate group (world rank 3) passes a gradient of 8 elements but rank 0 passes 6",
+                   "rank 1 of the dp_replicate group (world rank 3) passes a gradient of 8 elements but rank 0 (world "
+                   "rank 1) passes 6",
                    {1, 3});
   }
 }

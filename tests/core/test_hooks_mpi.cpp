@@ -50,7 +50,9 @@ void check_hooks_refuse(bool check_counts) {
   CAPTURE(msg);
   CHECK(msg.find("reduce_expert_gradients: the ranks disagree on the gradient they reduce") != std::string::npos);
   CHECK(msg.find("rank 1 of the efsdp group (world rank " + std::to_string(n - 1) +
-                 ") passes a gradient of 7 elements but rank 0 passes 6") != std::string::npos);
+                 ") passes a gradient of 7 elements but rank 0 (world rank " +
+                 std::to_string(m.group_member(epx::group_kind::efsdp, n - 1, 0)) + ") passes 6") !=
+        std::string::npos);
   CHECK(msg.find("nothing was reduced") != std::string::npos);
   for (std::size_t i = 0; i < 6; ++i) CHECK(g[i] == 1.0);  // untouched
 
@@ -63,7 +65,9 @@ void check_hooks_refuse(bool check_counts) {
     const int last = m.dp_replicate() - 1;
     CHECK(msg.find("rank " + std::to_string(last) + " of the dp_replicate group (world rank " +
                    std::to_string(m.group_member(epx::group_kind::dp_replicate, rank, last)) +
-                   ") passes a gradient of 8 elements but rank 0 passes 6") != std::string::npos);
+                   ") passes a gradient of 8 elements but rank 0 (world rank " +
+                   std::to_string(m.group_member(epx::group_kind::dp_replicate, rank, 0)) + ") passes 6") !=
+          std::string::npos);
   }
 
   // A reduce-scatter whose gradient is not efsdp x shard on rank 0 only.

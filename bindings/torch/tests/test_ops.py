@@ -358,14 +358,17 @@ def error_cases(W: int):
         lay = epx_torch.Layer(m, hidden=H, top_k=1)
         g = torch.ones(5 if rank == bad else 4)
         expect_error(lambda: lay.reduce_expert_gradients(g), "reduce_expert_gradients: the ranks disagree",
-                     f"rank {bad} of the efsdp group (world rank {bad}) passes a gradient of 5 elements but rank 0 passes 4",
+                     f"rank {bad} of the efsdp group (world rank {bad}) passes a gradient of 5 elements",
+                     "but rank 0 (world rank 0) passes 4",
                      "nothing was reduced")
         g = torch.ones(4, dtype=torch.float64 if rank == bad else torch.float32)
         expect_error(lambda: lay.reduce_dense_gradients(g), "reduce_dense_gradients",
-                     f"rank {bad} of the fsdp group (world rank {bad}) passes float64 elements but rank 0 passes float32")
+                     f"rank {bad} of the fsdp group (world rank {bad}) passes float64 elements",
+                     "but rank 0 (world rank 0) passes float32")
         g = torch.ones(4, dtype=torch.bfloat16 if rank == bad else torch.float16)
         expect_error(lambda: lay.reduce_dense_gradients(g), "reduce_dense_gradients",
-                     f"rank {bad} of the fsdp group (world rank {bad}) passes bfloat16 elements but rank 0 passes float16")
+                     f"rank {bad} of the fsdp group (world rank {bad}) passes bfloat16 elements",
+                     "but rank 0 (world rank 0) passes float16")
         # A tensor the hooks cannot take on one rank: the others raise too, naming it.
         g = torch.ones(4, dtype=torch.int64 if rank == bad else torch.float32)
         expect_error(lambda: lay.reduce_dense_gradients(g), "reduce_dense_gradients",

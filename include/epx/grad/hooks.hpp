@@ -58,21 +58,23 @@ inline std::string hook_member(const char* group, std::size_t r, std::int64_t jo
 }
 
 // Why the sizes of a rank of a group (`who`, hook_member's text; the group `group_name`)
-// do not fit those of `ref` (its rank 0), or its own reduce-scatter shape is wrong; "" when
-// they fit.
+// do not fit those of `ref` (its rank 0, with world rank `ref_world`, -1 not known), or its
+// own reduce-scatter shape is wrong; "" when they fit.
 inline std::string hook_sizes_error(const std::string& who, const char* group_name, const hook_sizes& have,
-                                    const hook_sizes& ref, bool scatter, std::int64_t group_size) {
+                                    const hook_sizes& ref, std::int64_t ref_world, bool scatter,
+                                    std::int64_t group_size) {
+  const std::string rank0 = ref_world >= 0 ? concat("rank 0 (world rank ", ref_world, ")") : std::string("rank 0");
   std::string why;
   if (scatter && have.grad != group_size * have.shard)
     why += concat("; ", who, " passes a gradient of ", have.grad, " elements, not ", group_name, " size (",
                   group_size, ") x its shard (", have.shard, ")");
   if (have.type != ref.type)
-    why += concat("; ", who, " passes ", to_string(static_cast<datatype>(have.type)), " elements but rank 0 passes ",
-                  to_string(static_cast<datatype>(ref.type)));
+    why += concat("; ", who, " passes ", to_string(static_cast<datatype>(have.type)), " elements but ", rank0,
+                  " passes ", to_string(static_cast<datatype>(ref.type)));
   if (have.grad != ref.grad)
-    why += concat("; ", who, " passes a gradient of ", have.grad, " elements but rank 0 passes ", ref.grad);
+    why += concat("; ", who, " passes a gradient of ", have.grad, " elements but ", rank0, " passes ", ref.grad);
   else if (scatter && have.shard != ref.shard)
-    why += concat("; ", who, " passes a shard of ", have.shard, " elements but rank 0 passes ", ref.shard);
+    why += concat("; ", who, " passes a shard of ", have.shard, " elements but ", rank0, " passes ", ref.shard);
   return why;
 }
 
@@ -121,7 +123,7 @@ void agree_on_hook_sizes(const char* hook, Comm& group, const char* group_name, 
       if (all[F * r + 3] != 0) why += concat("; ", who(r), " cannot reduce its gradient: ", reasons[r]);
   } else {
     for (std::size_t r = 0; r < G; ++r)
-      why += hook_sizes_error(who(r), group_name, at(r), at(0), scatter, static_cast<std::int64_t>(G));
+      why += hook_sizes_error(who(r), group_name, at(r), at(0), all[4], scatter, static_cast<std::int64_t>(G));
   }
   // 2. Over dp_replicate: each first group's verdict, and the sizes across the replicas.
   const auto R = static_cast<std::size_t>(replicas.size());
@@ -140,7 +142,8 @@ void agree_on_hook_sizes(const char* hook, Comm& group, const char* group_name, 
     } else {
       // Every first group agreed within itself, so these records are the same for each of them.
       const auto at2 = [&all2](std::size_t r) { return hook_sizes{all2[F * r + 1], all2[F * r + 2], all2[F * r + 3]}; };
-      for (std::size_t r = 0; r < R; ++r) why += hook_sizes_error(who2(r), "dp_replicate", at2(r), at2(0), false, 0);
+      for (std::size_t r = 0; r < R; ++r)
+        why += hook_sizes_error(who2(r), "dp_replicate", at2(r), at2(0), all2[4], false, 0);
     }
   }
   EPX_REQUIRE(why.empty(), errc::input, hook, ": the ranks disagree on the gradient they reduce", why,
