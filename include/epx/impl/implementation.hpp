@@ -166,7 +166,7 @@ class saved_state {
   }
   void reset() noexcept {
     state_.reset();
-    type_ = nullptr;
+    type_ = 0;
     layer_ = 0;
     call_ = 0;
   }
@@ -182,13 +182,32 @@ class saved_state {
 
  private:
   using holder = std::unique_ptr<void, void (*)(void*) noexcept>;
+  // A key of state type S that is the same in every shared library of the process: the
+  // address of a function-local static is not (a library built with hidden visibility has
+  // its own copy, and a state that one library's forward made would look foreign to
+  // another's backward). The compiler's name of this function names S; its size is mixed
+  // in. (Layers of one type made in two translation units as different types, e.g. in
+  // anonymous namespaces, are told apart by the layer id, saved_state::layer.)
   template <class S>
-  static const void* type_id() noexcept {
-    static const char id = 0;
-    return &id;
+  static std::uint64_t type_id() noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+    static const std::uint64_t id = name_key(__PRETTY_FUNCTION__) ^ sizeof(S);
+#elif defined(_MSC_VER)
+    static const std::uint64_t id = name_key(__FUNCSIG__) ^ sizeof(S);
+#else
+    static const char here = 0;
+    static const std::uint64_t id = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(&here));
+#endif
+    return id;
+  }
+  // 64-bit FNV-1a of a name.
+  static std::uint64_t name_key(const char* name) noexcept {
+    std::uint64_t h = 14695981039346656037ull;
+    for (; *name; ++name) h = (h ^ static_cast<unsigned char>(*name)) * 1099511628211ull;
+    return h;
   }
   holder state_{nullptr, [](void*) noexcept {}};
-  const void* type_ = nullptr;
+  std::uint64_t type_ = 0;
   std::uint64_t layer_ = 0;
   std::uint64_t call_ = 0;
 };

@@ -58,10 +58,19 @@ inline const char* to_string(split_phase p) noexcept {
 }
 
 // A new layer's id, unique in the process over every layer type (handles name the layer
-// that made them; handles depend on T only, so the ids must not repeat across types).
+// that made them; handles depend on T only, so the ids must not repeat across types) and
+// over the shared libraries that make layers: each library built with hidden visibility
+// has its own counter, so the count is added to a bijective mix of the counter's address,
+// which differs between libraries (two libraries' ids meet only if their mixed addresses
+// fall within a count of each other: about one chance in 2^64 / layers). Never 0.
 inline std::uint64_t next_layer_id() noexcept {
   static std::atomic<std::uint64_t> next{1};
-  return next.fetch_add(1);
+  std::uint64_t base = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(&next));
+  base = (base ^ (base >> 30)) * 0xbf58476d1ce4e5b9ull;  // splitmix64's finaliser
+  base = (base ^ (base >> 27)) * 0x94d049bb133111ebull;
+  base ^= base >> 31;
+  const std::uint64_t id = base + next.fetch_add(1);
+  return id != 0 ? id : base + next.fetch_add(1);
 }
 
 // What one split call keeps between its phases (both directions).
