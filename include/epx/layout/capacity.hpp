@@ -325,6 +325,7 @@ struct drop_pairs {
     std::int64_t need = s.keep;
     if (need > 0 && differ != 0) {
       std::uint32_t gathered[gathered_max + 1];
+      if (gathered_max == 0) gathered[0] = 0;  // never read there; some compilers' warnings think otherwise
       std::int64_t ng = -1;  // keys in `gathered`; -1: read the segment
       for (; hi > 0; hi -= digit) {
         const int shift = hi > digit ? hi - digit : 0;
