@@ -421,10 +421,13 @@ TEST_CASE("threads: invalid arguments inside a collective on one rank reach the 
           throw;
         }
       }, short_options()),
-      doctest::Contains("counts and displacements must not be null"), epx::error);
-  CHECK(seen.categories[1] == epx::errc::input);
-  CHECK(contains(seen.messages[0], "rank 1 failed: all_to_allv: counts and displacements must not be null"));
-  CHECK(contains(seen.messages[2], "rank 1 failed"));
+      doctest::Contains("all_to_allv: rank 1 passes null counts or displacements"), epx::error);
+  // Every rank raises the bad rank's fault itself (errc::input), as soon as all have entered.
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r);
+    CHECK(seen.categories[static_cast<std::size_t>(r)] == epx::errc::input);
+    CHECK(contains(seen.messages[static_cast<std::size_t>(r)], "all_to_allv: rank 1 passes null counts or displacements"));
+  }
   check_next_run_works(n);
 }
 
@@ -622,11 +625,14 @@ TEST_CASE("threads: all_to_allv_segments failures: invalid arguments, a rank tha
         seen.record(comm.rank(), e);
         throw;
       }
-    }, short_options()), doctest::Contains("all_to_allv_segments: counts and displacements must not be null"),
+    }, short_options()), doctest::Contains("all_to_allv_segments: rank 2 passes null counts or displacements (3 peers "
+                                           "x 2 segments)"),
                          epx::error);
-    CHECK(seen.categories[2] == epx::errc::input);
-    CHECK(contains(seen.messages[0], "rank 2 failed: all_to_allv_segments: counts and displacements must not be null"));
-    CHECK(contains(seen.messages[1], "rank 2 failed"));
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(seen.categories[static_cast<std::size_t>(r)] == epx::errc::input);
+      CHECK(contains(seen.messages[static_cast<std::size_t>(r)], "rank 2 passes null counts or displacements"));
+    }
   }
   // A rank that throws while the others copy 4 MiB segments from each other.
   for (int round = 0; round < 3; ++round) {
@@ -1120,6 +1126,47 @@ void every_rank_refuses(int n, const std::string& text, Call call) {
 }
 
 }  // namespace
+
+TEST_CASE("threads: arguments one rank cannot use raise errc::input on every rank, at once") {
+  // Each used to raise on the bad rank alone, before its call was published: the others
+  // waited for the watchdog (a minute by default).
+  SUBCASE("broadcast: a root out of range") {
+    every_rank_refuses(3, "broadcast: rank 2 passes root 5, out of range [0, 3)", [](epx::threads::communicator& comm) {
+      std::vector<int> v(4, comm.rank());
+      comm.broadcast(v.data(), v.size(), epx::datatype::int32, comm.rank() == 2 ? 5 : 0);
+    });
+  }
+  SUBCASE("all_reduce: a datatype that cannot be summed") {
+    every_rank_refuses(3, "all_reduce: rank 0 passes datatype byte, which cannot be summed",
+                       [](epx::threads::communicator& comm) {
+                         std::vector<std::uint8_t> v(4, 1);
+                         comm.all_reduce(v.data(), v.data(), v.size(),
+                                         comm.rank() == 0 ? epx::datatype::byte : epx::datatype::int32, 1.0);
+                       });
+  }
+  SUBCASE("reduce_scatter and all_gather: a null buffer that should hold elements") {
+    every_rank_refuses(2, "reduce_scatter: rank 1 passes a null recv buffer that should hold 4 elements",
+                       [](epx::threads::communicator& comm) {
+                         std::vector<float> send(8, 1.0f), recv(4);
+                         comm.reduce_scatter(send.data(), comm.rank() == 1 ? nullptr : recv.data(), 4,
+                                             epx::datatype::float32, 1.0);
+                       });
+    every_rank_refuses(2, "all_gather: rank 0 passes a null send buffer that should hold 3 elements",
+                       [](epx::threads::communicator& comm) {
+                         std::vector<int> send(3, 1), recv(6);
+                         comm.all_gather(comm.rank() == 0 ? nullptr : send.data(), recv.data(), 3, epx::datatype::int32);
+                       });
+  }
+  SUBCASE("all_to_allv_indexed: rows of no elements") {
+    every_rank_refuses(2, "all_to_allv_indexed: rank 1 passes row_elems 0", [](epx::threads::communicator& comm) {
+      std::vector<float> src(8, 1.0f), recv(8);
+      const std::int64_t rows[2] = {0, 1};
+      const std::size_t counts[2] = {1, 1}, displs[2] = {0, 1};
+      comm.all_to_allv_indexed(src.data(), rows, comm.rank() == 1 ? 0 : 4, counts, displs, recv.data(), counts, displs,
+                               1, epx::datatype::float32);
+    });
+  }
+}
 
 TEST_CASE("threads: buffers that overlap other than in place raise errc::input on every rank") {
   const std::string overlap = "rank 1 passes send and recv buffers that overlap";

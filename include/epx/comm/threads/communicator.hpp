@@ -131,9 +131,10 @@ class communicator {
 
   // Equal counts: send holds size()*count elements, block p goes to peer p.
   void all_to_all(const void* send, void* recv, std::size_t count, datatype t) {
-    require_buffer(send, count * static_cast<std::size_t>(size()), "all_to_all", "send");
-    require_buffer(recv, count * static_cast<std::size_t>(size()), "all_to_all", "recv");
     detail::threads_slot d = make_slot(detail::threads_op::all_to_all, t, send, recv, count);
+    require_buffer(d, send, count * static_cast<std::size_t>(size()), "send");
+    require_buffer(d, recv, count * static_cast<std::size_t>(size()), "recv");
+    if (!d.fault.empty()) return enter_pull(d, [](int) {});  // raises on every member
     const std::size_t bytes = count * size_of(t);
     const std::size_t all = bytes * static_cast<std::size_t>(size());
     check_overlap(d, send, all, recv, all, size() == 1 && send == recv, "in place is not supported");
@@ -174,7 +175,6 @@ class communicator {
                            const std::size_t* send_counts, const std::size_t* send_displs, void* recv,
                            const std::size_t* recv_counts, const std::size_t* recv_displs, std::size_t nseg,
                            datatype t) {
-    EPX_REQUIRE(row_elems != 0, errc::input, "all_to_allv_indexed: row_elems must be positive");
     exchange_segments(detail::threads_op::all_to_allv_indexed, src, send_counts, send_displs, recv, recv_counts,
                       recv_displs, nseg, t, rows, row_elems);
   }
@@ -182,8 +182,8 @@ class communicator {
   // recv = scale * sum over ranks of send (send == recv allowed). Summed in rank order;
   // every rank gets bitwise the same result.
   void all_reduce(const void* send, void* recv, std::size_t count, datatype t, double scale) {
-    detail::threads_slot d = reduction_slot(detail::threads_op::all_reduce, "all_reduce", t, send, count, recv, count,
-                                            scale);
+    detail::threads_slot d = reduction_slot(detail::threads_op::all_reduce, t, send, count, recv, count, scale);
+    if (!d.fault.empty()) return enter_and_finish(d, [] {});  // raises on every member
     check_overlap(d, send, count * size_of(t), recv, count * size_of(t), send == recv, "in place: send == recv");
     const int n = size();
     std::vector<const void*> srcs(static_cast<std::size_t>(n));
@@ -226,8 +226,9 @@ class communicator {
   // send holds size()*recv_count elements; block r, summed over ranks and times scale,
   // lands in rank r's recv.
   void reduce_scatter(const void* send, void* recv, std::size_t recv_count, datatype t, double scale) {
-    detail::threads_slot d = reduction_slot(detail::threads_op::reduce_scatter, "reduce_scatter", t, send,
+    detail::threads_slot d = reduction_slot(detail::threads_op::reduce_scatter, t, send,
                                             recv_count * static_cast<std::size_t>(size()), recv, recv_count, scale);
+    if (!d.fault.empty()) return enter_and_finish(d, [] {});  // raises on every member
     const int n = size();
     std::vector<const void*> srcs(static_cast<std::size_t>(n));
     const std::size_t es = size_of(t);
@@ -261,9 +262,10 @@ class communicator {
 
   // recv holds size()*count elements: block p is rank p's send.
   void all_gather(const void* send, void* recv, std::size_t count, datatype t) {
-    require_buffer(send, count, "all_gather", "send");
-    require_buffer(recv, count * static_cast<std::size_t>(size()), "all_gather", "recv");
     detail::threads_slot d = make_slot(detail::threads_op::all_gather, t, send, recv, count);
+    require_buffer(d, send, count, "send");
+    require_buffer(d, recv, count * static_cast<std::size_t>(size()), "recv");
+    if (!d.fault.empty()) return enter_pull(d, [](int) {});  // raises on every member
     const std::size_t bytes = count * size_of(t);
     // In place: send is this rank's own block of recv, which no peer writes.
     const char* own = static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * bytes;
@@ -276,11 +278,12 @@ class communicator {
 
   // data on every rank = data on root.
   void broadcast(void* data, std::size_t count, datatype t, int root) {
-    EPX_REQUIRE(root >= 0 && root < size(), errc::input, "broadcast: root (", root, ") out of range [0, ",
-                size(), ")");
-    require_buffer(data, count, "broadcast", "data");
     detail::threads_slot d = make_slot(detail::threads_op::broadcast, t, data, data, count);
     d.root = root;
+    if ((root < 0 || root >= size()) && d.fault.empty())
+      d.fault = detail::concat("passes root ", root, ", out of range [0, ", size(), ")");
+    require_buffer(d, data, count, "data");
+    if (!d.fault.empty()) return enter_pull(d, [](int) {});  // raises on every member
     enter_pull(d, [&](int p) {
       if (p == root && rank_ != root) copy_bytes(data, slot(root).send, count * size_of(t));
     });
@@ -388,13 +391,13 @@ class communicator {
   // them, so it raises errc::input (publish).
   template <class F>
   void peers_call(const void* const* mine, std::size_t count, std::string fault, F&& f) {
-    require_buffer(mine, count, "access_peers", "pointer list");
     const use_guard in_use(*this, detail::threads_op::access_peers);
     detail::threads_slot d;
     d.op = detail::threads_op::access_peers;
     d.send = static_cast<const void*>(mine);
     d.count = count;
     d.fault = std::move(fault);
+    require_buffer(d, mine, count, "pointer list");
     std::exception_ptr failure;
     enter(d, [&] {
       const peer_pointers peers(this);
@@ -422,23 +425,28 @@ class communicator {
                          const std::size_t* send_displs, void* recv, const std::size_t* recv_counts,
                          const std::size_t* recv_displs, std::size_t nseg, datatype t,
                          const std::int64_t* rows = nullptr, std::size_t row_elems = 1) {
-    const char* name = to_string(op);
     const bool indexed = op == detail::threads_op::all_to_allv_indexed;
     const bool segmented = op != detail::threads_op::all_to_allv;
     const int n = size();
     const std::size_t m = static_cast<std::size_t>(n) * nseg;
-    EPX_REQUIRE(m == 0 || (send_counts && send_displs && recv_counts && recv_displs), errc::input, name,
-                ": counts and displacements must not be null",
-                segmented ? detail::concat(" (", n, " peers x ", nseg, " segments)") : std::string());
+    detail::threads_slot d = make_slot(op, t, send, recv, nseg);
+    d.row_elems = row_elems;
+    // Arguments this rank cannot use are its fault, which every member raises (errc::input)
+    // once all have published; nothing is read or copied then.
+    if (m > 0 && !(send_counts && send_displs && recv_counts && recv_displs) && d.fault.empty())
+      d.fault = detail::concat("passes null counts or displacements",
+                               segmented ? detail::concat(" (", n, " peers x ", nseg, " segments)") : std::string());
+    if (indexed && row_elems == 0 && d.fault.empty()) d.fault = "passes row_elems 0 (rows of no elements)";
+    if (!d.fault.empty()) return enter_pull(d, [](int) {});
     std::size_t total_send = 0, total_recv = 0;
     for (std::size_t j = 0; j < m; ++j) {
       total_send += send_counts[j];
       total_recv += recv_counts[j];
     }
-    require_buffer(send, total_send, name, indexed ? "src" : "send");
-    require_buffer(rows, indexed ? total_send : 0, name, "rows");
-    require_buffer(recv, total_recv, name, "recv");
-    detail::threads_slot d = make_slot(op, t, send, recv, nseg);
+    require_buffer(d, send, total_send, indexed ? "src" : "send");
+    require_buffer(d, rows, indexed ? total_send : 0, "rows");
+    require_buffer(d, recv, total_recv, "recv");
+    if (!d.fault.empty()) return enter_pull(d, [](int) {});
     {
       // The bytes each side spans, in units of the counts. Indexed, send spans up to its last
       // row named, which only matters when recv starts inside or after src: otherwise one
@@ -462,7 +470,6 @@ class communicator {
     d.recv_counts = recv_counts;
     d.recv_displs = recv_displs;
     d.rows = rows;
-    d.row_elems = row_elems;
     const std::size_t es = size_of(t) * row_elems;  // bytes per unit of the counts
     // A call that writes at least exec::stream_threshold() bytes into host memory writes
     // them around the caches (epx/exec/stream.hpp), each peer's blocks then a fence.
@@ -519,15 +526,17 @@ class communicator {
     return d;
   }
 
-  // The checked slot of a sum (all_reduce, reduce_scatter): send holds send_count elements,
-  // recv recv_count.
-  detail::threads_slot reduction_slot(detail::threads_op op, const char* what, datatype t, const void* send,
-                                      std::size_t send_count, void* recv, std::size_t recv_count, double scale) const {
-    require_reducible(t, what);
-    require_buffer(send, send_count, what, "send");
-    require_buffer(recv, recv_count, what, "recv");
+  // The slot of a sum (all_reduce, reduce_scatter): send holds send_count elements, recv
+  // recv_count; a datatype that cannot be summed or a null buffer is its fault.
+  static detail::threads_slot reduction_slot(detail::threads_op op, datatype t, const void* send,
+                                             std::size_t send_count, void* recv, std::size_t recv_count,
+                                             double scale) {
     detail::threads_slot d = make_slot(op, t, send, recv, recv_count);
     d.scale = scale;
+    if (d.fault.empty() && !is_reducible(t))
+      d.fault = detail::concat("passes datatype ", to_string(t), ", which cannot be summed");
+    require_buffer(d, send, send_count, "send");
+    require_buffer(d, recv, recv_count, "recv");
     return d;
   }
 
@@ -558,12 +567,11 @@ class communicator {
               name ? name : "?", "') on ", who(rank_));
   }
 
-  static void require_buffer(const void* p, std::size_t count, const char* op, const char* what) {
-    EPX_REQUIRE(p != nullptr || count == 0, errc::input, op, ": ", what, " is null but holds ", count,
-                " elements");
-  }
-  static void require_reducible(datatype t, const char* op) {
-    EPX_REQUIRE(is_reducible(t), errc::input, op, ": datatype ", to_string(t), " cannot be summed");
+  // A null buffer that should hold `count` elements (or pointers) is the slot's fault (the
+  // first one stays).
+  static void require_buffer(detail::threads_slot& d, const void* p, std::size_t count, const char* what) {
+    if (p == nullptr && count > 0 && d.fault.empty())
+      d.fault = detail::concat("passes a null ", what, " buffer that should hold ", count, " elements");
   }
 
   // "rank 2", or "rank 2 (world rank 6)" inside a sub-communicator.
