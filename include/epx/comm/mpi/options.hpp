@@ -31,8 +31,10 @@ struct options {
   // epx::mpi::run, or returned without calling it) raises epx::error(errc::communicator) on
   // the ranks that wait, naming the collective; the communicator cannot be used after that
   // (epx::mpi::run then ends the job with the message). Zero: wait forever, as MPI does.
-  // split() waits for its ranks in a bounded barrier whose timeout ends the job (MPI has no
-  // nonblocking split). (epx/comm/mpi/wait.hpp)
+  // split() first agrees in a bounded reduction on its own buffers (a rank that times out
+  // there raises, like any collective), then passes a bounded barrier before the blocking
+  // MPI_Comm_split, where a timeout ends the job (MPI has no nonblocking split): a rank
+  // that arrives after the others timed out ends it there. (epx/comm/mpi/wait.hpp)
   std::chrono::milliseconds timeout = std::chrono::minutes(10);
   // Peer access (access_peers, the layer's direct route) through MPI-3 shared memory when
   // every rank of the communicator runs on one node; false: never (peer_access_available()
