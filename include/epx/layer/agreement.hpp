@@ -227,6 +227,9 @@ void agree_on_split(Comm& world, const mesh& m, Comm* const (&groups)[N], const 
     try {
       agree_on_group(*groups[i], m, kinds[i], world.rank(), who);
     } catch (const error& e) {
+      // The group's verdict; a failure of the collective itself (the communicator's error,
+      // a rank that raised inside it) goes on as it is.
+      if (e.category() != errc::configuration) throw;
       if (mine.empty()) mine = e.message();
     }
   }
