@@ -640,6 +640,26 @@ TEST_CASE("can_implement: the masked path's rule lives in its implementation") {
   CHECK(epx::can_implement<plain>(ep_gt_tp, o).empty());
 }
 
+TEST_CASE("saved state: state types that two translation units could name alike are told apart") {
+  // The type key is a hash of the type's name, the same in every shared library; local
+  // types (and types in anonymous namespaces) fall back to an address, since another
+  // translation unit may spell a different type the same way.
+  struct local_a {
+    int x[4];
+  };
+  struct local_b {
+    int x[4];
+  };
+  epx::saved_state<float> s;
+  s.emplace<local_a>();
+  CHECK(s.holds<local_a>());
+  CHECK_FALSE(s.holds<local_b>());
+  CHECK(std::string(s.unusable_as<local_b>()) == "the saved state was made by a different implementation");
+  s.emplace<epx::mesh_config>();
+  CHECK(s.holds<epx::mesh_config>());
+  CHECK_FALSE(s.holds<local_a>());
+}
+
 TEST_CASE("saved state: inference keeps nothing; backward of an empty state raises") {
   epx::threads::run(2, [](comm_t& comm) {
     const epx::mesh m(epx::mesh_config{1, 2, 1, 1, 2, 4, 0});

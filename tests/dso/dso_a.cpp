@@ -1,6 +1,8 @@
 // Library A of the shared-library test: makes layers and runs forward.
 #include "dso/dso_layer.hpp"
 
+std::uint64_t dso_a_next_layer_id() { return epx::detail::next_layer_id(); }
+
 std::unique_ptr<dso::layer_t> dso_a_make(dso::comm_t& world) {
   return std::make_unique<dso::layer_t>(dso::dso_mesh(), world, dso::dso_options());
 }

@@ -41,10 +41,12 @@ inline epx::layer_options dso_options() {
 }  // namespace dso
 
 // Library A.
+EPX_DSO_API std::uint64_t dso_a_next_layer_id();  // epx::detail::next_layer_id() as library A has it
 EPX_DSO_API std::unique_ptr<dso::layer_t> dso_a_make(dso::comm_t& world);
 EPX_DSO_API epx::saved_state<float> dso_a_forward(dso::layer_t& layer, const float* x, const std::int32_t* ids,
                                                   const float* w, float* out, std::size_t n);
 // Library B.
+EPX_DSO_API std::uint64_t dso_b_next_layer_id();
 EPX_DSO_API std::unique_ptr<dso::layer_t> dso_b_make(dso::comm_t& world);
 EPX_DSO_API void dso_b_backward(dso::layer_t& layer, epx::saved_state<float>&& saved, const float* grad_out,
                                 float* grad_x, float* grad_w, std::size_t n);

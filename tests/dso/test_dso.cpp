@@ -11,6 +11,13 @@
 
 int main() {
   const std::size_t n = 5, H = 8, k = 2;
+  // Each library counts its layers; the ids they hand out still differ (each counted from
+  // 1 before, so the first ids of the two were equal).
+  const std::uint64_t a1 = dso_a_next_layer_id(), b1 = dso_b_next_layer_id();
+  if (a1 == b1) {
+    std::printf("libraries A and B hand out the same layer id %llu\n", static_cast<unsigned long long>(a1));
+    return 1;
+  }
   std::vector<std::string> failures(2);
   epx::threads::run(2, [&](dso::comm_t& world) {
     std::string& f = failures[static_cast<std::size_t>(world.rank())];

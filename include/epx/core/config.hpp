@@ -1,12 +1,13 @@
 // epx/core/config.hpp: version, host/device annotation and small portability macros.
 #pragma once
 
-// epx's results are specified for IEEE-754 arithmetic: -ffast-math (finite-math-only,
-// reassociation) breaks the NaN and infinity handling of the FP8 conversions and the
+// epx's results are specified for IEEE-754 arithmetic: -ffast-math or -ffinite-math-only
+// (finite math only, reassociation) breaks the NaN and infinity handling of the FP8 conversions and the
 // routing's checks, and the fixed summation orders behind the bitwise guarantees. Define
 // EPX_ALLOW_FAST_MATH to silence this warning.
-#if defined(__FAST_MATH__) && !defined(EPX_ALLOW_FAST_MATH) && !defined(__CUDA_ARCH__)
-#warning "epx: compiled with -ffast-math; epx's NaN/infinity handling and bitwise guarantees need IEEE-754 arithmetic (define EPX_ALLOW_FAST_MATH to silence this)"
+#if (defined(__FAST_MATH__) || (defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__ > 0)) && \
+    !defined(EPX_ALLOW_FAST_MATH) && !defined(__CUDA_ARCH__)
+#warning "epx: compiled with -ffast-math or -ffinite-math-only; epx's NaN/infinity handling and bitwise guarantees need IEEE-754 arithmetic (define EPX_ALLOW_FAST_MATH to silence this)"
 #endif
 
 #define EPX_VERSION_MAJOR 0

@@ -189,7 +189,6 @@ template <class Comm>
 // Expert weights replicated over efsdp: grad = (sum over efsdp and dp_replicate) / B.
 template <class Comm, class T>
 void reduce_expert_gradients(Comm& efsdp, Comm& dp_replicate, const mesh& m, span<T> grad, int world_rank = -1) {
-  static_assert(check_communicator<Comm>(), "epx: the gradient hooks need a communicator");
   EPX_REQUIRE(efsdp.size() == m.efsdp() && dp_replicate.size() == m.dp_replicate(), errc::configuration,
               "reduce_expert_gradients: communicator sizes (efsdp ", efsdp.size(), ", dp_replicate ",
               dp_replicate.size(), ") do not match the mesh (efsdp ", m.efsdp(), ", dp_replicate ", m.dp_replicate(),
@@ -205,7 +204,6 @@ void reduce_expert_gradients(Comm& efsdp, Comm& dp_replicate, const mesh& m, spa
 template <class Comm, class T>
 void reduce_scatter_expert_gradients(Comm& efsdp, Comm& dp_replicate, const mesh& m, span<const T> grad,
                                      span<T> shard, int world_rank = -1) {
-  static_assert(check_communicator<Comm>(), "epx: the gradient hooks need a communicator");
   EPX_REQUIRE(efsdp.size() == m.efsdp() && dp_replicate.size() == m.dp_replicate(), errc::configuration,
               "reduce_scatter_expert_gradients: communicator sizes (efsdp ", efsdp.size(), ", dp_replicate ",
               dp_replicate.size(), ") do not match the mesh (efsdp ", m.efsdp(), ", dp_replicate ",
@@ -219,7 +217,6 @@ void reduce_scatter_expert_gradients(Comm& efsdp, Comm& dp_replicate, const mesh
 // Dense (non-expert) weights replicated over fsdp and dp_replicate: mean over the B batches.
 template <class Comm, class T>
 void reduce_dense_gradients(Comm& fsdp, Comm& dp_replicate, const mesh& m, span<T> grad, int world_rank = -1) {
-  static_assert(check_communicator<Comm>(), "epx: the gradient hooks need a communicator");
   EPX_REQUIRE(fsdp.size() == m.fsdp() && dp_replicate.size() == m.dp_replicate(), errc::configuration,
               "reduce_dense_gradients: communicator sizes (fsdp ", fsdp.size(), ", dp_replicate ",
               dp_replicate.size(), ") do not match the mesh (fsdp ", m.fsdp(), ", dp_replicate ", m.dp_replicate(),

@@ -59,8 +59,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 
@@ -182,28 +184,37 @@ class saved_state {
 
  private:
   using holder = std::unique_ptr<void, void (*)(void*) noexcept>;
-  // A key of state type S that is the same in every shared library of the process: the
-  // address of a function-local static is not (a library built with hidden visibility has
-  // its own copy, and a state that one library's forward made would look foreign to
-  // another's backward). The compiler's name of this function names S; its size is mixed
-  // in. (Layers of one type made in two translation units as different types, e.g. in
-  // anonymous namespaces, are told apart by the layer id, saved_state::layer.)
+  // A key of state type S that is the same in every shared library of the process built
+  // by one compiler: the address of a function-local static is not (a library built with
+  // hidden visibility has its own copy, and a state that one library's forward made would
+  // look foreign to another's backward). The compiler's name of this function names S; its
+  // size is mixed in. Where that name does not tell S apart from other types (S in an
+  // anonymous namespace, or local to a function or lambda: two translation units may spell
+  // different types alike) the key is the static's address, as before.
   template <class S>
   static std::uint64_t type_id() noexcept {
-#if defined(__GNUC__) || defined(__clang__)
-    static const std::uint64_t id = name_key(__PRETTY_FUNCTION__) ^ sizeof(S);
-#elif defined(_MSC_VER)
-    static const std::uint64_t id = name_key(__FUNCSIG__) ^ sizeof(S);
-#else
     static const char here = 0;
-    static const std::uint64_t id = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(&here));
+#if defined(__GNUC__) || defined(__clang__)
+    static const std::uint64_t id = name_key(__PRETTY_FUNCTION__, &here) ^ sizeof(S);
+#elif defined(_MSC_VER)
+    static const std::uint64_t id = name_key(__FUNCSIG__, &here) ^ sizeof(S);
+#else
+    static const std::uint64_t id = address_key(&here);
 #endif
     return id;
   }
-  // 64-bit FNV-1a of a name.
-  static std::uint64_t name_key(const char* name) noexcept {
+  static std::uint64_t address_key(const void* p) noexcept {
+    return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p));
+  }
+  // 64-bit FNV-1a of a name; `here`'s address for a name that holds an unnamed or local
+  // scope (GCC's "{anonymous}", Clang's "(anonymous namespace)", MSVC's
+  // "`anonymous-namespace'", a lambda's or an unnamed type's, or a function's scope ")::").
+  static std::uint64_t name_key(const char* name, const void* here) noexcept {
+    const std::string_view n(name);
+    for (const char* mark : {"anonymous", "lambda", "unnamed", ")::"})
+      if (n.find(mark) != std::string_view::npos) return address_key(here);
     std::uint64_t h = 14695981039346656037ull;
-    for (; *name; ++name) h = (h ^ static_cast<unsigned char>(*name)) * 1099511628211ull;
+    for (char c : n) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
     return h;
   }
   holder state_{nullptr, [](void*) noexcept {}};

@@ -242,6 +242,7 @@ void agree_on_split(Comm& world, const mesh& m, Comm* const (&groups)[N], const 
   if (!failed) return;
   constexpr std::size_t B = 384;  // every rank takes this branch: the second all_gather matches
   std::vector<char> msg(B, '\0'), msgs(B * P, '\0');
+  if (mine.size() > B - 1) mine = mine.substr(0, B - 4) + "...";
   mine.copy(msg.data(), B - 1);
   all_gather_host(world, msg.data(), B, msgs.data());
   rank_messages why;
