@@ -15,7 +15,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -76,8 +75,10 @@ inline std::int64_t implementation_code(const char* name) noexcept {
 // its bits; an element type, a built-in implementation, a bool and an enumerator by their
 // names (a value outside the enumeration as a number).
 inline std::string record_text(record_format f, std::int64_t v) {
-  const auto named = [v](std::initializer_list<const char*> names) {
-    return v >= 0 && static_cast<std::size_t>(v) < names.size() ? std::string(names.begin()[v]) : std::to_string(v);
+  // An enumerator (values 0 to count - 1) as type::name, the name from to_name (the enums'
+  // own to_string where they have one); another value as a number.
+  const auto named = [v](const char* type, int count, auto to_name) {
+    return v >= 0 && v < count ? concat(type, "::", to_name(v)) : std::to_string(v);
   };
   if (f == record_format::double_bits) {
     double d = 0.0;
@@ -99,12 +100,15 @@ inline std::string record_text(record_format f, std::int64_t v) {
     return v == 0 ? "unknown" : concat("another (name hash ", v, ")");
   }
   switch (f) {
-    case record_format::boolean: return named({"false", "true"});
-    case record_format::count_exchange: return named({"count_exchange::host", "count_exchange::device"});
+    case record_format::boolean: return v == 0 ? "false" : v == 1 ? "true" : std::to_string(v);
+    case record_format::count_exchange:
+      return named("count_exchange", 2, [](std::int64_t e) { return e == 0 ? "host" : "device"; });
     case record_format::capacity_mode:
-      return named({"capacity_mode::off", "capacity_mode::local", "capacity_mode::global"});
-    case record_format::drop_priority: return named({"drop_priority::position", "drop_priority::score"});
-    case record_format::row_sends: return named({"row_sends::per_slot", "row_sends::per_rank"});
+      return named("capacity_mode", 3, [](std::int64_t e) { return to_string(static_cast<capacity_mode>(e)); });
+    case record_format::drop_priority:
+      return named("drop_priority", 2, [](std::int64_t e) { return to_string(static_cast<drop_priority>(e)); });
+    case record_format::row_sends:
+      return named("row_sends", 2, [](std::int64_t e) { return to_string(static_cast<row_sends>(e)); });
     default: return std::to_string(v);
   }
 }
