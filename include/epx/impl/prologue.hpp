@@ -95,7 +95,7 @@ routed<Exec> route_forward(const layer_context<Comm>& ctx, const Exec& ex, const
     scatter_with_capacity(ctx.options.capacity, ex, r.records, ctx.ep_rank(), ctx.tp_size(), E, a.top_k, ids,
                           weights, r.plan, lim);
     const auto kept = [&](int s) {
-      return lim.kept.empty() ? r.records.counts(s) : lim.kept.data() + static_cast<std::size_t>(s) * E;
+      return lim.kept.empty() ? r.records.counts(s) : lim.kept.data() + static_cast<std::size_t>(s) * static_cast<std::size_t>(E);
     };
     r.layout = make_receive_layout(ep, ep, L, ctx.options.pad, kept, [&](int s) { return r.records.counts(s); });
   } else {

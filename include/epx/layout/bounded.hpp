@@ -219,7 +219,7 @@ struct bound_header {
   EPX_HOST_DEVICE void operator()(std::size_t d) const {
     unsigned char* h = send + d * shape.slab * row_bytes;
     for (int l = 0; l < shape.L; ++l)
-      detail::put_int64(h + static_cast<std::size_t>(l) * 8, kept[d * static_cast<std::size_t>(shape.L) + l]);
+      detail::put_int64(h + static_cast<std::size_t>(l) * 8, kept[d * static_cast<std::size_t>(shape.L) + static_cast<std::size_t>(l)]);
   }
 };
 

@@ -117,6 +117,9 @@ struct forward_io {
   float* weights;        // [N, k]
   token_status* status;  // [N]
 
+  // Index of token t's first slot in ids and weights.
+  EPX_HOST_DEVICE std::size_t slots(std::size_t t) const noexcept { return t * static_cast<std::size_t>(k); }
+
   // Points `l` at the logits of token t; returns false, with the token failed, when one of
   // them is not finite.
   EPX_HOST_DEVICE bool begin(std::size_t t, const T*& l) const noexcept {
@@ -130,8 +133,8 @@ struct forward_io {
   // Token t failed with `st`: ids -1, weights 0.
   EPX_HOST_DEVICE void fail(std::size_t t, const token_status& st) const noexcept {
     for (int j = 0; j < k; ++j) {
-      ids[t * k + j] = -1;
-      weights[t * k + j] = 0.0f;
+      ids[slots(t) + static_cast<std::size_t>(j)] = -1;
+      weights[slots(t) + static_cast<std::size_t>(j)] = 0.0f;
     }
     status[t] = st;
   }
@@ -158,8 +161,8 @@ struct backward_io {
   template <class Body>
   EPX_HOST_DEVICE void run(std::size_t t, const Body& body) const {
     const T* l = logits + t * static_cast<std::size_t>(E);
-    const std::int32_t* id = ids + t * k;
-    const float* g = grad_w + t * k;
+    const std::int32_t* id = ids + t * static_cast<std::size_t>(k);
+    const float* g = grad_w + t * static_cast<std::size_t>(k);
     float* gl = grad_logits + t * static_cast<std::size_t>(E);
     token_status st = token_ok();
     if (backward_prologue(l, E, k, id, g, gl, st)) body(l, id, g, gl);

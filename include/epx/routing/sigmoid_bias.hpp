@@ -110,8 +110,8 @@ struct sigmoid_bias_forward {
     topk_list<max_top_k> top(k);
     token_status st = token_ok();
     if (!sigmoid_bias_select(l, io.E, bias, n_group, topk_group, limit, top, st)) return io.fail(t, st);
-    float* w = io.weights + t * k;
-    std::int32_t* id = io.ids + t * k;
+    float* w = io.weights + io.slots(t);
+    std::int32_t* id = io.ids + io.slots(t);
     float sum = 0.0f;
     for (int j = 0; j < k; ++j) {
       const float s = sigmoid_f32(convert<float>(l[top.id[j]]));

@@ -98,8 +98,8 @@ struct softmax_topk_forward {
   // The selected weights and ids of token t (renormalised when asked).
   EPX_HOST_DEVICE void finish(std::size_t t, const topk_list<max_top_k>& top) const {
     const int k = io.k;
-    float* w = io.weights + t * k;
-    std::int32_t* id = io.ids + t * k;
+    float* w = io.weights + io.slots(t);
+    std::int32_t* id = io.ids + io.slots(t);
     float sel = 0.0f;
     for (int j = 0; j < k; ++j) {
       w[j] = top.key[j];

@@ -60,8 +60,8 @@ struct topk_softmax_forward {
     const int k = io.k;
     // The keys are descending: the softmax's maximum is top.key[0].
     const softmax_f32 sm = softmax_of(k, [&](int j) { return top.key[j]; });
-    float* w = io.weights + t * k;
-    std::int32_t* id = io.ids + t * k;
+    float* w = io.weights + io.slots(t);
+    std::int32_t* id = io.ids + io.slots(t);
     for (int j = 0; j < k; ++j) {
       w[j] = sm.p(top.key[j]);
       id[j] = top.id[j];

@@ -89,11 +89,12 @@ inline void mpi_exchange(mpi_state& s, const mpi::options& opt, const void* send
   }
   const int n = s.size;
   std::vector<int> v(4 * static_cast<std::size_t>(n));
-  for (int p = 0; p < n; ++p) {
+  const auto N = static_cast<std::size_t>(n);
+  for (std::size_t p = 0; p < N; ++p) {
     v[p] = static_cast<int>(sc[p]);
-    v[n + p] = static_cast<int>(sd[p]);
-    v[2 * n + p] = static_cast<int>(rc[p]);
-    v[3 * n + p] = static_cast<int>(rd[p]);
+    v[N + p] = static_cast<int>(sd[p]);
+    v[2 * N + p] = static_cast<int>(rc[p]);
+    v[3 * N + p] = static_cast<int>(rd[p]);
   }
   const MPI_Datatype mt = mpi_type(t);
   EPX_MPI_BOUNDED_ON(s, opt, MPI_Ialltoallv(send, v.data(), v.data() + n, mt, recv, v.data() + 2 * n,

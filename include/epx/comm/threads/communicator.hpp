@@ -199,8 +199,8 @@ class communicator {
     enter_and_finish(d, [&] {
       // This rank's chunk, in whole 64-element pieces so chunks do not share cache lines.
       const std::size_t pieces = (count + 63) / 64;
-      const std::size_t begin = std::min(count, pieces * static_cast<std::size_t>(rank_) / n * 64);
-      const std::size_t end = std::min(count, pieces * static_cast<std::size_t>(rank_ + 1) / n * 64);
+      const std::size_t begin = std::min(count, pieces * static_cast<std::size_t>(rank_) / static_cast<std::size_t>(n) * 64);
+      const std::size_t end = std::min(count, pieces * static_cast<std::size_t>(rank_ + 1) / static_cast<std::size_t>(n) * 64);
       for (std::size_t b = begin; b < end; b += block) {
         const std::size_t m = std::min(block, end - b);
         char* sum = direct ? static_cast<char*>(recv) + b * es : staged.data() + static_cast<std::size_t>(n) * block * es;

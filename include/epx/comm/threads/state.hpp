@@ -132,8 +132,8 @@ class threads_group {
   // Slots are double-buffered by the parity of the collective's sequence number: a rank
   // writes the slots of collective s+2 only after every member has entered s+1, that is,
   // after every member has finished reading the slots of s.
-  threads_slot& slot(std::uint64_t seq, int r) noexcept { return slots_[static_cast<std::size_t>(seq & 1) * n_ + r]; }
-  slot_sync& sync(std::uint64_t seq, int r) noexcept { return syncs_[static_cast<std::size_t>(seq & 1) * n_ + r]; }
+  threads_slot& slot(std::uint64_t seq, int r) noexcept { return slots_[index(seq, r)]; }
+  slot_sync& sync(std::uint64_t seq, int r) noexcept { return syncs_[index(seq, r)]; }
 
   // Whether rank r has published collective `seq`.
   bool published(std::uint64_t seq, int r) noexcept { return sync(seq, r).published.load() == seq; }
@@ -160,11 +160,13 @@ class threads_group {
 
   // The thread inside a collective of rank r on this group (no thread: none), which
   // refuses a second thread (threads::communicator::use_guard).
-  std::atomic<std::thread::id>& user(int r) noexcept { return users_[r].id; }
+  std::atomic<std::thread::id>& user(int r) noexcept { return users_[static_cast<std::size_t>(r)].id; }
 
   // Number of collectives rank r has entered on this group (written by r only).
-  std::uint64_t entered(int r) const noexcept { return entered_[r].value.load(std::memory_order_acquire); }
-  void set_entered(int r, std::uint64_t v) noexcept { entered_[r].value.store(v, std::memory_order_release); }
+  std::uint64_t entered(int r) const noexcept { return entered_[static_cast<std::size_t>(r)].value.load(std::memory_order_acquire); }
+  void set_entered(int r, std::uint64_t v) noexcept {
+    entered_[static_cast<std::size_t>(r)].value.store(v, std::memory_order_release);
+  }
 
   // Generation barrier. `abortable` waits give up when the world aborts or `deadline`
   // passes, and then cancel the generation so that no member can pass it: once any member
@@ -229,6 +231,11 @@ class threads_group {
   static constexpr std::uint64_t count_mask = cancel_bit - 1;
 
   static std::uint32_t gen_of(std::uint64_t s) noexcept { return static_cast<std::uint32_t>(s >> 32); }
+
+  // Rank r's entry of the slot arrays for the collective with sequence number seq.
+  std::size_t index(std::uint64_t seq, int r) const noexcept {
+    return static_cast<std::size_t>(seq & 1) * static_cast<std::size_t>(n_) + static_cast<std::size_t>(r);
+  }
 
   void wake() noexcept {
     if (sleepers_.load() > 0) {

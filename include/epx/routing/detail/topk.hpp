@@ -76,8 +76,8 @@ EPX_HOST_DEVICE inline softmax_f32 softmax_of(int n, const V& v, float* ex = nul
 // in ascending expert id, so ties end up ordered by the lower expert id first.
 template <int Capacity>
 struct topk_list {
-  float key[Capacity];
-  std::int32_t id[Capacity];
+  float key[static_cast<std::size_t>(Capacity)];
+  std::int32_t id[static_cast<std::size_t>(Capacity)];
   int size = 0;
   int k = 0;
 
