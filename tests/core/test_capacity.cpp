@@ -216,7 +216,8 @@ TEST_CASE("capacity: layout level, ties by score go to the lower position, every
     const int S = 1 + g.below(4);
     std::vector<std::int32_t> ids = epx::ref::random_routing(N, E, k, seed);
     std::vector<float> w(ids.size());
-    for (auto& v : w) v = static_cast<float>(g.below(4)) * 0.25f - 0.25f;  // -0.25, 0, 0.25, 0.5 (and ties)
+    const float alphabet[] = {-0.25f, -0.0f, 0.0f, 0.25f, 0.5f};  // ties, -0 and +0 among them (equal scores)
+    for (auto& v : w) v = alphabet[g.below(5)];
     for (auto mode : kModes)
       for (auto prio : kPriorities)
         for (std::int64_t rows : {std::int64_t{0}, std::int64_t{1}, std::int64_t{3}}) {

@@ -588,7 +588,7 @@ TEST_CASE_TEMPLATE("quantise_e4m3: blocks on either side of the normals-only con
 
 TEST_CASE("quantise_e4m3: double rows are scaled in double, each quotient rounded to E4M3 once") {
   for_each_host_isa([] {
-    const std::size_t H = 256;
+    const std::size_t H = 384;
     const double above_tie = 1.0625 + 0x1p-40;  // just above the tie between 1 and 1.125
     std::vector<double> x(H, 0.0);
     x[0] = 448.0;  // scale 1
@@ -598,8 +598,11 @@ TEST_CASE("quantise_e4m3: double rows are scaled in double, each quotient rounde
     x[4] = -std::numeric_limits<double>::quiet_NaN();
     x[128] = 1e39;  // beyond float's range: a finite scale
     x[129] = -0.5e39;
+    x[256] = 5.0;  // a NaN after the largest magnitude leaves it the block's amax
+    x[257] = std::numeric_limits<double>::quiet_NaN();
+    x[258] = 1.0;
     std::vector<fp8_e4m3> q(H);
-    std::vector<float> s(2);
+    std::vector<float> s(3);
     epx::kernels::quantise_e4m3(epx::exec::serial{}, 1, H, x.data(), q.data(), s.data());
     CHECK(s[0] == 1.0f);
     CHECK(q[0].bits == 0x7e);
@@ -610,12 +613,18 @@ TEST_CASE("quantise_e4m3: double rows are scaled in double, each quotient rounde
     CHECK(s[1] == static_cast<float>(1e39 / 448.0));
     CHECK(q[128].bits == 0x7e);
     CHECK(q[129].bits == model::encode(-0.5e39 / static_cast<double>(s[1])));
+    CHECK(s[2] == static_cast<float>(5.0 / 448.0));
+    CHECK(q[256].bits == 0x7e);
+    CHECK(q[257].bits == 0x7f);
+    CHECK(q[258].bits == model::encode(1.0 / static_cast<double>(s[2])));
     std::vector<double> out(H);
     epx::kernels::dequantise_e4m3(epx::exec::serial{}, 1, H, q.data(), s.data(), out.data());
     CHECK(out[1] == 1.125);
     CHECK(std::isnan(out[4]));
     CHECK(std::fabs(out[128] - 1e39) <= 1e39 * 0x1p-20);
     CHECK(std::fabs(out[129] + 0.5e39) <= 0.5e39 * 0x1p-4);
+    CHECK(std::fabs(out[256] - 5.0) <= 5.0 * 0x1p-20);
+    CHECK(std::fabs(out[258] - 1.0) <= 0x1p-4);
   });
 }
 

@@ -700,4 +700,33 @@ TEST_CASE("route: extreme finite logits give finite weights and gradients") {
   check(routing::sigmoid_bias{nullptr, 3, 2, 1.5f, false});
 }
 
+TEST_CASE("route: sigmoids of logits from -88 to -103 stay apart as float32 subnormals") {
+  // 1 / (1 + exp(-x)) rounds to 0 once exp(-x) overflows (x < -88.7); the selection would
+  // then see equal keys and take the lowest ids. Here the float64 order is 1, 3, 0, 2.
+  for (const float x : {-88.0f, -90.0f, -95.0f, -99.0f, -103.0f}) {
+    CAPTURE(x);
+    const double want = 1.0 / (1.0 + std::exp(-static_cast<double>(x)));
+    const float got = epx::routing::detail::sigmoid_f32(x);
+    CHECK(got > 0.0f);
+    CHECK(std::fabs(static_cast<double>(got) - want) <= want * 1e-5 + 0x1p-148);  // two subnormal spacings
+  }
+  const epx::exec::serial ex;
+  const int E = 4, k = 2;
+  const std::vector<double> ld = {-95.0, -90.0, -99.0, -92.0};
+  const auto l = ref::from_double<float>(ld);
+  for (const auto& p : {routing::sigmoid_bias{}, routing::sigmoid_bias{nullptr, 1, 1, 1.0f, false}}) {
+    CAPTURE(p.normalize);
+    const auto r = run_route(p, ex, l, 1, E, k);
+    const auto want = ref_route(p, ld, 1, E, k);
+    CHECK(want.ids == std::vector<std::int32_t>{1, 3});
+    CHECK(r.ids == want.ids);
+    for (int j = 0; j < k; ++j) {
+      CAPTURE(j);
+      const auto i = static_cast<std::size_t>(j);
+      CHECK(r.weights[i] > 0.0f);
+      CHECK(std::fabs(static_cast<double>(r.weights[i]) - want.weights[i]) <= want.weights[i] * 1e-2);
+    }
+  }
+}
+
 }  // namespace test_routing_cpp

@@ -91,7 +91,8 @@ void check_capacity(reader& in) {
       const int r = j + in.byte() % (E - j);
       std::swap(pool[static_cast<std::size_t>(j)], pool[static_cast<std::size_t>(r)]);
       ids[t * k + j] = pool[static_cast<std::size_t>(j)];
-      w[t * k + j] = static_cast<float>(in.byte() % 5) * 0.25f - 0.5f;  // ties, negative and zero weights
+      const int b = in.byte() % 6;  // ties, negative and zero weights, -0 (a tie with +0)
+      w[t * k + j] = b == 5 ? -0.0f : static_cast<float>(b) * 0.25f - 0.5f;
     }
   }
   try {
