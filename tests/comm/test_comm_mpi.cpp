@@ -684,6 +684,28 @@ TEST_CASE("mpi: chunked path (counts over max_count) matches the direct path") {
   check_all_to_allv<std::byte>(c, 3);
 }
 
+TEST_CASE("mpi: displacements over max_count take the chunked path even where every count fits") {
+  // MPI's displacements are int as its counts are: blocks whose counts fit but whose offsets
+  // do not (max_count stands in for INT_MAX) must not go to MPI_Alltoallv.
+  communicator c = small_chunks(2);
+  const int n = c.size(), me = c.rank();
+  const auto N = static_cast<std::size_t>(n);
+  const std::size_t cnt = 2, stride = 5;  // counts == max_count, displacements p * 5
+  std::vector<std::size_t> counts(N, cnt), displs(N);
+  for (std::size_t p = 0; p < N; ++p) displs[p] = p * stride;
+  std::vector<std::int32_t> send(N * stride, -1), recv(N * stride, -1);
+  for (std::size_t p = 0; p < N; ++p)
+    for (std::size_t i = 0; i < cnt; ++i)
+      send[p * stride + i] = 1000 * me + 10 * static_cast<int>(p) + static_cast<int>(i);
+  const std::size_t before = c.chunked_rounds();
+  epx::all_to_allv(c, send.data(), epx::span<const std::size_t>(counts), epx::span<const std::size_t>(displs),
+                   recv.data(), epx::span<const std::size_t>(counts), epx::span<const std::size_t>(displs));
+  for (std::size_t p = 0; p < N; ++p)
+    for (std::size_t i = 0; i < stride; ++i)
+      CHECK(recv[p * stride + i] == (i < cnt ? 1000 * static_cast<int>(p) + 10 * me + static_cast<int>(i) : -1));
+  if (n > 1) CHECK(c.chunked_rounds() > before);
+}
+
 TEST_CASE("mpi: sub-communicators of every mesh group match group_members") {
   communicator w = communicator::world();
   const int n = w.size(), me = w.rank();

@@ -221,6 +221,31 @@ TEST_CASE("threads: all_to_allv_indexed: mismatched row widths and counts are de
 }
 
 TEST_CASE("threads: all_reduce, scaled, every type") { for_each_world_size([](auto& c) { comm_cases::case_all_reduce(c); }); }
+TEST_CASE("threads: all_reduce and reduce_scatter sum every element in rank order, whichever rank sums its chunk") {
+  // Float sums whose value depends on the order: (1e8 + 1) - 1e8 is 0 in float32, another
+  // order gives 1. Each rank sums a chunk of all_reduce (and its own block of reduce_scatter);
+  // every element of every chunk must be the rank-order sum, bitwise.
+  const int n = 3;
+  const float v[3] = {1e8f, 1.0f, -1e8f};
+  float want = 0.0f;
+  for (float x : v) want += x;
+  REQUIRE(want == 0.0f);
+  const std::size_t count = 3 * 64 * 5;  // several 64-element pieces per rank's chunk
+  std::vector<std::string> failures(static_cast<std::size_t>(n));
+  epx::threads::run(n, [&](epx::threads::communicator& c) {
+    const auto r = static_cast<std::size_t>(c.rank());
+    const std::vector<float> send(count, v[r]);
+    std::vector<float> x = send, block(count / 3);
+    epx::all_reduce(c, epx::span<float>(x));
+    epx::reduce_scatter(c, epx::span<const float>(send), epx::span<float>(block));
+    std::size_t bad = 0;
+    for (float y : x) bad += std::memcmp(&y, &want, sizeof y) != 0;
+    for (float y : block) bad += std::memcmp(&y, &want, sizeof y) != 0;
+    if (bad) failures[r] = std::to_string(bad) + " elements are not the rank-order sum";
+  });
+  for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+}
+
 TEST_CASE("threads: reduce_scatter") { for_each_world_size([](auto& c) { comm_cases::case_reduce_scatter(c); }); }
 TEST_CASE("threads: all_gather") { for_each_world_size([](auto& c) { comm_cases::case_all_gather(c); }); }
 TEST_CASE("threads: broadcast") { for_each_world_size([](auto& c) { comm_cases::case_broadcast(c); }); }

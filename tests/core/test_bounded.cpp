@@ -406,28 +406,39 @@ std::vector<outcome> run_errors(bool raise_on_overflow, int bad_rank, Mutate bad
 }  // namespace
 
 TEST_CASE("bounded: overflow counter and check(), raising on overflow when asked") {
-  auto twice = [](std::vector<std::int32_t>& ids, std::vector<float>&, std::vector<float>&) {
-    ids = {0, 1, 0, 1, 0, 2};  // expert 0 three times, expert 1 twice: 3 pairs over cap 1
+  struct overflow_case {
+    std::vector<std::int32_t> ids;  // rank 2's
+    std::int64_t pairs, on_expert_0, on_expert_1;
   };
-  for (bool raise : {false, true}) {
-    const auto got = run_errors(raise, 2, twice);
-    for (int r = 0; r < 4; ++r) {
-      const auto& g = got[static_cast<std::size_t>(r)];
-      CHECK(!g.call_threw);
-      CHECK(g.counter == (r == 2 ? 3 : 0));
-      if (raise) {
-        CHECK_MESSAGE(g.check_message.find("3 (token, slot) pair(s) overflowed the bound cap=1") != std::string::npos,
-                      g.check_message);
-        CHECK_MESSAGE(g.check_message.find("(most for expert 0: 2); raise layer_options::bound.cap, or set "
-                                           "bound.raise_on_overflow = false to drop them without raising") !=
-                          std::string::npos,
-                      g.check_message);
-      } else {
-        CHECK(g.check_message.empty());
-        CHECK(g.report.overflow_pairs == 3);
-        CHECK(g.report.dropped_per_expert[0] == 2);
-        CHECK(g.report.dropped_per_expert[1] == 1);
-        CHECK(g.report.calls == 4);
+  const overflow_case cases[] = {
+      {{0, 1, 0, 1, 0, 2}, 3, 2, 1},  // expert 0 three times, expert 1 twice: 3 pairs over cap 1
+      {{0, 1, 0, 3, 4, 5}, 1, 1, 0},  // expert 0 twice: a single pair over cap 1 raises too
+  };
+  for (const auto& oc : cases) {
+    CAPTURE(oc.pairs);
+    auto over = [&](std::vector<std::int32_t>& ids, std::vector<float>&, std::vector<float>&) { ids = oc.ids; };
+    for (bool raise : {false, true}) {
+      const auto got = run_errors(raise, 2, over);
+      for (int r = 0; r < 4; ++r) {
+        const auto& g = got[static_cast<std::size_t>(r)];
+        CHECK(!g.call_threw);
+        CHECK(g.counter == (r == 2 ? oc.pairs : 0));
+        if (raise) {
+          CHECK_MESSAGE(g.check_message.find(std::to_string(oc.pairs) +
+                                             " (token, slot) pair(s) overflowed the bound cap=1") != std::string::npos,
+                        g.check_message);
+          CHECK_MESSAGE(g.check_message.find("(most for expert 0: " + std::to_string(oc.on_expert_0) +
+                                             "); raise layer_options::bound.cap, or set "
+                                             "bound.raise_on_overflow = false to drop them without raising") !=
+                            std::string::npos,
+                        g.check_message);
+        } else {
+          CHECK(g.check_message.empty());
+          CHECK(g.report.overflow_pairs == oc.pairs);
+          CHECK(g.report.dropped_per_expert[0] == oc.on_expert_0);
+          CHECK(g.report.dropped_per_expert[1] == oc.on_expert_1);
+          CHECK(g.report.calls == 4);
+        }
       }
     }
   }

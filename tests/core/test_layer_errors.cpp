@@ -209,7 +209,10 @@ struct scale_experts {
 };
 
 // Each rank builds the layer from its own mesh config (mine(rank)); returns what each raised.
-std::vector<raised> construct_each(int world, const std::function<epx::mesh_config(int)>& mine, epx::layer_options o) {
+// Each rank r constructs a layer of mesh mine(r) and options o (changed by adjust(r, o) where
+// given); what each raised.
+std::vector<raised> construct_each(int world, const std::function<epx::mesh_config(int)>& mine, epx::layer_options o,
+                                   const std::function<void(int, epx::layer_options&)>& adjust = {}) {
   std::vector<raised> seen(static_cast<std::size_t>(world));
   epx::threads::options opts;
   opts.timeout = std::chrono::seconds(20);
@@ -218,7 +221,9 @@ std::vector<raised> construct_each(int world, const std::function<epx::mesh_conf
       [&](comm_t& comm) {
         const raised r = epx::test::capture([&] {
           const epx::mesh m(mine(comm.rank()));
-          epx::moe_layer<comm_t, float> layer(m, comm, o);
+          epx::layer_options own = o;
+          if (adjust) adjust(comm.rank(), own);
+          epx::moe_layer<comm_t, float> layer(m, comm, own);
         });
         seen[static_cast<std::size_t>(comm.rank())] = r;
       },
@@ -300,13 +305,19 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
     }
   }
   SUBCASE("the ranks disagree on the number of experts and the padding") {
-    epx::layer_options p = o;
-    const auto seen = construct_each(4, [](int r) { return epx::mesh_config{1, 4, 1, 1, 4, r == 3 ? 4 : 8, 0}; }, p);
+    const auto seen = construct_each(
+        4, [](int r) { return epx::mesh_config{1, 4, 1, 1, 4, r == 3 ? 4 : 8, 0}; }, o,
+        [](int r, epx::layer_options& p) {
+          if (r == 2) p.pad.rows_per_expert = 4;
+          if (r == 3) p.pad.align = 4;
+        });
     for (const auto& x : seen) {
       CAPTURE(x.message);
       REQUIRE(x.thrown);
       CHECK(x.category == epx::errc::configuration);
       CHECK(x.message.find("rank 3 has num_experts=4 but rank 0 has num_experts=8") != std::string::npos);
+      CHECK(x.message.find("rank 2 has pad.rows_per_expert=4 but rank 0 has pad.rows_per_expert=1") != std::string::npos);
+      CHECK(x.message.find("rank 3 has pad.align=4 but rank 0 has pad.align=1") != std::string::npos);
     }
   }
   SUBCASE("the ranks disagree on the element type, also of one size (bf16 and fp16)") {
@@ -876,7 +887,26 @@ void check_backward_of_different_calls(layer_case c, bool split, int odd) {
             backward(single, s, u);
           }
           layer_t layer(m, comm, epx::test::options_for(c));
-          epx::saved_state<float> saved[2] = {forward(layer, mb[0]), forward(layer, mb[1])};
+          epx::saved_state<float> saved[2];
+          if (!split) {
+            for (int i = 0; i < 2; ++i) saved[i] = forward(layer, mb[static_cast<std::size_t>(i)]);
+          } else {
+            // Both forwards in flight at once (dispatch 0, dispatch 1, combine 0, combine 1):
+            // each saved state still names its own call, not the latest one started.
+            epx::forward_handle<float> h[2];
+            for (int i = 0; i < 2; ++i) {
+              const micro& u = mb[static_cast<std::size_t>(i)];
+              h[i] = layer.dispatch_start(epx::span<const float>(u.x), epx::span<const std::int32_t>(u.d.ids),
+                                          epx::span<const float>(u.w), epx::mode::train);
+            }
+            for (int i = 0; i < 2; ++i) {
+              layer.dispatch_wait(h[i]);
+              experts.forward(epx::test::test_exec{}, h[i].inputs(), h[i].outputs().data());
+            }
+            for (int i = 0; i < 2; ++i)
+              saved[i] = layer.combine(h[i], epx::span<const float>(h[i].outputs().data(), h[i].outputs().size()),
+                                       epx::span<float>(mb[static_cast<std::size_t>(i)].out));
+          }
           const int first = rank == odd ? 1 : 0;
           const raised r =
               epx::test::capture([&] { backward(layer, saved[first], mb[static_cast<std::size_t>(first)]); });
