@@ -755,7 +755,8 @@ TEST_CASE("threads: mismatched collectives, datatypes, counts, roots and scales 
   };
   const int n = 3;
   for (const auto& s : scenarios) {
-    CAPTURE(s.name);
+    const std::string scenario = s.name;
+    CAPTURE(scenario);
     seen_errors seen(n);
     CHECK_THROWS_WITH_AS(epx::threads::run(n, [&](epx::threads::communicator& comm) {
       try {

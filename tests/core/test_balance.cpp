@@ -195,7 +195,8 @@ TEST_CASE("balance: sequence loss counts an expert a token selects twice once") 
   const double alpha = 0.2;
   const auto want = ref::sequence_balance_loss(ld, ids, N, E, k, T_len, alpha);
   const auto check = [&](const auto& ex, const char* what) {
-    CAPTURE(what);
+    const std::string policy = what;
+    CAPTURE(policy);
     const double got = routing::sequence_balance_loss(ex, lt.data(), ids.data(), N, E, k, T_len, alpha);
     CHECK(std::abs(got - want.loss) <= 1e-5 * std::abs(want.loss));
     std::vector<float> grad(N * static_cast<std::size_t>(E), -7.0f);

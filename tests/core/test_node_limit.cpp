@@ -257,7 +257,8 @@ TEST_CASE("node limit: nodes whose scores tie exactly keep the lower nodes, for 
     routing::sigmoid_bias sb;
     sb.limit = nl;
     const auto check = [&](const lib_routing& r, const char* what) {
-      CAPTURE(what);
+      const std::string which = what;
+      CAPTURE(which);
       CHECK(r.ids == want);
     };
     check(run_route(routing::softmax_topk{false, nl}, epx::exec::serial{}, l, N, s.E, s.k), "softmax_topk");

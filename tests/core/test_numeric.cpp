@@ -109,7 +109,8 @@ TEST_CASE("numeric: the reference format is right about a few well-known values"
 
 TEST_CASE("numeric: decoding every bf16 and fp16 bit pattern") {
   for (const codec& c : codecs) {
-    CAPTURE(c.name);
+    const std::string codec_name = c.name;  // a const char* would print as its address
+    CAPTURE(codec_name);
     std::size_t bad = 0;
     for (std::uint32_t b = 0; b < 0x10000u; ++b) {
       const float got = c.decode(static_cast<std::uint16_t>(b));
@@ -136,7 +137,8 @@ TEST_CASE("numeric: decoding every bf16 and fp16 bit pattern") {
 
 TEST_CASE("numeric: encoding every value, every midpoint (ties to even) and the floats around them") {
   for (const codec& c : codecs) {
-    CAPTURE(c.name);
+    const std::string codec_name = c.name;  // a const char* would print as its address
+    CAPTURE(codec_name);
     std::vector<float> xs;
     const std::uint32_t top = c.fmt.exp_mask();  // +infinity's pattern
     for (std::uint32_t b = 0; b < top; ++b) {     // every finite non-negative value

@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <set>
+#include <string>
 
 #include "epx/exec/host.hpp"
 #include "epx/impl/experts.hpp"
@@ -63,7 +64,8 @@ TEST_CASE("reference routing backward matches finite differences") {
                       }});
       }
       for (auto& v : vs) {
-        CAPTURE(v.name);
+        const std::string name = v.name;
+        CAPTURE(name);
         const auto r0 = v.fwd(logits);
         for (double m : r0.margin) REQUIRE(m > 1e-4);  // selection stable under the FD step
         const auto fd = ref::finite_difference(
