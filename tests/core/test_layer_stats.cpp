@@ -5,6 +5,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/layer_cases.hpp"
@@ -439,6 +440,50 @@ TEST_CASE("stats: a stage smaller than one slice row's k rows (1 byte included) 
              " rounds, not 13 (one per row of the largest slice); ";
       if (first.empty()) first = out;
       else if (out != first) f += "stage_bytes " + std::to_string(stage) + ": out differs from stage_bytes 1; ";
+    }
+  });
+  for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+}
+
+TEST_CASE("stats: a stage that holds a fraction of a row takes the whole rows it holds; a later one-round call reports 0") {
+  // As above (slices of 12 and 13 rows of 32 bytes); stage_bytes of 1.5, 2 + 1/32 and 3 - 1/32
+  // rows hold 1, 2 and 2 whole rows: 13, 7 and 7 rounds. Then a call of one row per slice
+  // on the same layer goes in one round, which stage_rounds reports as 0.
+  const epx::mesh m(epx::mesh_config{1, 2, 1, 1, 2, 4, 0});
+  const std::size_t row = 2 * 4 * sizeof(float);
+  std::vector<std::string> failures(2);
+  epx::threads::run(2, [&](comm_t& comm) {
+    std::string& f = failures[static_cast<std::size_t>(comm.rank())];
+    layer_case c;
+    c.topology = epx::mesh_config{1, 2, 1, 1, 2, 4, 0};
+    c.top_k = 2;
+    c.hidden = 4;
+    c.peer_access = false;
+    layer_case one = c;
+    c.rows = [](int b) { return std::size_t{12} + static_cast<std::size_t>(b); };
+    one.rows = [](int) { return std::size_t{1}; };
+    const epx::test::rank_inputs<float> in(c, comm.rank()), small(one, comm.rank());
+    epx::ref::test_linear_experts<float> experts(in.global, m.ep_rank(comm.rank()), m.local_experts());
+    const auto forward = [&](auto& layer, const epx::test::rank_inputs<float>& u) {
+      std::vector<float> out(u.N * u.H);
+      (void)layer.forward(epx::span<const float>(u.x), epx::span<const std::int32_t>(u.d.ids),
+                          epx::span<const float>(u.w), epx::span<float>(out), experts, epx::mode::inference);
+      return out;
+    };
+    epx::moe_layer<comm_t, float> whole(m, comm, epx::test::options_for(c));
+    const std::vector<float> want = forward(whole, in);
+    const std::pair<std::size_t, std::int64_t> stages[] = {{row + row / 2, 13}, {2 * row + 1, 7}, {3 * row - 1, 7}};
+    for (const auto& [stage, rounds] : stages) {
+      c.stage_bytes = stage;
+      epx::moe_layer<comm_t, float> layer(m, comm, epx::test::options_for(c));
+      if (forward(layer, in) != want) f += "stage_bytes " + std::to_string(stage) + ": out differs from one round; ";
+      if (layer.stats().stage_rounds != rounds)
+        f += "stage_bytes " + std::to_string(stage) + ": " + std::to_string(layer.stats().stage_rounds) +
+             " rounds, not " + std::to_string(rounds) + "; ";
+      (void)forward(layer, small);
+      if (layer.stats().stage_rounds != 0)
+        f += "stage_bytes " + std::to_string(stage) + ", one row per slice after a call in rounds: stage_rounds " +
+             std::to_string(layer.stats().stage_rounds) + ", not 0; ";
     }
   });
   for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);

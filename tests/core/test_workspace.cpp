@@ -72,6 +72,25 @@ TEST_CASE("workspace: blocks are reused, best fit, bounded, aligned") {
   }
 }
 
+TEST_CASE("workspace: a free block of exactly the bytes asked for is handed out again") {
+  workspace ws;
+  const std::size_t n = (std::size_t{64} << 10) / sizeof(float);  // one 64 KiB granule, exactly
+  float* first = nullptr;
+  {
+    auto a = ws.acquire<float>(n);
+    first = a.data();
+  }
+  REQUIRE(ws.pool()->free_blocks() == 1);
+  const std::size_t held = ws.pool()->free_bytes();
+  CHECK(held == n * sizeof(float));
+  {
+    auto b = ws.acquire<float>(n);
+    CHECK(b.data() == first);
+    CHECK(ws.pool()->free_blocks() == 0);
+  }
+  CHECK(ws.pool()->free_bytes() == held);  // not replaced by a new block
+}
+
 TEST_CASE("workspace: a request whose bytes do not fit in size_t is refused, as operator new[] refuses it") {
   workspace ws;
   CHECK_THROWS_AS(ws.acquire<char>(SIZE_MAX - 100), std::bad_array_new_length);
