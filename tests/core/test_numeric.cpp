@@ -72,13 +72,13 @@ std::string check_encode(const codec& c, float x) {
 }
 
 // Runs check_encode over `xs`; fails the test case on the first few mismatches.
-void check_all(const codec& c, const std::vector<float>& xs, const char* what) {
+void check_all(const codec& c, const std::vector<float>& xs, const std::string& what) {
   std::size_t bad = 0;
   for (float x : xs) {
     const std::string e = check_encode(c, x);
     if (!e.empty() && ++bad <= 5) FAIL_CHECK(what << ": " << e);
   }
-  CHECK_MESSAGE(bad == 0, c.name << " " << what << ": " << bad << " of " << xs.size() << " floats differ");
+  CHECK_MESSAGE(bad == 0, std::string(c.name) << " " << what << ": " << bad << " of " << xs.size() << " floats differ");
 }
 
 }  // namespace
