@@ -998,4 +998,38 @@ TEST_CASE("a moved-from layer raises errc::configuration on every call; the laye
   for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
 }
 
+TEST_CASE("bad input: an out-of-range id in token 0 slot 0 (the first pair) raises on every rank of the EP group") {
+  epx::test::layer_case c;
+  c.topology.tp = 1;
+  c.topology.fsdp = 2;
+  c.topology.ep = 2;
+  c.topology.experts = 4;
+  c.top_k = 2;
+  c.seed = 7;
+  for (bool split : {false, true}) {
+    CAPTURE(split);
+    std::vector<raised> r(2);
+    epx::threads::run(2, [&](comm_t& comm) {
+      epx::test::rank_inputs<float> in(c, comm.rank());
+      REQUIRE(in.N > 0);
+      if (comm.rank() == 1) in.d.ids[0] = 99;
+      epx::moe_layer<comm_t, float> layer(in.m, comm, epx::test::options_for(c));
+      epx::ref::test_linear_experts<float> experts(in.global, in.m.ep_rank(comm.rank()), in.m.local_experts());
+      std::vector<float> out(in.N * in.H);
+      r[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
+        const epx::span<const float> x(in.x), w(in.w);
+        const epx::span<const std::int32_t> ids(in.d.ids);
+        if (split) (void)layer.dispatch_start(x, ids, w, epx::mode::train);
+        else (void)layer.forward(x, ids, w, epx::span<float>(out), experts, epx::mode::train);
+      });
+    });
+    for (const auto& x : r) {
+      CAPTURE(x.message);
+      REQUIRE(x.thrown);
+      CHECK(x.category == epx::errc::input);
+      CHECK(x.message.find("expert id (99) of token 0 slot 0") != std::string::npos);
+    }
+  }
+}
+
 }  // namespace test_layer_errors_cpp

@@ -237,6 +237,20 @@ TEST_CASE("automatic: inference takes the masked path when ep == tp, all_to_all 
     CHECK_MESSAGE(f[static_cast<std::size_t>(r)].empty(), f[static_cast<std::size_t>(r)]);
     CHECK_MESSAGE(g[static_cast<std::size_t>(r)].empty(), g[static_cast<std::size_t>(r)]);
   }
+  // Training takes the all-to-all path even where ep == tp (the masked path keeps no saved
+  // state for a backward): the same mesh as c, mode::train.
+  std::vector<std::string> t(4);
+  epx::threads::run(4, [&](comm_t& comm) {
+    const epx::test::rank_inputs<float> in(c, comm.rank());
+    epx::moe_layer<comm_t, float, epx::impl::automatic, epx::test::test_exec> layer(in.m, comm,
+                                                                                  epx::test::options_for(c));
+    epx::ref::test_linear_experts<float> experts(in.global, in.m.ep_rank(in.rank), in.m.local_experts());
+    std::vector<float> out(in.N * in.H);
+    (void)layer.forward(epx::span<const float>(in.x), epx::span<const std::int32_t>(in.d.ids),
+                        epx::span<const float>(in.w), epx::span<float>(out), experts, epx::mode::train);
+    t[static_cast<std::size_t>(comm.rank())] = layer.stats().path;
+  });
+  for (const auto& p : t) CHECK(p == "all_to_all");
 }
 
 namespace {

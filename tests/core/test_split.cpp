@@ -235,4 +235,29 @@ TEST_CASE("split phase: bad input in dispatch_start raises on every rank of the 
   }
 }
 
+TEST_CASE("split phase: dispatch_start raises on routing weights of another size than N*k, on every rank") {
+  const auto c = make(1, 2, 2, 4, 2);
+  std::vector<epx::test::raised> r(2);
+  epx::threads::run(2, [&](comm_t& comm) {
+    const epx::mesh m(c.topology);
+    epx::test::micro_batch<float> mb(c, m.batch(comm.rank()));
+    REQUIRE(mb.w.size() == mb.d.ids.size());
+    REQUIRE(mb.w.size() >= 2);
+    epx::moe_layer<comm_t, float> layer(m, comm, epx::test::options_for(c));
+    // Rank 1's weights hold one value fewer than its ids.
+    const std::size_t nw = mb.w.size() - (comm.rank() == 1 ? 1 : 0);
+    r[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
+      (void)layer.dispatch_start(epx::span<const float>(mb.x), epx::span<const std::int32_t>(mb.d.ids),
+                                 epx::span<const float>(mb.w.data(), nw), epx::mode::train);
+    });
+  });
+  for (const auto& x : r) {
+    CAPTURE(x.message);
+    REQUIRE(x.thrown);
+    CHECK(x.category == epx::errc::input);
+    CHECK(x.message.find("rank 1: ") != std::string::npos);
+    CHECK(x.message.find("routing weights have") != std::string::npos);
+  }
+}
+
 }  // namespace test_split_cpp

@@ -14,6 +14,7 @@
 #include <doctest/doctest.h>
 
 #include <csignal>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -419,6 +420,32 @@ epx::test::layer_case make_case(int tp, int fsdp, int ep, int experts, int k, in
 }
 
 }  // namespace
+
+TEST_CASE("device memory: a new buffer holds 0xff bytes (NaN, -1), never zeros that a missed write would hide") {
+  const emu ex;
+  auto f = epx::exec::make_buffer<float>(ex, 37);
+  auto i = epx::exec::make_buffer<std::int64_t>(ex, 5);
+  const auto* fb = reinterpret_cast<const unsigned char*>(f.data());
+  const auto* ib = reinterpret_cast<const unsigned char*>(i.data());
+  for (std::size_t b = 0; b < 37 * sizeof(float); ++b) REQUIRE(fb[b] == 0xff);
+  for (std::size_t b = 0; b < 5 * sizeof(std::int64_t); ++b) REQUIRE(ib[b] == 0xff);
+  CHECK(i.data()[0] == -1);
+}
+
+TEST_CASE("device memory: a range is the policy's memory only when all of it lies in one live buffer") {
+  const emu ex;
+  auto a = epx::exec::make_buffer<float>(ex, 16);
+  const float* p = a.data();
+  CHECK(epx::exec::emulated_device_memory(p, 16 * sizeof(float)));
+  CHECK(epx::exec::emulated_device_memory(p + 15, sizeof(float)));
+  CHECK(epx::exec::emulated_device_memory(p + 4, 0));
+  // One byte past the end, from the start or from inside, or just after the end: not.
+  CHECK_FALSE(epx::exec::emulated_device_memory(p, 16 * sizeof(float) + 1));
+  CHECK_FALSE(epx::exec::emulated_device_memory(p + 15, 2 * sizeof(float)));
+  CHECK_FALSE(epx::exec::emulated_device_memory(p + 16, sizeof(float)));
+  float host[4] = {};
+  CHECK_FALSE(epx::exec::emulated_device_memory(host, sizeof host));
+}
 
 TEST_CASE("device memory: a device communicator gets only the policy's memory, on every path of the layer") {
   using epx::test::options_for;
