@@ -9,7 +9,7 @@ compile alone; tests/emulated with the emulated device's definitions; *_mpi.cpp 
 run under mpiexec) and runs it. A bug is caught when the test fails, crashes or ends on its
 time limit; it survives when the test passes, which fails this check.
 
-    scripts/mutation-check.py                 # every bug (about an hour on two cores)
+    scripts/mutation-check.py                 # every bug (about half an hour on two cores)
     scripts/mutation-check.py --only NAME,... # some of them
     scripts/mutation-check.py --list          # names and bugs
     scripts/mutation-check.py --check-catalog # quick: every edit still applies exactly once

@@ -1492,3 +1492,27 @@ TEST_CASE("mpi: watchdog on a rank stalled inside access_peers" * doctest::skip(
     });
   });
 }
+
+TEST_CASE("mpi: a rank's own error raises on every rank with that rank's category, not each rank's own") {
+  // No public collective passes different categories on different ranks today, so this asks
+  // the agreement itself: the last rank fails with errc::configuration, the others pass no
+  // error and errc::input.
+  epx::detail::mpi_state st;
+  REQUIRE(MPI_Comm_dup(MPI_COMM_WORLD, &st.comm) == MPI_SUCCESS);
+  MPI_Comm_rank(st.comm, &st.rank);
+  MPI_Comm_size(st.comm, &st.size);
+  const epx::mpi::options opt{};
+  const int culprit = st.size - 1;
+  const std::string mine = st.rank == culprit ? std::string("bad thing on the last rank") : std::string();
+  const epx::errc category = st.rank == culprit ? epx::errc::configuration : epx::errc::input;
+  bool raised = false;
+  try {
+    (void)epx::detail::mpi_agree(st, opt, "test", {}, mine, category);
+  } catch (const epx::error& e) {
+    raised = true;
+    CHECK(e.category() == epx::errc::configuration);
+    CHECK(std::string(e.what()).find("bad thing on the last rank") != std::string::npos);
+  }
+  CHECK(raised);
+  MPI_Comm_free(&st.comm);
+}

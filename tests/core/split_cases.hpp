@@ -209,7 +209,8 @@ enum class split_misuse {
   backward_wait_without_start,
   backward_combine_twice,
   backward_grad_inputs_size,
-  grad_x_size,
+  grad_x_size,                  // grad_x one element short
+  grad_x_larger,                // grad_x one element long
 };
 
 inline const char* to_string(split_misuse s) {
@@ -230,6 +231,7 @@ inline const char* to_string(split_misuse s) {
     case split_misuse::backward_wait_without_start: return "backward_wait_without_start";
     case split_misuse::backward_combine_twice: return "backward_combine_twice";
     case split_misuse::backward_grad_inputs_size: return "backward_grad_inputs_size";
+    case split_misuse::grad_x_larger: return "grad_x_larger";
     case split_misuse::grad_x_size: return "grad_x_size";
   }
   return "?";
@@ -322,7 +324,9 @@ raised run_split_misuse(Comm& world, const layer_case& c, split_misuse kind, boo
     span<T> gx(mb.gx);
     std::vector<T> wrong_gx(mb.gx.size() > 0 ? mb.gx.size() - 1 : 1);
     if (bad && kind == split_misuse::backward_grad_inputs_size) gi = span<const T>(wrong_gi);
+    std::vector<T> longer_gx(mb.gx.size() + 1);
     if (bad && kind == split_misuse::grad_x_size) gx = span<T>(wrong_gx);
+    if (bad && kind == split_misuse::grad_x_larger) gx = span<T>(longer_gx);
     layer.backward_combine_start(g, gi, gx);
     layer.backward_combine_wait(g);
     if (kind == split_misuse::backward_combine_twice) {

@@ -444,6 +444,33 @@ TEST_CASE("bounded: overflow counter and check(), raising on overflow when asked
   }
 }
 
+TEST_CASE("bounded, masked path: a bad pair in any TP slice counts the call on every rank") {
+  // tp = ep = 4: every rank holds the same 4 rows, one per TP slice; token t slot 1 gets id 8
+  // (out of range), t = 0..3 in turn. Each rank counts its call as one with bad input,
+  // whichever slice the bad pair lies in: check() reports 4 rank-calls on every rank.
+  for (std::size_t t = 0; t < 4; ++t) {
+    CAPTURE(t);
+    std::vector<std::string> got(4);
+    epx::threads::run(4, [&](comm_t& comm) {
+      on_path(true, comm, 4, false, [&](auto& layer) {
+        const std::size_t N = 4;
+        std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4);
+        std::vector<std::int32_t> ids = {0, 1, 2, 3, 4, 5, 6, 7};
+        ids[t * 2 + 1] = 8;
+        doubling_experts e;
+        (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                            epx::span<float>(y), e, epx::mode::inference);
+        const auto r = epx::test::capture([&] { (void)layer.check(); });
+        got[static_cast<std::size_t>(comm.rank())] = r.category == epx::errc::input ? r.message : "no input error";
+      });
+    });
+    for (const auto& m : got)
+      CHECK_MESSAGE(m.find("since the last check, 4 call(s) of the EP group had an expert id out of range") !=
+                        std::string::npos,
+                    m);
+  }
+}
+
 TEST_CASE("bounded: bad expert ids, non-finite weights and bad shapes raise errc::input on every rank, no hang") {
   using mut = void (*)(std::vector<std::int32_t>&, std::vector<float>&, std::vector<float>&);
   const mut bad_id = [](std::vector<std::int32_t>& ids, std::vector<float>&, std::vector<float>&) { ids[3] = 8; };

@@ -211,6 +211,7 @@ TEST_CASE("split phase: misuse raises on every rank, nothing hangs") {
     check_misuse(c, split_misuse::backward_grad_inputs_size, last, errc::input,
                  "rank 3: backward_combine_start: the experts' input gradients have");
     check_misuse(c, split_misuse::grad_x_size, last, errc::input, "rank 3: backward_combine_start: grad_x has");
+    check_misuse(c, split_misuse::grad_x_larger, last, errc::input, "rank 3: backward_combine_start: grad_x has");
   }
 }
 
