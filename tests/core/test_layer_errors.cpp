@@ -999,13 +999,7 @@ TEST_CASE("a moved-from layer raises errc::configuration on every call; the laye
 }
 
 TEST_CASE("bad input: an out-of-range id in token 0 slot 0 (the first pair) raises on every rank of the EP group") {
-  epx::test::layer_case c;
-  c.topology.tp = 1;
-  c.topology.fsdp = 2;
-  c.topology.ep = 2;
-  c.topology.experts = 4;
-  c.top_k = 2;
-  c.seed = 7;
+  const layer_case c = small(1, 2, 2, 4);
   for (bool split : {false, true}) {
     CAPTURE(split);
     std::vector<raised> r(2);
