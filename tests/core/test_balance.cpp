@@ -5,6 +5,7 @@
 // the bias update, bitwise equal on every rank after summing the loads over every batch.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -310,6 +311,40 @@ TEST_CASE("balance: coefficients beyond float32's range") {
   for (float x : g) CHECK(x == -7.0f);
   // The N = 0 case scales by 1 / 1.
   CHECK(category([&] { routing::z_loss(ex, l.data(), 0, 4, 2e38); }) == epx::errc::configuration);
+}
+
+// The z-loss gradient coef * lse * p with a coefficient above 1 (few tokens, a large beta)
+// and a logsumexp whose product with the coefficient is beyond float32's range, though
+// every gradient is not: p <= 1/2 on each token here, and p = 0 gives 0, not inf * 0.
+TEST_CASE("balance: z-loss gradient of extreme finite logits is finite where the float64 one is") {
+  const epx::exec::serial ex;
+  const float big = 2e38f;
+  // Token 0: four logits -2e38 (p = 1/4, lse -2e38); token 1: two logits 2e38 (p = 1/2,
+  // lse 2e38) and two far below them (p = 0).
+  const std::vector<float> l = {-big, -big, -big, -big, big, big, -big, 0.0f};
+  const int N = 2, E = 4;
+  const double beta = 2.0, coef = 1.0 * beta * 2.0 / N;  // grad_loss 1: the coefficient is 2
+  std::vector<float> grad(8, -7.0f);
+  routing::z_loss_backward(ex, l.data(), N, E, beta, 1.0f, grad.data());
+  for (int t = 0; t < N; ++t) {
+    const float* lt = &l[static_cast<std::size_t>(t * E)];
+    const double mx = *std::max_element(lt, lt + E);
+    double z = 0;
+    for (int e = 0; e < E; ++e) z += std::exp(lt[e] - mx);
+    const double lse = mx + std::log(z);
+    for (int e = 0; e < E; ++e) {
+      const double want = coef * lse * (std::exp(lt[e] - mx) / z);
+      const float got = grad[static_cast<std::size_t>(t * E + e)];
+      CAPTURE(t);
+      CAPTURE(e);
+      CAPTURE(got);
+      CAPTURE(want);
+      REQUIRE(std::isfinite(got));
+      CHECK(std::abs(got - want) <= 1e-6 * std::abs(want));
+    }
+  }
+  CHECK(grad[6] == 0.0f);
+  CHECK(grad[7] == 0.0f);
 }
 
 }  // namespace test_balance_cpp

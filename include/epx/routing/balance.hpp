@@ -226,7 +226,9 @@ struct sequence_token {
 };
 
 // ST-MoE, token t: z[t] = logsumexp_e l[t, e] = mx + log(sum_e exp(l_e - mx)); with `grad`,
-// grad[t, e] = coef * z_t * p_e.
+// grad[t, e] = coef * (z_t * p_e): z_t * p_e is at most |z_t| (p <= 1), so a coefficient
+// above 1 cannot make the product infinite where the gradient is not (nor inf * 0 a NaN
+// where p_e is 0).
 template <class T>
 struct z_token {
   const T* logits;  // [N, E]
@@ -244,7 +246,7 @@ struct z_token {
     const float lse = sm.mx + log_f32(sm.z);
     if (z != nullptr) z[t] = lse;
     if (g != nullptr)
-      for (int e = 0; e < E; ++e) g[e] = coef * lse * sm.p(convert<float>(l[e]));
+      for (int e = 0; e < E; ++e) g[e] = coef * (lse * sm.p(convert<float>(l[e])));
   }
 };
 
