@@ -7,7 +7,8 @@
 //
 // Data: batch b (of B = dp_replicate * fsdp) is generated from (seed, b) on every rank, so
 // the ranks of a TP group hold the same rows and every rank can compute the float64
-// reference of every batch (for the expert gradients after the hook).
+// reference of every batch (for the expert gradients after the hook); the rank threads of
+// one process compute it once and share it (shared_reference::reference_of_batches).
 #pragma once
 
 #include <algorithm>
@@ -16,6 +17,8 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -266,27 +269,84 @@ struct rank_expectation {
   std::vector<std::int64_t> rows_sent;           // [ep] rows this rank sends each ep peer (all_to_all)
 };
 
+namespace shared_reference {
+
+template <class V>
+bool same_bytes(const std::vector<V>& a, const std::vector<V>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(V)) == 0);
+}
+
+// The float64 reference of every batch of a case: each batch's output and gradients, and the
+// expert gradients after the hook (summed over the batches). Every rank of a case needs all
+// batches for the last, so the rank threads of one process would each compute the same (a
+// world of 8 ranks, 8 times); they share one computation instead. The last few are kept
+// with their inputs, and a caller gets one only when its inputs are the same bit for bit
+// (every batch's rows, ids, weights and gradients, the keep masks, the experts'
+// parameters): a case that differs in anything the reference reads computes its own.
+struct batch_references {
+  std::vector<batch_data> batches;
+  std::vector<std::vector<char>> keep;
+  int experts = 0, hidden = 0;
+  std::vector<double> params;
+  std::vector<std::vector<double>> out;  // [B][N*H]
+  std::vector<ref::moe_grads> grads;     // [B]
+  std::vector<double> expert_grads;      // [E, P] after the hook
+
+  bool same_inputs(const batch_references& o) const {
+    if (experts != o.experts || hidden != o.hidden || batches.size() != o.batches.size() || keep.size() != o.keep.size() ||
+        !same_bytes(params, o.params))
+      return false;
+    for (std::size_t b = 0; b < batches.size(); ++b) {
+      const batch_data &x = batches[b], &y = o.batches[b];
+      if (!same_bytes(x.x, y.x) || !same_bytes(x.ids, y.ids) || !same_bytes(x.w, y.w) ||
+          !same_bytes(x.grad_out, y.grad_out) || !same_bytes(keep[b], o.keep[b]))
+        return false;
+    }
+    return true;
+  }
+};
+
+template <class T>
+std::shared_ptr<const batch_references> reference_of_batches(const layer_case& c, const ref::linear_experts& global) {
+  auto r = std::make_shared<batch_references>();
+  const mesh m(c.topology);
+  r->keep = keep_masks<T>(c);
+  for (int bb = 0; bb < m.batches(); ++bb) r->batches.push_back(make_batch<T>(c, bb));
+  r->experts = global.E;
+  r->hidden = global.H;
+  r->params = global.params;
+  static std::mutex mu;
+  static std::vector<std::shared_ptr<const batch_references>> kept;  // the most recent last
+  const std::lock_guard<std::mutex> lock(mu);
+  for (const auto& k : kept)
+    if (k->same_inputs(*r)) return k;
+  std::vector<std::vector<double>> per_batch;
+  for (std::size_t bb = 0; bb < r->batches.size(); ++bb) {
+    const batch_data& d = r->batches[bb];
+    r->grads.push_back(ref::moe_backward(d.x, d.ids, d.w, d.grad_out, global, r->keep[bb]));
+    r->out.push_back(ref::moe_forward(d.x, d.ids, d.w, global, r->keep[bb]));
+    per_batch.push_back(r->grads.back().grad_params);
+  }
+  r->expert_grads = ref::expected_expert_grads_after_hook(per_batch);
+  kept.push_back(r);
+  if (kept.size() > 2) kept.erase(kept.begin());
+  return r;
+}
+
+}  // namespace shared_reference
+
 template <class T>
 rank_expectation expect(const layer_case& c, const ref::linear_experts& global, int rank) {
   const mesh m(c.topology);
   rank_expectation e;
   const int b = m.batch(rank);
-  const auto keep = keep_masks<T>(c);
-  std::vector<std::vector<double>> per_batch;
-  for (int bb = 0; bb < m.batches(); ++bb) {
-    const batch_data d = make_batch<T>(c, bb);
-    const auto& kb = keep[static_cast<std::size_t>(bb)];
-    const auto g = ref::moe_backward(d.x, d.ids, d.w, d.grad_out, global, kb);
-    per_batch.push_back(g.grad_params);
-    if (bb == b) {
-      e.out = ref::moe_forward(d.x, d.ids, d.w, global, kb);
-      e.grad_x = g.grad_x;
-      e.grad_w = g.grad_w;
-    }
-  }
+  const auto all = shared_reference::reference_of_batches<T>(c, global);
+  const auto& keep = all->keep;
+  e.out = all->out[static_cast<std::size_t>(b)];
+  e.grad_x = all->grads[static_cast<std::size_t>(b)].grad_x;
+  e.grad_w = all->grads[static_cast<std::size_t>(b)].grad_w;
   const int L = m.local_experts(), first = m.expert_begin(rank);
-  e.expert_grads = ref::expert_slice(ref::expected_expert_grads_after_hook(per_batch), global.params_per_expert(),
-                                     first, L);
+  e.expert_grads = ref::expert_slice(all->expert_grads, global.params_per_expert(), first, L);
   // Batches of the EP group: one per TP group inside it.
   std::set<int> group_batches;
   for (int member : m.group_members(group_kind::ep, rank)) group_batches.insert(m.batch(member));
@@ -294,7 +354,7 @@ rank_expectation expect(const layer_case& c, const ref::linear_experts& global, 
   e.dropped_per_expert.assign(static_cast<std::size_t>(c.topology.experts), 0);
   std::int64_t tokens = 0, nodes_sum = 0;
   for (int bb : group_batches) {
-    const batch_data d = make_batch<T>(c, bb);
+    const batch_data& d = all->batches[static_cast<std::size_t>(bb)];
     const auto& kb = keep[static_cast<std::size_t>(bb)];
     for (std::size_t i = 0; i < d.ids.size(); ++i) {
       const auto id = d.ids[i];
@@ -316,7 +376,7 @@ rank_expectation expect(const layer_case& c, const ref::linear_experts& global, 
   // Rows this rank sends: its TP slice's kept pairs, or (per-rank sends) its tokens' distinct
   // owners among their kept pairs.
   {
-    const batch_data d = make_batch<T>(c, b);
+    const batch_data& d = all->batches[static_cast<std::size_t>(b)];
     const auto& kb = keep[static_cast<std::size_t>(b)];
     const auto k = static_cast<std::size_t>(c.top_k);
     const row_slice sl = slice_bounds(c.rows_of(b), m.tp(), m.coords(rank).tp);
