@@ -174,6 +174,13 @@ TEST_CASE("bad configuration raises on every rank, together, before rows move") 
     o.pad.align = 0;
     expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, "padding.align (0)");
   }
+  SUBCASE("hidden size whose row bytes would wrap") {
+    o.hidden = static_cast<std::size_t>(-1);  // a negative size converted: hidden * sizeof(float) wraps
+    expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o,
+                               "layer_options.hidden (18446744073709551615) is too large: a row of hidden * "
+                               "sizeof(T) bytes must stay within 9223372036854775807 bytes (hidden at most "
+                               "2305843009213693951)");
+  }
   SUBCASE("bounded mode without a bound") {
     o.counts = epx::count_exchange::device;
     expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, "layer_options.bound.cap (0) must be at least 1");
@@ -1024,6 +1031,38 @@ TEST_CASE("bad input: an out-of-range id in token 0 slot 0 (the first pair) rais
       CHECK(x.message.find("expert id (99) of token 0 slot 0") != std::string::npos);
     }
   }
+}
+
+TEST_CASE("a call whose expert-major buffers would wrap rows * H raises errc::input on every rank, before rows move") {
+  // No rank has a token, yet every owner's buffer holds its padding rows: 2^24 rows of
+  // H = 2^40 elements, 2^64 elements, which wrap to a buffer of none.
+  epx::layer_options o;
+  o.hidden = std::size_t{1} << 40;
+  o.top_k = 1;
+  o.pad.rows_per_expert = 1 << 24;
+  const auto run = [&](auto impl, epx::mesh_config mc) {
+    using Impl = decltype(impl);
+    std::vector<raised> r(2);
+    epx::threads::run(2, [&](comm_t& comm) {
+      const epx::mesh m(mc);
+      epx::moe_layer<comm_t, float, Impl> layer(m, comm, o);
+      scale_experts experts;
+      r[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
+        (void)layer.forward(epx::span<const float>(), epx::span<const std::int32_t>(), epx::span<const float>(),
+                            epx::span<float>(), experts, epx::mode::inference);
+      });
+    });
+    for (const auto& x : r) {
+      CAPTURE(x.message);
+      REQUIRE(x.thrown);
+      CHECK(x.category == epx::errc::input);
+      CHECK(x.message.find("the expert-major buffer of ep rank 0 would hold 16777216 rows (padding included) of "
+                           "H=1099511627776 elements of 4 bytes, more than 9223372036854775807 bytes") !=
+            std::string::npos);
+    }
+  };
+  SUBCASE("all-to-all path") { run(epx::impl::all_to_all{}, {1, 2, 1, 1, 2, 2, 0}); }
+  SUBCASE("masked all-reduce path") { run(epx::impl::all_reduce{}, {2, 1, 1, 1, 2, 2, 0}); }
 }
 
 }  // namespace test_layer_errors_cpp

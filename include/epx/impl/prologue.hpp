@@ -103,6 +103,9 @@ routed<Exec> route_forward(const layer_context<Comm>& ctx, const Exec& ex, const
     apply_capacity_masked(ctx.options.capacity, ex, ep, E, a.top_k, q.n, ids, weights, r.plan, lim);
     r.layout = make_receive_layout(1, ep, L, ctx.options.pad, [&](int) { return r.plan.host_counts.data(); });
   }
+  // Buffers of R rows of H elements: R * H * sizeof(T) must not wrap (the padding rows
+  // count, and arrive on ranks whose own call is empty); raised on every rank together.
+  check_buffer_rows(r.layout, a.hidden, sizeof(T), "moe_layer forward");
   if (ctx.stats != nullptr) {
     record_stats(*ctx.stats, q.path, r.layout, ctx.ep_rank(), q.moves_rows);
     // The all-to-all path sums the group's node figures; on the masked path every rank

@@ -579,6 +579,9 @@ class moe_layer {
       m.validate_world(world_size);
       m.validate_top_k(o.top_k);
       EPX_REQUIRE(o.hidden >= 1, errc::configuration, "layer_options.hidden (", o.hidden, ") must be at least 1");
+      EPX_REQUIRE(o.hidden <= detail::max_buffer_bytes / sizeof(T), errc::configuration, "layer_options.hidden (",
+                  o.hidden, ") is too large: a row of hidden * sizeof(T) bytes must stay within ",
+                  detail::max_buffer_bytes, " bytes (hidden at most ", detail::max_buffer_bytes / sizeof(T), ")");
       o.pad.validate();
       const int counts = static_cast<int>(o.counts);
       EPX_REQUIRE(counts == 0 || counts == 1, errc::configuration, "layer_options.counts (", counts,

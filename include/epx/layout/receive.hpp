@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "epx/core/error.hpp"
 #include "epx/layout/padding.hpp"
 
 namespace epx::detail {
@@ -111,6 +112,29 @@ receive_layout make_receive_layout(int sources, int owners, int L, const padding
 template <class CountsOf>
 receive_layout make_receive_layout(int sources, int owners, int L, const padding& pad, CountsOf&& counts_of) {
   return make_receive_layout(sources, owners, L, pad, counts_of, counts_of);
+}
+
+// The most bytes one row buffer of a call may hold: sizes in bytes stay representable as
+// std::ptrdiff_t (and rows * H as std::size_t), so no size of a buffer wraps.
+inline constexpr std::size_t max_buffer_bytes = static_cast<std::size_t>(PTRDIFF_MAX);
+
+// Raises errc::input when a buffer that layout `r` sizes, rows of `hidden` elements of
+// `elem_bytes` each, would hold more than max_buffer_bytes: the expert-major buffer of an
+// owner (its rows, padding included) or the send order of a source. The layer checks
+// hidden * elem_bytes <= max_buffer_bytes at construction. Every rank of an EP group makes
+// the same layout (the all-to-all path's from the gathered counts; the masked path's from
+// the group's common rows), so every rank raises together, before any row moves.
+inline void check_buffer_rows(const receive_layout& r, std::size_t hidden, std::size_t elem_bytes, const char* what) {
+  const std::size_t row_bytes = hidden * elem_bytes;
+  const std::size_t most = row_bytes == 0 ? SIZE_MAX : max_buffer_bytes / row_bytes;
+  for (int d = 0; d < r.owners; ++d)
+    EPX_REQUIRE(r.rows(d) <= most, errc::input, what, ": the expert-major buffer of ep rank ", d, " would hold ",
+                r.rows(d), " rows (padding included) of H=", hidden, " elements of ", elem_bytes,
+                " bytes, more than ", max_buffer_bytes, " bytes (at most ", most, " rows)");
+  for (int s = 0; s < r.sources; ++s)
+    EPX_REQUIRE(r.sent(s) <= most, errc::input, what, ": the send order of ep rank ", s, " would hold ", r.sent(s),
+                " rows of H=", hidden, " elements of ", elem_bytes, " bytes, more than ", max_buffer_bytes,
+                " bytes (at most ", most, " rows)");
 }
 
 // What member `me` passes to a segmented all-to-all, in rows; arrays are [peers][L]
