@@ -194,6 +194,19 @@ TEST_CASE("bad configuration raises on every rank, together, before rows move") 
     expect_configuration_error<epx::impl::all_reduce>(4, {4, 1, 1, 1, 4, 4, 0}, o,
                                                       "layer_options.chunks (4611686018427387904) is too large");
   }
+  SUBCASE("bounded mode with padding whose expert-major buffers would wrap") {
+    o.counts = epx::count_exchange::device;
+    o.bound.cap = 1;
+    o.top_k = 1;
+    o.hidden = std::size_t{1} << 24;
+    o.pad.rows_per_expert = (1 << 30) - 2 + (1 << 30);  // block = padded(ep * cap) = 2 + 2^31 - 2 = 2^31 rows
+    // ep * L * cap * hidden = 2 * 512 * 1 * 2^24 passes; L * block * hidden = 2^9 * 2^31 * 2^24 = 2^64 wraps to 0.
+    const std::string words =
+        "layer_options.bound.cap (1) with padding.rows_per_expert (2147483646) and padding.align (1) is too large: "
+        "L * padded(ep * cap) * hidden = 512 * 2147483648 * 16777216 =";
+    expect_configuration_error(2, {1, 2, 1, 1, 2, 1024, 0}, o, words);
+    expect_configuration_error<epx::impl::all_reduce>(2, {2, 1, 1, 1, 2, 1024, 0}, o, words);
+  }
   SUBCASE("an unknown count exchange") {
     o.counts = static_cast<epx::count_exchange>(5);
     expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, "layer_options.counts (5)");

@@ -104,6 +104,18 @@ inline std::string bound_check(const mesh& m, const layer_options& o) {
   if (rows > 9.0e15)
     return concat("layer_options.bound.cap (", o.bound.cap, ") is too large: ep * L * cap * hidden = ", rows,
                   " elements");
+  // The expert-major buffers hold L blocks of padded(ep * cap) rows: the padding rows count
+  // too (rows_per_expert and align up to 2^31 - 1 each would wrap L * block * hidden).
+  // (ep * cap <= 9e15 here, so the block fits an int64.)
+  const std::int64_t need = static_cast<std::int64_t>(m.ep()) * o.bound.cap + o.pad.rows_per_expert;
+  const std::int64_t align = std::max(1, o.pad.align);
+  const std::int64_t block = (need + align - 1) / align * align;
+  const double expert_rows =
+      static_cast<double>(m.local_experts()) * static_cast<double>(block) * static_cast<double>(o.hidden);
+  if (expert_rows > 9.0e15)
+    return concat("layer_options.bound.cap (", o.bound.cap, ") with padding.rows_per_expert (", o.pad.rows_per_expert,
+                  ") and padding.align (", o.pad.align, ") is too large: L * padded(ep * cap) * hidden = ",
+                  m.local_experts(), " * ", block, " * ", o.hidden, " = ", expert_rows, " elements");
   // The plan's buffers hold [chunks * E] and, on the masked path, [ep * (chunks + 2E + 1)]
   // entries, made at construction: a count beyond this would wrap their sizes.
   const double entries = static_cast<double>(o.chunks) * static_cast<double>(m.ep()) *
