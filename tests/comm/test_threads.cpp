@@ -1496,4 +1496,22 @@ TEST_CASE("threads: split with a negative color raises errc::input on every memb
                      });
 }
 
+// The typed reduce_scatter and all_gather check their spans by division: sizes whose
+// product with the communicator's size wraps (2^63 * 2 = 0) used to pass, and the
+// collective then read and wrote 2^63 elements.
+TEST_CASE("threads: reduce_scatter and all_gather refuse spans whose size times the ranks wraps") {
+  every_rank_refuses(2, "reduce_scatter: send (0) must hold size (2) x recv (9223372036854775808) elements",
+                     [](epx::threads::communicator& comm) {
+                       std::vector<float> send(4), recv(4);
+                       epx::reduce_scatter(comm, epx::span<const float>(send.data(), 0),
+                                           epx::span<float>(recv.data(), std::size_t{1} << 63));
+                     });
+  every_rank_refuses(2, "all_gather: recv (0) must hold size (2) x send (9223372036854775808) elements",
+                     [](epx::threads::communicator& comm) {
+                       std::vector<float> send(4), recv(4);
+                       epx::all_gather(comm, epx::span<const float>(send.data(), std::size_t{1} << 63),
+                                       epx::span<float>(recv.data(), 0));
+                     });
+}
+
 }  // namespace test_threads_cpp

@@ -197,17 +197,18 @@ void all_reduce(Comm& comm, span<const T> send, span<T> recv, double scale = 1.0
 // send: size()*recv.size() elements; block r (summed over ranks, times scale) lands on rank r.
 template <class Comm, class T>
 void reduce_scatter(Comm& comm, span<const T> send, span<T> recv, double scale = 1.0) {
-  EPX_REQUIRE(send.size() == recv.size() * static_cast<std::size_t>(comm.size()), errc::input,
-              "reduce_scatter: send (", send.size(), ") must hold size (", comm.size(), ") x recv (",
-              recv.size(), ") elements");
+  // Divided, not multiplied: a recv size whose product with the size wraps must not pass.
+  const auto n = static_cast<std::size_t>(comm.size());
+  EPX_REQUIRE(send.size() % n == 0 && send.size() / n == recv.size(), errc::input, "reduce_scatter: send (",
+              send.size(), ") must hold size (", comm.size(), ") x recv (", recv.size(), ") elements");
   comm.reduce_scatter(send.data(), recv.data(), recv.size(), datatype_of<T>(), scale);
 }
 
 template <class Comm, class T>
 void all_gather(Comm& comm, span<const T> send, span<T> recv) {
-  EPX_REQUIRE(recv.size() == send.size() * static_cast<std::size_t>(comm.size()), errc::input,
-              "all_gather: recv (", recv.size(), ") must hold size (", comm.size(), ") x send (",
-              send.size(), ") elements");
+  const auto n = static_cast<std::size_t>(comm.size());
+  EPX_REQUIRE(recv.size() % n == 0 && recv.size() / n == send.size(), errc::input, "all_gather: recv (",
+              recv.size(), ") must hold size (", comm.size(), ") x send (", send.size(), ") elements");
   comm.all_gather(send.data(), recv.data(), send.size(), datatype_of<T>());
 }
 
