@@ -1078,4 +1078,36 @@ TEST_CASE("a call whose expert-major buffers would wrap rows * H raises errc::in
   SUBCASE("masked all-reduce path") { run(epx::impl::all_reduce{}, {2, 1, 1, 1, 2, 2, 0}); }
 }
 
+TEST_CASE("tensor sizes whose N*k would wrap raise errc::input on every rank of the EP group") {
+  // x of 2^61 rows of H = 1 (a size no buffer has: the call must refuse it before reading)
+  // and k = 8: N*k = 2^64 wraps to 0, which empty ids and weights used to match.
+  epx::layer_options o;
+  o.hidden = 1;
+  o.top_k = 8;
+  const std::size_t N = std::size_t{1} << 61;
+  for (bool split : {false, true}) {
+    CAPTURE(split);
+    std::vector<raised> r(2);
+    epx::threads::run(2, [&](comm_t& comm) {
+      const epx::mesh m({1, 2, 1, 1, 2, 8, 0});
+      epx::moe_layer<comm_t, float> layer(m, comm, o);
+      scale_experts experts;
+      std::vector<float> x(8), out(8);
+      r[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
+        const epx::span<const float> xs(x.data(), N), w;
+        const epx::span<const std::int32_t> ids;
+        if (split) (void)layer.dispatch_start(xs, ids, w, epx::mode::inference);
+        else (void)layer.forward(xs, ids, w, epx::span<float>(out.data(), N), experts, epx::mode::inference);
+      });
+    });
+    for (const auto& x : r) {
+      CAPTURE(x.message);
+      REQUIRE(x.thrown);
+      CHECK(x.category == epx::errc::input);
+      CHECK(x.message.find("expert ids have 0 elements but N*k = 2305843009213693952*8 = more than SIZE_MAX") !=
+            std::string::npos);
+    }
+  }
+}
+
 }  // namespace test_layer_errors_cpp

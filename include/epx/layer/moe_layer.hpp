@@ -560,15 +560,18 @@ class moe_layer {
     const char* product;  // "N*H"
   };
   // The first shape mismatch of a call as a sentence ("" when the shapes fit): `first`
-  // holds whole rows of H; every rule's tensor holds rows*cols elements.
+  // holds whole rows of H; every rule's tensor holds rows*cols elements (cols: H or k, >= 1).
   std::string shape_error(const char* first, std::size_t first_size, std::initializer_list<size_rule> rules) const {
     const std::size_t H = options_.hidden;
     if (first_size % H != 0)
       return detail::concat(first, " has ", first_size, " elements, not a multiple of the hidden size H=", H);
+    // Divided, not multiplied: rows*cols may wrap (N = 2^61 rows and k = 8 give 0), and a
+    // tensor of the wrapped size must not pass.
     for (const auto& r : rules)
-      if (r.have != r.rows * r.cols)
+      if (r.have % r.cols != 0 || r.have / r.cols != r.rows)
         return detail::concat(r.what, " ", r.have, " elements but ", r.product, " = ", r.rows, "*", r.cols, " = ",
-                              r.rows * r.cols);
+                              r.rows > SIZE_MAX / r.cols ? std::string("more than SIZE_MAX")
+                                                         : std::to_string(r.rows * r.cols));
     return {};
   }
 
