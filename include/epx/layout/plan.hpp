@@ -548,8 +548,9 @@ send_plan<Exec> launch_counting_counts(const Exec& ex, const std::int32_t* ids, 
   // Nodes per token in pass 1 when there are at most 64 nodes (chunks of whole rows
   // then); else routing::token_nodes after it.
   const int d = nodes.experts_per_node;
-  const bool fused = d > 0 && E <= 64 * d;
-  const bool bytes = fused && E <= 8 * d;  // at most 8 nodes: a byte per node
+  // (64-bit products: 64 * d overflows an int from d = 2^25 experts per node.)
+  const bool fused = d > 0 && E <= 64 * std::int64_t{d};
+  const bool bytes = fused && E <= 8 * std::int64_t{d};  // at most 8 nodes: a byte per node
   std::size_t C = chunks ? chunks : default_chunks(ex);
   C = std::max<std::size_t>(1, std::min(C, p.pairs));
   std::size_t per = p.pairs ? (p.pairs + C - 1) / C : 1;

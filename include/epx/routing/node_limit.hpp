@@ -199,7 +199,7 @@ struct token_nodes {
 
   EPX_HOST_DEVICE void operator()(std::size_t t) const {
     const std::int32_t* id = ids + t * static_cast<std::size_t>(top_k);
-    if (num_experts <= 64 * experts_per_node) {
+    if (num_experts <= 64 * std::int64_t{experts_per_node}) {  // 64 bits: 64 * d overflows an int from 2^25
       // At most 64 nodes (the usual case): one mask, no branch per id (an id outside
       // [0, E) adds no bit).
       std::uint64_t mask = 0;
