@@ -511,12 +511,44 @@ def error_cases(W: int):
         expect_error(lambda: epx_torch.dispatch(x[:4], ids[:4], w[:4], lay), f"rank {bad}",
                      "above EPX_TORCH_SHM_MAX_BYTES=1048576")
 
+    def id_beyond_int32():
+        # int64 ids reach epx as int32: one outside int32's range stays out of range (at
+        # int32's limit, which epx names) instead of wrapping around to a valid expert.
+        for big, named in ((2**32 + 1, 2**31 - 1), (-2**32 + 2, -2**31)):
+            x, ids, w = data()
+            if rank == bad:
+                ids[4, 1] = big
+            expect_error(lambda: epx_torch.dispatch(x, ids, w, layer), f"rank {bad}",
+                         f"expert id ({named}) of token 4 slot 1 out of range [0, {E_DEFAULT})")
+
+    def weights_shape():
+        # The routing weights must have x's rows as well as top_k columns.
+        for shape in ((5, 2), (7, 2)):
+            x, ids, w = data()
+            if rank == bad:
+                w = torch.rand(*shape)
+            expect_error(lambda: epx_torch.dispatch(x, ids, w, layer), f"rank {bad}",
+                         f"routing weights has shape [{shape[0]}, 2] but must be [6, 2]")
+
+    def error_is_runtime_error():
+        # EpxError is a RuntimeError (docs/pytorch.md): code that catches RuntimeError catches it.
+        if not issubclass(epx_torch.EpxError, RuntimeError):
+            raise AssertionError(f"EpxError's bases are {epx_torch.EpxError.__mro__[1:]}, not RuntimeError's")
+        x, ids, w = data()
+        if rank == bad:
+            x = x.double()
+        expect_error(lambda: epx_torch.dispatch(x, ids, w, layer), f"rank {bad}", "x has dtype Double",
+                     error=RuntimeError)
+
     def still_works_after_errors():
         layer_case(tp=1, dtype=torch.float64)
 
     return [("error: wrong x dtype", wrong_dtype), ("error: wrong ids dtype", wrong_ids_dtype),
             ("error: wrong device", wrong_device), ("error: CUDA tensors refused on every rank", cuda_tensors), ("error: wrong x shape", wrong_shape),
             ("error: wrong ids shape", ids_shape), ("error: expert id out of range", bad_expert_id),
+            ("error: an int64 expert id outside int32 on one rank", id_beyond_int32),
+            ("error: routing weights of the wrong shape", weights_shape),
+            ("error: EpxError is a RuntimeError", error_is_runtime_error),
             ("error: NaN routing weight", nan_weight), ("error: combine with a wrong expert output", combine_shape),
             ("error: a handle combined twice", combine_twice),
             ("error: None or another object for a tensor on one rank", not_a_tensor),
