@@ -476,14 +476,19 @@ def error_cases(W: int):
 
     def missing_rank_times_out():
         # A rank that never calls dispatch: the others raise once the layer's group timeout
-        # (3 s here) has passed, on the shared-memory path as on the process group's.
+        # (3 s here) has passed, on the shared-memory path as on the process group's (there
+        # the group's failure is an EpxError too, naming the collective and the group).
         import datetime
 
         quick = dist.new_group(list(range(W)), timeout=datetime.timedelta(seconds=3))
         lay = epx_torch.Layer(mesh, hidden=H, top_k=2, dtype=torch.float32, group=quick, transport="shm")
+        slow = dist.new_group(list(range(W)), timeout=datetime.timedelta(seconds=3))
+        over_group = epx_torch.Layer(mesh, hidden=H, top_k=2, dtype=torch.float32, group=slow, transport="group")
         x, ids, w = data()
         if rank != bad:
             expect_error(lambda: epx_torch.dispatch(x, ids, w, lay), "communicator", "waited more than 3")
+            expect_error(lambda: epx_torch.dispatch(x, ids, w, over_group), "communicator",
+                         "over torch process group", f"(gloo, rank {rank} of {W}) failed")
 
     def one_rank_fails_in_shared_memory():
         # A failure of one rank alone inside the shared-memory exchange (here: its buffer would
