@@ -20,7 +20,7 @@ import epx_torch
 from harness import check_close, check_equal, expect_error
 
 H, F, E_DEFAULT = 16, 8, 8
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 def batch_data(b: int, N: int, k: int, E: int, dtype, routing: str = "random"):
@@ -1030,11 +1030,11 @@ def reinit_case():
 
 def cases(W: int):
     out = []
-    f64, f32, bf16 = torch.float64, torch.float32, torch.bfloat16
+    f64, f32, bf16, f16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
     add = lambda name, fn: out.append((name, fn))  # noqa: E731
     add("communicator over the process group", communicator_case)
     add("device communicator over the process group (emulated)", lambda: communicator_case("_EmulatedCommunicator"))
-    for dt in (f64, f32, bf16):
+    for dt in (f64, f32, bf16, f16):
         add(f"all_to_all tp1 ep{W} {dt}", lambda dt=dt: layer_case(tp=1, dtype=dt))
     add("all_to_all inference (no_grad)", lambda: layer_case(tp=1, train=False))
     add("all_to_all padding off", lambda: layer_case(padding=(0, 1), routing="first_half"))
