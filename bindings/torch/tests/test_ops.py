@@ -1028,6 +1028,27 @@ def reinit_case():
     layer_case(tp=1, dtype=torch.float32, transport="group")
 
 
+def weights_dtype_case(device="cpu"):
+    """Routing weights of another float dtype (float64, bfloat16) are converted to float32
+    differentiably: their gradient comes back in their own dtype, the float32 weights'
+    gradient converted."""
+    W = dist.get_world_size()
+    mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=E_DEFAULT)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=3, dtype=torch.float64, device=device)
+    x, ids, w, G = batch_data(layer.batch, 12, 3, E_DEFAULT, torch.float64)
+    w = w.to(torch.bfloat16).float()  # exact in every dtype below
+    grads = {}
+    for wd in (torch.float32, torch.float64, torch.bfloat16):
+        wi = w.to(wd).detach().clone().requires_grad_()
+        rows, offsets, h = epx_torch.dispatch(x, ids, wi, layer)
+        epx_torch.combine(rows * 2, h).backward(G)
+        if wi.grad is None or wi.grad.dtype != wd:
+            raise AssertionError(f"routing weights of {wd}: gradient {None if wi.grad is None else wi.grad.dtype}")
+        grads[wd] = wi.grad
+    check_equal("float64 routing weights' gradient", grads[torch.float64], grads[torch.float32].double())
+    check_equal("bfloat16 routing weights' gradient", grads[torch.bfloat16], grads[torch.float32].bfloat16())
+
+
 def cases(W: int):
     out = []
     f64, f32, bf16, f16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
@@ -1041,6 +1062,7 @@ def cases(W: int):
     add("all_to_all padding 2 rows, align 4", lambda: layer_case(padding=(2, 4), check_padding=True))
     add("all_to_all one expert takes every token", lambda: layer_case(routing="one_expert"))
     add("all_to_all experts of upper ranks get nothing", lambda: layer_case(routing="first_half"))
+    add("routing weights of float64 and bfloat16: their gradient in their dtype", weights_dtype_case)
     add("dense gradient hook", dense_hook_case)
     add("hooks on gradients that are not contiguous", noncontiguous_hook_case)
     # The process group's own all-to-all (transport='group') instead of shared memory.
