@@ -1049,6 +1049,30 @@ def weights_dtype_case(device="cpu"):
     check_equal("bfloat16 routing weights' gradient", grads[torch.bfloat16], grads[torch.float32].bfloat16())
 
 
+def auto_path_case():
+    """path='auto' with ep == tp takes the masked path for a call without gradients and the
+    all-to-all path for one with them (docs/pytorch.md), each with the right output (and
+    input gradient)."""
+    W = dist.get_world_size()
+    mesh = epx_torch.Mesh(tp=W, fsdp=1, ep=W, experts=E_DEFAULT)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=2, dtype=torch.float64, path="auto")
+    if layer.uses_masked_path(training=True) or not layer.uses_masked_path(training=False):
+        raise AssertionError("uses_masked_path: masked for training, or not for inference")
+    x, ids, w, G = batch_data(layer.batch, 6, 2, E_DEFAULT, torch.float64)
+    for train in (False, True):
+        with torch.set_grad_enabled(train):
+            xi = x.clone().requires_grad_(train)
+            rows, offsets, h = epx_torch.dispatch(xi, ids, w, layer)
+            if h.masked == train:
+                raise AssertionError(f"a call {'with' if train else 'without'} gradients took the "
+                                     f"{'masked' if h.masked else 'all-to-all'} path")
+            out = epx_torch.combine(rows * 2, h)
+        check_close("output", out, 2 * (w.double().sum(1, keepdim=True) * x), 1e-12)
+        if train:
+            out.backward(G)
+            check_close("input gradient", xi.grad, 2 * w.double().sum(1, keepdim=True) * G, 1e-12)
+
+
 def cases(W: int):
     out = []
     f64, f32, bf16, f16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
@@ -1112,6 +1136,7 @@ def cases(W: int):
                     f"bitwise the gradients without it", lambda r=reentrant: checkpoint_tp_case(r, "auto", "layer"))
         add("auto: masked for inference when ep == tp", lambda: layer_case(tp=2, ep=2, path="auto", train=False))
         add("auto: all_to_all for training", lambda: layer_case(tp=2, ep=2, path="auto"))
+        add("auto: the path each call takes (masked without gradients, all_to_all with them)", auto_path_case)
         add("bitwise = epx::moe_layer (all_to_all, float32)", lambda: bitwise_case(dtype=f32))
         add("bitwise = epx::moe_layer (all_to_all, bfloat16)", lambda: bitwise_case(dtype=bf16))
         add("bitwise = epx::moe_layer (all_to_all, tp2, float64)", lambda: bitwise_case(tp=2, dtype=f64))
