@@ -1073,6 +1073,30 @@ def auto_path_case():
             check_close("input gradient", xi.grad, 2 * w.double().sum(1, keepdim=True) * G, 1e-12)
 
 
+def noncontiguous_inputs_case(device="cpu"):
+    """x, int32 expert ids and float32 routing weights given as non-contiguous views (a
+    transposed layout, a column slice) give the bits of the same values in contiguous
+    tensors: output, input and routing-weight gradients."""
+    W = dist.get_world_size()
+    mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=E_DEFAULT)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=3, dtype=torch.float32, device=device)
+    x, ids, w, G = batch_data(layer.batch, 12, 3, E_DEFAULT, torch.float32)
+    ids = ids.to(torch.int32)
+    views = (x.t().contiguous().t(), ids.t().contiguous().t(), torch.cat([w, torch.zeros_like(w)], 1)[:, :3])
+    got = []
+    for xi, ii, wi in ((x, ids, w), views):
+        if xi is not x and (xi.is_contiguous() or ii.is_contiguous() or wi.is_contiguous()):
+            raise AssertionError("the views are contiguous")
+        xi = xi.detach().requires_grad_()
+        wi = wi.detach().requires_grad_()
+        rows, offsets, h = epx_torch.dispatch(xi, ii, wi, layer)
+        out = epx_torch.combine(rows * 2, h)
+        out.backward(G)
+        got.append((rows.detach().clone(), out.detach(), xi.grad, wi.grad))
+    for what, a, b in zip(("rows", "output", "input gradient", "routing-weight gradient"), got[0], got[1]):
+        check_equal(f"{what} of non-contiguous inputs", b, a)
+
+
 def cases(W: int):
     out = []
     f64, f32, bf16, f16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
@@ -1087,6 +1111,7 @@ def cases(W: int):
     add("all_to_all one expert takes every token", lambda: layer_case(routing="one_expert"))
     add("all_to_all experts of upper ranks get nothing", lambda: layer_case(routing="first_half"))
     add("routing weights of float64 and bfloat16: their gradient in their dtype", weights_dtype_case)
+    add("non-contiguous x, int32 ids and routing weights: the bits of contiguous ones", noncontiguous_inputs_case)
     add("dense gradient hook", dense_hook_case)
     add("hooks on gradients that are not contiguous", noncontiguous_hook_case)
     # The process group's own all-to-all (transport='group') instead of shared memory.
