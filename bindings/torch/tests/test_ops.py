@@ -1097,6 +1097,27 @@ def noncontiguous_inputs_case(device="cpu"):
         check_equal(f"{what} of non-contiguous inputs", b, a)
 
 
+def held_tensors_case(device="cpu"):
+    """What a call returns stays as it was while it is held: the rows and output of one call,
+    and the gradients its backward left in x and the routing weights, are not overwritten by
+    the layer's next call (the layer hands a buffer out again only once nothing holds it)."""
+    W = dist.get_world_size()
+    mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=E_DEFAULT)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=3, dtype=torch.float32, device=device)
+    held, copies = [], []
+    for call in range(2):
+        x, ids, w, G = batch_data(layer.batch + 10 * call, 12, 3, E_DEFAULT, torch.float32)
+        x.requires_grad_()
+        w.requires_grad_()
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        out = epx_torch.combine(rows * 2, h)
+        out.backward(G)
+        held.append((rows, out, x.grad, w.grad))
+        copies.append(tuple(t.detach().clone() for t in held[-1]))
+    for what, t, c in zip(("rows", "output", "input gradient", "routing-weight gradient"), held[0], copies[0]):
+        check_equal(f"the first call's {what} after the second call", t.detach(), c)
+
+
 def cases(W: int):
     out = []
     f64, f32, bf16, f16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
@@ -1112,6 +1133,7 @@ def cases(W: int):
     add("all_to_all experts of upper ranks get nothing", lambda: layer_case(routing="first_half"))
     add("routing weights of float64 and bfloat16: their gradient in their dtype", weights_dtype_case)
     add("non-contiguous x, int32 ids and routing weights: the bits of contiguous ones", noncontiguous_inputs_case)
+    add("a call's rows, output and gradients, held, survive the next call", held_tensors_case)
     add("dense gradient hook", dense_hook_case)
     add("hooks on gradients that are not contiguous", noncontiguous_hook_case)
     # The process group's own all-to-all (transport='group') instead of shared memory.
