@@ -1118,6 +1118,35 @@ def held_tensors_case(device="cpu"):
         check_equal(f"the first call's {what} after the second call", t.detach(), c)
 
 
+def removed_hook_case():
+    """A hook removed with its handle no longer reduces its parameter's gradient: after a
+    backward that parameter holds this rank's own gradient, while the one still hooked holds
+    its reduction."""
+    W = dist.get_world_size()
+    mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=E_DEFAULT)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=2, dtype=torch.float64)
+    L = layer.local_experts
+    x, ids, w, G = batch_data(layer.batch, 6, 2, E_DEFAULT, torch.float64)
+
+    def step(hooked):
+        a = torch.nn.Parameter(torch.linspace(0.5, 1.5, L, dtype=torch.float64))
+        b = torch.nn.Parameter(torch.linspace(2.0, 1.0, L, dtype=torch.float64))
+        handles = layer.register_expert_hooks([a, b]) if hooked else []
+        if hooked:
+            handles[0].remove()  # a's
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        le = h.local_expert_ids()
+        epx_torch.combine(rows * (a[le] * b[le])[:, None], h).backward(G)
+        for hd in handles[1:]:
+            hd.remove()
+        return a.grad, b.grad
+
+    ga, gb = step(False)
+    ha, hb = step(True)
+    check_equal("the gradient of a parameter whose hook was removed", ha, ga)
+    check_equal("the gradient of a parameter still hooked", hb, layer.reduce_expert_gradients(gb.clone()))
+
+
 def cases(W: int):
     out = []
     f64, f32, bf16, f16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
@@ -1135,6 +1164,7 @@ def cases(W: int):
     add("non-contiguous x, int32 ids and routing weights: the bits of contiguous ones", noncontiguous_inputs_case)
     add("a call's rows, output and gradients, held, survive the next call", held_tensors_case)
     add("dense gradient hook", dense_hook_case)
+    add("a removed expert hook no longer reduces its parameter's gradient", removed_hook_case)
     add("hooks on gradients that are not contiguous", noncontiguous_hook_case)
     # The process group's own all-to-all (transport='group') instead of shared memory.
     add("transport group: all_to_all float64", lambda: layer_case(transport="group"))
