@@ -9,7 +9,17 @@ compile alone; tests/emulated with the emulated device's definitions; *_mpi.cpp 
 run under mpiexec) and runs it. A bug is caught when the test fails, crashes or ends on its
 time limit; it survives when the test passes, which fails this check.
 
-    scripts/mutation-check.py                 # every bug (about half an hour on two cores)
+tests/mutations/bindings.json lists bugs of the PyTorch bindings (bindings/torch) in the
+same form; their test is a file of bindings/torch/tests, and each names the cases to run
+(`cases`: run.py's --only text), the number of processes (`np`, default 2) and, for the
+emulated device layer's cases, `device` ("emulated"). The bindings are copied, with the bug,
+into one directory per copy of the repository (~/.cache/epx/torch-mutants/<key>; only what
+changed is written, so ninja rebuilds only the sources the bug touches), the extension is
+built there with the virtual environment of scripts/run-torch-tests.sh (EPX_TORCH_VENV) and
+the cases run under torchrun (gloo, CPU). These bugs run one after another.
+
+    scripts/mutation-check.py                 # every bug (about half an hour on two cores for the
+                                              # headers', as long again for the bindings')
     scripts/mutation-check.py --only NAME,... # some of them
     scripts/mutation-check.py --list          # names and bugs
     scripts/mutation-check.py --check-catalog # quick: every edit still applies exactly once
@@ -31,11 +41,20 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CATALOG = ROOT / "tests" / "mutations" / "catalog.json"
+BINDINGS = ROOT / "tests" / "mutations" / "bindings.json"
+VENV = pathlib.Path(os.environ.get("EPX_TORCH_VENV", pathlib.Path.home() / ".cache" / "epx" / "torch-venv"))
 EMULATED = ["-DEPX_TEST_EXEC=::epx::exec::emulated_device", "-DEPX_EMULATE_DEVICE_ALGORITHMS=1"]
 
 
 def load():
-    return json.loads(CATALOG.read_text(encoding="utf-8"))
+    bugs = json.loads(CATALOG.read_text(encoding="utf-8"))
+    if BINDINGS.is_file():
+        bugs += json.loads(BINDINGS.read_text(encoding="utf-8"))
+    return bugs
+
+
+def is_torch(b) -> bool:
+    return b["test"].startswith("bindings/torch/")
 
 
 def check_catalog(bugs) -> int:
@@ -46,6 +65,8 @@ def check_catalog(bugs) -> int:
         names.add(b["name"])
         if not (ROOT / b["test"]).is_file():
             problems.append(f"{b['name']}: test file {b['test']} does not exist")
+        if is_torch(b) and not b.get("cases"):
+            problems.append(f"{b['name']}: a bug of the bindings names no cases to run")
         for e in b["edits"]:
             path = ROOT / e["file"]
             n = path.read_text(encoding="utf-8").count(e["old"]) if path.is_file() else -1
@@ -98,6 +119,55 @@ def compile_and_run(b, work: pathlib.Path, timeout: int):
     return "caught: " + (lines[0].strip()[:160] if lines else f"exit status {r.returncode}")
 
 
+def write_if_changed(path: pathlib.Path, text: str) -> None:
+    """Writes only a file whose text differs (a fresh time stamp: ninja rebuilds what uses it)."""
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+
+
+def run_torch(b, timeout: int):
+    """A bug of the bindings: planted in this copy's mutant tree, built, and its cases run."""
+    import hashlib
+
+    key = hashlib.sha256(str(ROOT).encode()).hexdigest()[:12]
+    work = pathlib.Path.home() / ".cache" / "epx" / "torch-mutants" / key
+    src = ROOT / "bindings" / "torch"
+    files = {f.relative_to(ROOT): f.read_text(encoding="utf-8") for f in sorted(src.rglob("*"))
+             if f.is_file() and f.suffix in (".py", ".cpp", ".hpp", ".cu", ".txt") and "__pycache__" not in f.parts}
+    for e in b["edits"]:
+        rel = pathlib.Path(e["file"])
+        if rel not in files or files[rel].count(e["old"]) != 1:
+            return f"error: {e['file']} holds the planted text {files.get(rel, '').count(e['old'])} times"
+        files[rel] = files[rel].replace(e["old"], e["new"])
+    for rel, text in files.items():
+        write_if_changed(work / rel, text)
+    env = dict(os.environ, PYTHONPATH=str(work / "bindings" / "torch"), EPX_INCLUDE_DIR=str(ROOT / "include"),
+               EPX_TORCH_BUILD_DIR=str(work / "build"), EPX_TORCH_CUDA="0", OMP_NUM_THREADS="1",
+               EPX_TORCH_TIMEOUT=os.environ.get("EPX_TORCH_TIMEOUT", "60"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    for v in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(v, None)
+    r = subprocess.run([str(VENV / "bin" / "python"), "-c", "import epx_torch"], capture_output=True, text=True,
+                       env=env, cwd=work)
+    if r.returncode != 0:
+        err = [l for l in r.stderr.splitlines() if "error" in l.lower()]
+        return "error: does not build: " + (err[0].strip()[:200] if err else f"exit status {r.returncode}")
+    cmd = [str(VENV / "bin" / "torchrun"), "--standalone", f"--nproc-per-node={b.get('np', 2)}",
+           str(work / "bindings" / "torch" / "tests" / "run.py"), "--only", b["cases"]]
+    if b.get("device"):
+        cmd += ["--device", b["device"]]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=work)
+    except subprocess.TimeoutExpired:
+        return f"caught: no end within {timeout} s"
+    out = r.stdout + r.stderr
+    if r.returncode == 0:
+        return "SURVIVED"
+    lines = [l for l in out.splitlines() if " FAIL " in l]
+    return "caught: " + (lines[0].strip()[:160] if lines else f"torchrun exit status {r.returncode}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help="comma-separated names")
@@ -128,11 +198,19 @@ def main() -> int:
             return b, compile_and_run(b, pathlib.Path(tmp), args.timeout)
 
     survived = errors = 0
+
+    def report(b, verdict):
+        nonlocal survived, errors
+        survived += verdict == "SURVIVED"
+        errors += verdict.startswith("error")
+        print(f"{b['name']:30} {verdict}", flush=True)
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for b, verdict in pool.map(one, bugs):
-            survived += verdict == "SURVIVED"
-            errors += verdict.startswith("error")
-            print(f"{b['name']:30} {verdict}", flush=True)
+        for b, verdict in pool.map(one, [b for b in bugs if not is_torch(b)]):
+            report(b, verdict)
+    for b in bugs:  # one mutant tree: one after another
+        if is_torch(b):
+            report(b, run_torch(b, args.timeout))
     print(f"mutation check: {len(bugs)} bugs, {len(bugs) - survived - errors} caught, {survived} survived, "
           f"{errors} error(s)")
     return 1 if survived or errors else 0
