@@ -34,11 +34,15 @@ inline std::string shape_of(const at::Tensor& t) {
 
 // The layer's own checks on this rank, as a sentence ("" when fine), as moe_layer makes them.
 template <class Comm>
-std::string local_check(const epx::mesh& m, int world_size, const epx::layer_options& o, path_kind path) {
+std::string local_check(const epx::mesh& m, int world_size, const epx::layer_options& o, path_kind path,
+                        std::size_t elem_bytes) {
   try {
     m.validate_world(world_size);
     m.validate_top_k(o.top_k);
     EPX_REQUIRE(o.hidden >= 1, epx::errc::configuration, "hidden (", o.hidden, ") must be at least 1");
+    EPX_REQUIRE(o.hidden <= epx::detail::max_buffer_bytes / elem_bytes, epx::errc::configuration, "hidden (",
+                o.hidden, ") is too large: a row of hidden * ", elem_bytes, " bytes must stay within ",
+                epx::detail::max_buffer_bytes, " bytes");
     o.pad.validate();
     if (path == path_kind::all_reduce) return epx::detail::all_reduce_impl<Comm>::can_implement(m, o);
     return {};
@@ -119,7 +123,8 @@ basic_torch_layer<Exec, Comm>::basic_torch_layer(const epx::mesh_config& mc, con
     why = e.message();
     mesh_ = std::make_unique<epx::mesh>(epx::mesh_config{});
   }
-  if (why.empty()) why = local_check<Comm>(*mesh_, world_->size(), options_, path_);
+  if (why.empty())
+    why = local_check<Comm>(*mesh_, world_->size(), options_, path_, c10::elementSize(scalar_type_of(dtype_)));
   epx::detail::agree_on_layer(*world_, *mesh_, options_, world_rank, "world", why);
   // The fields moe_layer's record does not have: the element type, the path, the transport.
   const std::int64_t mine[4] = {world_rank, dtype, path, transport};
@@ -228,6 +233,8 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> basic_torch_
                                                            E, options_.chunks, ok, why, N, H, world_rank_, tp,
                                                            s->training);
     s->layout = epx::detail::make_receive_layout(ep, ep, L, options_.pad, [&](int r) { return records.counts(r); });
+    // The same layout on every rank: a buffer of rows * H that would wrap raises on all of them.
+    epx::detail::check_buffer_rows(s->layout, H, sizeof(T), "epx_torch dispatch");
     s->slice = sl;
     const std::size_t S = n * ks, R = s->layout.rows(me);
     s->expert_rows = R;
@@ -260,6 +267,7 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> basic_torch_
                                               options_.chunks, ok, why, N, H, world_rank_, ep, s->training)
                   .plan;
   s->layout = epx::detail::make_receive_layout(1, ep, L, options_.pad, [&](int) { return plan.host_counts.data(); });
+  epx::detail::check_buffer_rows(s->layout, H, sizeof(T), "epx_torch dispatch");
   const std::size_t* off = s->layout.offsets(me);
   s->offsets.assign(off, off + L + 1);
   std::vector<std::int64_t> off64(s->offsets.begin(), s->offsets.end());

@@ -474,6 +474,17 @@ def error_cases(W: int):
         expect_error(lambda: epx_torch.Layer(epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=W + 1), hidden=H, top_k=2),
                      f"num_experts ({W + 1}) must be divisible by ep_size ({W})")
 
+    def sizes_that_wrap():
+        # A row of hidden * 4 bytes beyond PTRDIFF_MAX is refused at construction; padding
+        # rows whose expert-major buffer (rows * hidden) would wrap raise at the call, on
+        # every rank, though no rank has a token.
+        expect_error(lambda: epx_torch.Layer(mesh, hidden=2**62, top_k=2), "hidden (4611686018427387904) is too large")
+        big = 2**40
+        lay = epx_torch.Layer(mesh, hidden=big, top_k=2, padding=(2**24, 1))
+        x, ids, w = torch.zeros(0, big), torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2)
+        expect_error(lambda: epx_torch.dispatch(x, ids, w, lay), "epx_torch dispatch: the expert-major buffer of ep rank",
+                     "padding included")
+
     def missing_rank_times_out():
         # A rank that never calls dispatch: the others raise once the layer's group timeout
         # (3 s here) has passed, on the shared-memory path as on the process group's (there
@@ -572,6 +583,7 @@ def error_cases(W: int):
             ("error: wrong arguments on one rank", arguments_wrong_on_one_rank),
             ("error: masked path needs ep == tp", masked_needs_ep_eq_tp),
             ("error: mesh rule (experts % ep)", bad_mesh),
+            ("error: a hidden size or padding whose buffers would wrap", sizes_that_wrap),
             ("error: a rank that never calls: the others time out", missing_rank_times_out),
             ("error: one rank fails inside the shared-memory exchange: every rank raises its reason",
              one_rank_fails_in_shared_memory),
