@@ -16,6 +16,7 @@
 #include "comm/comm_cases.hpp"
 #include "epx/comm/collectives.hpp"
 #include "epx/comm/threads.hpp"
+#include "support/sanitizers.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
 // source, where another file may use the same names.
@@ -254,14 +255,6 @@ TEST_CASE("threads: split by color and key") { for_each_world_size([](auto& c) {
 TEST_CASE("threads: sub-communicators of every mesh group") {
   for_each_world_size([](auto& c) { comm_cases::case_sub_communicators(c); });
 }
-#if defined(__SANITIZE_THREAD__)
-#define EPX_TEST_UNDER_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define EPX_TEST_UNDER_TSAN 1
-#endif
-#endif
-
 TEST_CASE("threads: 64 MiB messages") {
 #ifdef EPX_TEST_UNDER_TSAN
   const int sizes[] = {2};  // every byte copied is checked by the sanitizer: keep it to one size

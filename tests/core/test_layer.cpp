@@ -10,6 +10,7 @@
 
 #include "core/layer_cases.hpp"
 #include "epx/comm/threads.hpp"
+#include "support/sanitizers.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
 // source, where another file may use the same names.
@@ -188,7 +189,7 @@ TEST_CASE("layer: the staged route in rounds (layer_options::stage_bytes) agains
     cases.push_back(capped);
   }
   auto wide = make(2, 4, 4, 16, 6);
-  wide.hidden = 300;
+  wide.hidden = static_cast<int>(epx::test::tsan_hidden(300, 100));
   wide.rows = [](int b) { return static_cast<std::size_t>(37 + 3 * b); };
   cases.push_back(wide);
   for (auto c : cases) {
@@ -282,7 +283,7 @@ TEST_CASE("layer: per-rank sends (spec section 14) against float64 and against p
   capped.capacity.factor = 0.5;
   cases.push_back(capped);
   auto wide = make(1, 4, 4, 16, 6);
-  wide.hidden = 300;
+  wide.hidden = static_cast<int>(epx::test::tsan_hidden(300, 100));
   wide.rows = [](int) { return std::size_t{40}; };
   cases.push_back(wide);
   for (auto c : cases) {
