@@ -3,7 +3,8 @@
 
 tests/mutations/catalog.json lists the bugs: each has a name, what the bug is, the edits
 that plant it (a string of a header that occurs exactly once, and what replaces it) and the
-test file that must fail with it. For each bug the script copies include/, plants the bug
+test file that must fail with it (`cccl`: true for a bug of the Thrust route, compiled with
+the CCCL headers: EPX_CCCL_INCLUDE_DIR, else a CUDA toolkit's include/cccl). For each bug the script copies include/, plants the bug
 in the copy, compiles that test file against it (-O1, the way the unity build's files
 compile alone; tests/emulated with the emulated device's definitions; *_mpi.cpp with mpicxx,
 run under mpiexec) and runs it. A bug is caught when the test fails, crashes or ends on its
@@ -44,6 +45,17 @@ CATALOG = ROOT / "tests" / "mutations" / "catalog.json"
 BINDINGS = ROOT / "tests" / "mutations" / "bindings.json"
 VENV = pathlib.Path(os.environ.get("EPX_TORCH_VENV", pathlib.Path.home() / ".cache" / "epx" / "torch-venv"))
 EMULATED = ["-DEPX_TEST_EXEC=::epx::exec::emulated_device", "-DEPX_EMULATE_DEVICE_ALGORITHMS=1"]
+
+
+def cccl_include():
+    """The CCCL headers' folder (EPX_CCCL_INCLUDE_DIR, else a CUDA toolkit's include/cccl), or None."""
+    env = os.environ.get("EPX_CCCL_INCLUDE_DIR")
+    if env:
+        return pathlib.Path(env) if (pathlib.Path(env) / "thrust").is_dir() else None
+    for d in sorted(pathlib.Path("/usr/local").glob("cuda*/include/cccl"), reverse=True):
+        if (d / "thrust").is_dir():
+            return d
+    return None
 
 
 def load():
@@ -99,6 +111,13 @@ def compile_and_run(b, work: pathlib.Path, timeout: int):
            f"-I{inc}", f"-I{ROOT / 'tests'}", str(ROOT / main), str(ROOT / test), "-o", str(exe)]
     if pathlib.Path(test).parent.name == "emulated":
         cmd[5:5] = EMULATED
+    if b.get("cccl"):
+        # A bug of the Thrust route (EPX_HAS_CCCL), which the emulated label's CMake build
+        # takes where it finds the CCCL headers.
+        cccl = cccl_include()
+        if cccl is None:
+            return "error: the bug needs the CCCL headers (EPX_CCCL_INCLUDE_DIR)"
+        cmd[5:5] = ["-isystem", str(cccl), "-DEPX_HAS_CCCL=1"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         # A planted bug the compiler refuses is caught at compile time only if the clean
