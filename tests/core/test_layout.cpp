@@ -136,80 +136,90 @@ TEST_CASE("layout: which layout plan the emulated device runs") {
 #endif
 }
 
-TEST_CASE("layout: the emulated device's plan is bitwise the host's, bad pairs and capacity drops included") {
+TEST_CASE("layout: the emulated device's plan is bitwise the host's, bad pairs and capacity drops included, launches in either order") {
   // Random routings with bad ids and non-finite weights sprinkled in: the summary (first
   // bad pair, counts, offsets), every good pair's position and every row of the send
   // order are the host counting sort's; then a capacity drops the same pairs from both.
-  rng g(77);
-  for (int trial = 0; trial < 60; ++trial) {
-    const int E = 1 + static_cast<int>(g.next() % 40);
-    const int k = 1 + static_cast<int>(g.next() % static_cast<std::uint64_t>(std::min(E, 8)));
-    const std::size_t N = static_cast<std::size_t>(g.next() % 300);
-    auto ids = trial % 3 == 0 ? epx::ref::uneven_routing(N, E, k, g.next()) : epx::ref::random_routing(N, E, k, g.next());
-    std::vector<float> w(N * static_cast<std::size_t>(k));
-    for (auto& v : w) v = static_cast<float>(g.uniform());
-    const int bad = trial % 4;  // 0: none; 1: ids; 2: weights; 3: both
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      if ((bad & 1) && g.next() % 50 == 0) ids[i] = g.next() % 2 ? E + static_cast<int>(g.next() % 3) : -1;
-      if ((bad & 2) && g.next() % 60 == 0) w[i] = g.next() % 2 ? std::nanf("") : -INFINITY;
+  // The emulated device calls a launch's functors in reverse index order, or forward: a
+  // GPU runs them in any order, so the plan may not depend on it.
+  struct order_reset {
+    ~order_reset() { epx::exec::emulated_launch_order(epx::exec::emulated_order::reverse); }
+  } reset;
+  for (const auto order : {epx::exec::emulated_order::reverse, epx::exec::emulated_order::forward}) {
+    epx::exec::emulated_launch_order(order);
+    const bool forward = order == epx::exec::emulated_order::forward;
+    CAPTURE(forward);
+    rng g(77);
+    for (int trial = 0; trial < 60; ++trial) {
+      const int E = 1 + static_cast<int>(g.next() % 40);
+      const int k = 1 + static_cast<int>(g.next() % static_cast<std::uint64_t>(std::min(E, 8)));
+      const std::size_t N = static_cast<std::size_t>(g.next() % 300);
+      auto ids = trial % 3 == 0 ? epx::ref::uneven_routing(N, E, k, g.next()) : epx::ref::random_routing(N, E, k, g.next());
+      std::vector<float> w(N * static_cast<std::size_t>(k));
+      for (auto& v : w) v = static_cast<float>(g.uniform());
+      const int bad = trial % 4;  // 0: none; 1: ids; 2: weights; 3: both
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        if ((bad & 1) && g.next() % 50 == 0) ids[i] = g.next() % 2 ? E + static_cast<int>(g.next() % 3) : -1;
+        if ((bad & 2) && g.next() % 60 == 0) w[i] = g.next() % 2 ? std::nanf("") : -INFINITY;
+      }
+      CAPTURE(trial);
+      CAPTURE(E);
+      CAPTURE(k);
+      CAPTURE(N);
+      const auto h = epx::layout::build_plan(epx::exec::serial{}, ids.data(), w.data(), N, k, E, 1);
+      const auto d = epx::layout::build_plan(epx::exec::emulated_device{}, ids.data(), w.data(), N, k, E);
+      CHECK(d.check.kind == h.check.kind);
+      CHECK(d.check.pair == h.check.pair);
+      CHECK(d.host_counts == h.host_counts);
+      CHECK(d.host_offset == h.host_offset);
+      // Device-side summary (what the count exchange's record is built from).
+      const auto Es = static_cast<std::size_t>(E);
+      CHECK(std::vector<std::int64_t>(d.expert_offset(), d.expert_offset() + Es + 1) ==
+            std::vector<std::int64_t>(h.expert_offset(), h.expert_offset() + Es + 1));
+      CHECK(std::vector<std::int64_t>(d.expert_counts(), d.expert_counts() + Es) ==
+            std::vector<std::int64_t>(h.expert_counts(), h.expert_counts() + Es));
+      // The first bad pair: the host plan has one chunk; the emulated plan one (Thrust) or
+      // several (the counting sort without CCCL), each with its own first bad pair.
+      const std::int64_t first_bad_h = h.chunk_bad()[0];
+      std::int64_t first_bad_d = -1;
+      for (std::size_t c = 0; c < d.chunks; ++c) {
+        const std::int64_t b = d.chunk_bad()[c];
+        if (b >= 0 && (first_bad_d < 0 || b < first_bad_d)) first_bad_d = b;
+      }
+      CHECK(first_bad_d == first_bad_h);
+      std::int64_t good = 0;
+      bool same = true;
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        const bool ok = ids[i] >= 0 && ids[i] < E && std::isfinite(w[i]);
+        if (ok) same = same && d.pos[i] == h.pos[i];
+        good += ok;
+      }
+      CHECK(same);
+      CHECK(std::memcmp(d.src_row.data(), h.src_row.data(), static_cast<std::size_t>(good) * sizeof(std::int64_t)) == 0);
+      if (h.check.kind != 0 || N == 0) continue;
+      // A local capacity of about half the mean load drops pairs (by position or by score)
+      // from both plans: the same positions and rows remain.
+      epx::capacity_policy cap;
+      cap.mode = epx::capacity_mode::local;
+      cap.factor = 0.5;
+      cap.priority = trial % 2 ? epx::drop_priority::score : epx::drop_priority::position;
+      auto drop = [&](const auto& ex, auto& plan) {
+        epx::detail::group_records rec;
+        rec.size = 1;
+        rec.stride = epx::detail::record_header + Es;
+        rec.data.assign(rec.stride, 0);
+        rec.data[1] = static_cast<std::int64_t>(N);
+        std::copy(plan.host_counts.begin(), plan.host_counts.end(), rec.data.begin() + epx::detail::record_header);
+        epx::detail::call_limits lim;
+        epx::detail::scatter_with_capacity(cap, ex, rec, 0, 1, E, k, ids.data(), w.data(), plan, lim);
+        return lim.dropped;
+      };
+      auto h2 = epx::layout::build_plan_counts(epx::exec::serial{}, ids.data(), w.data(), N, k, E, 3);
+      auto d2 = epx::layout::build_plan_counts(epx::exec::emulated_device{}, ids.data(), w.data(), N, k, E);
+      CHECK(drop(epx::exec::serial{}, h2) == drop(epx::exec::emulated_device{}, d2));
+      CHECK(std::memcmp(d2.pos.data(), h2.pos.data(), h2.pairs * sizeof(std::int64_t)) == 0);
+      CHECK(std::memcmp(d2.src_row.data(), h2.src_row.data(), h2.pairs * sizeof(std::int64_t)) == 0);
     }
-    CAPTURE(trial);
-    CAPTURE(E);
-    CAPTURE(k);
-    CAPTURE(N);
-    const auto h = epx::layout::build_plan(epx::exec::serial{}, ids.data(), w.data(), N, k, E, 1);
-    const auto d = epx::layout::build_plan(epx::exec::emulated_device{}, ids.data(), w.data(), N, k, E);
-    CHECK(d.check.kind == h.check.kind);
-    CHECK(d.check.pair == h.check.pair);
-    CHECK(d.host_counts == h.host_counts);
-    CHECK(d.host_offset == h.host_offset);
-    // Device-side summary (what the count exchange's record is built from).
-    const auto Es = static_cast<std::size_t>(E);
-    CHECK(std::vector<std::int64_t>(d.expert_offset(), d.expert_offset() + Es + 1) ==
-          std::vector<std::int64_t>(h.expert_offset(), h.expert_offset() + Es + 1));
-    CHECK(std::vector<std::int64_t>(d.expert_counts(), d.expert_counts() + Es) ==
-          std::vector<std::int64_t>(h.expert_counts(), h.expert_counts() + Es));
-    // The first bad pair: the host plan has one chunk; the emulated plan one (Thrust) or
-    // several (the counting sort without CCCL), each with its own first bad pair.
-    const std::int64_t first_bad_h = h.chunk_bad()[0];
-    std::int64_t first_bad_d = -1;
-    for (std::size_t c = 0; c < d.chunks; ++c) {
-      const std::int64_t b = d.chunk_bad()[c];
-      if (b >= 0 && (first_bad_d < 0 || b < first_bad_d)) first_bad_d = b;
-    }
-    CHECK(first_bad_d == first_bad_h);
-    std::int64_t good = 0;
-    bool same = true;
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      const bool ok = ids[i] >= 0 && ids[i] < E && std::isfinite(w[i]);
-      if (ok) same = same && d.pos[i] == h.pos[i];
-      good += ok;
-    }
-    CHECK(same);
-    CHECK(std::memcmp(d.src_row.data(), h.src_row.data(), static_cast<std::size_t>(good) * sizeof(std::int64_t)) == 0);
-    if (h.check.kind != 0 || N == 0) continue;
-    // A local capacity of about half the mean load drops pairs (by position or by score)
-    // from both plans: the same positions and rows remain.
-    epx::capacity_policy cap;
-    cap.mode = epx::capacity_mode::local;
-    cap.factor = 0.5;
-    cap.priority = trial % 2 ? epx::drop_priority::score : epx::drop_priority::position;
-    auto drop = [&](const auto& ex, auto& plan) {
-      epx::detail::group_records rec;
-      rec.size = 1;
-      rec.stride = epx::detail::record_header + Es;
-      rec.data.assign(rec.stride, 0);
-      rec.data[1] = static_cast<std::int64_t>(N);
-      std::copy(plan.host_counts.begin(), plan.host_counts.end(), rec.data.begin() + epx::detail::record_header);
-      epx::detail::call_limits lim;
-      epx::detail::scatter_with_capacity(cap, ex, rec, 0, 1, E, k, ids.data(), w.data(), plan, lim);
-      return lim.dropped;
-    };
-    auto h2 = epx::layout::build_plan_counts(epx::exec::serial{}, ids.data(), w.data(), N, k, E, 3);
-    auto d2 = epx::layout::build_plan_counts(epx::exec::emulated_device{}, ids.data(), w.data(), N, k, E);
-    CHECK(drop(epx::exec::serial{}, h2) == drop(epx::exec::emulated_device{}, d2));
-    CHECK(std::memcmp(d2.pos.data(), h2.pos.data(), h2.pairs * sizeof(std::int64_t)) == 0);
-    CHECK(std::memcmp(d2.src_row.data(), h2.src_row.data(), h2.pairs * sizeof(std::int64_t)) == 0);
   }
 }
 

@@ -6,7 +6,9 @@
 // row operations (16-byte chunks, exec::row_shape::chunks16) and the same synchronisation
 // points as exec::cuda. Its memory is host memory, so CPU tests can read what it wrote.
 // It calls functors in reverse index order, so code that relies on the order of a launch
-// shows up.
+// shows up; exec::emulated_launch_order(emulated_order::forward) turns a thread's launches
+// round, so that a test can run the same work both ways (one fixed order hides the code
+// that relies on that order).
 //
 // It counts what a device policy pays for, synchronize() calls and launches, in the shared
 // `counters` that every copy of the policy sees.
@@ -228,12 +230,26 @@ struct emulated_device {
   std::shared_ptr<counters_t> counters = std::make_shared<counters_t>();
 };
 
+// The order in which this thread's launches call their functors: reverse index order (the
+// default) or forward. A GPU runs a launch's indices in any order, so its results must not
+// depend on which.
+enum class emulated_order { reverse, forward };
+inline emulated_order& emulated_launch_order() noexcept {
+  thread_local emulated_order order = emulated_order::reverse;
+  return order;
+}
+inline void emulated_launch_order(emulated_order order) noexcept { emulated_launch_order() = order; }
+
 template <class F>
 void for_each_n(const emulated_device& p, std::size_t n, F&& f) {
   if (n == 0) return;
   ++p.counters->launches;
   const emulated_launch_scope on_device;
-  for (std::size_t i = n; i-- > 0;) f(i);
+  if (emulated_launch_order() == emulated_order::forward) {
+    for (std::size_t i = 0; i < n; ++i) f(i);
+  } else {
+    for (std::size_t i = n; i-- > 0;) f(i);
+  }
 }
 
 // Its memory is host memory: host communicators move it as they move a host policy's.
