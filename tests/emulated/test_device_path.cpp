@@ -157,6 +157,18 @@ TEST_CASE("device path: one host synchronisation per call with a device communic
     CHECK(s.split_forward == 5);
     CHECK(s.split_backward == 2);
   }
+  // The staged route in rounds (a stage of one slice row, so each slice's 3 rows go in 3
+  // rounds; inference forwards and backward): backward plans its rounds on the host from the
+  // read-back send positions and source rows, one wait, and reads back how many rows each
+  // source sends in each round, another. Forward in training makes one round.
+  epx::layer_options rounds;
+  rounds.stage_bytes = 1;
+  for (const auto& s : count_syncs<queued_comm, epx::impl::all_to_all>(mc, as_queued, rounds)) {
+    CHECK(s.forward == 1);
+    CHECK(s.backward == 3);
+    CHECK(s.split_forward == 2);
+    CHECK(s.split_backward == 4);
+  }
   // Host communicator: each collective over device buffers waits for the policy first. The
   // threads communicator has peer access, so this is the direct route, where the policy's
   // reads of the peers' buffers must also have finished before the host leaves the access
