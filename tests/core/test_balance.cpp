@@ -111,6 +111,30 @@ TEST_CASE_TEMPLATE("balance: losses and gradients against float64 on serial, ope
   }
 }
 
+TEST_CASE("balance: expert_load on emulated_device counts every pair of its 256 chunks, a short last one too") {
+  // The device counts the pairs in up to 256 chunks of ceil(pairs / 256): pair counts that
+  // fill them evenly, leave the last chunk short, or make fewer chunks; a bad id in the last
+  // pair is still found there.
+  const int E = 5;
+  for (const std::size_t pairs : {std::size_t{255}, std::size_t{256}, std::size_t{257}, std::size_t{511},
+                                  std::size_t{513}, std::size_t{3003}, std::size_t{4099}}) {
+    for (const int k : {1, 3}) {
+      if (pairs % static_cast<std::size_t>(k) != 0) continue;
+      const std::size_t N = pairs / static_cast<std::size_t>(k);
+      CAPTURE(pairs);
+      CAPTURE(k);
+      std::vector<std::int32_t> ids(pairs);
+      for (std::size_t i = 0; i < pairs; ++i) ids[i] = static_cast<std::int32_t>((i * 7 + i / 3) % E);
+      CHECK(routing::expert_load(epx::exec::emulated_device{}, ids.data(), N, k, E) == load_of(ids, E));
+      ids.back() = E;
+      const std::string want = "expert id (" + std::to_string(E) + ") of token " + std::to_string(N - 1) + " slot " +
+                               std::to_string(k - 1) + " out of range";
+      CHECK_THROWS_WITH_AS(routing::expert_load(epx::exec::emulated_device{}, ids.data(), N, k, E),
+                           doctest::Contains(want.c_str()), epx::error);
+    }
+  }
+}
+
 TEST_CASE("balance: the bias update follows sign(mean load - load), sign(0) = 0") {
   const std::vector<std::int64_t> load = {10, 2, 6, 6, 0, 12};  // mean 6
   const auto want = ref::bias_update_signs(load);
