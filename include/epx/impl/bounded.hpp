@@ -106,10 +106,8 @@ inline std::string bound_check(const mesh& m, const layer_options& o) {
                   " elements");
   // The expert-major buffers hold L blocks of padded(ep * cap) rows: the padding rows count
   // too (rows_per_expert and align up to 2^31 - 1 each would wrap L * block * hidden).
-  // (ep * cap <= 9e15 here, so the block fits an int64.)
-  const std::int64_t need = static_cast<std::int64_t>(m.ep()) * o.bound.cap + o.pad.rows_per_expert;
-  const std::int64_t align = std::max(1, o.pad.align);
-  const std::int64_t block = (need + align - 1) / align * align;
+  // (ep * cap <= 9e15 here and the padding was validated, so the block fits a size_t.)
+  const std::size_t block = o.pad.padded_rows(static_cast<std::size_t>(m.ep()) * static_cast<std::size_t>(o.bound.cap));
   const double expert_rows =
       static_cast<double>(m.local_experts()) * static_cast<double>(block) * static_cast<double>(o.hidden);
   if (expert_rows > 9.0e15)
