@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,17 @@ layer_case small(int tp, int fsdp, int ep, int E = 8, int k = 2) {
   c.hidden = 4;
   c.rows = [](int) { return std::size_t{6}; };
   return c;
+}
+
+// Every rank raised an epx::error of `category` whose message holds each of `words`.
+void require_every_rank_raised(const std::vector<raised>& seen, epx::errc category,
+                               std::initializer_list<const char*> words) {
+  for (const auto& x : seen) {
+    CAPTURE(x.message);
+    REQUIRE(x.thrown);
+    CHECK(x.category == category);
+    for (const char* w : words) CHECK_MESSAGE(x.message.find(w) != std::string::npos, "missing: ", std::string(w));
+  }
 }
 
 // Every rank of the bad rank's EP group must raise errc::input whose message names the bad
@@ -279,12 +291,8 @@ TEST_CASE("per-rank sends refused with FP8, bounded mode, the all_reduce path, a
       epx::moe_layer<comm_t, float> layer(m, comm, mine);
     });
   });
-  for (const auto& x : seen) {
-    CAPTURE(x.message);
-    REQUIRE(x.thrown);
-    CHECK(x.category == epx::errc::configuration);
-    CHECK(x.message.find("rank 3 has sends=row_sends::per_slot but rank 0 has sends=row_sends::per_rank") != std::string::npos);
-  }
+  require_every_rank_raised(seen, epx::errc::configuration,
+                            {"rank 3 has sends=row_sends::per_slot but rank 0 has sends=row_sends::per_rank"});
   // impl::automatic builds no masked path with per-rank sends: it constructs.
   epx::threads::run(4, [&](comm_t& comm) {
     seen[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
@@ -305,24 +313,15 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
   SUBCASE("one rank says ep=2, the other ep=1") {
     // Without the agreement the staged route overflows a heap buffer here.
     const auto seen = construct_each(2, [](int r) { return epx::mesh_config{1, 2, 1, 1, r == 0 ? 2 : 1, 4, 0}; }, o);
-    for (const auto& x : seen) {
-      CAPTURE(x.message);
-      REQUIRE(x.thrown);
-      CHECK(x.category == epx::errc::configuration);
-      CHECK(x.message.find("rank 1 has ep=1 but rank 0 has ep=2") != std::string::npos);
-    }
+    require_every_rank_raised(seen, epx::errc::configuration, {"rank 1 has ep=1 but rank 0 has ep=2"});
   }
   SUBCASE("the ranks disagree on tp") {
     // rank 0: tp=2 x fsdp=1; rank 1: tp=1 x fsdp=2 (both fit 2 ranks).
     const auto seen =
         construct_each(2, [](int r) { return r == 0 ? epx::mesh_config{2, 1, 1, 1, 2, 4, 0} : epx::mesh_config{1, 2, 1, 1, 2, 4, 0}; }, o);
-    for (const auto& x : seen) {
-      CAPTURE(x.message);
-      REQUIRE(x.thrown);
-      CHECK(x.category == epx::errc::configuration);
-      CHECK(x.message.find("rank 1 has tp=1 but rank 0 has tp=2") != std::string::npos);
-      CHECK(x.message.find("rank 1 has fsdp=2 but rank 0 has fsdp=1") != std::string::npos);
-    }
+    require_every_rank_raised(seen, epx::errc::configuration,
+                              {"rank 1 has tp=1 but rank 0 has tp=2",
+                               "rank 1 has fsdp=2 but rank 0 has fsdp=1"});
   }
   SUBCASE("the ranks disagree on the number of experts and the padding") {
     const auto seen = construct_each(
@@ -331,14 +330,10 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
           if (r == 2) p.pad.rows_per_expert = 4;
           if (r == 3) p.pad.align = 4;
         });
-    for (const auto& x : seen) {
-      CAPTURE(x.message);
-      REQUIRE(x.thrown);
-      CHECK(x.category == epx::errc::configuration);
-      CHECK(x.message.find("rank 3 has num_experts=4 but rank 0 has num_experts=8") != std::string::npos);
-      CHECK(x.message.find("rank 2 has pad.rows_per_expert=4 but rank 0 has pad.rows_per_expert=1") != std::string::npos);
-      CHECK(x.message.find("rank 3 has pad.align=4 but rank 0 has pad.align=1") != std::string::npos);
-    }
+    require_every_rank_raised(seen, epx::errc::configuration,
+                              {"rank 3 has num_experts=4 but rank 0 has num_experts=8",
+                               "rank 2 has pad.rows_per_expert=4 but rank 0 has pad.rows_per_expert=1",
+                               "rank 3 has pad.align=4 but rank 0 has pad.align=1"});
   }
   SUBCASE("the ranks disagree on the element type, also of one size (bf16 and fp16)") {
     // Without the agreement a float rank and a double rank overflow a heap buffer in forward.
@@ -378,13 +373,8 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
         if (comm.rank() == 1) epx::moe_layer<comm_t, float, epx::impl::all_to_all> layer(m, comm, o);
       });
     });
-    for (const auto& x : seen) {
-      CAPTURE(x.message);
-      REQUIRE(x.thrown);
-      CHECK(x.category == epx::errc::configuration);
-      CHECK(x.message.find("rank 1 has implementation=all_to_all but rank 0 has implementation=all_reduce") !=
-            std::string::npos);
-    }
+    require_every_rank_raised(seen, epx::errc::configuration,
+                              {"rank 1 has implementation=all_to_all but rank 0 has implementation=all_reduce"});
   }
   SUBCASE("one rank runs a host policy, another a device policy") {
     // Host and device policies take different routes (indexed sends, rounds): without the
@@ -398,13 +388,8 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
         if (comm.rank() == 1) epx::moe_layer<comm_t, float, epx::impl::all_to_all, device> layer(m, comm, o);
       });
     });
-    for (const auto& x : seen) {
-      CAPTURE(x.message);
-      REQUIRE(x.thrown);
-      CHECK(x.category == epx::errc::configuration);
-      CHECK(x.message.find("rank 1 has exec::is_host_policy_v<Exec>=false but rank 0 has exec::is_host_policy_v<Exec>=true") !=
-            std::string::npos);
-    }
+    require_every_rank_raised(seen, epx::errc::configuration,
+                              {"rank 1 has exec::is_host_policy_v<Exec>=false but rank 0 has exec::is_host_policy_v<Exec>=true"});
   }
   SUBCASE("the ranks disagree on the capacity factor: the message shows both values") {
     epx::layer_options p = o;
@@ -419,14 +404,9 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
         epx::moe_layer<comm_t, float> layer(m, comm, mine);
       });
     });
-    for (const auto& x : seen) {
-      CAPTURE(x.message);
-      REQUIRE(x.thrown);
-      CHECK(x.category == epx::errc::configuration);
-      CHECK(x.message.find("rank 1 has capacity.factor=1.1 but rank 0 has capacity.factor=1.5") != std::string::npos);
-      CHECK(x.message.find("rank 2 has capacity.factor=1.1000000000000003 but rank 0 has capacity.factor=1.5") !=
-            std::string::npos);
-    }
+    require_every_rank_raised(seen, epx::errc::configuration,
+                              {"rank 1 has capacity.factor=1.1 but rank 0 has capacity.factor=1.5",
+                               "rank 2 has capacity.factor=1.1000000000000003 but rank 0 has capacity.factor=1.5"});
   }
   SUBCASE("the ranks disagree on options that are enumerators or bools: the message names them") {
     std::vector<raised> seen(3);
@@ -474,12 +454,7 @@ TEST_CASE("ranks that built different meshes or options raise errc::configuratio
       });
       seen[static_cast<std::size_t>(comm.rank())] = x;
     });
-    for (const auto& x : seen) {
-      CAPTURE(x.message);
-      REQUIRE(x.thrown);
-      CHECK(x.category == epx::errc::configuration);
-      CHECK(x.message.find("rank 2: top_k (9) must be in [1, num_experts (8)]") != std::string::npos);
-    }
+    require_every_rank_raised(seen, epx::errc::configuration, {"rank 2: top_k (9) must be in [1, num_experts (8)]"});
   }
 }
 
@@ -1037,12 +1012,7 @@ TEST_CASE("bad input: an out-of-range id in token 0 slot 0 (the first pair) rais
         else (void)layer.forward(x, ids, w, epx::span<float>(out), experts, epx::mode::train);
       });
     });
-    for (const auto& x : r) {
-      CAPTURE(x.message);
-      REQUIRE(x.thrown);
-      CHECK(x.category == epx::errc::input);
-      CHECK(x.message.find("expert id (99) of token 0 slot 0") != std::string::npos);
-    }
+    require_every_rank_raised(r, epx::errc::input, {"expert id (99) of token 0 slot 0"});
   }
 }
 
@@ -1065,14 +1035,9 @@ TEST_CASE("a call whose expert-major buffers would wrap rows * H raises errc::in
                             epx::span<float>(), experts, epx::mode::inference);
       });
     });
-    for (const auto& x : r) {
-      CAPTURE(x.message);
-      REQUIRE(x.thrown);
-      CHECK(x.category == epx::errc::input);
-      CHECK(x.message.find("the expert-major buffer of ep rank 0 would hold 16777216 rows (padding included) of "
-                           "H=1099511627776 elements of 4 bytes, more than 9223372036854775807 bytes") !=
-            std::string::npos);
-    }
+    require_every_rank_raised(r, epx::errc::input,
+                              {"the expert-major buffer of ep rank 0 would hold 16777216 rows (padding included) of "
+                                "H=1099511627776 elements of 4 bytes, more than 9223372036854775807 bytes"});
   };
   SUBCASE("all-to-all path") { run(epx::impl::all_to_all{}, {1, 2, 1, 1, 2, 2, 0}); }
   SUBCASE("masked all-reduce path") { run(epx::impl::all_reduce{}, {2, 1, 1, 1, 2, 2, 0}); }
@@ -1100,13 +1065,8 @@ TEST_CASE("tensor sizes whose N*k would wrap raise errc::input on every rank of 
         else (void)layer.forward(xs, ids, w, epx::span<float>(out.data(), N), experts, epx::mode::inference);
       });
     });
-    for (const auto& x : r) {
-      CAPTURE(x.message);
-      REQUIRE(x.thrown);
-      CHECK(x.category == epx::errc::input);
-      CHECK(x.message.find("expert ids have 0 elements but N*k = 2305843009213693952*8 = more than SIZE_MAX") !=
-            std::string::npos);
-    }
+    require_every_rank_raised(r, epx::errc::input,
+                              {"expert ids have 0 elements but N*k = 2305843009213693952*8 = more than SIZE_MAX"});
   }
 }
 
