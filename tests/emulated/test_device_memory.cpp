@@ -443,6 +443,8 @@ TEST_CASE("device memory: a range is the policy's memory only when all of it lie
   CHECK_FALSE(epx::exec::emulated_device_memory(p, 16 * sizeof(float) + 1));
   CHECK_FALSE(epx::exec::emulated_device_memory(p + 15, 2 * sizeof(float)));
   CHECK_FALSE(epx::exec::emulated_device_memory(p + 16, sizeof(float)));
+  // A size so large that p + bytes wraps round to inside the buffer: not.
+  CHECK_FALSE(epx::exec::emulated_device_memory(p + 4, SIZE_MAX - 3 * sizeof(float)));
   float host[4] = {};
   CHECK_FALSE(epx::exec::emulated_device_memory(host, sizeof host));
 }

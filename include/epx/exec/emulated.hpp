@@ -102,7 +102,8 @@ class emulated_allocations {
     auto it = live_.upper_bound(address(p));
     if (it == live_.begin()) return false;
     --it;
-    return address(p) >= it->first && address(p) + bytes <= it->second.end;
+    // `bytes` compared with the room left (p + bytes may wrap for an absurd size).
+    return address(p) <= it->second.end && bytes <= it->second.end - address(p);
   }
   // Strict mode on or off (process-wide; off opens every mapped buffer for good). Returns
   // false where it is not available.
