@@ -8,8 +8,8 @@
 //
 // Checks per rank, against float64:
 //   - tight: out, grad_w from the same y (computed on the host from x quantised by the
-//     host policy) summed in float64, within the tolerances of layer_cases.hpp; grad_x
-//     (no quantisation on the way back) likewise;
+//     host policy) summed in float64, within the tolerances of layer_cases.hpp and within
+//     bounds derived from T's precision; grad_x (no quantisation on the way back) likewise;
 //   - E4M3 bound: out against the unquantised float64 output, within
 //     sum_j |w_j| s_e max(|x| / 16, scale / 1024) (3 mantissa bits: half a step is 2^-4 of
 //     the value for normals, 2^-10 of the scale for subnormals) plus the tolerance of T;
@@ -155,7 +155,8 @@ std::string check_fp8_layer(Comm& world, const layer_case& c, Exec policy = {}) 
     quantised_rows(mb.x, H, xq, sc);
     const std::size_t N = mb.N;
     std::vector<double> out_q(N * H, 0.0), out_x(N * H, 0.0), bound(N * H, 0.0), gx(N * H, 0.0),
-        gw(N * static_cast<std::size_t>(k), 0.0), gw_scale(N * static_cast<std::size_t>(k), 0.0);
+        gw(N * static_cast<std::size_t>(k), 0.0), gw_scale(N * static_cast<std::size_t>(k), 0.0),
+        out_mag(N * H, 0.0), gx_mag(N * H, 0.0);
     const double at = atol_for<T>(), rt = rtol_for<T>();
     for (std::size_t t = 0; t < N; ++t)
       for (int j = 0; j < k; ++j) {
@@ -167,15 +168,42 @@ std::string check_fp8_layer(Comm& world, const layer_case& c, Exec policy = {}) 
           const double y = convert<double>(convert<T>(s * xq[i]));  // what the experts return
           const double xv = convert<double>(mb.x[i]), g = convert<double>(mb.go[i]);
           out_q[i] += w * y;
+          out_mag[i] += std::abs(w * y);
           out_x[i] += w * s * xv;
           bound[i] += std::abs(w) * s * std::max(std::abs(xv) / 16.0, static_cast<double>(sc[i]) / 1024.0) * (1 + 1e-6);
-          gx[i] += convert<double>(convert<T>(s * convert<A>(convert<T>(static_cast<A>(mb.w[tj]) * convert<A>(mb.go[i])))));
+          const double gterm =
+              convert<double>(convert<T>(s * convert<A>(convert<T>(static_cast<A>(mb.w[tj]) * convert<A>(mb.go[i])))));
+          gx[i] += gterm;
+          gx_mag[i] += std::abs(gterm);
           gw[tj] += y * g;
           gw_scale[tj] += std::abs(y * g);
         }
       }
     append(f, ref::compare(mb.out, out_q, at, rt, where + "out (float64 from the quantised rows)"));
     append(f, ref::compare(mb.gx, gx, at, rt, where + "grad_x"));
+    // The same against bounds derived from T's precision (the fixed tolerances above are
+    // loose for 16-bit types): out sums k products w * y, each rounded in A, in A, then
+    // rounds once to T; grad_x sums k rows of T in A and rounds once to T. With u, ua the
+    // unit roundoffs of T and A, S the sum of the terms' magnitudes and eta half T's
+    // smallest subnormal: |got - ref| <= u |ref| + (1 + u) (ua + gamma_k (1 + ua)) S + eta
+    // (no ua term for grad_x). A rounding toward zero to fp16 or bf16 falls outside it.
+    {
+      const double u = ref::unit_roundoff<T>(), ua = ref::unit_roundoff<A>(), eta = ref::subnormal_half<T>();
+      const double gk = ref::gamma_n(k, ua);
+      std::size_t bad_out = 0, bad_gx = 0, first_out = 0, first_gx = 0;
+      for (std::size_t i = 0; i < N * H; ++i) {
+        const double bo = u * std::abs(out_q[i]) + (1 + u) * (ua + gk * (1 + ua)) * out_mag[i] + eta;
+        const double bg = u * std::abs(gx[i]) + (1 + u) * gk * gx_mag[i] + eta;
+        if (!(std::abs(convert<double>(mb.out[i]) - out_q[i]) <= bo) && bad_out++ == 0) first_out = i;
+        if (!(std::abs(convert<double>(mb.gx[i]) - gx[i]) <= bg) && bad_gx++ == 0) first_gx = i;
+      }
+      if (bad_out != 0)
+        f += detail::concat(where, "out: ", bad_out, " elements outside the bound derived from T; first at ", first_out,
+                            ": got ", convert<double>(mb.out[first_out]), ", float64 ", out_q[first_out], "\n");
+      if (bad_gx != 0)
+        f += detail::concat(where, "grad_x: ", bad_gx, " elements outside the bound derived from T; first at ", first_gx,
+                            ": got ", convert<double>(mb.gx[first_gx]), ", float64 ", gx[first_gx], "\n");
+    }
     double worst = 0, largest_err = 0, largest_bound = 0;
     for (std::size_t i = 0; i < N * H; ++i) {
       const double err = std::abs(convert<double>(mb.out[i]) - out_x[i]);
