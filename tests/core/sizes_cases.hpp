@@ -153,16 +153,23 @@ struct diag_run {
   std::vector<float> grad_w;
   std::vector<double> expert_grads;
   epx::layer_stats stats;
+  std::int64_t overflow_pairs = 0;  // bounded mode: check() after backward
 };
 
-// Forward (train), backward and the expert hook of this rank's batch with diagonal experts.
+// Forward (train), backward and the expert hook of this rank's batch with diagonal experts;
+// bounded mode (spec section 11) with bound `bound_cap` when it is positive.
 template <class Comm, class T, class Impl, class Exec = epx::test::test_exec>
-diag_run<T> run_diag(Comm& world, const layer_case& c, const ref::diag_experts& global) {
+diag_run<T> run_diag(Comm& world, const layer_case& c, const ref::diag_experts& global, std::int64_t bound_cap = 0) {
   const epx::mesh m(c.topology);
   const int rank = world.rank(), b = m.batch(rank);
   const auto d = epx::test::make_batch<T>(c, b);
   const std::size_t N = c.rows_of(b), H = static_cast<std::size_t>(c.hidden), K = static_cast<std::size_t>(c.top_k);
-  epx::moe_layer<Comm, T, Impl, Exec> layer(m, world, epx::test::options_for(c));
+  epx::layer_options o = epx::test::options_for(c);
+  if (bound_cap > 0) {
+    o.counts = epx::count_exchange::device;
+    o.bound.cap = bound_cap;
+  }
+  epx::moe_layer<Comm, T, Impl, Exec> layer(m, world, o);
   ref::test_diag_experts<T> experts(global, m.ep_rank(rank), m.local_experts());
   const auto x = ref::from_double<T>(d.x);
   const auto go = ref::from_double<T>(d.grad_out);
@@ -176,6 +183,7 @@ diag_run<T> run_diag(Comm& world, const layer_case& c, const ref::diag_experts& 
   r.stats = layer.stats();
   layer.backward(std::move(saved), epx::span<const T>(go), epx::span<T>(r.grad_x), epx::span<float>(r.grad_w),
                  experts);
+  if (bound_cap > 0) r.overflow_pairs = layer.check().overflow_pairs;
   epx::gradient_hooks<Comm> hooks(m, world);
   r.expert_grads = experts.grads();
   hooks.reduce_expert(epx::span<double>(r.expert_grads));
@@ -204,12 +212,13 @@ expectation expect_rank(const layer_case& c, const ref::diag_experts& global, in
   return mine;
 }
 
+// bound_cap > 0: bounded mode with that bound, which must drop nothing.
 template <class Comm, class T, class Impl = epx::impl::all_to_all>
-std::string check_diag_case(Comm& world, const layer_case& c) {
+std::string check_diag_case(Comm& world, const layer_case& c, std::int64_t bound_cap = 0) {
   std::string f;
   try {
     const auto global = ref::diag_experts::random(c.topology.experts, c.hidden, c.seed ^ 0xe9ull);
-    const auto r = run_diag<Comm, T, Impl>(world, c, global);
+    const auto r = run_diag<Comm, T, Impl>(world, c, global, bound_cap);
     const auto e = expect_rank<T>(c, global, world.rank());
     bounds<T> bd;
     bd.k = c.top_k;
@@ -222,7 +231,11 @@ std::string check_diag_case(Comm& world, const layer_case& c) {
     f += within(r.grad_x, e.grad_x, bd.grad_x(e), where + " grad_x");
     f += within(r.grad_w, e.grad_w, bd.grad_w(e), where + " grad_weights");
     f += within(r.expert_grads, e.grads, bd.grads(e.grads_mag, e.grads_abs), where + " expert grads after hook");
-    const bool direct = !masked && !per_rank && c.peer_access && epx::has_peer_access_v<Comm>;
+    if (bound_cap > 0 && (!r.stats.bounded || r.overflow_pairs != 0))
+      f += epx::detail::concat(where, ": bounded mode: stats.bounded ", r.stats.bounded, ", check().overflow_pairs ",
+                               r.overflow_pairs, " (expected true, 0)\n");
+    // A bounded training forward takes the staged route (the direct one is inference's).
+    const bool direct = !masked && !per_rank && bound_cap == 0 && c.peer_access && epx::has_peer_access_v<Comm>;
     if (r.stats.peer_access != direct)
       f += epx::detail::concat(where, ": stats.peer_access is ", r.stats.peer_access, ", expected ", direct, "\n");
   } catch (const std::exception& ex) {
