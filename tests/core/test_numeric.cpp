@@ -210,9 +210,35 @@ TEST_CASE("numeric: the storage types convert through the same codecs") {
     CHECK(static_cast<float>(epx::bf16::from_bits(0x3f81)) == epx::detail::bf16_bits_to_float(0x3f81));
     CHECK(epx::convert<float>(epx::fp16(x)) == static_cast<float>(epx::fp16(x)));
   }
-  // ref::to_type_exact (the test experts' rounding) agrees with the library on floats.
-  for (float x : {0.1f, -3.75f, 1.00390625f, 1.01171875f, 65519.0f})
+  // ref::to_type_exact (the test experts' rounding) agrees with the library on floats,
+  // for fp16 also at the ends of its range: the largest value, the overflow midpoint, the
+  // subnormals and the tie below the smallest one.
+  for (float x : {0.1f, -3.75f, 1.00390625f, 1.01171875f, 65519.0f, 65520.0f, -65520.0f, 70000.0f, 6.1e-5f,
+                  5.9604645e-8f, 2.9802322e-8f, 2.9802326e-8f, 8.9406967e-8f, 1e-30f}) {
     CHECK(epx::ref::to_type_exact<epx::bf16>(x).bits == epx::bf16(x).bits);
+    CHECK(epx::ref::to_type_exact<epx::fp16>(x).bits == epx::fp16(x).bits);
+  }
 }
+
+#if defined(__FLT16_MANT_DIG__) && !defined(__CUDACC__)
+TEST_CASE("numeric: decoding every fp16 bit pattern equals the compiler's _Float16") {
+  // The third implementation of the random-sample case, for decoding: every non-NaN
+  // pattern gives the float bits of _Float16's conversion (subnormals, zeros and
+  // infinities of both signs included); NaN patterns are checked above.
+  std::size_t bad = 0;
+  for (std::uint32_t b = 0; b < 0x10000u; ++b) {
+    const auto hb = static_cast<std::uint16_t>(b);
+    _Float16 h;
+    std::memcpy(&h, &hb, sizeof h);
+    const float want = static_cast<float>(h);
+    if (std::isnan(want)) continue;
+    const float got = epx::detail::fp16_bits_to_float(hb);
+    if (bits_of(got) != bits_of(want) && ++bad <= 5)
+      FAIL_CHECK("fp16 0x" << std::hex << b << " decodes to 0x" << bits_of(got) << ", _Float16 gives 0x"
+                           << bits_of(want));
+  }
+  CHECK(bad == 0);
+}
+#endif
 
 }  // namespace test_numeric_cpp
