@@ -12,10 +12,13 @@
 //   - overflow: fp16 ends at 65504, so a weighted sum, a gradient row w * grad_out or a
 //     sum of input gradients can exceed it. The result is the infinity of round to nearest
 //     even (65520, the midpoint above 65504, included), bit for bit the model of
-//     docs/layer.md, on every path and policy: serial, OpenMP, the emulated device.
+//     docs/layer.md, on every path and policy: serial, OpenMP, the emulated device;
+//   - the gradient hooks on fp16 and bf16 gradients: sums past 65504 before the 1 / B scale
+//     stay finite, subnormal means round to nearest even.
 // tests/emulated/test_fp16.cpp reruns this file on exec::emulated_device.
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -570,6 +573,61 @@ TEST_CASE("fp16: results beyond 65504 are infinities (round to nearest even), th
   fp8.name = "FP8 dispatch, staged route";
   fp8.peer_access = false;
   ov_check<epx::impl::all_to_all>(fp8);
+}
+
+namespace {
+// The gradient hooks (spec section 6) on 16-bit gradients: each reduction sums in float,
+// scales by 1 / B and rounds once, so sums past 65504 before the scale stay finite, and a
+// subnormal mean rounds to nearest even. Every rank passes the same values v, so the
+// expert hook gives T(T(n_efsdp v / B) * R) (the second sum over dp_replicate, when R > 1),
+// the dense hook T(T(n_fsdp v / B) * R): exact in float before each rounding.
+template <class T>
+std::string check_hooks_16(comm_t& comm, const epx::mesh& m) {
+  const std::vector<double> v = {60000.0, -65504.0, 65504.0, 40000.0, 3 * 0x1p-24, 0x1p-24, 5 * 0x1p-24, 0x1p-14,
+                                 1.5,     0x1p-20,  -7 * 0x1p-24, 1000.0};
+  const std::size_t n = v.size();
+  const double B = m.batches(), R = m.dp_replicate();
+  const auto mean_of = [&](double members, double x) {
+    double r = ref::round_value<T>(members * x / B);
+    if (R > 1) r = ref::round_value<T>(R * r);
+    return r;
+  };
+  std::vector<T> g(n), dense(n), full(n * static_cast<std::size_t>(m.efsdp())), shard(n);
+  for (std::size_t i = 0; i < n; ++i) g[i] = dense[i] = ref::to_type_exact<T>(v[i]);
+  for (std::size_t i = 0; i < full.size(); ++i) full[i] = g[i % n];
+  epx::gradient_hooks<comm_t> hooks(m, comm);
+  hooks.reduce_expert(epx::span<T>(g));
+  hooks.reduce_dense(epx::span<T>(dense));
+  hooks.reduce_scatter_expert(epx::span<const T>(full), epx::span<T>(shard));
+  std::string f;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double x = ref::to_d(ref::to_type_exact<T>(v[i]));
+    const double want_e = mean_of(m.efsdp(), x), want_d = mean_of(m.fsdp(), x);
+    const auto bits = [](double w) { return ref::to_type_exact<T>(w).bits; };
+    if (g[i].bits != bits(want_e) || shard[i].bits != bits(want_e) || dense[i].bits != bits(want_d))
+      f += epx::detail::concat("rank ", comm.rank(), " value ", x, ": expert ", ref::to_d(g[i]), ", scattered ",
+                               ref::to_d(shard[i]), " (want ", want_e, "), dense ", ref::to_d(dense[i]), " (want ",
+                               want_d, ")\n");
+  }
+  return f;
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("fp16: the gradient hooks sum 16-bit gradients in float: past 65504 before the 1 / B, finite after",
+                   T, fp16, epx::bf16) {
+  for (auto [tp, fsdp, R, ep, E] : std::vector<std::array<int, 5>>{{1, 4, 1, 2, 4}, {1, 2, 2, 2, 4}, {2, 4, 1, 4, 8}}) {
+    epx::mesh_config mc;
+    mc.tp = tp;
+    mc.fsdp = fsdp;
+    mc.dp_replicate = R;
+    mc.ep = ep;
+    mc.experts = E;
+    const epx::mesh m(mc);
+    CAPTURE(tp);
+    CAPTURE(fsdp);
+    CAPTURE(R);
+    on_ranks(m.world(), [&](comm_t& comm) { return check_hooks_16<T>(comm, m); });
+  }
 }
 
 }  // namespace test_fp16_cpp
