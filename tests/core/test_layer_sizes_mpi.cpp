@@ -2,7 +2,8 @@
 // against the float64 reference with the bounds of core/sizes_cases.hpp (the threads run is
 // tests/core/test_layer_sizes.cpp): the direct route through the communicator's shared
 // window, the staged route (MPI's all-to-all), per-rank sends, the staged route in rounds
-// and the masked all-reduce path, in float32 and bf16, for the meshes of the job's size.
+// and the masked all-reduce path, in float32 and bf16 (fp16 at H = 4096), for the meshes of
+// the job's size.
 #include <doctest/doctest.h>
 
 #include <cstddef>
@@ -57,4 +58,10 @@ TEST_CASE_TEMPLATE("layer sizes (MPI): H = 4096 and 7168 against float64 with de
     CAPTURE(H);
     check_at<T>(world, H);
   }
+}
+
+// fp16 (IEEE binary16) within the bounds derived from its 11-bit significand, at one size.
+TEST_CASE("layer sizes (MPI): fp16 at H = 4096 against float64 with derived bounds") {
+  comm_t world = comm_t::world();
+  check_at<epx::fp16>(world, 4096);
 }
