@@ -82,7 +82,8 @@ TEST_CASE_TEMPLATE("layer sizes: H = 300, 4096, 7168 against float64 with derive
 // Every host row copy and every block of the threads communicator written around the
 // caches (epx/exec/stream.hpp: from 4 MiB of one operation by default, which the cases
 // above do not reach): at H = 300 (rows of 600 or 1200 bytes, so heads and tails) and 4096.
-TEST_CASE_TEMPLATE("layer sizes: every row copy streamed (stream threshold 0) against float64", T, float, epx::bf16) {
+TEST_CASE_TEMPLATE("layer sizes: every row copy streamed (stream threshold 0) against float64", T, float, epx::bf16,
+                   epx::fp16) {
   const std::size_t before = epx::exec::set_stream_threshold(0);
   for (int H : {300, 4096}) {
     CAPTURE(H);
