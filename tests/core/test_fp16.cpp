@@ -12,7 +12,8 @@
 //   - overflow: fp16 ends at 65504, so a weighted sum, a gradient row w * grad_out or a
 //     sum of input gradients can exceed it. The result is the infinity of round to nearest
 //     even (65520, the midpoint above 65504, included), bit for bit the model of
-//     docs/layer.md, on every path and policy: serial, OpenMP, the emulated device;
+//     docs/layer.md, on every path and policy: serial, OpenMP, the emulated device; and the
+//     same cases scaled into fp16's subnormal range (below 2^-14), where ties round to even;
 //   - the gradient hooks on fp16 and bf16 gradients: sums past 65504 before the 1 / B scale
 //     stay finite, subnormal means round to nearest even.
 // tests/emulated/test_fp16.cpp reruns this file on exec::emulated_device.
@@ -304,16 +305,18 @@ struct ov_batch {
 };
 
 // Batch b of the case (the same on the ranks of a TP group); 8 experts on ep = 4 ranks, two
-// each: expert e lives on ep rank e / 2.
-ov_batch ov_make(int b) {
+// each: expert e lives on ep rank e / 2. The activations and gradients are the tables' values
+// times 2^shift (shift -24: fp16's subnormal range, in steps of 2^-24, where 1.25 and 3.5
+// times a value are often ties), rounded to fp16.
+ov_batch ov_make(int b, int shift) {
   ov_batch d;
   const std::size_t N = ov_tokens, H = ov_hidden;
   d.x.resize(N * H);
   d.g.resize(N * H);
   for (std::size_t t = 0; t < N; ++t)
     for (std::size_t h = 0; h < H; ++h) {
-      d.x[t * H + h] = fp16(ov_x[(h + 5 * t + 3 * static_cast<std::size_t>(b)) % std::size(ov_x)]);
-      d.g[t * H + h] = fp16(ov_g[(3 * h + t + static_cast<std::size_t>(b)) % std::size(ov_g)]);
+      d.x[t * H + h] = fp16(std::ldexp(ov_x[(h + 5 * t + 3 * static_cast<std::size_t>(b)) % std::size(ov_x)], shift));
+      d.g[t * H + h] = fp16(std::ldexp(ov_g[(3 * h + t + static_cast<std::size_t>(b)) % std::size(ov_g)], shift));
     }
   for (std::size_t t = 0; t < N; ++t) {
     const ov_kind& k = ov_kinds[(t + static_cast<std::size_t>(b)) % std::size(ov_kinds)];
@@ -342,7 +345,7 @@ std::uint16_t ov_sum(const float v[2], const std::int32_t ids[2], bool grouped) 
 struct ov_expect {
   std::vector<std::uint16_t> out, grad_x;
   std::vector<double> grad_w, grad_w_mag;
-  std::size_t inf_out = 0, inf_grad_rows = 0, nan_out = 0;  // what the case exercises
+  std::size_t inf_out = 0, inf_grad_rows = 0, nan_out = 0, subnormal_out = 0;  // what the case exercises
 };
 
 // y: the experts' output rows of the batch's tokens (x, or x through E4M3).
@@ -369,6 +372,7 @@ ov_expect ov_expectation(const ov_batch& d, const std::vector<fp16>& y, bool gro
       e.grad_x[i] = ov_sum(rows, &d.ids[t * 2], grouped);
       e.inf_out += (e.out[i] & 0x7fffu) == 0x7c00u;
       e.nan_out += e.out[i] == 0x7fffu;
+      e.subnormal_out += (e.out[i] & 0x7c00u) == 0 && (e.out[i] & 0x3ffu) != 0;
     }
   return e;
 }
@@ -383,6 +387,7 @@ struct ov_config {
   std::int64_t bound = 0;  // bounded mode
   bool fp8 = false;
   bool split = false;
+  int shift = 0;  // ov_make's scale of the values
   bool grouped() const { return masked || per_rank; }
 };
 
@@ -403,7 +408,7 @@ struct ov_result {
 template <class Impl, class Exec>
 ov_result ov_run(comm_t& comm, const ov_config& cfg, const Exec& policy) {
   const epx::mesh m(cfg.mesh);
-  const ov_batch d = ov_make(m.batch(comm.rank()));
+  const ov_batch d = ov_make(m.batch(comm.rank()), cfg.shift);
   const std::size_t N = ov_tokens, H = ov_hidden;
   epx::layer_options o;
   o.hidden = H;
@@ -476,7 +481,7 @@ void ov_check_policy(const ov_config& cfg, const Exec& policy, const char* polic
       return where + "exception: " + ex.what();
     }
     const epx::mesh m(cfg.mesh);
-    const ov_batch d = ov_make(m.batch(comm.rank()));
+    const ov_batch d = ov_make(m.batch(comm.rank()), cfg.shift);
     std::vector<fp16> y = d.x;
     if (cfg.fp8) {  // the experts' outputs: x through E4M3, as the host quantises it
       std::vector<epx::fp8_e4m3> q(d.x.size());
@@ -499,6 +504,7 @@ void ov_check_policy(const ov_config& cfg, const Exec& policy, const char* polic
   seen = ov_expect{};
   for (const auto& e : exp) {
     seen.inf_out += e.inf_out;
+    seen.subnormal_out += e.subnormal_out;
     seen.inf_grad_rows += e.inf_grad_rows;
     seen.nan_out += e.nan_out;
   }
@@ -512,11 +518,16 @@ void ov_check(const ov_config& cfg) {
   ov_check_policy<Impl>(cfg, epx::exec::serial{}, "serial", serial, seen);
   ov_check_policy<Impl>(cfg, epx::exec::openmp{2}, "openmp", omp, seen);
   ov_check_policy<Impl>(cfg, epx::exec::emulated_device{}, "emulated_device", device, seen);
-  // The case reaches past fp16's range: infinite outputs and gradient rows (and, on the
-  // grouped paths, NaN where partial sums overflow with opposite signs).
-  CHECK(seen.inf_out > 0);
-  CHECK(seen.inf_grad_rows > 0);
-  CHECK((seen.nan_out > 0) == cfg.grouped());
+  if (cfg.shift == 0) {
+    // The case reaches past fp16's range: infinite outputs and gradient rows (and, on the
+    // grouped paths, NaN where partial sums overflow with opposite signs).
+    CHECK(seen.inf_out > 0);
+    CHECK(seen.inf_grad_rows > 0);
+    CHECK((seen.nan_out > 0) == cfg.grouped());
+  } else {
+    CHECK(seen.subnormal_out > 0);
+    CHECK(seen.inf_out + seen.inf_grad_rows + seen.nan_out == 0);
+  }
   for (std::size_t r = 0; r < serial.size(); ++r) {
     CAPTURE(r);
     for (const auto* other : {&omp[r], &device[r]}) {
@@ -525,6 +536,56 @@ void ov_check(const ov_config& cfg) {
       CHECK(epx::test::bitwise_equal(other->grad_w, serial[r].grad_w));
     }
   }
+}
+}  // namespace
+
+namespace {
+// Every path of the layer (direct and staged routes, rounds, tp = 2, per-rank sends, the
+// masked path, bounded mode on both, the split phase on both, FP8 dispatch) on every policy.
+void ov_all_paths(int shift) {
+  ov_config c{"all-to-all, direct route", ov_mesh(1, 4)};
+  c.shift = shift;
+  ov_check<epx::impl::all_to_all>(c);
+  c.name = "all-to-all, staged route";
+  c.peer_access = false;
+  ov_check<epx::impl::all_to_all>(c);
+  c.name = "all-to-all, staged route in rounds of one slice row";
+  c.stage_bytes = 1;
+  ov_check<epx::impl::all_to_all>(c);
+  ov_config tp2{"all-to-all, tp = 2", ov_mesh(2, 2)};
+  tp2.shift = shift;
+  ov_check<epx::impl::all_to_all>(tp2);
+  ov_config per_rank{"per-rank sends", ov_mesh(1, 4)};
+  per_rank.shift = shift;
+  per_rank.per_rank = true;
+  ov_check<epx::impl::all_to_all>(per_rank);
+  ov_config masked{"masked all-reduce path", ov_mesh(4, 1)};
+  masked.shift = shift;
+  masked.masked = true;
+  ov_check<epx::impl::all_reduce>(masked);
+  ov_config bounded{"bounded mode", ov_mesh(2, 2)};
+  bounded.shift = shift;
+  bounded.bound = static_cast<std::int64_t>(ov_tokens);
+  ov_check<epx::impl::all_to_all>(bounded);
+  bounded.name = "bounded mode, masked path";
+  bounded.mesh = ov_mesh(4, 1);
+  bounded.masked = true;
+  ov_check<epx::impl::all_reduce>(bounded);
+  ov_config split{"split phase", ov_mesh(1, 4)};
+  split.shift = shift;
+  split.split = true;
+  ov_check<epx::impl::all_to_all>(split);
+  split.name = "split phase, masked path";
+  split.mesh = ov_mesh(4, 1);
+  split.masked = true;
+  ov_check<epx::impl::all_reduce>(split);
+  ov_config fp8{"FP8 dispatch", ov_mesh(1, 4)};
+  fp8.shift = shift;
+  fp8.fp8 = true;
+  ov_check<epx::impl::all_to_all>(fp8);
+  fp8.name = "FP8 dispatch, staged route";
+  fp8.peer_access = false;
+  ov_check<epx::impl::all_to_all>(fp8);
 }
 }  // namespace
 
@@ -537,42 +598,16 @@ TEST_CASE("fp16: results beyond 65504 are infinities (round to nearest even), th
   CHECK(fp16(1.25f * 52384.0f).bits == ref::to_type_exact<fp16>(65472.0).bits);
   CHECK(ov_bits(1.25f * 52416.0f) == 0x7c00u);
 
-  ov_config c{"all-to-all, direct route", ov_mesh(1, 4)};
-  ov_check<epx::impl::all_to_all>(c);
-  c.name = "all-to-all, staged route";
-  c.peer_access = false;
-  ov_check<epx::impl::all_to_all>(c);
-  c.name = "all-to-all, staged route in rounds of one slice row";
-  c.stage_bytes = 1;
-  ov_check<epx::impl::all_to_all>(c);
-  ov_config tp2{"all-to-all, tp = 2", ov_mesh(2, 2)};
-  ov_check<epx::impl::all_to_all>(tp2);
-  ov_config per_rank{"per-rank sends", ov_mesh(1, 4)};
-  per_rank.per_rank = true;
-  ov_check<epx::impl::all_to_all>(per_rank);
-  ov_config masked{"masked all-reduce path", ov_mesh(4, 1)};
-  masked.masked = true;
-  ov_check<epx::impl::all_reduce>(masked);
-  ov_config bounded{"bounded mode", ov_mesh(2, 2)};
-  bounded.bound = static_cast<std::int64_t>(ov_tokens);
-  ov_check<epx::impl::all_to_all>(bounded);
-  bounded.name = "bounded mode, masked path";
-  bounded.mesh = ov_mesh(4, 1);
-  bounded.masked = true;
-  ov_check<epx::impl::all_reduce>(bounded);
-  ov_config split{"split phase", ov_mesh(1, 4)};
-  split.split = true;
-  ov_check<epx::impl::all_to_all>(split);
-  split.name = "split phase, masked path";
-  split.mesh = ov_mesh(4, 1);
-  split.masked = true;
-  ov_check<epx::impl::all_reduce>(split);
-  ov_config fp8{"FP8 dispatch", ov_mesh(1, 4)};
-  fp8.fp8 = true;
-  ov_check<epx::impl::all_to_all>(fp8);
-  fp8.name = "FP8 dispatch, staged route";
-  fp8.peer_access = false;
-  ov_check<epx::impl::all_to_all>(fp8);
+  ov_all_paths(0);
+}
+
+TEST_CASE("fp16: results in the subnormal range (below 2^-14) round to nearest even, on every path and policy") {
+  CHECK(fp16(1.5f * 0x1p-24f).bits == 0x0002u);      // a tie: to the even 2 * 2^-24
+  CHECK(fp16(2.5f * 0x1p-24f).bits == 0x0002u);      // a tie: to the even 2 * 2^-24
+  CHECK(fp16(0.5f * 0x1p-24f).bits == 0x0000u);      // a tie: to zero
+  CHECK(fp16(0.75f * 0x1p-24f).bits == 0x0001u);
+  CHECK(fp16(-1023.5f * 0x1p-24f).bits == 0x8400u);  // a tie: to -2^-14, the smallest normal
+  ov_all_paths(-24);
 }
 
 namespace {
