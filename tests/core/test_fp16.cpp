@@ -19,10 +19,13 @@
 // tests/emulated/test_fp16.cpp reruns this file on exec::emulated_device.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
