@@ -38,7 +38,7 @@ namespace epx::test::rel {
 // Random steps
 // ---------------------------------------------------------------------------------------
 
-enum class elem { f32, bf16, f64 };
+enum class elem { f32, bf16, f64, f16 };
 enum class impl_kind { all_to_all, all_reduce, automatic };
 
 inline const char* to_string(elem e) {
@@ -46,6 +46,7 @@ inline const char* to_string(elem e) {
     case elem::f32: return "float";
     case elem::bf16: return "bf16";
     case elem::f64: return "double";
+    case elem::f16: return "fp16";
   }
   return "?";
 }
@@ -136,7 +137,7 @@ inline step_config random_step(ref::rng& g, const std::vector<mesh_config>& mesh
   }
   const std::vector<std::size_t> rows = s.rows;
   s.c.rows = [rows](int b) { return rows[static_cast<std::size_t>(b)]; };
-  const elem types[] = {elem::f32, elem::f32, elem::bf16, elem::f64};
+  const elem types[] = {elem::f32, elem::f16, elem::bf16, elem::f64};
   s.type = types[g.below(4)];
   const bool masked_ok = s.c.topology.ep == s.c.topology.tp;
   const int im = g.below(3);
@@ -575,6 +576,7 @@ void run_rank(Comm& w, const step_config& s, const fault_spec& f, rank_result& r
     case elem::f32: return run_rank_impl<Comm, float>(w, s, f, r);
     case elem::bf16: return run_rank_impl<Comm, bf16>(w, s, f, r);
     case elem::f64: return run_rank_impl<Comm, double>(w, s, f, r);
+    case elem::f16: return run_rank_impl<Comm, fp16>(w, s, f, r);
   }
 }
 

@@ -2,7 +2,7 @@
 // reference, some with an injected input fault that every rank must report.
 //
 // Each step draws a valid mesh for 1..8 ranks (tp, fsdp, pp, dp_replicate, ep), N per batch
-// (0 and 1 included), H, E (a multiple of ep), k, element type (float, bf16, double),
+// (0 and 1 included), H, E (a multiple of ep), k, element type (float, bf16, fp16, double),
 // padding, implementation (all_to_all; all_reduce when ep == tp; automatic), training or
 // inference, and a routing (random, balanced, skewed, all to one expert, only the experts
 // of EP rank 0; batches with N = 0 send nothing). One epx::threads::run per step, with
@@ -42,7 +42,7 @@ using rel::fault_kind;
 struct soak_counts {
   long steps = 0, train = 0, inference = 0, rank_steps = 0, empty_batches = 0;
   long faults_injected = 0, faults_detected = 0, correct_after_fault = 0, mismatches = 0, unexpected_errors = 0;
-  long by_type[3] = {}, by_impl[3] = {}, by_world[9] = {}, direct = 0;
+  long by_type[4] = {}, by_impl[3] = {}, by_world[9] = {}, direct = 0;
   std::set<std::string> configurations, meshes;
 };
 
@@ -142,13 +142,13 @@ TEST_CASE("soak: random layer steps against the float64 reference, with injected
   const double secs = elapsed();
   std::printf(
       "soak: %ld steps (%ld train, %ld inference; %ld rank-steps) in %.1f s, seed %llu; %zu distinct "
-      "configurations on %zu meshes; worlds 1..8: %ld %ld %ld %ld %ld %ld %ld %ld; float/bf16/double: %ld/%ld/%ld; "
+      "configurations on %zu meshes; worlds 1..8: %ld %ld %ld %ld %ld %ld %ld %ld; float/bf16/double/fp16: %ld/%ld/%ld/%ld; "
       "all_to_all/all_reduce/automatic: %ld/%ld/%ld; peer access allowed (direct route): %ld; empty batches: %ld; faults injected: %ld, detected: %ld, "
       "clean steps right after a fault correct: %ld; "
       "unexpected errors: %ld; mismatches: %ld\n",
       n.steps, n.train, n.inference, n.rank_steps, secs, static_cast<unsigned long long>(seed),
       n.configurations.size(), n.meshes.size(), n.by_world[1], n.by_world[2], n.by_world[3], n.by_world[4],
-      n.by_world[5], n.by_world[6], n.by_world[7], n.by_world[8], n.by_type[0], n.by_type[1], n.by_type[2],
+      n.by_world[5], n.by_world[6], n.by_world[7], n.by_world[8], n.by_type[0], n.by_type[1], n.by_type[2], n.by_type[3],
       n.by_impl[0], n.by_impl[1], n.by_impl[2], n.direct, n.empty_batches, n.faults_injected, n.faults_detected, n.correct_after_fault,
       n.unexpected_errors, n.mismatches);
   std::fflush(stdout);
