@@ -549,6 +549,45 @@ TEST_CASE("bounded: a backward with other shapes than its forward raises errc::i
   check_one_bad_backward(1, false, "backward shapes N=4 H=4 k=2 differ from the forward call's N=6");
 }
 
+TEST_CASE("bounded: a forward with bad shapes on one rank, raised there: the next training steps take back the same calls") {
+  // Rank 3's out is too short: its forward raises at once, after joining the call's
+  // collectives, while the peers' completes; check() then raises for that call on every
+  // rank. The ranks stay in step, so a training step afterwards takes back the same forward
+  // call on every rank and the next check() is quiet.
+  for (bool masked : {false, true}) {
+    CAPTURE(masked);
+    std::vector<std::string> failures(4);
+    epx::threads::run(4, [&](comm_t& comm) {
+      on_path(masked, comm, 4, false, [&](auto& layer) {
+        std::string& f = failures[static_cast<std::size_t>(comm.rank())];
+        const std::size_t N = 6;
+        std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4), g(N * 4, 1.0f), gx(N * 4), gw(N * 2);
+        std::vector<float> bad_y(comm.rank() == 3 ? 5 : N * 4);
+        std::vector<std::int32_t> ids(N * 2);
+        for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 3) % 8);
+        doubling_experts e;
+        const auto forward = [&](std::vector<float>& out) {
+          return layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
+                               epx::span<const float>(w), epx::span<float>(out), e, epx::mode::train);
+        };
+        const auto r = epx::test::capture([&] { (void)forward(bad_y); });
+        if (r.thrown != (comm.rank() == 3)) f += "the forward with bad shapes raised '" + r.message + "'; ";
+        const auto c1 = epx::test::capture([&] { (void)layer.check(); });
+        if (c1.message.find("1 call(s) had bad shapes") == std::string::npos)
+          f += "the first check() raised '" + c1.message + "'; ";
+        const auto step = epx::test::capture([&] {
+          auto s = forward(y);
+          layer.backward(std::move(s), epx::span<const float>(g), epx::span<float>(gx), epx::span<float>(gw), e);
+        });
+        if (step.thrown) f += "the training step raised '" + step.message + "'; ";
+        const auto c2 = epx::test::capture([&] { (void)layer.check(); });
+        if (c2.thrown) f += "the check() after the training step raised '" + c2.message + "'; ";
+      });
+    });
+    for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+  }
+}
+
 TEST_CASE("bounded: ranks whose backwards take back different forward calls are raised by check() on every rank") {
   // Two training forwards A and B on every rank; rank 2 takes them back in the other order.
   // No backward raises (bounded mode reads nothing back), and check() raises errc::input on

@@ -6,7 +6,9 @@
 #include <cmath>
 #include <functional>
 #include <initializer_list>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/layer_cases.hpp"
@@ -1068,6 +1070,129 @@ TEST_CASE("tensor sizes whose N*k would wrap raise errc::input on every rank of 
     require_every_rank_raised(r, epx::errc::input,
                               {"expert ids have 0 elements but N*k = 2305843009213693952*8 = more than SIZE_MAX"});
   }
+}
+
+namespace {
+
+// The float64-checked linear experts, whose forward or backward throws once when asked to.
+struct throwing_experts : epx::ref::test_linear_experts<float> {
+  using base = epx::ref::test_linear_experts<float>;
+  using base::base;
+  bool fail_forward = false, fail_backward = false;
+  template <class Exec, class Rows>
+  void forward(const Exec& e, const Rows& in, float* out) {
+    if (std::exchange(fail_forward, false)) throw std::runtime_error("injected: the experts' forward failed");
+    base::forward(e, in, out);
+  }
+  template <class Exec, class Rows>
+  void backward(const Exec& e, const Rows& in, const float* grad_out, float* grad_in) {
+    if (std::exchange(fail_backward, false)) throw std::runtime_error("injected: the experts' backward failed");
+    base::backward(e, in, grad_out, grad_in);
+  }
+};
+
+// What a rank saw of a call: "" when it returned, else the exception's what().
+template <class F>
+std::string outcome(F&& f) {
+  try {
+    f();
+    return {};
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+// One layer, training steps of the same batch on every rank: a clean step, then one whose
+// experts throw (in forward or in backward) on rank `thrower` (-1: on every rank), every
+// rank catching what it raises. A thrower alone leaves its peers inside the call, so its
+// next step meets them there and raises errc::communicator, as theirs does (docs/
+// guarantees.md, known limits). Once every rank has caught its error the ranks are in step
+// again, and the next steps must give the clean step's results bit for bit.
+template <class Impl>
+std::vector<std::string> steps_after_a_throw(const layer_case& c, int thrower, bool in_backward) {
+  const epx::mesh m(c.topology);
+  std::vector<std::string> failures(static_cast<std::size_t>(m.world()));
+  epx::threads::options opts;
+  opts.timeout = std::chrono::seconds(20);
+  epx::threads::run(
+      m.world(),
+      [&](comm_t& comm) {
+        const int rank = comm.rank();
+        std::string& f = failures[static_cast<std::size_t>(rank)];
+        const epx::test::rank_inputs<float> in(c, rank);
+        throwing_experts experts(in.global, m.ep_rank(rank), m.local_experts());
+        epx::moe_layer<comm_t, float, Impl, epx::test::test_exec> layer(m, comm, epx::test::options_for(c));
+        const std::vector<float> go(in.d.grad_out.begin(), in.d.grad_out.end());
+        std::vector<float> out, gx, gw;
+        const auto step = [&] {
+          out.assign(in.N * in.H, 7.0f);
+          gx.assign(in.N * in.H, 7.0f);
+          gw.assign(in.w.size(), 7.0f);
+          return outcome([&] {
+            auto saved = layer.forward(epx::span<const float>(in.x), epx::span<const std::int32_t>(in.d.ids),
+                                       epx::span<const float>(in.w), epx::span<float>(out), experts, epx::mode::train);
+            layer.backward(std::move(saved), epx::span<const float>(go), epx::span<float>(gx), epx::span<float>(gw),
+                           experts);
+          });
+        };
+        std::string e = step();
+        if (!e.empty()) {
+          f += "the clean step raised: " + e;
+          return;
+        }
+        const auto out0 = out, gx0 = gx, gw0 = gw;
+        const bool throws = thrower < 0 || thrower == rank;
+        (in_backward ? experts.fail_backward : experts.fail_forward) = throws;
+        e = step();
+        if (e.find(throws ? "injected" : "epx communicator error") == std::string::npos)
+          f += "the failing step raised '" + e + "'; ";
+        if (thrower == rank) {  // its peers are still inside that call: its next one meets them
+          e = step();
+          if (e.find("epx communicator error") == std::string::npos)
+            f += "the thrower's next step raised '" + e + "', not errc::communicator; ";
+        }
+        for (int i = 0; i < 2; ++i) {
+          e = step();
+          if (!e.empty()) f += "step " + std::to_string(i) + " after the failure raised: " + e + "; ";
+          else if (out != out0 || gx != gx0 || gw != gw0)
+            f += "step " + std::to_string(i) + " after the failure differs from the clean step; ";
+        }
+      },
+      opts);
+  return failures;
+}
+
+}  // namespace
+
+TEST_CASE("experts that throw, on one rank or on all, caught there: every rank raises, then the layer gives the clean results again") {
+  auto c = small(1, 2, 2, 4);  // world 2, one EP group
+  const auto run = [](const layer_case& lc, bool masked) {
+    for (int thrower : {-1, 0, 1})
+      for (bool in_backward : {false, true}) {
+        CAPTURE(thrower);
+        CAPTURE(in_backward);
+        const auto failures = masked ? steps_after_a_throw<epx::impl::all_reduce>(lc, thrower, in_backward)
+                                     : steps_after_a_throw<epx::impl::all_to_all>(lc, thrower, in_backward);
+        for (const auto& f : failures) CHECK_MESSAGE(f.empty(), f);
+      }
+  };
+  SUBCASE("the direct route") { run(c, false); }
+  SUBCASE("the staged route") {
+    c.peer_access = false;
+    run(c, false);
+  }
+  SUBCASE("the staged route in rounds, sends gathered") {
+    c.peer_access = false;
+    c.indexed_sends = false;
+    c.stage_bytes = 2 * 2 * 4 * sizeof(float);  // two slice rows a round
+    run(c, false);
+  }
+  SUBCASE("per-rank sends") {
+    c.peer_access = false;
+    c.sends = epx::row_sends::per_rank;
+    run(c, false);
+  }
+  SUBCASE("the masked all-reduce path") { run(small(2, 1, 2, 4), true); }
 }
 
 }  // namespace test_layer_errors_cpp

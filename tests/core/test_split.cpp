@@ -5,7 +5,9 @@
 #include <doctest/doctest.h>
 
 #include <array>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/split_cases.hpp"
@@ -259,6 +261,95 @@ TEST_CASE("split phase: dispatch_start raises on routing weights of another size
     CHECK(x.message.find("rank 1: ") != std::string::npos);
     CHECK(x.message.find("routing weights have") != std::string::npos);
   }
+}
+
+namespace {
+
+// The float64-checked linear experts, whose forward or backward throws once when asked to.
+struct throwing_experts : epx::ref::test_linear_experts<float> {
+  using base = epx::ref::test_linear_experts<float>;
+  using base::base;
+  bool fail_forward = false, fail_backward = false;
+  template <class Exec, class Rows>
+  void forward(const Exec& e, const Rows& in, float* out) {
+    if (std::exchange(fail_forward, false)) throw std::runtime_error("injected: the experts' forward failed");
+    base::forward(e, in, out);
+  }
+  template <class Exec, class Rows>
+  void backward(const Exec& e, const Rows& in, const float* grad_out, float* grad_in) {
+    if (std::exchange(fail_backward, false)) throw std::runtime_error("injected: the experts' backward failed");
+    base::backward(e, in, grad_out, grad_in);
+  }
+};
+
+// Training steps through the split calls, as steps_after_a_throw of test_layer_errors.cpp
+// for the fused ones: a clean step, then one whose experts (run by the caller between a
+// wait and the next start) throw on rank `thrower` (-1: every rank), every rank catching
+// what it raises. A thrower alone leaves its peers in their combine_start, where its next
+// step's dispatch_start meets them (errc::communicator on every rank). Then the next steps
+// must give the clean step's results bit for bit.
+std::string split_steps_after_a_throw(comm_t& comm, const layer_case& c, int thrower, bool in_backward) {
+  const epx::mesh m(c.topology);
+  const int rank = comm.rank();
+  std::string f;
+  const epx::test::rank_inputs<float> in(c, rank);
+  throwing_experts experts(in.global, m.ep_rank(rank), m.local_experts());
+  epx::moe_layer<comm_t, float, epx::impl::all_to_all, epx::test::test_exec> layer(m, comm, epx::test::options_for(c));
+  const epx::test::test_exec exec{};
+  const std::vector<float> go(in.d.grad_out.begin(), in.d.grad_out.end());
+  std::vector<float> out, gx, gw;
+  const auto step = [&]() -> std::string {
+    out.assign(in.N * in.H, 7.0f);
+    gx.assign(in.N * in.H, 7.0f);
+    gw.assign(in.w.size(), 7.0f);
+    try {
+      auto h = layer.dispatch(epx::span<const float>(in.x), epx::span<const std::int32_t>(in.d.ids),
+                              epx::span<const float>(in.w), epx::mode::train);
+      experts.forward(exec, h.inputs(), h.outputs().data());
+      auto saved = layer.combine(h, h.outputs(), epx::span<float>(out));
+      auto g = layer.backward_dispatch(std::move(saved), epx::span<const float>(go), epx::span<float>(gw));
+      experts.backward(exec, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());
+      layer.backward_combine(g, g.grad_inputs(), epx::span<float>(gx));
+      return {};
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+  };
+  std::string e = step();
+  if (!e.empty()) return "the clean step raised: " + e;
+  const auto out0 = out, gx0 = gx, gw0 = gw;
+  const bool throws = thrower < 0 || thrower == rank;
+  (in_backward ? experts.fail_backward : experts.fail_forward) = throws;
+  e = step();
+  if (e.find(throws ? "injected" : "epx communicator error") == std::string::npos)
+    f += "the failing step raised '" + e + "'; ";
+  if (thrower == rank) {
+    e = step();
+    if (e.find("epx communicator error") == std::string::npos)
+      f += "the thrower's next step raised '" + e + "', not errc::communicator; ";
+  }
+  for (int i = 0; i < 2; ++i) {
+    e = step();
+    if (!e.empty()) f += "step " + std::to_string(i) + " after the failure raised: " + e + "; ";
+    else if (out != out0 || gx != gx0 || gw != gw0)
+      f += "step " + std::to_string(i) + " after the failure differs from the clean step; ";
+  }
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE("split phase: experts that throw, on one rank or on all, caught there: every rank raises, then the calls give the clean results again") {
+  for (bool direct : {true, false})
+    for (int thrower : {-1, 0, 2})
+      for (bool in_backward : {false, true}) {
+        auto c = make(1, 4, 4, 8, 2);
+        c.peer_access = direct;
+        CAPTURE(direct);
+        CAPTURE(thrower);
+        CAPTURE(in_backward);
+        on_ranks(4, [&](comm_t& comm) { return split_steps_after_a_throw(comm, c, thrower, in_backward); });
+      }
 }
 
 }  // namespace test_split_cpp

@@ -176,12 +176,14 @@ class moe_layer {
                                                        {"out has", out.size(), N, H, "N*H"}});
     set_shape(a, N, msg);
     require_in_step("forward");
-    const std::uint64_t serial = ++forward_starts_;
+    const std::uint64_t serial = forward_starts_ + 1;
+    if (bound_) forward_starts_ = serial;  // bounded mode counts the calls that raise too (forward_starts_)
     saved_state<T> saved;
     const long long syncs = detail::host_syncs_on_this_thread();
     keeping_stats([&] {
       bounded_call("forward", [&] { impl_->forward(exec_, a, experts, m == mode::train ? &saved : nullptr); });
     });
+    forward_starts_ = serial;
     saved.stamp(id_, serial);
     stats_->host_syncs = detail::host_syncs_on_this_thread() - syncs;
     stats_->calls += 1;
@@ -236,7 +238,6 @@ class moe_layer {
   forward_handle<T> dispatch_start(span<const T> x, span<const std::int32_t> ids, span<const float> weights, mode m) {
     static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
     require_live("dispatch_start");
-    const std::uint64_t serial = ++forward_starts_;
     const std::size_t H = options_.hidden, N = x.size() / H;
     const auto k = static_cast<std::size_t>(options_.top_k);
     forward_args<T> a;
@@ -251,7 +252,7 @@ class moe_layer {
     keeping_stats([&] { h.batch_ = impl_->dispatch(exec_, a, h.call_.flight, m == mode::train, false); });
     h.call_.host_syncs = detail::host_syncs_on_this_thread() - syncs;
     h.call_.layer = id_;
-    h.call_.serial = serial;
+    h.call_.serial = ++forward_starts_;  // counted once it completed (forward_starts_)
     h.call_.tokens = N;
     h.training_ = m == mode::train;
     h.call_.phase = detail::split_phase::dispatching;
@@ -691,8 +692,15 @@ class moe_layer {
   std::shared_ptr<void> bound_;  // bounded mode: detail::bound_buffers<T, Exec>
   std::unique_ptr<impl_type> impl_;
   std::uint64_t id_ = 0;  // names the layer in its split-phase handles and saved states
-  // Calls started, per direction: forward counts fused calls and split starts (the number
-  // of each, the same on every rank of the group, stamps its saved state), backward split starts.
+  // Calls per direction: forward counts the fused calls and split starts that completed
+  // (the number of each, the same on every rank of the group, stamps its saved state),
+  // backward split starts. In the normal mode a forward call that raised is not counted: a
+  // rank whose experts threw alone raises again in its next call (which meets its peers
+  // still inside the failed one), so it fails one call more than its peers; counting those
+  // would leave its numbers ahead of theirs for good, and every later backward would
+  // raise. Bounded mode counts every fused call: one that raises on a rank after its
+  // collectives (bad shapes) completes on the peers, and one that leaves them earlier
+  // ends the layer on that rank (require_in_step).
   std::uint64_t forward_starts_ = 0, backward_starts_ = 0;
   int rank_ = 0;          // in the world
   std::string out_of_step_;  // bounded mode: why this rank left a call before its last collective ("" if it did not)
