@@ -7,6 +7,7 @@
 #include <array>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -350,6 +351,189 @@ TEST_CASE("split phase: experts that throw, on one rank or on all, caught there:
         CAPTURE(in_backward);
         on_ranks(4, [&](comm_t& comm) { return split_steps_after_a_throw(comm, c, thrower, in_backward); });
       }
+}
+
+namespace {
+
+// One layer's micro-batch on this rank: inputs, experts and results.
+struct stage_batch {
+  epx::test::rank_inputs<float> in;
+  epx::ref::test_linear_experts<float> experts;
+  std::vector<float> go, out, gx, gw;
+  stage_batch(const layer_case& c, const epx::mesh& m, int rank)
+      : in(c, rank),
+        experts(in.global, m.ep_rank(rank), m.local_experts()),
+        go(in.d.grad_out.begin(), in.d.grad_out.end()),
+        out(in.N * in.H, 7.0f),
+        gx(in.N * in.H, 7.0f),
+        gw(in.w.size(), 7.0f) {}
+  epx::span<const float> x() const { return epx::span<const float>(in.x); }
+  epx::span<const std::int32_t> ids() const { return epx::span<const std::int32_t>(in.d.ids); }
+  epx::span<const float> w() const { return epx::span<const float>(in.w); }
+};
+
+// Two layers of one model on the same world communicator (each with its own groups),
+// called as a pipeline schedule calls them: forward of A, forward of B, backward of B,
+// backward of A, in fused calls and in split calls whose phases interleave across the
+// layers. Each must give bitwise what each layer gives alone, one after the other, and
+// the expert gradients must be the same.
+std::string two_layers_interleaved(comm_t& comm, const layer_case& ca, const layer_case& cb) {
+  using layer_t = epx::moe_layer<comm_t, float, epx::impl::all_to_all, epx::test::test_exec>;
+  const epx::test::test_exec exec{};
+  const epx::mesh ma(ca.topology), mb(cb.topology);
+  const int rank = comm.rank();
+  std::string f;
+  const auto same = [&](const stage_batch& have, const stage_batch& want, const char* what) {
+    if (have.out != want.out || have.gx != want.gx || have.gw != want.gw || have.experts.grads() != want.experts.grads())
+      f += std::string(what) + ": the results differ from the layer's alone; ";
+  };
+  // Alone, one after the other.
+  stage_batch a0(ca, ma, rank), b0(cb, mb, rank);
+  for (auto* sb : {&a0, &b0}) {
+    const bool is_a = sb == &a0;
+    layer_t l(is_a ? ma : mb, comm, epx::test::options_for(is_a ? ca : cb));
+    auto s = l.forward(sb->x(), sb->ids(), sb->w(), epx::span<float>(sb->out), sb->experts, epx::mode::train);
+    l.backward(std::move(s), epx::span<const float>(sb->go), epx::span<float>(sb->gx), epx::span<float>(sb->gw),
+               sb->experts);
+  }
+  layer_t la(ma, comm, epx::test::options_for(ca)), lb(mb, comm, epx::test::options_for(cb));
+  {  // Fused: forward A, forward B, backward B, backward A.
+    stage_batch a(ca, ma, rank), b(cb, mb, rank);
+    auto sa = la.forward(a.x(), a.ids(), a.w(), epx::span<float>(a.out), a.experts, epx::mode::train);
+    auto sb = lb.forward(b.x(), b.ids(), b.w(), epx::span<float>(b.out), b.experts, epx::mode::train);
+    lb.backward(std::move(sb), epx::span<const float>(b.go), epx::span<float>(b.gx), epx::span<float>(b.gw), b.experts);
+    la.backward(std::move(sa), epx::span<const float>(a.go), epx::span<float>(a.gx), epx::span<float>(a.gw), a.experts);
+    same(a, a0, "fused, layer A");
+    same(b, b0, "fused, layer B");
+  }
+  {  // Split, the phases of the two layers interleaved.
+    stage_batch a(ca, ma, rank), b(cb, mb, rank);
+    auto ha = la.dispatch_start(a.x(), a.ids(), a.w(), epx::mode::train);
+    auto hb = lb.dispatch_start(b.x(), b.ids(), b.w(), epx::mode::train);
+    lb.dispatch_wait(hb);
+    la.dispatch_wait(ha);
+    b.experts.forward(exec, hb.inputs(), hb.outputs().data());
+    a.experts.forward(exec, ha.inputs(), ha.outputs().data());
+    lb.combine_start(hb, hb.outputs(), epx::span<float>(b.out));
+    la.combine_start(ha, ha.outputs(), epx::span<float>(a.out));
+    auto sa = la.combine_wait(ha);
+    auto sb = lb.combine_wait(hb);
+    auto gb = lb.backward_dispatch_start(std::move(sb), epx::span<const float>(b.go), epx::span<float>(b.gw));
+    auto ga = la.backward_dispatch_start(std::move(sa), epx::span<const float>(a.go), epx::span<float>(a.gw));
+    la.backward_dispatch_wait(ga);
+    lb.backward_dispatch_wait(gb);
+    a.experts.backward(exec, ga.inputs(), ga.grad_outputs().data(), ga.grad_inputs().data());
+    b.experts.backward(exec, gb.inputs(), gb.grad_outputs().data(), gb.grad_inputs().data());
+    la.backward_combine_start(ga, ga.grad_inputs(), epx::span<float>(a.gx));
+    lb.backward_combine_start(gb, gb.grad_inputs(), epx::span<float>(b.gx));
+    lb.backward_combine_wait(gb);
+    la.backward_combine_wait(ga);
+    same(a, a0, "split, layer A");
+    same(b, b0, "split, layer B");
+  }
+  {  // Each layer on a thread of its own, at the same time: their communicators differ
+     // (docs/guarantees.md: a rank's different communicators may be used by different
+     // threads at once).
+    stage_batch a(ca, ma, rank), b(cb, mb, rank);
+    const auto train = [](layer_t& l, stage_batch& sb) {
+      try {
+        auto s = l.forward(sb.x(), sb.ids(), sb.w(), epx::span<float>(sb.out), sb.experts, epx::mode::train);
+        l.backward(std::move(s), epx::span<const float>(sb.go), epx::span<float>(sb.gx), epx::span<float>(sb.gw),
+                   sb.experts);
+        return std::string();
+      } catch (const std::exception& e) {
+        return std::string(e.what());
+      }
+    };
+    std::string ea;
+    std::thread t([&] { ea = train(la, a); });
+    const std::string eb = train(lb, b);
+    t.join();
+    if (!ea.empty() || !eb.empty()) f += "concurrent: raised '" + ea + "' / '" + eb + "'; ";
+    same(a, a0, "concurrent, layer A");
+    same(b, b0, "concurrent, layer B");
+  }
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE("two layers on one communicator, pipelined (forward A, forward B, backward B, backward A): bitwise each alone") {
+  for (bool direct : {true, false}) {
+    CAPTURE(direct);
+    auto ca = make(1, 4, 4, 8, 2);
+    auto cb = make(2, 2, 2, 4, 1, routing_kind::uneven);  // another mesh of the same world, other E and k
+    ca.peer_access = cb.peer_access = direct;
+    on_ranks(4, [&](comm_t& comm) { return two_layers_interleaved(comm, ca, cb); });
+  }
+}
+
+namespace {
+
+// Two micro-batches of one layer, each rank running micro-batch 0's experts on a worker
+// thread while its own thread starts micro-batch 1's phase (docs/layer.md section 9, what
+// overlaps: a handle's buffers are its own, nothing of the layer is touched by the
+// experts' thread), forward and backward. Bitwise the fused calls of each micro-batch;
+// under ThreadSanitizer (the tsan preset) no race.
+std::string experts_on_a_worker_thread(comm_t& comm, const layer_case& c) {
+  using layer_t = epx::moe_layer<comm_t, float, epx::impl::all_to_all, epx::test::test_exec>;
+  const epx::test::test_exec exec{};
+  const epx::mesh m(c.topology);
+  const int rank = comm.rank();
+  const layer_case c1 = epx::test::second_micro_batch(c);
+  std::string f;
+  stage_batch want[2] = {stage_batch(c, m, rank), stage_batch(c1, m, rank)};
+  stage_batch have[2] = {stage_batch(c, m, rank), stage_batch(c1, m, rank)};
+  {
+    layer_t l(m, comm, epx::test::options_for(c));
+    for (auto& sb : want) {
+      auto s = l.forward(sb.x(), sb.ids(), sb.w(), epx::span<float>(sb.out), sb.experts, epx::mode::train);
+      l.backward(std::move(s), epx::span<const float>(sb.go), epx::span<float>(sb.gx), epx::span<float>(sb.gw),
+                 sb.experts);
+    }
+  }
+  layer_t l(m, comm, epx::test::options_for(c));
+  epx::forward_handle<float> h[2];
+  h[0] = l.dispatch(have[0].x(), have[0].ids(), have[0].w(), epx::mode::train);
+  std::thread worker([&] { have[0].experts.forward(exec, h[0].inputs(), h[0].outputs().data()); });
+  h[1] = l.dispatch(have[1].x(), have[1].ids(), have[1].w(), epx::mode::train);
+  worker.join();
+  l.combine_start(h[0], h[0].outputs(), epx::span<float>(have[0].out));
+  worker = std::thread([&] { have[1].experts.forward(exec, h[1].inputs(), h[1].outputs().data()); });
+  epx::saved_state<float> saved[2];
+  saved[0] = l.combine_wait(h[0]);
+  worker.join();
+  saved[1] = l.combine(h[1], h[1].outputs(), epx::span<float>(have[1].out));
+  epx::backward_handle<float> g[2];
+  g[0] = l.backward_dispatch(std::move(saved[0]), epx::span<const float>(have[0].go), epx::span<float>(have[0].gw));
+  worker = std::thread([&] {
+    have[0].experts.backward(exec, g[0].inputs(), g[0].grad_outputs().data(), g[0].grad_inputs().data());
+  });
+  g[1] = l.backward_dispatch(std::move(saved[1]), epx::span<const float>(have[1].go), epx::span<float>(have[1].gw));
+  worker.join();
+  l.backward_combine_start(g[0], g[0].grad_inputs(), epx::span<float>(have[0].gx));
+  worker = std::thread([&] {
+    have[1].experts.backward(exec, g[1].inputs(), g[1].grad_outputs().data(), g[1].grad_inputs().data());
+  });
+  l.backward_combine_wait(g[0]);
+  worker.join();
+  l.backward_combine(g[1], g[1].grad_inputs(), epx::span<float>(have[1].gx));
+  for (int i = 0; i < 2; ++i)
+    if (have[i].out != want[i].out || have[i].gx != want[i].gx || have[i].gw != want[i].gw ||
+        have[i].experts.grads() != want[i].experts.grads())
+      f += "micro-batch " + std::to_string(i) + " differs from the fused calls; ";
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE("split phase: one micro-batch's experts on a worker thread while the next one's phase starts: bitwise the fused calls") {
+  for (bool direct : {true, false}) {
+    CAPTURE(direct);
+    auto c = make(2, 2, 4, 8, 2);
+    c.peer_access = direct;
+    on_ranks(4, [&](comm_t& comm) { return experts_on_a_worker_thread(comm, c); });
+  }
 }
 
 }  // namespace test_split_cpp
