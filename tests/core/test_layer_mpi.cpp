@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -75,6 +76,83 @@ TEST_CASE("layer (MPI): forward, backward and hook against the float64 reference
     const std::string ip = epx::test::check_in_place_experts<comm_t, float>(world, c);
     CHECK_MESSAGE(ip.empty(), ip);
   }
+}
+
+namespace {
+
+// The float64-checked linear experts, whose forward or backward throws once when asked to.
+struct throwing_experts : epx::ref::test_linear_experts<float> {
+  using base = epx::ref::test_linear_experts<float>;
+  using base::base;
+  bool fail_forward = false, fail_backward = false;
+  template <class Exec, class Rows>
+  void forward(const Exec& e, const Rows& in, float* out) {
+    if (std::exchange(fail_forward, false)) throw std::runtime_error("injected: the experts' forward failed");
+    base::forward(e, in, out);
+  }
+  template <class Exec, class Rows>
+  void backward(const Exec& e, const Rows& in, const float* grad_out, float* grad_in) {
+    if (std::exchange(fail_backward, false)) throw std::runtime_error("injected: the experts' backward failed");
+    base::backward(e, in, grad_out, grad_in);
+  }
+};
+
+}  // namespace
+
+// As "experts that throw, on one rank or on all, caught there" of test_layer_errors.cpp, on
+// MPI with options::check_counts (the default): the last rank's experts throw and it
+// catches; its next step meets its peers still inside the failed call, which check_counts
+// raises on every rank (errc::communicator). Then every rank's steps give the clean step's
+// results bit for bit.
+TEST_CASE("layer (MPI): experts that throw on the last rank, caught there: every rank raises, then the layer goes on") {
+  comm_t world = comm_t::world();
+  const int n = world.size(), rank = world.rank();
+  if (n < 2) return;
+  for (bool direct : {true, false})
+    for (bool in_backward : {false, true}) {
+      CAPTURE(direct);
+      CAPTURE(in_backward);
+      layer_case c = make(1, n, n, 2 * n, 2);
+      c.hidden = 4;
+      c.peer_access = direct;
+      const epx::mesh m(c.topology);
+      const epx::test::rank_inputs<float> in(c, rank);
+      throwing_experts experts(in.global, m.ep_rank(rank), m.local_experts());
+      epx::moe_layer<comm_t, float> layer(m, world, epx::test::options_for(c));
+      const std::vector<float> go(in.d.grad_out.begin(), in.d.grad_out.end());
+      std::vector<float> out, gx, gw;
+      const auto step = [&]() -> std::string {
+        out.assign(in.N * in.H, 7.0f);
+        gx.assign(in.N * in.H, 7.0f);
+        gw.assign(in.w.size(), 7.0f);
+        try {
+          auto saved = layer.forward(epx::span<const float>(in.x), epx::span<const std::int32_t>(in.d.ids),
+                                     epx::span<const float>(in.w), epx::span<float>(out), experts, epx::mode::train);
+          layer.backward(std::move(saved), epx::span<const float>(go), epx::span<float>(gx), epx::span<float>(gw),
+                         experts);
+          return {};
+        } catch (const std::exception& e) {
+          return e.what();
+        }
+      };
+      std::string e = step();
+      REQUIRE_MESSAGE(e.empty(), e);
+      const auto out0 = out, gx0 = gx, gw0 = gw;
+      const bool thrower = rank == n - 1;
+      (in_backward ? experts.fail_backward : experts.fail_forward) = thrower;
+      e = step();
+      CHECK_MESSAGE(e.find(thrower ? "injected" : "epx communicator error") != std::string::npos, e);
+      if (thrower) {
+        e = step();
+        CHECK_MESSAGE(e.find("epx communicator error") != std::string::npos, e);
+      }
+      for (int i = 0; i < 2; ++i) {
+        CAPTURE(i);
+        e = step();
+        CHECK_MESSAGE(e.empty(), e);
+        CHECK((out == out0 && gx == gx0 && gw == gw0));
+      }
+    }
 }
 
 TEST_CASE("layer (MPI): bad input on the last rank raises on every rank of its EP group") {
