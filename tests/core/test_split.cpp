@@ -536,4 +536,79 @@ TEST_CASE("split phase: one micro-batch's experts on a worker thread while the n
   }
 }
 
+namespace {
+
+// One layer: micro-batch 0 through the split calls, and micro-batch 1's fused forward and
+// backward made while micro-batch 0's handles are in flight (between its dispatch and its
+// combine, and between its backward dispatch and backward combine). Each must be bitwise
+// what the layer gives it alone. Then handles in flight outlive their layer (split.hpp: a
+// handle may outlive its layer): their rows stay readable until the handles go.
+std::string fused_calls_between_split_phases(comm_t& comm, const layer_case& c) {
+  using layer_t = epx::moe_layer<comm_t, float, epx::impl::all_to_all, epx::test::test_exec>;
+  const epx::test::test_exec exec{};
+  const epx::mesh m(c.topology);
+  const int rank = comm.rank();
+  const layer_case c1 = epx::test::second_micro_batch(c);
+  std::string f;
+  stage_batch want[2] = {stage_batch(c, m, rank), stage_batch(c1, m, rank)};
+  stage_batch have[2] = {stage_batch(c, m, rank), stage_batch(c1, m, rank)};
+  const auto fused = [](layer_t& l, stage_batch& sb) {
+    auto s = l.forward(sb.x(), sb.ids(), sb.w(), epx::span<float>(sb.out), sb.experts, epx::mode::train);
+    l.backward(std::move(s), epx::span<const float>(sb.go), epx::span<float>(sb.gx), epx::span<float>(sb.gw),
+               sb.experts);
+  };
+  {
+    layer_t l(m, comm, epx::test::options_for(c));
+    for (auto& sb : want) fused(l, sb);
+  }
+  epx::forward_handle<float> late_forward;
+  epx::backward_handle<float> late_backward;
+  std::vector<float> late_rows;
+  {
+    layer_t l(m, comm, epx::test::options_for(c));
+    stage_batch& a = have[0];
+    auto h = l.dispatch(a.x(), a.ids(), a.w(), epx::mode::train);
+    fused(l, have[1]);  // between micro-batch 0's dispatch and its combine
+    a.experts.forward(exec, h.inputs(), h.outputs().data());
+    auto saved = l.combine(h, h.outputs(), epx::span<float>(a.out));
+    auto g = l.backward_dispatch(std::move(saved), epx::span<const float>(a.go), epx::span<float>(a.gw));
+    stage_batch again(c1, m, rank);
+    fused(l, again);  // between its backward dispatch and backward combine
+    a.experts.backward(exec, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());
+    l.backward_combine(g, g.grad_inputs(), epx::span<float>(a.gx));
+    if (again.out != want[1].out || again.gx != want[1].gx || again.gw != want[1].gw)
+      f += "the second fused call of micro-batch 1 differs from the layer's alone; ";
+    // Handles left in flight when the layer goes.
+    stage_batch late(c, m, rank);
+    late_forward = l.dispatch(late.x(), late.ids(), late.w(), epx::mode::train);
+    late_rows.assign(late_forward.inputs().num_rows * late_forward.inputs().hidden, 0.0f);
+    auto s2 = l.forward(late.x(), late.ids(), late.w(), epx::span<float>(late.out), late.experts, epx::mode::train);
+    late_backward = l.backward_dispatch(std::move(s2), epx::span<const float>(late.go), epx::span<float>(late.gw));
+  }
+  // The layer is gone: its handles' rows are still theirs.
+  const auto& rows = late_forward.inputs();
+  std::copy(rows.rows, rows.rows + late_rows.size(), late_rows.begin());
+  const auto go = late_backward.grad_outputs();
+  double sum = 0;
+  for (std::size_t i = 0; i < go.size(); ++i) sum += go[i];
+  (void)sum;
+  late_forward = epx::forward_handle<float>();
+  late_backward = epx::backward_handle<float>();
+  for (int i = 0; i < 2; ++i)
+    if (have[i].out != want[i].out || have[i].gx != want[i].gx || have[i].gw != want[i].gw)
+      f += "micro-batch " + std::to_string(i) + " differs from the layer's alone; ";
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE("split phase: fused calls between a handle's phases, and handles that outlive their layer") {
+  for (bool direct : {true, false}) {
+    CAPTURE(direct);
+    auto c = make(2, 2, 4, 8, 2);
+    c.peer_access = direct;
+    on_ranks(4, [&](comm_t& comm) { return fused_calls_between_split_phases(comm, c); });
+  }
+}
+
 }  // namespace test_split_cpp
