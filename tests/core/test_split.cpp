@@ -611,4 +611,64 @@ TEST_CASE("split phase: fused calls between a handle's phases, and handles that 
   }
 }
 
+namespace {
+
+// A saved state is the layer's whatever call made it: the split calls' state taken back by
+// the fused backward, and the fused forward's by the split backward, bitwise the fused
+// calls throughout.
+template <class Impl>
+std::string split_and_fused_states_mix(comm_t& comm, const layer_case& c) {
+  using layer_t = epx::moe_layer<comm_t, float, Impl, epx::test::test_exec>;
+  const epx::test::test_exec exec{};
+  const epx::mesh m(c.topology);
+  const int rank = comm.rank();
+  std::string f;
+  stage_batch want(c, m, rank), split_fwd(c, m, rank), split_bwd(c, m, rank);
+  layer_t l(m, comm, epx::test::options_for(c));
+  {
+    auto s = l.forward(want.x(), want.ids(), want.w(), epx::span<float>(want.out), want.experts, epx::mode::train);
+    l.backward(std::move(s), epx::span<const float>(want.go), epx::span<float>(want.gx), epx::span<float>(want.gw),
+               want.experts);
+  }
+  try {
+    stage_batch& a = split_fwd;  // split forward, fused backward
+    auto h = l.dispatch(a.x(), a.ids(), a.w(), epx::mode::train);
+    a.experts.forward(exec, h.inputs(), h.outputs().data());
+    auto s = l.combine(h, h.outputs(), epx::span<float>(a.out));
+    l.backward(std::move(s), epx::span<const float>(a.go), epx::span<float>(a.gx), epx::span<float>(a.gw), a.experts);
+  } catch (const std::exception& e) {
+    f += std::string("split forward, fused backward raised: ") + e.what() + "; ";
+  }
+  try {
+    stage_batch& b = split_bwd;  // fused forward, split backward
+    auto s = l.forward(b.x(), b.ids(), b.w(), epx::span<float>(b.out), b.experts, epx::mode::train);
+    auto g = l.backward_dispatch(std::move(s), epx::span<const float>(b.go), epx::span<float>(b.gw));
+    b.experts.backward(exec, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());
+    l.backward_combine(g, g.grad_inputs(), epx::span<float>(b.gx));
+  } catch (const std::exception& e) {
+    f += std::string("fused forward, split backward raised: ") + e.what() + "; ";
+  }
+  for (const stage_batch* sb : {&split_fwd, &split_bwd})
+    if (sb->out != want.out || sb->gx != want.gx || sb->gw != want.gw || sb->experts.grads() != want.experts.grads())
+      f += std::string(sb == &split_fwd ? "split forward, fused backward" : "fused forward, split backward") +
+           " differs from the fused calls; ";
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE("split phase: a split forward's saved state taken back by the fused backward, and the other way round") {
+  for (bool direct : {true, false}) {
+    CAPTURE(direct);
+    auto c = make(1, 4, 4, 8, 2, routing_kind::uneven);
+    c.peer_access = direct;
+    on_ranks(4, [&](comm_t& comm) { return split_and_fused_states_mix<epx::impl::all_to_all>(comm, c); });
+    c.sends = epx::row_sends::per_rank;
+    on_ranks(4, [&](comm_t& comm) { return split_and_fused_states_mix<epx::impl::all_to_all>(comm, c); });
+  }
+  const auto masked = make(2, 1, 2, 4, 2);
+  on_ranks(2, [&](comm_t& comm) { return split_and_fused_states_mix<epx::impl::all_reduce>(comm, masked); });
+  on_ranks(2, [&](comm_t& comm) { return split_and_fused_states_mix<epx::impl::automatic>(comm, masked); });
+}
+
 }  // namespace test_split_cpp
