@@ -289,13 +289,14 @@ struct throwing_experts : epx::ref::test_linear_experts<float> {
 // what it raises. A thrower alone leaves its peers in their combine_start, where its next
 // step's dispatch_start meets them (errc::communicator on every rank). Then the next steps
 // must give the clean step's results bit for bit.
+template <class Impl = epx::impl::all_to_all>
 std::string split_steps_after_a_throw(comm_t& comm, const layer_case& c, int thrower, bool in_backward) {
   const epx::mesh m(c.topology);
   const int rank = comm.rank();
   std::string f;
   const epx::test::rank_inputs<float> in(c, rank);
   throwing_experts experts(in.global, m.ep_rank(rank), m.local_experts());
-  epx::moe_layer<comm_t, float, epx::impl::all_to_all, epx::test::test_exec> layer(m, comm, epx::test::options_for(c));
+  epx::moe_layer<comm_t, float, Impl, epx::test::test_exec> layer(m, comm, epx::test::options_for(c));
   const epx::test::test_exec exec{};
   const std::vector<float> go(in.d.grad_out.begin(), in.d.grad_out.end());
   std::vector<float> out, gx, gw;
@@ -341,15 +342,20 @@ std::string split_steps_after_a_throw(comm_t& comm, const layer_case& c, int thr
 }  // namespace
 
 TEST_CASE("split phase: experts that throw, on one rank or on all, caught there: every rank raises, then the calls give the clean results again") {
-  for (bool direct : {true, false})
+  // 0: the direct route, 1: the staged one, 2: per-rank sends, 3: the masked all-reduce path.
+  for (int route = 0; route < 4; ++route)
     for (int thrower : {-1, 0, 2})
       for (bool in_backward : {false, true}) {
-        auto c = make(1, 4, 4, 8, 2);
-        c.peer_access = direct;
-        CAPTURE(direct);
+        auto c = route == 3 ? make(4, 1, 4, 8, 2) : make(1, 4, 4, 8, 2);
+        c.peer_access = route == 0;
+        if (route == 2) c.sends = epx::row_sends::per_rank;
+        CAPTURE(route);
         CAPTURE(thrower);
         CAPTURE(in_backward);
-        on_ranks(4, [&](comm_t& comm) { return split_steps_after_a_throw(comm, c, thrower, in_backward); });
+        on_ranks(4, [&](comm_t& comm) {
+          return route == 3 ? split_steps_after_a_throw<epx::impl::all_reduce>(comm, c, thrower, in_backward)
+                            : split_steps_after_a_throw(comm, c, thrower, in_backward);
+        });
       }
 }
 
