@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <new>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -978,6 +979,73 @@ TEST_CASE("bounded: a rank whose experts throw, caught there, is refused its nex
                                  "std::bad_alloc)") != std::string::npos,
                   second[1]);
     // Its peers wait for it in their first call's combine, and hear that it left.
+    for (int p : {0, 2, 3}) {
+      CAPTURE(p);
+      CHECK_MESSAGE(first[static_cast<std::size_t>(p)].find("rank 1") != std::string::npos,
+                    first[static_cast<std::size_t>(p)]);
+      CHECK_MESSAGE(second[static_cast<std::size_t>(p)].find("the layer cannot be used any more") != std::string::npos,
+                    second[static_cast<std::size_t>(p)]);
+    }
+  }
+}
+
+}  // namespace test_bounded_cpp
+
+namespace test_bounded_cpp {
+
+namespace {
+// doubling_experts whose backward throws the first time it is called while armed.
+struct throwing_backward_experts : doubling_experts {
+  bool armed = false;
+  template <class Exec>
+  void backward(const Exec& ex, const epx::expert_rows<const float>& in, const float* g, float* gi) {
+    if (armed) {
+      armed = false;
+      throw std::runtime_error("injected: the experts' backward failed");
+    }
+    doubling_experts::backward(ex, in, g, gi);
+  }
+};
+}  // namespace
+
+TEST_CASE("bounded: a rank whose experts throw in backward, caught there, is refused its next call") {
+  // As the forward case above: rank 1 leaves its backward between the two all-to-alls (or
+  // before the sums); its next call would pair with its peers' backward.
+  for (bool masked : {false, true}) {
+    CAPTURE(masked);
+    std::vector<std::string> first(4), second(4);
+    epx::threads::options opts;
+    opts.timeout = std::chrono::seconds(20);
+    epx::threads::run(
+        4,
+        [&](comm_t& comm) {
+          on_path(masked, comm, 4, false, [&](auto& layer) {
+            const auto r = static_cast<std::size_t>(comm.rank());
+            throwing_backward_experts e;
+            std::vector<float> x(6 * 4, 1.0f), w(6 * 2, 0.5f), y(6 * 4), g(6 * 4, 1.0f), gx(6 * 4), gw(6 * 2);
+            std::vector<std::int32_t> ids(6 * 2);
+            for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>(i % 8);
+            const auto step = [&]() -> std::string {
+              try {
+                auto s = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
+                                       epx::span<const float>(w), epx::span<float>(y), e, epx::mode::train);
+                e.armed = comm.rank() == 1 && first[r].empty();
+                layer.backward(std::move(s), epx::span<const float>(g), epx::span<float>(gx), epx::span<float>(gw), e);
+              } catch (const std::exception& ex) {
+                return ex.what();
+              }
+              return "no error";
+            };
+            first[r] = step();
+            second[r] = step();
+          });
+        },
+        opts);
+    CHECK(first[1] == "injected: the experts' backward failed");
+    CHECK_MESSAGE(second[1].find("epx communicator error: moe_layer forward (rank 1): bounded mode: an earlier call "
+                                 "of this layer on this rank failed (its backward ended before its last collective: "
+                                 "injected: the experts' backward failed)") != std::string::npos,
+                  second[1]);
     for (int p : {0, 2, 3}) {
       CAPTURE(p);
       CHECK_MESSAGE(first[static_cast<std::size_t>(p)].find("rank 1") != std::string::npos,
