@@ -20,7 +20,10 @@ import epx_torch
 from harness import check_close, check_equal, expect_error
 
 H, F, E_DEFAULT = 16, 8, 8
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+# float16: 4 unit roundoffs (u = 2^-11), twice the largest error measured at 2, 4 and 8 ranks
+# (2.1 u, an expert gradient; the output 1.4 u): the expert's roundings in torch and epx's one
+# of the sum. A rounding of the output to bfloat16's precision (2^-8) gives 6 u.
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4 * 2**-11}
 
 
 def batch_data(b: int, N: int, k: int, E: int, dtype, routing: str = "random"):
