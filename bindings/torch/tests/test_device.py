@@ -4,7 +4,7 @@ Layer(device="emulated") (the same device path with CPU tensors over gloo) where
 Every case runs the host layer (device="cpu", over the job's gloo group) and the device
 layer on the same inputs and experts and asks for the same bits: expert-major rows, offsets,
 output, input, routing-weight and expert gradients (after the expert hook), on both paths
-and in float32, bfloat16 and float64. Under `run.py --device cuda` the job's group is
+and in float32, bfloat16, float16 and float64. Under `run.py --device cuda` the job's group is
 "cpu:gloo,cuda:nccl", every rank uses GPU `local_rank % device_count`, and NCCL needs one
 GPU per rank (world size <= GPUs); run.py says SKIP, never PASS, where that does not hold.
 """
@@ -58,9 +58,9 @@ def against_host_case(device: str, tp=1, ep=None, dtype=torch.float32, path="all
 
 def cases(W: int, device: str):
     out = []
-    f64, f32, bf16 = torch.float64, torch.float32, torch.bfloat16
+    f64, f32, bf16, f16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
     add = lambda name, fn: out.append((f"{device} = host: {name}", fn))  # noqa: E731
-    for dt in (f32, bf16, f64):
+    for dt in (f32, bf16, f16, f64):
         add(f"all_to_all ep{W} {dt}", lambda dt=dt: against_host_case(device, dtype=dt))
     add("all_to_all inference", lambda: against_host_case(device, train=False))
     add("padding 2 rows, align 4", lambda: against_host_case(device, padding=(2, 4)))

@@ -1192,6 +1192,7 @@ def cases(W: int):
         add("all_to_all tp2 one-token decode (empty slice)", lambda: layer_case(tp=2, N=1))
         add("all_reduce (masked) ep == tp == 2", lambda: layer_case(tp=2, ep=2, path="all_reduce"))
         add("all_reduce (masked) float32", lambda: layer_case(tp=2, ep=2, path="all_reduce", dtype=f32))
+        add("all_reduce (masked) float16", lambda: layer_case(tp=2, ep=2, path="all_reduce", dtype=f16))
         add("an expert output changed in place after combine", masked_in_place_case)
         add("experts that do not read the rows on a rank that received none", unused_rows_case)
         add("expert hooks on a rank whose experts received no rows", unused_expert_hook_case)
@@ -1230,17 +1231,20 @@ def cases(W: int):
         add("auto: all_to_all for training", lambda: layer_case(tp=2, ep=2, path="auto"))
         add("auto: the path each call takes (masked without gradients, all_to_all with them)", auto_path_case)
         add("bitwise = epx::moe_layer (all_to_all, float32)", lambda: bitwise_case(dtype=f32))
-        add("bitwise = epx::moe_layer (all_to_all, bfloat16)", lambda: bitwise_case(dtype=bf16))
+        for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
+            add(f"bitwise = epx::moe_layer (all_to_all, {name})", lambda dt=dt: bitwise_case(dtype=dt))
         add("bitwise = epx::moe_layer (all_to_all, tp2, float64)", lambda: bitwise_case(tp=2, dtype=f64))
         add("bitwise = epx::moe_layer, inference (all_to_all, float32)", lambda: bitwise_case(dtype=f32, train=False))
-        add("bitwise = epx::moe_layer, inference (all_to_all, tp2, bfloat16)",
-            lambda: bitwise_case(tp=2, dtype=bf16, train=False))
+        for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
+            add(f"bitwise = epx::moe_layer, inference (all_to_all, tp2, {name})",
+                lambda dt=dt: bitwise_case(tp=2, dtype=dt, train=False))
         add("bitwise = epx::moe_layer, inference (transport group, float32)",
             lambda: bitwise_case(dtype=f32, transport="group", train=False))
         add("bitwise = epx::moe_layer (transport group, tp2, float32)",
             lambda: bitwise_case(tp=2, dtype=f32, transport="group"))
-        add("bitwise = epx::moe_layer (all_reduce, float32)",
-            lambda: bitwise_case(tp=2, ep=2, dtype=f32, path="all_reduce"))
+        for dt, name in ((f32, "float32"), (f16, "float16")):
+            add(f"bitwise = epx::moe_layer (all_reduce, {name})",
+                lambda dt=dt: bitwise_case(tp=2, ep=2, dtype=dt, path="all_reduce"))
     if W >= 4:
         add("all_to_all tp2 fsdp2 ep4 (efsdp 1)", lambda: layer_case(tp=2, fsdp=W // 2, ep=4))
         add("all_to_all tp1 ep2 efsdp2", lambda: layer_case(tp=1, fsdp=W, ep=2))
@@ -1250,7 +1254,8 @@ def cases(W: int):
             lambda: layer_case(tp=2, fsdp=W // 4, ep=2, dp_replicate=2, path="all_reduce"))
     if W >= 8:
         add("all_to_all tp2 fsdp4 ep4 (the seed's mesh) float32", lambda: layer_case(tp=2, fsdp=4, ep=4, dtype=f32))
-        add("all_to_all tp2 fsdp4 ep8 efsdp1 bfloat16", lambda: layer_case(tp=2, fsdp=4, ep=8, dtype=bf16))
+        for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
+            add(f"all_to_all tp2 fsdp4 ep8 efsdp1 {name}", lambda dt=dt: layer_case(tp=2, fsdp=4, ep=8, dtype=dt))
         add("bitwise = epx::moe_layer (tp2 ep4, float32)", lambda: bitwise_case(tp=2, ep=4, dtype=f32))
     add("every copy streamed (stream threshold 0), against the reference", streamed_case)
     out.extend(emulated_cases(W))
@@ -1266,19 +1271,22 @@ def emulated_cases(W: int):
     reference and bitwise against epx::moe_layer on the same policy and communicators
     (test_device.py compares it with the host layer bit for bit: run.py --device emulated)."""
     out = []
-    f64, f32, bf16 = torch.float64, torch.float32, torch.bfloat16
+    f64, f32, bf16, f16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
     add = lambda name, fn: out.append((f"emulated device: {name}", fn))  # noqa: E731
-    for dt in (f64, f32, bf16):
+    for dt in (f64, f32, bf16, f16):
         add(f"all_to_all tp1 ep{W} {dt}", lambda dt=dt: layer_case(tp=1, dtype=dt, device="emulated"))
     add("all_to_all inference (no_grad)", lambda: layer_case(tp=1, train=False, device="emulated"))
     add("padding 2 rows, align 4", lambda: layer_case(padding=(2, 4), check_padding=True, device="emulated"))
     add("one expert takes every token", lambda: layer_case(routing="one_expert", device="emulated"))
     add("bitwise = epx::moe_layer (all_to_all, float32)", lambda: bitwise_case(dtype=f32, device="emulated"))
-    add("bitwise = epx::moe_layer (all_to_all, bfloat16)", lambda: bitwise_case(dtype=bf16, device="emulated"))
+    for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
+        add(f"bitwise = epx::moe_layer (all_to_all, {name})", lambda dt=dt: bitwise_case(dtype=dt, device="emulated"))
     if W >= 2:
         add("all_to_all tp2 float64", lambda: layer_case(tp=2, dtype=f64, device="emulated"))
         add("all_to_all tp2 one-token decode (empty slice)", lambda: layer_case(tp=2, N=1, device="emulated"))
         add("all_reduce (masked) ep == tp == 2", lambda: layer_case(tp=2, ep=2, path="all_reduce", device="emulated"))
+        add("all_reduce (masked) float16",
+            lambda: layer_case(tp=2, ep=2, path="all_reduce", dtype=f16, device="emulated"))
         add("experts that do not read the rows on a rank that received none", lambda: unused_rows_case("emulated"))
         add("expert hooks on a rank whose experts received no rows", lambda: unused_expert_hook_case("emulated"))
         add("experts that return a constant, no input requires grad", lambda: constant_experts_case("emulated"))
@@ -1296,13 +1304,16 @@ def emulated_cases(W: int):
             lambda: bitwise_case(tp=2, dtype=f64, device="emulated"))
         add("bitwise = epx::moe_layer, inference (all_to_all, float32)",
             lambda: bitwise_case(dtype=f32, train=False, device="emulated"))
-        add("bitwise = epx::moe_layer (all_reduce, float32)",
-            lambda: bitwise_case(tp=2, ep=2, dtype=f32, path="all_reduce", device="emulated"))
+        for dt, name in ((f32, "float32"), (f16, "float16")):
+            add(f"bitwise = epx::moe_layer (all_reduce, {name})",
+                lambda dt=dt: bitwise_case(tp=2, ep=2, dtype=dt, path="all_reduce", device="emulated"))
     if W >= 4:
         add("all_to_all dp_replicate 2", lambda: layer_case(tp=1, fsdp=W // 2, ep=2, dp_replicate=2, device="emulated"))
         add("all_to_all tp2 fsdp2 ep4 (efsdp 1)", lambda: layer_case(tp=2, fsdp=W // 2, ep=4, device="emulated"))
     if W >= 8:
-        add("all_to_all tp2 fsdp4 ep8 bfloat16", lambda: layer_case(tp=2, fsdp=4, ep=8, dtype=bf16, device="emulated"))
+        for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
+            add(f"all_to_all tp2 fsdp4 ep8 {name}",
+                lambda dt=dt: layer_case(tp=2, fsdp=4, ep=8, dtype=dt, device="emulated"))
     add("strict memory: the host never touches the device's memory; every wait bounded", strict_memory_case)
     add("host synchronisations: dispatch 1, combine 1, backward 0 (all_to_all)", lambda: host_syncs_case("all_to_all"))
     if W >= 2:
