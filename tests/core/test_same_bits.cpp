@@ -1,0 +1,403 @@
+// The same bits whatever runs the layer (docs/semantics.md section 4, "Determinism";
+// docs/implementations.md; docs/layer.md, the options): for a fixed mesh and input, the
+// training output, the inference output, grad_x, the routing-weight gradients and the
+// expert gradients after the hook are bitwise equal
+//   - on exec::serial, exec::openmp with 1, 2 and 3 threads, and exec::emulated_device (the
+//     device path on the CPU: 16-byte chunks, reverse launch order, device buffers);
+//   - whatever layer_options::chunks is;
+//   - on the direct route and the staged one, with rows sent by index or gathered first,
+//     in one round or in many (layer_options::stage_bytes);
+// in float and bf16, at the sizes people run (E = 64 experts, top-8, ep 4 and 8, H from
+// 1024 to 7168), with a capacity that drops pairs (by position and by score), with FP8
+// dispatch, with per-rank sends (whose grad_weights and expert gradients are also the
+// per-slot mode's bits) and in bounded mode (whose results with drops are the normal
+// mode's with the local capacity rule C = cap). Every run is compared with memcmp against
+// one run on exec::serial with the default options; the text names the first byte that
+// differs. (tests/core/test_same_bits_mpi.cpp compares the MPI backend with these runs.)
+//
+// Experts: scale_experts below (elementwise, cheap at any H) and, with FP8 dispatch,
+// fp8_scale_experts of core/fp8_layer_cases.hpp; neither depends on the policy.
+// tests/emulated/test_same_bits.cpp reruns this file with the device's algorithm variants
+// (EPX_EMULATE_DEVICE_ALGORITHMS), where exec::emulated_device plans with Thrust's stable
+// sort when the CCCL headers are there, against the host policies' counting sort.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/fp8_layer_cases.hpp"
+#include "core/layer_cases.hpp"
+#include "epx/comm/threads.hpp"
+#include "epx/exec/emulated.hpp"
+#include "support/sanitizers.hpp"
+
+// The file's names in a namespace of its own: the tests of a label compile as one unity
+// source, where another file may use the same names.
+namespace test_same_bits_cpp {
+
+namespace {
+
+using epx::test::layer_case;
+using epx::test::routing_kind;
+using comm_t = epx::threads::communicator;
+namespace ref = epx::ref;
+
+// What one run gave on one rank.
+template <class T>
+struct run_bits {
+  std::vector<T> out, inference_out, grad_x;
+  std::vector<float> grad_w;
+  std::vector<double> expert_grads;  // after the hook
+  std::int64_t stage_rounds = 0;     // of the inference call
+  bool peer_access = false;          // route of the training forward
+  bool inference_peer_access = false;
+  std::int64_t overflow_pairs = 0;   // bounded mode: pairs its two forward calls dropped (EP group)
+};
+
+// Where a and b differ first, byte for byte ("" when they do not).
+template <class V>
+std::string first_difference(const std::vector<V>& a, const std::vector<V>& b, const std::string& what) {
+  if (a.size() != b.size()) return epx::detail::concat(what, ": ", a.size(), " elements against ", b.size(), "\n");
+  if (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(V)) == 0) return {};
+  std::size_t i = 0, n = 0;
+  for (std::size_t j = 0; j < a.size(); ++j)
+    if (std::memcmp(&a[j], &b[j], sizeof(V)) != 0) {
+      if (n == 0) i = j;
+      ++n;
+    }
+  char values[96];
+  std::snprintf(values, sizeof values, "%a against %a", ref::to_d(a[i]), ref::to_d(b[i]));
+  return epx::detail::concat(what, ": ", n, " of ", a.size(), " elements differ; first at ", i, ": ", values, "\n");
+}
+
+template <class T>
+std::string differences(const run_bits<T>& a, const run_bits<T>& b, const std::string& where, bool outputs = true) {
+  std::string f;
+  if (outputs) {
+    f += first_difference(a.out, b.out, where + " out");
+    f += first_difference(a.inference_out, b.inference_out, where + " inference out");
+    f += first_difference(a.grad_x, b.grad_x, where + " grad_x");
+  }
+  f += first_difference(a.grad_w, b.grad_w, where + " grad_weights");
+  f += first_difference(a.expert_grads, b.expert_grads, where + " expert grads");
+  return f;
+}
+
+// Experts cheap at any size (no policy in them): local expert of global id e computes
+// y = T(s_e x + c_h) in accum_t<T>, s_e = 1 + e / 64, c_h = (h % 17 - 8) / 64; backward
+// grad_in = T(s_e grad_out), and each expert's gradient [H] adds grad_out * x in double in
+// row order (so it sees the order of its rows, as the expert gradients of a real layer do).
+template <class T>
+struct scale_experts {
+  int first = 0, L = 1;
+  std::vector<double> grads;  // [L, H]
+
+  static float scale_of(int e) { return 1.0f + static_cast<float>(e) / 64.0f; }
+  static float offset_of(std::size_t h) { return (static_cast<float>(h % 17) - 8.0f) / 64.0f; }
+
+  template <class Exec>
+  void forward(const Exec&, const epx::expert_rows<const T>& in, T* out) {
+    using A = epx::accum_t<T>;
+    const std::size_t H = in.hidden;
+    for (int l = 0; l < in.num_local; ++l) {
+      const A s = static_cast<A>(scale_of(in.first_global_expert + l));
+      for (std::size_t r = in.begin(l); r < in.begin(l) + in.count(l); ++r)
+        for (std::size_t h = 0; h < H; ++h)
+          out[r * H + h] = epx::convert<T>(s * epx::convert<A>(in.rows[r * H + h]) + static_cast<A>(offset_of(h)));
+    }
+  }
+  template <class Exec>
+  void backward(const Exec&, const epx::expert_rows<const T>& in, const T* grad_out, T* grad_in) {
+    using A = epx::accum_t<T>;
+    const std::size_t H = in.hidden;
+    grads.resize(static_cast<std::size_t>(L) * H, 0.0);
+    for (int l = 0; l < in.num_local; ++l) {
+      const A s = static_cast<A>(scale_of(in.first_global_expert + l));
+      double* g = grads.data() + static_cast<std::size_t>(l) * H;
+      for (std::size_t r = in.begin(l); r < in.begin(l) + in.count(l); ++r)
+        for (std::size_t h = 0; h < H; ++h) {
+          const std::size_t i = r * H + h;
+          grad_in[i] = epx::convert<T>(s * epx::convert<A>(grad_out[i]));
+          g[h] += epx::convert<double>(grad_out[i]) * epx::convert<double>(in.rows[i]);
+        }
+    }
+  }
+};
+
+// A training forward, backward and the expert hook, then an inference forward with fresh
+// experts, on this rank's batch of case c, with the options o.
+template <class T, class Exec>
+run_bits<T> run_one(comm_t& world, const layer_case& c, const epx::layer_options& o,
+                    Exec policy) {
+  const epx::mesh m(c.topology);
+  const int rank = world.rank(), b = m.batch(rank);
+  epx::test::micro_batch<T> mb(c, b);
+  const std::size_t N = mb.N, H = static_cast<std::size_t>(c.hidden);
+  epx::moe_layer<comm_t, T, epx::impl::all_to_all, Exec> layer(m, world, o, policy);
+  run_bits<T> r;
+  r.inference_out.assign(N * H, epx::convert<T>(7.0f));
+  epx::gradient_hooks<comm_t> hooks(m, world);
+  if (o.fp8_dispatch) {
+    epx::test::fp8_scale_experts<T> experts{m.expert_begin(rank)}, inf{m.expert_begin(rank)};
+    auto saved = layer.forward(epx::span<const T>(mb.x), epx::span<const std::int32_t>(mb.d.ids),
+                               epx::span<const float>(mb.w), epx::span<T>(mb.out), experts, epx::mode::train);
+    r.peer_access = layer.stats().peer_access;
+    layer.backward(std::move(saved), epx::span<const T>(mb.go), epx::span<T>(mb.gx), epx::span<float>(mb.gw), experts);
+    layer.forward(epx::span<const T>(mb.x), epx::span<const std::int32_t>(mb.d.ids), epx::span<const float>(mb.w),
+                  epx::span<T>(r.inference_out), inf, epx::mode::inference);
+  } else {
+    scale_experts<T> experts{m.expert_begin(rank), m.local_experts(), {}}, inf{m.expert_begin(rank), m.local_experts(), {}};
+    auto saved = layer.forward(epx::span<const T>(mb.x), epx::span<const std::int32_t>(mb.d.ids),
+                               epx::span<const float>(mb.w), epx::span<T>(mb.out), experts, epx::mode::train);
+    r.peer_access = layer.stats().peer_access;
+    layer.backward(std::move(saved), epx::span<const T>(mb.go), epx::span<T>(mb.gx), epx::span<float>(mb.gw), experts);
+    r.expert_grads = experts.grads;
+    r.expert_grads.resize(static_cast<std::size_t>(m.local_experts()) * H, 0.0);
+    hooks.reduce_expert(epx::span<double>(r.expert_grads));
+    layer.forward(epx::span<const T>(mb.x), epx::span<const std::int32_t>(mb.d.ids), epx::span<const float>(mb.w),
+                  epx::span<T>(r.inference_out), inf, epx::mode::inference);
+  }
+  r.stage_rounds = layer.stats().stage_rounds;
+  r.inference_peer_access = layer.stats().peer_access;
+  if (o.counts == epx::count_exchange::device) r.overflow_pairs = layer.check().overflow_pairs;
+  r.out = std::move(mb.out);
+  r.grad_x = std::move(mb.gx);
+  r.grad_w = std::move(mb.gw);
+  return r;
+}
+
+// One way of running a case: a name, the policy and a change of the options.
+struct variant {
+  std::string name;
+  std::function<void(epx::layer_options&)> change;
+  int policy = 0;  // 0 serial, 1-3 openmp{policy}, 4 emulated_device
+};
+
+std::string policy_name(int p) {
+  return p == 0 ? "serial" : p == 4 ? "emulated_device" : epx::detail::concat("openmp{", p, "}");
+}
+
+template <class T>
+run_bits<T> run_variant(comm_t& world, const layer_case& c, const epx::layer_options& base, const variant& v) {
+  epx::layer_options o = base;
+  if (v.change) v.change(o);
+  switch (v.policy) {
+    case 0: return run_one<T>(world, c, o, epx::exec::serial{});
+    case 4: return run_one<T>(world, c, o, epx::exec::emulated_device{});
+    default: return run_one<T>(world, c, o, epx::exec::openmp{v.policy});
+  }
+}
+
+int world_of(const epx::mesh_config& m) { return m.tp * m.fsdp * m.dp_replicate * m.pp; }
+
+// Every variant against the first one, rank by rank. `outputs` false compares only
+// grad_weights and the expert gradients (per-rank sends against per-slot sends).
+template <class T>
+std::int64_t check_same_bits(const layer_case& c, const epx::layer_options& base, const std::vector<variant>& variants,
+                     const std::vector<bool>& outputs = {}) {
+  CAPTURE(c.describe());
+  const int world = world_of(c.topology);
+  std::vector<std::vector<run_bits<T>>> got(variants.size(), std::vector<run_bits<T>>(static_cast<std::size_t>(world)));
+  std::vector<std::string> errors(static_cast<std::size_t>(world));
+  epx::threads::run(world, [&](comm_t& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    try {
+      for (std::size_t v = 0; v < variants.size(); ++v) got[v][r] = run_variant<T>(comm, c, base, variants[v]);
+    } catch (const std::exception& ex) {
+      errors[r] = epx::detail::concat("rank ", r, ": ", ex.what());
+      throw;
+    }
+  });
+  for (const auto& e : errors) CHECK_MESSAGE(e.empty(), e);
+  // The variants ran the way they name: the staged route where peer access is off, the
+  // direct one elsewhere (threads has peer access; per-rank sends are always staged;
+  // bounded mode takes it for inference on host policies only), and the inference call in
+  // several rounds where a small stage was asked for (per-rank sends take none).
+  for (std::size_t v = 0; v < variants.size(); ++v) {
+    epx::layer_options o = base;
+    if (variants[v].change) variants[v].change(o);
+    const bool bounded = o.counts == epx::count_exchange::device;
+    const bool direct = o.peer_access && o.sends == epx::row_sends::per_slot;
+    const bool train_direct = direct && !bounded, inference_direct = direct && (!bounded || variants[v].policy != 4);
+    const std::string name = variants[v].name + " on " + policy_name(variants[v].policy);
+    std::int64_t rounds = 0;
+    for (int r = 0; r < world; ++r) {
+      const auto& g = got[v][static_cast<std::size_t>(r)];
+      CHECK_MESSAGE(g.peer_access == train_direct, name, " rank ", r, ": stats.peer_access ", g.peer_access);
+      CHECK_MESSAGE(g.inference_peer_access == inference_direct, name, " rank ", r, ": inference stats.peer_access ",
+                    g.inference_peer_access);
+      rounds = std::max(rounds, g.stage_rounds);
+    }
+    if (!inference_direct && o.stage_bytes > 0 && !bounded && o.sends == epx::row_sends::per_slot)
+      CHECK_MESSAGE(rounds > 1, name, ": ", rounds, " rounds");
+  }
+  for (std::size_t v = 1; v < variants.size(); ++v) {
+    std::string f;
+    for (int r = 0; r < world; ++r)
+      f += differences(got[0][static_cast<std::size_t>(r)], got[v][static_cast<std::size_t>(r)],
+                       epx::detail::concat(variants[v].name, " on ", policy_name(variants[v].policy), " against ",
+                                           variants[0].name, " on ", policy_name(variants[0].policy), ", rank ", r),
+                       outputs.empty() || outputs[v]);
+    CHECK_MESSAGE(f.empty(), f);
+  }
+  return got[0][0].overflow_pairs;
+}
+
+layer_case make(int tp, int fsdp, int ep, int H, std::size_t rows, routing_kind routing = routing_kind::random) {
+  layer_case c;
+  c.topology = epx::mesh_config{tp, fsdp, 1, 1, ep, 64, 0};
+  c.top_k = 8;
+  c.hidden = static_cast<int>(epx::test::tsan_hidden(static_cast<std::size_t>(H), 256));
+  c.routing = routing;
+  c.rows = [rows](int b) { return rows + static_cast<std::size_t>(3 * b % 5); };
+  c.seed = static_cast<std::uint64_t>(H + 7 * tp + 11 * ep);
+  return c;
+}
+
+// Bytes of a stage that holds `rows` slice rows' k rows of T.
+std::size_t stage_of(const layer_case& c, std::size_t rows, std::size_t elem) {
+  return rows * static_cast<std::size_t>(c.top_k) * static_cast<std::size_t>(c.hidden) * elem;
+}
+
+// The policies, the chunk counts and the routes, against serial on its default route.
+std::vector<variant> every_way(const layer_case& c, std::size_t elem) {
+  const std::size_t few = stage_of(c, 3, elem);
+  auto staged = [](epx::layer_options& o) { o.peer_access = false; };
+  auto rounds = [few](epx::layer_options& o) {
+    o.peer_access = false;
+    o.stage_bytes = few;
+  };
+  return {
+      {"default", {}, 0},
+      {"default", {}, 1},
+      {"default", {}, 2},
+      {"default", {}, 3},
+      {"default", {}, 4},
+      {"chunks=1", [](epx::layer_options& o) { o.chunks = 1; }, 0},
+      {"chunks=3", [](epx::layer_options& o) { o.chunks = 3; }, 0},
+      {"chunks=7", [](epx::layer_options& o) { o.chunks = 7; }, 3},
+      {"chunks=5", [](epx::layer_options& o) { o.chunks = 5; }, 4},
+      {"staged", staged, 0},
+      {"staged", staged, 2},
+      {"staged", staged, 4},
+      {"staged gathered", [](epx::layer_options& o) { o.peer_access = false; o.indexed_sends = false; }, 3},
+      {"staged in rounds of 3 rows", rounds, 0},
+      {"staged in rounds of 3 rows", rounds, 3},
+      {"staged in rounds of 3 rows", rounds, 4},
+      {"staged in rounds of 1 row, gathered",
+       [](epx::layer_options& o) { o.peer_access = false; o.indexed_sends = false; o.stage_bytes = 1; }, 2},
+  };
+}
+
+template <class T>
+void check_every_way(const layer_case& c, const epx::layer_options& o) {
+  check_same_bits<T>(c, o, every_way(c, sizeof(T)));
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("same bits: every policy, chunk count and route; ep = 8, E = 64, top-8, H = 4096", T, float,
+                   epx::bf16) {
+  const auto c = make(1, 8, 8, 4096, 20);
+  check_every_way<T>(c, epx::test::options_for(c));
+}
+
+TEST_CASE_TEMPLATE("same bits: every policy, chunk count and route; tp = 2, ep = 4, H = 7168 and H = 1024 padded", T,
+                   float, epx::bf16) {
+  const auto c = make(2, 4, 4, 7168, 16, routing_kind::uneven);
+  check_every_way<T>(c, epx::test::options_for(c));
+  auto p = make(1, 4, 4, 1024, 40, routing_kind::uneven);
+  p.pad = epx::padding{2, 8};
+  check_every_way<T>(p, epx::test::options_for(p));
+}
+
+TEST_CASE_TEMPLATE("same bits: a capacity that drops pairs, by position and by score, local and global", T, float,
+                   epx::bf16) {
+  auto c = make(1, 8, 8, 2048, 24, routing_kind::uneven);
+  for (auto mode : {epx::capacity_mode::local, epx::capacity_mode::global})
+    for (auto priority : {epx::drop_priority::position, epx::drop_priority::score}) {
+      c.capacity.mode = mode;
+      c.capacity.factor = 0.5;
+      c.capacity.priority = priority;
+      CAPTURE(c.describe());
+      check_every_way<T>(c, epx::test::options_for(c));
+    }
+}
+
+TEST_CASE_TEMPLATE("same bits: FP8 dispatch on every policy, chunk count and route; ep = 8, H = 4096", T, float,
+                   epx::bf16) {
+  const auto c = make(1, 8, 8, 4096, 20);
+  auto o = epx::test::options_for(c);
+  o.fp8_dispatch = true;
+  check_every_way<T>(c, o);
+}
+
+TEST_CASE_TEMPLATE("same bits: FP8 dispatch on every policy, chunk count and route; tp = 2, ep = 4, H = 7168", T, float,
+                   epx::bf16) {
+  const auto c = make(2, 4, 4, 7168, 12, routing_kind::uneven);
+  auto o = epx::test::options_for(c);
+  o.fp8_dispatch = true;
+  check_every_way<T>(c, o);
+}
+
+TEST_CASE_TEMPLATE("same bits: per-rank sends on every policy and in rounds; grad_weights and expert grads are the "
+                   "per-slot mode's", T, float, epx::bf16) {
+  for (const auto& c : {make(1, 8, 8, 4096, 20), make(2, 4, 4, 7168, 12, routing_kind::uneven)}) {
+    auto o = epx::test::options_for(c);
+    o.sends = epx::row_sends::per_rank;
+    const std::size_t few = stage_of(c, 3, sizeof(T));
+    auto per_slot = [](epx::layer_options& x) { x.sends = epx::row_sends::per_slot; };
+    check_same_bits<T>(
+        c, o,
+        {{"per_rank", {}, 0},
+         {"per_rank", {}, 2},
+         {"per_rank", {}, 3},
+         {"per_rank", {}, 4},
+         {"per_rank chunks=3", [](epx::layer_options& x) { x.chunks = 3; }, 1},
+         {"per_rank gathered", [](epx::layer_options& x) { x.indexed_sends = false; }, 0},
+         {"per_rank in rounds of 3 rows", [few](epx::layer_options& x) { x.stage_bytes = few; }, 0},
+         {"per_rank in rounds of 3 rows", [few](epx::layer_options& x) { x.stage_bytes = few; }, 4},
+         {"per_slot", per_slot, 0},
+         {"per_slot", per_slot, 4}},
+        {true, true, true, true, true, true, true, true, false, false});
+  }
+}
+
+TEST_CASE_TEMPLATE("same bits: bounded mode on every policy and route, with and without drops, and the normal mode's",
+                   T, float, epx::bf16) {
+  // Bounded mode's slabs hold the whole bound (ep * L * cap rows each way): a smaller H.
+  const auto c = make(1, 8, 8, 1024, 20, routing_kind::uneven);
+  for (std::int64_t cap : {std::int64_t{2}, std::int64_t{24}}) {
+    CAPTURE(cap);
+    auto o = epx::test::options_for(c);
+    o.counts = epx::count_exchange::device;
+    o.bound.cap = cap;
+    auto staged = [](epx::layer_options& x) { x.peer_access = false; };
+    // The normal mode with bounded mode's drops: the local capacity rule, C = cap.
+    auto normal = [cap](epx::layer_options& x) {
+      x.counts = epx::count_exchange::host;
+      x.bound = {};
+      x.capacity.mode = epx::capacity_mode::local;
+      x.capacity.rows = cap;
+    };
+    const auto drops = check_same_bits<T>(c, o,
+                                          {{"bounded", {}, 0},
+                                           {"bounded", {}, 1},
+                                           {"bounded", {}, 3},
+                                           {"bounded", {}, 4},
+                                           {"bounded chunks=3", [](epx::layer_options& x) { x.chunks = 3; }, 2},
+                                           {"bounded staged", staged, 0},
+                                           {"bounded staged", staged, 4},
+                                           {"normal, local capacity C = cap", normal, 0},
+                                           {"normal, local capacity C = cap", normal, 4}});
+    // cap 2 drops pairs, cap 24 none (the uneven routing's hottest expert gets fewer).
+    CHECK((drops > 0) == (cap == 2));
+  }
+}
+
+}  // namespace test_same_bits_cpp
