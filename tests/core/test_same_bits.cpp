@@ -43,7 +43,11 @@ using epx::test::layer_case;
 using epx::test::routing_kind;
 using comm_t = epx::threads::communicator;
 namespace ref = epx::ref;
-using namespace epx::test::same_bits;
+using epx::test::same_bits::differences;
+using epx::test::same_bits::make;
+using epx::test::same_bits::run_bits;
+using epx::test::same_bits::run_one;
+using epx::test::same_bits::stage_of;
 
 // One way of running a case: a name, the policy and a change of the options.
 struct variant {

@@ -25,7 +25,11 @@ namespace {
 
 using epx::test::layer_case;
 using epx::test::routing_kind;
-using namespace epx::test::same_bits;
+using epx::test::same_bits::differences;
+using epx::test::same_bits::make;
+using epx::test::same_bits::run_bits;
+using epx::test::same_bits::run_one;
+using epx::test::same_bits::stage_of;
 using comm_t = epx::mpi::communicator;
 
 template <class V>
