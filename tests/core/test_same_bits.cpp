@@ -95,7 +95,8 @@ std::int64_t check_same_bits(const layer_case& c, const epx::layer_options& base
   // The variants ran the way they name: the staged route where peer access is off, the
   // direct one elsewhere (threads has peer access; per-rank sends are always staged;
   // bounded mode takes it for inference on host policies only), and the inference call in
-  // several rounds where a small stage was asked for (per-rank sends take none).
+  // several rounds where a small stage was asked for (per-rank sends and bounded mode take
+  // none: docs/layer.md, section 4).
   for (std::size_t v = 0; v < variants.size(); ++v) {
     epx::layer_options o = base;
     if (variants[v].change) variants[v].change(o);
@@ -113,6 +114,7 @@ std::int64_t check_same_bits(const layer_case& c, const epx::layer_options& base
     }
     if (!inference_direct && o.stage_bytes > 0 && !bounded && o.sends == epx::row_sends::per_slot)
       CHECK_MESSAGE(rounds > 1, name, ": ", rounds, " rounds");
+    if (bounded || o.sends == epx::row_sends::per_rank) CHECK_MESSAGE(rounds == 0, name, ": ", rounds, " rounds");
   }
   for (std::size_t v = 1; v < variants.size(); ++v) {
     std::string f;
@@ -255,6 +257,8 @@ TEST_CASE_TEMPLATE("same bits: bounded mode on every policy and route, with and 
                                            {"bounded chunks=3", [](epx::layer_options& x) { x.chunks = 3; }, 2},
                                            {"bounded staged", staged, 0},
                                            {"bounded staged", staged, 4},
+                                           {"bounded staged, stage_bytes = 1",
+                                            [](epx::layer_options& x) { x.peer_access = false; x.stage_bytes = 1; }, 0},
                                            {"normal, local capacity C = cap", normal, 0},
                                            {"normal, local capacity C = cap", normal, 4}});
     // cap 2 drops pairs, cap 24 none (the uneven routing's hottest expert gets fewer).

@@ -98,7 +98,8 @@ struct layer_options {
   // rounds' plan holds a few integers per round and segment (ep * L).
   // 0: automatic: on host policies rounds of default_host_stage_bytes when the EP group's
   // largest slice would send more than default_host_one_round_bytes at once, one round
-  // otherwise; one round on device policies. Must agree on every rank.
+  // otherwise; one round on device policies. Must agree on every rank. Per-rank sends and
+  // bounded mode take no rounds (one exchange each way; this value does not apply).
   std::size_t stage_bytes = 0;
 };
 
