@@ -27,6 +27,7 @@ struct run_bits {
   std::int64_t stage_rounds = 0;     // of the inference call
   bool peer_access = false;          // route of the training forward
   bool inference_peer_access = false;
+  std::string path, inference_path;  // layer_stats::path of the training and inference calls
   std::int64_t overflow_pairs = 0;   // bounded mode: pairs its two forward calls dropped (EP group)
 };
 
@@ -102,13 +103,13 @@ struct scale_experts {
 
 // A training forward, backward and the expert hook, then an inference forward with fresh
 // experts, on this rank's batch of case c, with the options o.
-template <class Comm, class T, class Exec>
+template <class Comm, class T, class Exec, class Impl = epx::impl::all_to_all>
 run_bits<T> run_one(Comm& world, const layer_case& c, const epx::layer_options& o, Exec policy) {
   const epx::mesh m(c.topology);
   const int rank = world.rank(), b = m.batch(rank);
   epx::test::micro_batch<T> mb(c, b);
   const std::size_t N = mb.N, H = static_cast<std::size_t>(c.hidden);
-  epx::moe_layer<Comm, T, epx::impl::all_to_all, Exec> layer(m, world, o, policy);
+  epx::moe_layer<Comm, T, Impl, Exec> layer(m, world, o, policy);
   run_bits<T> r;
   r.inference_out.assign(N * H, epx::convert<T>(7.0f));
   epx::gradient_hooks<Comm> hooks(m, world);
@@ -117,6 +118,7 @@ run_bits<T> run_one(Comm& world, const layer_case& c, const epx::layer_options& 
     auto saved = layer.forward(epx::span<const T>(mb.x), epx::span<const std::int32_t>(mb.d.ids),
                                epx::span<const float>(mb.w), epx::span<T>(mb.out), experts, epx::mode::train);
     r.peer_access = layer.stats().peer_access;
+    r.path = layer.stats().path;
     layer.backward(std::move(saved), epx::span<const T>(mb.go), epx::span<T>(mb.gx), epx::span<float>(mb.gw), experts);
     layer.forward(epx::span<const T>(mb.x), epx::span<const std::int32_t>(mb.d.ids), epx::span<const float>(mb.w),
                   epx::span<T>(r.inference_out), inf, epx::mode::inference);
@@ -125,6 +127,7 @@ run_bits<T> run_one(Comm& world, const layer_case& c, const epx::layer_options& 
     auto saved = layer.forward(epx::span<const T>(mb.x), epx::span<const std::int32_t>(mb.d.ids),
                                epx::span<const float>(mb.w), epx::span<T>(mb.out), experts, epx::mode::train);
     r.peer_access = layer.stats().peer_access;
+    r.path = layer.stats().path;
     layer.backward(std::move(saved), epx::span<const T>(mb.go), epx::span<T>(mb.gx), epx::span<float>(mb.gw), experts);
     r.expert_grads = experts.grads;
     r.expert_grads.resize(static_cast<std::size_t>(m.local_experts()) * H, 0.0);
@@ -134,6 +137,7 @@ run_bits<T> run_one(Comm& world, const layer_case& c, const epx::layer_options& 
   }
   r.stage_rounds = layer.stats().stage_rounds;
   r.inference_peer_access = layer.stats().peer_access;
+  r.inference_path = layer.stats().path;
   if (o.counts == epx::count_exchange::device) r.overflow_pairs = layer.check().overflow_pairs;
   r.out = std::move(mb.out);
   r.grad_x = std::move(mb.gx);

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/same_bits_cases.hpp"
@@ -60,14 +61,14 @@ std::string policy_name(int p) {
   return p == 0 ? "serial" : p == 4 ? "emulated_device" : epx::detail::concat("openmp{", p, "}");
 }
 
-template <class T>
+template <class T, class Impl>
 run_bits<T> run_variant(comm_t& world, const layer_case& c, const epx::layer_options& base, const variant& v) {
   epx::layer_options o = base;
   if (v.change) v.change(o);
   switch (v.policy) {
-    case 0: return run_one<comm_t, T>(world, c, o, epx::exec::serial{});
-    case 4: return run_one<comm_t, T>(world, c, o, epx::exec::emulated_device{});
-    default: return run_one<comm_t, T>(world, c, o, epx::exec::openmp{v.policy});
+    case 0: return run_one<comm_t, T, epx::exec::serial, Impl>(world, c, o, {});
+    case 4: return run_one<comm_t, T, epx::exec::emulated_device, Impl>(world, c, o, {});
+    default: return run_one<comm_t, T, epx::exec::openmp, Impl>(world, c, o, epx::exec::openmp{v.policy});
   }
 }
 
@@ -75,9 +76,9 @@ int world_of(const epx::mesh_config& m) { return m.tp * m.fsdp * m.dp_replicate 
 
 // Every variant against the first one, rank by rank. `outputs` false compares only
 // grad_weights and the expert gradients (per-rank sends against per-slot sends).
-template <class T>
+template <class T, class Impl = epx::impl::all_to_all>
 std::int64_t check_same_bits(const layer_case& c, const epx::layer_options& base, const std::vector<variant>& variants,
-                     const std::vector<bool>& outputs = {}) {
+                             const std::vector<bool>& outputs = {}) {
   CAPTURE(c.describe());
   const int world = world_of(c.topology);
   std::vector<std::vector<run_bits<T>>> got(variants.size(), std::vector<run_bits<T>>(static_cast<std::size_t>(world)));
@@ -85,7 +86,7 @@ std::int64_t check_same_bits(const layer_case& c, const epx::layer_options& base
   epx::threads::run(world, [&](comm_t& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
     try {
-      for (std::size_t v = 0; v < variants.size(); ++v) got[v][r] = run_variant<T>(comm, c, base, variants[v]);
+      for (std::size_t v = 0; v < variants.size(); ++v) got[v][r] = run_variant<T, Impl>(comm, c, base, variants[v]);
     } catch (const std::exception& ex) {
       errors[r] = epx::detail::concat("rank ", r, ": ", ex.what());
       throw;
@@ -97,7 +98,15 @@ std::int64_t check_same_bits(const layer_case& c, const epx::layer_options& base
   // bounded mode takes it for inference on host policies only), and the inference call in
   // several rounds where a small stage was asked for (per-rank sends and bounded mode take
   // none: docs/layer.md, section 4).
+  constexpr bool masked = std::is_same_v<Impl, epx::impl::all_reduce>;
   for (std::size_t v = 0; v < variants.size(); ++v) {
+    for (int r = 0; r < world; ++r) {
+      const auto& g = got[v][static_cast<std::size_t>(r)];
+      const std::string want = masked ? "all_reduce" : "all_to_all";
+      CHECK_MESSAGE((g.path == want && g.inference_path == want), variants[v].name, " rank ", r, ": paths ", g.path,
+                    " and ", g.inference_path);
+    }
+    if (masked) continue;  // no rows move, no route
     epx::layer_options o = base;
     if (variants[v].change) variants[v].change(o);
     const bool bounded = o.counts == epx::count_exchange::device;
@@ -129,8 +138,8 @@ std::int64_t check_same_bits(const layer_case& c, const epx::layer_options& base
 }
 
 // The policies, the chunk counts and the routes, against serial on its default route.
-std::vector<variant> every_way(const layer_case& c, std::size_t elem) {
-  const std::size_t few = stage_of(c, 3, elem);
+std::vector<variant> every_way(const layer_case& c, std::size_t elem, std::size_t rows_per_round = 3) {
+  const std::size_t few = stage_of(c, rows_per_round, elem);
   auto staged = [](epx::layer_options& o) { o.peer_access = false; };
   auto rounds = [few](epx::layer_options& o) {
     o.peer_access = false;
@@ -150,17 +159,17 @@ std::vector<variant> every_way(const layer_case& c, std::size_t elem) {
       {"staged", staged, 2},
       {"staged", staged, 4},
       {"staged gathered", [](epx::layer_options& o) { o.peer_access = false; o.indexed_sends = false; }, 3},
-      {"staged in rounds of 3 rows", rounds, 0},
-      {"staged in rounds of 3 rows", rounds, 3},
-      {"staged in rounds of 3 rows", rounds, 4},
+      {"staged in small rounds", rounds, 0},
+      {"staged in small rounds", rounds, 3},
+      {"staged in small rounds", rounds, 4},
       {"staged in rounds of 1 row, gathered",
        [](epx::layer_options& o) { o.peer_access = false; o.indexed_sends = false; o.stage_bytes = 1; }, 2},
   };
 }
 
 template <class T>
-void check_every_way(const layer_case& c, const epx::layer_options& o) {
-  check_same_bits<T>(c, o, every_way(c, sizeof(T)));
+void check_every_way(const layer_case& c, const epx::layer_options& o, std::size_t rows_per_round = 3) {
+  check_same_bits<T>(c, o, every_way(c, sizeof(T), rows_per_round));
 }
 
 }  // namespace
@@ -178,6 +187,15 @@ TEST_CASE_TEMPLATE("same bits: every policy, chunk count and route; tp = 2, ep =
   auto p = make(1, 4, 4, 1024, 40, routing_kind::uneven);
   p.pad = epx::padding{2, 8};
   check_every_way<T>(p, epx::test::options_for(p));
+}
+
+TEST_CASE_TEMPLATE("same bits: rows that are not whole 16-byte chunks (H = 1030), and decode batches of 0 to 2 rows",
+                   T, float, epx::bf16) {
+  const auto odd = make(1, 4, 4, 1030, 24, routing_kind::uneven);
+  check_every_way<T>(odd, epx::test::options_for(odd));
+  auto decode = make(1, 8, 8, 4096, 0);
+  decode.rows = [](int b) { return static_cast<std::size_t>(b % 3); };
+  check_every_way<T>(decode, epx::test::options_for(decode), 1);
 }
 
 TEST_CASE_TEMPLATE("same bits: a capacity that drops pairs, by position and by score, local and global", T, float,
@@ -263,6 +281,40 @@ TEST_CASE_TEMPLATE("same bits: bounded mode on every policy and route, with and 
                                            {"normal, local capacity C = cap", normal, 4}});
     // cap 2 drops pairs, cap 24 none (the uneven routing's hottest expert gets fewer).
     CHECK((drops > 0) == (cap == 2));
+  }
+}
+
+TEST_CASE_TEMPLATE("same bits: the masked all-reduce path (ep == tp) on every policy and chunk count, with a capacity "
+                   "and in bounded mode", T, float, epx::bf16) {
+  for (const auto& c : {make(4, 2, 4, 4096, 16, routing_kind::uneven), make(8, 1, 8, 2048, 20)}) {
+    const auto policies = std::vector<variant>{{"masked", {}, 0},
+                                               {"masked", {}, 1},
+                                               {"masked", {}, 2},
+                                               {"masked", {}, 3},
+                                               {"masked", {}, 4},
+                                               {"masked chunks=3", [](epx::layer_options& o) { o.chunks = 3; }, 0},
+                                               {"masked chunks=5", [](epx::layer_options& o) { o.chunks = 5; }, 3}};
+    auto o = epx::test::options_for(c);
+    check_same_bits<T, epx::impl::all_reduce>(c, o, policies);
+    auto capped = o;
+    capped.capacity.mode = epx::capacity_mode::local;
+    capped.capacity.factor = 0.5;
+    capped.capacity.priority = epx::drop_priority::score;
+    check_same_bits<T, epx::impl::all_reduce>(c, capped, policies);
+    auto bounded = o;
+    bounded.counts = epx::count_exchange::device;
+    bounded.bound.cap = 1;
+    auto with_normal = policies;  // bounded mode's drops are the local capacity rule's, C = cap
+    for (int p : {0, 4})
+      with_normal.push_back({"normal masked, local capacity C = cap",
+                             [](epx::layer_options& x) {
+                               x.counts = epx::count_exchange::host;
+                               x.bound = {};
+                               x.capacity.mode = epx::capacity_mode::local;
+                               x.capacity.rows = 1;
+                             },
+                             p});
+    CHECK(check_same_bits<T, epx::impl::all_reduce>(c, bounded, with_normal) > 0);
   }
 }
 
