@@ -78,7 +78,7 @@ int world_of(const epx::mesh_config& m) { return m.tp * m.fsdp * m.dp_replicate 
 // grad_weights and the expert gradients (per-rank sends against per-slot sends).
 template <class T, class Impl = epx::impl::all_to_all>
 std::int64_t check_same_bits(const layer_case& c, const epx::layer_options& base, const std::vector<variant>& variants,
-                             const std::vector<bool>& outputs = {}) {
+                             const std::vector<bool>& outputs = {}, std::vector<std::int64_t>* rounds_of = nullptr) {
   CAPTURE(c.describe());
   const int world = world_of(c.topology);
   std::vector<std::vector<run_bits<T>>> got(variants.size(), std::vector<run_bits<T>>(static_cast<std::size_t>(world)));
@@ -105,6 +105,11 @@ std::int64_t check_same_bits(const layer_case& c, const epx::layer_options& base
       const std::string want = masked ? "all_reduce" : "all_to_all";
       CHECK_MESSAGE((g.path == want && g.inference_path == want), variants[v].name, " rank ", r, ": paths ", g.path,
                     " and ", g.inference_path);
+    }
+    if (rounds_of != nullptr) {
+      std::int64_t most = 0;
+      for (const auto& g : got[v]) most = std::max(most, g.stage_rounds);
+      rounds_of->push_back(most);
     }
     if (masked) continue;  // no rows move, no route
     epx::layer_options o = base;
@@ -196,6 +201,26 @@ TEST_CASE_TEMPLATE("same bits: rows that are not whole 16-byte chunks (H = 1030)
   auto decode = make(1, 8, 8, 4096, 0);
   decode.rows = [](int b) { return static_cast<std::size_t>(b % 3); };
   check_every_way<T>(decode, epx::test::options_for(decode), 1);
+}
+
+// stage_bytes = 0 (automatic): host policies take rounds of 4 MiB once the EP group's
+// largest slice would send more than 64 MiB in one round, device policies one round. Slices
+// of 280 to 300 rows of k = 8 float rows of H = 7168 (64.2 to 68.8 MB): every rank takes the
+// rounds of the largest, also those whose own slice would fit in one.
+TEST_CASE("same bits: the automatic stage, in rounds on host policies and in one on the emulated device") {
+  if (epx::test::under_tsan) return;  // the size is the point (make() takes H = 256 there)
+  auto c = make(1, 4, 4, 7168, 0, routing_kind::uneven);
+  c.rows = [](int b) { return std::size_t{280} + static_cast<std::size_t>(b % 2 ? 20 : 5 * b / 2); };
+  const auto o = epx::test::options_for(c);
+  auto staged = [](epx::layer_options& x) { x.peer_access = false; };
+  std::vector<std::int64_t> rounds;
+  check_same_bits<float>(c, o,
+                         {{"staged, automatic stage", staged, 0},
+                          {"staged, automatic stage", staged, 4},
+                          {"direct", {}, 0}},
+                         {}, &rounds);
+  // 300 rows of 8 * 7168 floats in stages of 4 MiB (18 rows): 17 rounds; one on the device.
+  CHECK(rounds == std::vector<std::int64_t>{17, 0, 0});
 }
 
 TEST_CASE_TEMPLATE("same bits: a capacity that drops pairs, by position and by score, local and global", T, float,
