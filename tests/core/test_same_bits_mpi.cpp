@@ -101,21 +101,22 @@ struct mpi_variant {
   std::string name;
   std::function<void(epx::layer_options&)> change;
   bool shared_memory = true;  // mpi::options::shared_memory (false: no peer access on MPI)
+  std::function<void(epx::mpi::options&)> mpi = {};  // other options of the MPI communicator
 };
 
 template <class T>
 void check_against_threads(const layer_case& c, const std::vector<mpi_variant>& variants) {
   CAPTURE(c.describe());
-  comm_t world = comm_t::world();
-  epx::mpi::options no_shm;
-  no_shm.shared_memory = false;
-  comm_t off = comm_t::world(no_shm);
-  const int n = world.size();
+  const int n = comm_t::world().size();
   for (const auto& v : variants) {
     CAPTURE(v.name);
     epx::layer_options o = epx::test::options_for(c);
     if (v.change) v.change(o);
-    const auto mine = run_one<comm_t, T>(v.shared_memory ? world : off, c, o, epx::exec::serial{});
+    epx::mpi::options mo;
+    mo.shared_memory = v.shared_memory;
+    if (v.mpi) v.mpi(mo);
+    comm_t world = comm_t::world(mo);
+    const auto mine = run_one<comm_t, T>(world, c, o, epx::exec::serial{});
     // The route the variant names (all ranks of the job run on one node: shared memory).
     const bool direct = v.shared_memory && o.peer_access && o.sends == epx::row_sends::per_slot &&
                         o.counts == epx::count_exchange::host;
@@ -184,11 +185,23 @@ TEST_CASE_TEMPLATE("same bits (MPI): tp = 2, H = 7168", T, float, epx::bf16) {
 }
 
 // The expert gradients summed over an efsdp group of 4 ranks (ep = n / 4): the hook's sums
-// in rank order, which two contributions (the cases above: efsdp 1 and 2) cannot show.
+// in rank order, which two contributions (the cases above: efsdp 1 and 2) cannot show,
+// whichever way the MPI communicator sums and moves them.
 TEST_CASE_TEMPLATE("same bits (MPI): the expert hook over four ranks (efsdp = 4)", T, float, epx::bf16) {
   int n = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &n);
   if (n % 4 != 0) return;
   const auto c = make(1, n, n / 4, 2048, 12, routing_kind::uneven);
-  check_against_threads<T>(c, {{"default", {}, true}, {"staged", [](epx::layer_options& o) { o.peer_access = false; }, true}});
+  auto staged = [](epx::layer_options& o) { o.peer_access = false; };
+  check_against_threads<T>(
+      c, {{"default", {}, true},
+          {"staged", staged, true},
+          // The sums gathered whole on every rank, or split by blocks over the ranks (the
+          // expert gradients here are 1 to 2 MiB, beyond the default 256 KiB of the gather).
+          {"staged, all_reduce gathered", staged, true,
+           [](epx::mpi::options& m) { m.all_reduce_gather_bytes = std::size_t{1} << 30; }},
+          {"staged, all_reduce by blocks", staged, true, [](epx::mpi::options& m) { m.all_reduce_gather_bytes = 0; }},
+          // Every transfer in chunks of at most 1000 elements, and without the count check.
+          {"staged, chunked transfers", staged, true, [](epx::mpi::options& m) { m.max_count = 1000; }},
+          {"default, no count check", {}, true, [](epx::mpi::options& m) { m.check_counts = false; }}});
 }
