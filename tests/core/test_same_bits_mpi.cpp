@@ -12,9 +12,11 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/same_bits_cases.hpp"
@@ -104,7 +106,7 @@ struct mpi_variant {
   std::function<void(epx::mpi::options&)> mpi = {};  // other options of the MPI communicator
 };
 
-template <class T>
+template <class T, class Impl = epx::impl::all_to_all>
 void check_against_threads(const layer_case& c, const std::vector<mpi_variant>& variants) {
   CAPTURE(c.describe());
   const int n = comm_t::world().size();
@@ -116,22 +118,23 @@ void check_against_threads(const layer_case& c, const std::vector<mpi_variant>& 
     mo.shared_memory = v.shared_memory;
     if (v.mpi) v.mpi(mo);
     comm_t world = comm_t::world(mo);
-    const auto mine = run_one<comm_t, T>(world, c, o, epx::exec::serial{});
+    const auto mine = run_one<comm_t, T, epx::exec::serial, Impl>(world, c, o, {});
     // The route the variant names (all ranks of the job run on one node: shared memory).
-    const bool direct = v.shared_memory && o.peer_access && o.sends == epx::row_sends::per_slot &&
-                        o.counts == epx::count_exchange::host;
+    const bool direct = std::is_same_v<Impl, epx::impl::all_to_all> && v.shared_memory && o.peer_access &&
+                        o.sends == epx::row_sends::per_slot && o.counts == epx::count_exchange::host;
     CHECK(mine.peer_access == direct);
     const auto all = gather_at_root(pack(mine));
     if (world.rank() == 0) {
       std::vector<run_bits<T>> threads(static_cast<std::size_t>(n));
       epx::threads::run(n, [&](epx::threads::communicator& comm) {
         threads[static_cast<std::size_t>(comm.rank())] =
-            run_one<epx::threads::communicator, T>(comm, c, o, epx::exec::serial{});
+            run_one<epx::threads::communicator, T, epx::exec::serial, Impl>(comm, c, o, {});
       });
       std::string f;
       for (int r = 0; r < n; ++r)
         f += differences(unpack<T>(all[static_cast<std::size_t>(r)].data()), threads[static_cast<std::size_t>(r)],
                          epx::detail::concat(v.name, ": MPI against threads, rank ", r));
+      if (!f.empty()) std::fprintf(stderr, "%s", f.c_str());  // the MPI main prints the expression only
       CHECK_MESSAGE(f.empty(), f);
     }
     MPI_Barrier(MPI_COMM_WORLD);
@@ -204,4 +207,23 @@ TEST_CASE_TEMPLATE("same bits (MPI): the expert hook over four ranks (efsdp = 4)
           // Every transfer in chunks of at most 1000 elements, and without the count check.
           {"staged, chunked transfers", staged, true, [](epx::mpi::options& m) { m.max_count = 1000; }},
           {"default, no count check", {}, true, [](epx::mpi::options& m) { m.check_counts = false; }}});
+}
+
+// The masked all-reduce path (ep == tp = n): the output's sum over the EP group in rank
+// order, gathered whole or split by blocks, bounded mode's too.
+TEST_CASE_TEMPLATE("same bits (MPI): the masked all-reduce path, ep == tp = world", T, float, epx::bf16) {
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  const auto c = make(n, 1, n, 2048, 16, routing_kind::uneven);
+  auto gathered = [](epx::mpi::options& m) { m.all_reduce_gather_bytes = std::size_t{1} << 30; };
+  auto blocks = [](epx::mpi::options& m) { m.all_reduce_gather_bytes = 0; };
+  auto bounded = [](epx::layer_options& o) {
+    o.counts = epx::count_exchange::device;
+    o.bound.cap = 1;
+  };
+  check_against_threads<T, epx::impl::all_reduce>(c, {{"masked", {}, true},
+                                                      {"masked, all_reduce gathered", {}, true, gathered},
+                                                      {"masked, all_reduce by blocks", {}, true, blocks},
+                                                      {"masked bounded", bounded, true},
+                                                      {"masked bounded, all_reduce by blocks", bounded, true, blocks}});
 }
