@@ -252,9 +252,16 @@ TEST_CASE_TEMPLATE("same bits: FP8 dispatch on every policy, chunk count and rou
   check_every_way<T>(c, o);
 }
 
-TEST_CASE_TEMPLATE("same bits: per-rank sends on every policy and in rounds; grad_weights and expert grads are the "
-                   "per-slot mode's", T, float, epx::bf16) {
-  for (const auto& c : {make(1, 8, 8, 4096, 20), make(2, 4, 4, 7168, 12, routing_kind::uneven)}) {
+TEST_CASE_TEMPLATE("same bits: per-rank sends on every policy, with a small stage and with drops; grad_weights and expert grads are "
+                   "the per-slot mode's", T, float, epx::bf16) {
+  // The third case drops pairs by score and pads the experts' blocks.
+  auto capped = make(1, 4, 4, 2048, 24, routing_kind::uneven);
+  capped.capacity.mode = epx::capacity_mode::local;
+  capped.capacity.factor = 0.5;
+  capped.capacity.priority = epx::drop_priority::score;
+  capped.pad = epx::padding{2, 8};
+  for (const auto& c : {make(1, 8, 8, 4096, 20), make(2, 4, 4, 7168, 12, routing_kind::uneven), capped}) {
+    CAPTURE(c.describe());
     auto o = epx::test::options_for(c);
     o.sends = epx::row_sends::per_rank;
     const std::size_t few = stage_of(c, 3, sizeof(T));
@@ -267,8 +274,8 @@ TEST_CASE_TEMPLATE("same bits: per-rank sends on every policy and in rounds; gra
          {"per_rank", {}, 4},
          {"per_rank chunks=3", [](epx::layer_options& x) { x.chunks = 3; }, 1},
          {"per_rank gathered", [](epx::layer_options& x) { x.indexed_sends = false; }, 0},
-         {"per_rank in rounds of 3 rows", [few](epx::layer_options& x) { x.stage_bytes = few; }, 0},
-         {"per_rank in rounds of 3 rows", [few](epx::layer_options& x) { x.stage_bytes = few; }, 4},
+         {"per_rank with a stage of 3 rows", [few](epx::layer_options& x) { x.stage_bytes = few; }, 0},
+         {"per_rank with a stage of 3 rows", [few](epx::layer_options& x) { x.stage_bytes = few; }, 4},
          {"per_slot", per_slot, 0},
          {"per_slot", per_slot, 4}},
         {true, true, true, true, true, true, true, true, false, false});
