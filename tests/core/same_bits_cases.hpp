@@ -123,7 +123,8 @@ run_bits<T> run_one(Comm& world, const layer_case& c, const epx::layer_options& 
     layer.forward(epx::span<const T>(mb.x), epx::span<const std::int32_t>(mb.d.ids), epx::span<const float>(mb.w),
                   epx::span<T>(r.inference_out), inf, epx::mode::inference);
   } else {
-    scale_experts<T> experts{m.expert_begin(rank), m.local_experts(), {}}, inf{m.expert_begin(rank), m.local_experts(), {}};
+    scale_experts<T> experts{m.expert_begin(rank), m.local_experts(), {}};
+    scale_experts<T> inf{m.expert_begin(rank), m.local_experts(), {}};
     auto saved = layer.forward(epx::span<const T>(mb.x), epx::span<const std::int32_t>(mb.d.ids),
                                epx::span<const float>(mb.w), epx::span<T>(mb.out), experts, epx::mode::train);
     r.peer_access = layer.stats().peer_access;

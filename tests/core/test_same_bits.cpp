@@ -252,8 +252,8 @@ TEST_CASE_TEMPLATE("same bits: FP8 dispatch on every policy, chunk count and rou
   check_every_way<T>(c, o);
 }
 
-TEST_CASE_TEMPLATE("same bits: per-rank sends on every policy, with a small stage and with drops; grad_weights and expert grads are "
-                   "the per-slot mode's", T, float, epx::bf16) {
+TEST_CASE_TEMPLATE("same bits: per-rank sends on every policy, with a small stage and with drops; grad_weights "
+                   "and expert grads are the per-slot mode's", T, float, epx::bf16) {
   // The third case drops pairs by score and pads the experts' blocks.
   auto capped = make(1, 4, 4, 2048, 24, routing_kind::uneven);
   capped.capacity.mode = epx::capacity_mode::local;

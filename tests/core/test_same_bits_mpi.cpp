@@ -149,7 +149,12 @@ std::vector<mpi_variant> variants_for(const layer_case& c) {
       {"no shared memory", {}, false},
       {"staged", [](epx::layer_options& o) { o.peer_access = false; }, true},
       {"staged gathered", [](epx::layer_options& o) { o.peer_access = false; o.indexed_sends = false; }, true},
-      {"staged in rounds of 3 rows", [few](epx::layer_options& o) { o.peer_access = false; o.stage_bytes = few; }, true},
+      {"staged in rounds of 3 rows",
+       [few](epx::layer_options& o) {
+         o.peer_access = false;
+         o.stage_bytes = few;
+       },
+       true},
       {"local capacity by score",
        [](epx::layer_options& o) {
          o.capacity.mode = epx::capacity_mode::local;
