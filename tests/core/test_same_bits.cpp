@@ -266,6 +266,17 @@ TEST_CASE_TEMPLATE("same bits: FP8 dispatch on every policy, chunk count and rou
   check_every_way<T>(c, o);
 }
 
+TEST_CASE_TEMPLATE("same bits: FP8 dispatch with a global capacity by score and padded blocks", T, float, epx::bf16) {
+  auto c = make(1, 4, 4, 2048, 24, routing_kind::uneven);
+  c.capacity.mode = epx::capacity_mode::global;
+  c.capacity.factor = 0.5;
+  c.capacity.priority = epx::drop_priority::score;
+  c.pad = epx::padding{1, 4};
+  auto o = epx::test::options_for(c);
+  o.fp8_dispatch = true;
+  check_every_way<T>(c, o);
+}
+
 TEST_CASE_TEMPLATE("same bits: per-rank sends on every policy, with a small stage and with drops; grad_weights "
                    "and expert grads are the per-slot mode's", T, float, epx::bf16) {
   // The third case drops pairs by score and pads the experts' blocks.
