@@ -375,4 +375,39 @@ TEST_CASE_TEMPLATE("same bits: the masked all-reduce path (ep == tp) on every po
   }
 }
 
+// impl::automatic runs the all-to-all path for training and the masked path for inference
+// (ep == tp): its bits are theirs, on every policy.
+TEST_CASE_TEMPLATE("same bits: impl::automatic is the all-to-all path in training and the masked path in inference",
+                   T, float, epx::bf16) {
+  const auto c = make(4, 2, 4, 2048, 16, routing_kind::uneven);
+  const auto o = epx::test::options_for(c);
+  const int world = world_of(c.topology);
+  for (int policy : {0, 3, 4}) {
+    CAPTURE(policy_name(policy));
+    const variant v{"", {}, policy};
+    std::vector<run_bits<T>> a2a(static_cast<std::size_t>(world)), masked(a2a.size()), automatic(a2a.size());
+    epx::threads::run(world, [&](comm_t& comm) {
+      const auto r = static_cast<std::size_t>(comm.rank());
+      a2a[r] = run_variant<T, epx::impl::all_to_all>(comm, c, o, v);
+      masked[r] = run_variant<T, epx::impl::all_reduce>(comm, c, o, v);
+      automatic[r] = run_variant<T, epx::impl::automatic>(comm, c, o, v);
+    });
+    std::string f;
+    for (std::size_t r = 0; r < a2a.size(); ++r) {
+      const std::string where = epx::detail::concat("automatic, rank ", r);
+      if (automatic[r].path != "all_to_all" || automatic[r].inference_path != "all_reduce")
+        f += epx::detail::concat(where, ": paths ", automatic[r].path, " and ", automatic[r].inference_path, "\n");
+      f += epx::test::same_bits::first_difference(automatic[r].out, a2a[r].out, where + " out (all_to_all)");
+      f += epx::test::same_bits::first_difference(automatic[r].grad_x, a2a[r].grad_x, where + " grad_x (all_to_all)");
+      f += epx::test::same_bits::first_difference(automatic[r].grad_w, a2a[r].grad_w,
+                                                  where + " grad_weights (all_to_all)");
+      f += epx::test::same_bits::first_difference(automatic[r].expert_grads, a2a[r].expert_grads,
+                                                  where + " expert grads (all_to_all)");
+      f += epx::test::same_bits::first_difference(automatic[r].inference_out, masked[r].inference_out,
+                                                  where + " inference out (all_reduce)");
+    }
+    CHECK_MESSAGE(f.empty(), f);
+  }
+}
+
 }  // namespace test_same_bits_cpp
