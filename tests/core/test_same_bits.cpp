@@ -12,11 +12,12 @@
 // 1024 to 7168), with a capacity that drops pairs (by position and by score), with FP8
 // dispatch, with per-rank sends (whose grad_weights and expert gradients are also the
 // per-slot mode's bits) and in bounded mode (whose results with drops are the normal
-// mode's with the local capacity rule C = cap). Every run is compared with memcmp against
+// mode's with the local capacity rule C = cap); the masked path and impl::automatic; and
+// routing (epx/routing) with its backward. Every run is compared with memcmp against
 // one run on exec::serial with the default options; the text names the first byte that
 // differs. (tests/core/test_same_bits_mpi.cpp compares the MPI backend with these runs.)
 //
-// Experts: scale_experts below (elementwise, cheap at any H) and, with FP8 dispatch,
+// Experts: scale_experts of core/same_bits_cases.hpp (elementwise, cheap at any H) and, with FP8 dispatch,
 // fp8_scale_experts of core/fp8_layer_cases.hpp; neither depends on the policy.
 // tests/emulated/test_same_bits.cpp reruns this file with the device's algorithm variants
 // (EPX_EMULATE_DEVICE_ALGORITHMS), where exec::emulated_device plans with Thrust's stable
@@ -30,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/routing_cases.hpp"
 #include "core/same_bits_cases.hpp"
 #include "epx/comm/threads.hpp"
 #include "epx/exec/emulated.hpp"
@@ -408,6 +410,57 @@ TEST_CASE_TEMPLATE("same bits: impl::automatic is the all-to-all path in trainin
     }
     CHECK_MESSAGE(f.empty(), f);
   }
+}
+
+namespace {
+
+// Routing (epx/routing) of N tokens over E experts, and its backward, on every policy: ids,
+// weights and logit gradients byte for byte against exec::serial.
+template <class T, class Policy>
+void check_routing_bits(const Policy& p, const char* name) {
+  CAPTURE(name);
+  const std::size_t N = 2053;
+  const int E = 64, k = 8;
+  const auto logits = ref::from_double<T>(ref::random_logits(N, E, 31));
+  const auto gw = ref::from_double<float>(ref::random_normal(N, k, 32));
+  struct routed {
+    epx::test::lib_routing r;
+    std::vector<float> grad;
+  };
+  auto run = [&](auto ex) {
+    routed o{epx::test::run_route(p, ex, logits, N, E, k), std::vector<float>(N * E, -7.0f)};
+    epx::routing::route_backward(p, ex, epx::span<const T>(logits.data(), logits.size()), E, k,
+                                 epx::make_span(o.r.ids), epx::span<const float>(), epx::make_span(gw),
+                                 epx::make_span(o.grad));
+    return o;
+  };
+  const auto base = run(epx::exec::serial{});
+  std::vector<std::pair<std::string, routed>> others;
+  others.emplace_back("openmp{1}", run(epx::exec::openmp{1}));
+  others.emplace_back("openmp{2}", run(epx::exec::openmp{2}));
+  others.emplace_back("openmp{3}", run(epx::exec::openmp{3}));
+  others.emplace_back("emulated_device", run(epx::exec::emulated_device{}));
+  {
+    const forward_launches forward;
+    others.emplace_back("emulated_device (forward launch order)", run(epx::exec::emulated_device{}));
+  }
+  for (const auto& [policy, o] : others) {
+    std::string f = epx::test::same_bits::first_difference(o.r.ids, base.r.ids, policy + " ids");
+    f += epx::test::same_bits::first_difference(o.r.weights, base.r.weights, policy + " weights");
+    f += epx::test::same_bits::first_difference(o.grad, base.grad, policy + " logit gradients");
+    CHECK_MESSAGE(f.empty(), f);
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("same bits: routing and its backward on every policy (E = 64, top-8)", T, float, epx::bf16) {
+  namespace routing = epx::routing;
+  check_routing_bits<T>(routing::softmax_topk{}, "softmax_topk");
+  check_routing_bits<T>(routing::softmax_topk{true}, "softmax_topk renormalised");
+  check_routing_bits<T>(routing::topk_softmax{}, "topk_softmax");
+  const auto bias = ref::from_double<float>(ref::random_normal(1, 64, 33, 0.05));
+  check_routing_bits<T>(routing::sigmoid_bias{bias.data(), 8, 3, 2.5f, true}, "sigmoid_bias");
 }
 
 }  // namespace test_same_bits_cpp
