@@ -13,7 +13,7 @@
 #include "core/layer_cases.hpp"
 #include "support/sanitizers.hpp"
 
-namespace epx::test::same_bits {
+namespace epx::test::bitwise_runs {
 
 using epx::test::layer_case;
 namespace ref = epx::ref;
@@ -165,4 +165,4 @@ inline std::size_t stage_of(const layer_case& c, std::size_t rows, std::size_t e
   return rows * static_cast<std::size_t>(c.top_k) * static_cast<std::size_t>(c.hidden) * elem;
 }
 
-}  // namespace epx::test::same_bits
+}  // namespace epx::test::bitwise_runs

@@ -47,11 +47,11 @@ using epx::test::layer_case;
 using epx::test::routing_kind;
 using comm_t = epx::threads::communicator;
 namespace ref = epx::ref;
-using epx::test::same_bits::differences;
-using epx::test::same_bits::make;
-using epx::test::same_bits::run_bits;
-using epx::test::same_bits::run_one;
-using epx::test::same_bits::stage_of;
+using epx::test::bitwise_runs::differences;
+using epx::test::bitwise_runs::make;
+using epx::test::bitwise_runs::run_bits;
+using epx::test::bitwise_runs::run_one;
+using epx::test::bitwise_runs::stage_of;
 
 // One way of running a case: a name, the policy and a change of the options.
 struct variant {
@@ -399,13 +399,13 @@ TEST_CASE_TEMPLATE("same bits: impl::automatic is the all-to-all path in trainin
       const std::string where = epx::detail::concat("automatic, rank ", r);
       if (automatic[r].path != "all_to_all" || automatic[r].inference_path != "all_reduce")
         f += epx::detail::concat(where, ": paths ", automatic[r].path, " and ", automatic[r].inference_path, "\n");
-      f += epx::test::same_bits::first_difference(automatic[r].out, a2a[r].out, where + " out (all_to_all)");
-      f += epx::test::same_bits::first_difference(automatic[r].grad_x, a2a[r].grad_x, where + " grad_x (all_to_all)");
-      f += epx::test::same_bits::first_difference(automatic[r].grad_w, a2a[r].grad_w,
+      f += epx::test::bitwise_runs::first_difference(automatic[r].out, a2a[r].out, where + " out (all_to_all)");
+      f += epx::test::bitwise_runs::first_difference(automatic[r].grad_x, a2a[r].grad_x, where + " grad_x (all_to_all)");
+      f += epx::test::bitwise_runs::first_difference(automatic[r].grad_w, a2a[r].grad_w,
                                                   where + " grad_weights (all_to_all)");
-      f += epx::test::same_bits::first_difference(automatic[r].expert_grads, a2a[r].expert_grads,
+      f += epx::test::bitwise_runs::first_difference(automatic[r].expert_grads, a2a[r].expert_grads,
                                                   where + " expert grads (all_to_all)");
-      f += epx::test::same_bits::first_difference(automatic[r].inference_out, masked[r].inference_out,
+      f += epx::test::bitwise_runs::first_difference(automatic[r].inference_out, masked[r].inference_out,
                                                   where + " inference out (all_reduce)");
     }
     CHECK_MESSAGE(f.empty(), f);
@@ -445,9 +445,9 @@ void check_routing_bits(const Policy& p, const char* name) {
     others.emplace_back("emulated_device (forward launch order)", run(epx::exec::emulated_device{}));
   }
   for (const auto& [policy, o] : others) {
-    std::string f = epx::test::same_bits::first_difference(o.r.ids, base.r.ids, policy + " ids");
-    f += epx::test::same_bits::first_difference(o.r.weights, base.r.weights, policy + " weights");
-    f += epx::test::same_bits::first_difference(o.grad, base.grad, policy + " logit gradients");
+    std::string f = epx::test::bitwise_runs::first_difference(o.r.ids, base.r.ids, policy + " ids");
+    f += epx::test::bitwise_runs::first_difference(o.r.weights, base.r.weights, policy + " weights");
+    f += epx::test::bitwise_runs::first_difference(o.grad, base.grad, policy + " logit gradients");
     CHECK_MESSAGE(f.empty(), f);
   }
 }

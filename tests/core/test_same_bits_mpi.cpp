@@ -27,11 +27,11 @@ namespace {
 
 using epx::test::layer_case;
 using epx::test::routing_kind;
-using epx::test::same_bits::differences;
-using epx::test::same_bits::make;
-using epx::test::same_bits::run_bits;
-using epx::test::same_bits::run_one;
-using epx::test::same_bits::stage_of;
+using epx::test::bitwise_runs::differences;
+using epx::test::bitwise_runs::make;
+using epx::test::bitwise_runs::run_bits;
+using epx::test::bitwise_runs::run_one;
+using epx::test::bitwise_runs::stage_of;
 using comm_t = epx::mpi::communicator;
 
 template <class V>
