@@ -148,6 +148,11 @@ TEST_CASE_TEMPLATE("threads ranks on one GPU: the layer matches the emulated dev
   SUBCASE("ep 4, tp 2, 16 experts, top-2, H 4096") { ep_on_one_gpu<T>({2, 4, 1, 1, 4, 16, 0}, 96, 4096, 2); }
 }
 
+// fp16 at the smaller of the two shapes only, to keep the run short.
+TEST_CASE("threads ranks on one GPU: the fp16 layer matches the emulated device bitwise") {
+  SUBCASE("ep 4, tp 2, 16 experts, top-2, H 4096") { ep_on_one_gpu<epx::fp16>({2, 4, 1, 1, 4, 16, 0}, 96, 4096, 2); }
+}
+
 TEST_CASE("threads ranks on one GPU: a bad expert id raises on every rank") {
   epx::threads::options o;
   o.memory = epx::threads::device_memory();
