@@ -139,9 +139,8 @@ void capture_and_replay() {
   CHECK(bounded.check().overflow_pairs == 0);
 }
 
-template <class Impl>
+template <class T, class Impl>
 void training_against_normal() {
-  using T = epx::bf16;
   test_stream ts;
   ncclUniqueId id;
   EPX_NCCL_CHECK(ncclGetUniqueId(&id));
@@ -204,12 +203,14 @@ void training_against_normal() {
   }
 }
 
-TEST_CASE_TEMPLATE("bounded mode: an inference call captured in a CUDA graph and replayed", T, float, epx::bf16) {
+TEST_CASE_TEMPLATE("bounded mode: an inference call captured in a CUDA graph and replayed", T, float, epx::bf16,
+                   epx::fp16) {
   SUBCASE("all-to-all path") { capture_and_replay<T, epx::impl::all_to_all>(); }
   SUBCASE("masked path") { capture_and_replay<T, epx::impl::all_reduce>(); }
 }
 
-TEST_CASE("bounded mode on the device: training bitwise the normal mode; overflow counted on the device") {
-  SUBCASE("all-to-all path") { training_against_normal<epx::impl::all_to_all>(); }
-  SUBCASE("masked path") { training_against_normal<epx::impl::all_reduce>(); }
+TEST_CASE_TEMPLATE("bounded mode on the device: training bitwise the normal mode; overflow counted on the device", T,
+                   epx::bf16, epx::fp16) {
+  SUBCASE("all-to-all path") { training_against_normal<T, epx::impl::all_to_all>(); }
+  SUBCASE("masked path") { training_against_normal<T, epx::impl::all_reduce>(); }
 }
