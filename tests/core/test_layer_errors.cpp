@@ -15,6 +15,7 @@
 #include "epx/comm/threads.hpp"
 #include "epx/exec/emulated.hpp"
 #include "epx/grad/hooks.hpp"
+#include "support/throwing_experts.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
 // source, where another file may use the same names.
@@ -1074,22 +1075,7 @@ TEST_CASE("tensor sizes whose N*k would wrap raise errc::input on every rank of 
 
 namespace {
 
-// The float64-checked linear experts, whose forward or backward throws once when asked to.
-struct throwing_experts : epx::ref::test_linear_experts<float> {
-  using base = epx::ref::test_linear_experts<float>;
-  using base::base;
-  bool fail_forward = false, fail_backward = false;
-  template <class Exec, class Rows>
-  void forward(const Exec& e, const Rows& in, float* out) {
-    if (std::exchange(fail_forward, false)) throw std::runtime_error("injected: the experts' forward failed");
-    base::forward(e, in, out);
-  }
-  template <class Exec, class Rows>
-  void backward(const Exec& e, const Rows& in, const float* grad_out, float* grad_in) {
-    if (std::exchange(fail_backward, false)) throw std::runtime_error("injected: the experts' backward failed");
-    base::backward(e, in, grad_out, grad_in);
-  }
-};
+using epx::test::throwing_experts;  // support/throwing_experts.hpp
 
 // What a rank saw of a call: "" when it returned, else the exception's what().
 template <class F>

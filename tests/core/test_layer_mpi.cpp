@@ -11,6 +11,7 @@
 #include "core/layer_cases.hpp"
 #include "epx/comm/mpi.hpp"
 #include "epx/exec/emulated.hpp"
+#include "support/throwing_experts.hpp"
 
 namespace {
 
@@ -80,22 +81,7 @@ TEST_CASE("layer (MPI): forward, backward and hook against the float64 reference
 
 namespace {
 
-// The float64-checked linear experts, whose forward or backward throws once when asked to.
-struct throwing_experts : epx::ref::test_linear_experts<float> {
-  using base = epx::ref::test_linear_experts<float>;
-  using base::base;
-  bool fail_forward = false, fail_backward = false;
-  template <class Exec, class Rows>
-  void forward(const Exec& e, const Rows& in, float* out) {
-    if (std::exchange(fail_forward, false)) throw std::runtime_error("injected: the experts' forward failed");
-    base::forward(e, in, out);
-  }
-  template <class Exec, class Rows>
-  void backward(const Exec& e, const Rows& in, const float* grad_out, float* grad_in) {
-    if (std::exchange(fail_backward, false)) throw std::runtime_error("injected: the experts' backward failed");
-    base::backward(e, in, grad_out, grad_in);
-  }
-};
+using epx::test::throwing_experts;  // support/throwing_experts.hpp
 
 }  // namespace
 

@@ -13,6 +13,7 @@
 
 #include "core/split_cases.hpp"
 #include "epx/comm/threads.hpp"
+#include "support/throwing_experts.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
 // source, where another file may use the same names.
@@ -266,22 +267,7 @@ TEST_CASE("split phase: dispatch_start raises on routing weights of another size
 
 namespace {
 
-// The float64-checked linear experts, whose forward or backward throws once when asked to.
-struct throwing_experts : epx::ref::test_linear_experts<float> {
-  using base = epx::ref::test_linear_experts<float>;
-  using base::base;
-  bool fail_forward = false, fail_backward = false;
-  template <class Exec, class Rows>
-  void forward(const Exec& e, const Rows& in, float* out) {
-    if (std::exchange(fail_forward, false)) throw std::runtime_error("injected: the experts' forward failed");
-    base::forward(e, in, out);
-  }
-  template <class Exec, class Rows>
-  void backward(const Exec& e, const Rows& in, const float* grad_out, float* grad_in) {
-    if (std::exchange(fail_backward, false)) throw std::runtime_error("injected: the experts' backward failed");
-    base::backward(e, in, grad_out, grad_in);
-  }
-};
+using epx::test::throwing_experts;  // support/throwing_experts.hpp
 
 // Training steps through the split calls, as steps_after_a_throw of test_layer_errors.cpp
 // for the fused ones: a clean step, then one whose experts (run by the caller between a
