@@ -17,6 +17,7 @@
 
 #include "core/bounded_cases.hpp"
 #include "epx/comm/threads.hpp"
+#include "support/on_ranks.hpp"
 #include "support/sanitizers.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
@@ -29,13 +30,7 @@ using epx::test::layer_case;
 using epx::test::routing_kind;
 using comm_t = epx::threads::communicator;
 
-template <class Body>
-void on_ranks(int world, Body body) {
-  std::vector<std::string> failures(static_cast<std::size_t>(world));
-  epx::threads::run(world, [&](comm_t& comm) { failures[static_cast<std::size_t>(comm.rank())] = body(comm); });
-  for (int r = 0; r < world; ++r)
-    CHECK_MESSAGE(failures[static_cast<std::size_t>(r)].empty(), failures[static_cast<std::size_t>(r)]);
-}
+using epx::test::on_ranks;  // support/on_ranks.hpp
 
 // Scales its rows by 2 (in place allowed): a stand-in for the experts of the error tests.
 struct doubling_experts {
@@ -75,7 +70,7 @@ void on_path(bool masked, comm_t& comm, std::int64_t cap, bool raise_on_overflow
   }
 }
 
-int world_of(const epx::mesh_config& m) { return m.tp * m.fsdp * m.dp_replicate * m.pp; }
+using epx::test::world_of;
 
 layer_case make(int tp, int fsdp, int ep, int E, int k, routing_kind r = routing_kind::random, int R = 1) {
   layer_case c;

@@ -35,6 +35,7 @@
 #include "core/split_cases.hpp"
 #include "epx/comm/threads.hpp"
 #include "epx/exec/emulated.hpp"
+#include "support/on_ranks.hpp"
 #include "support/sanitizers.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
@@ -50,15 +51,9 @@ using comm_t = epx::threads::communicator;
 namespace ref = epx::ref;
 namespace sizes = epx::test::sizes;
 
-int world_of(const epx::mesh_config& m) { return m.tp * m.fsdp * m.dp_replicate * m.pp; }
+using epx::test::world_of;
 
-template <class Body>
-void on_ranks(int world, Body body) {
-  std::vector<std::string> failures(static_cast<std::size_t>(world));
-  epx::threads::run(world, [&](comm_t& comm) { failures[static_cast<std::size_t>(comm.rank())] = body(comm); });
-  for (int r = 0; r < world; ++r)
-    CHECK_MESSAGE(failures[static_cast<std::size_t>(r)].empty(), failures[static_cast<std::size_t>(r)]);
-}
+using epx::test::on_ranks;  // support/on_ranks.hpp
 
 const int wide = static_cast<int>(epx::test::tsan_hidden(1024, 256));
 

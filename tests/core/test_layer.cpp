@@ -10,6 +10,7 @@
 
 #include "core/layer_cases.hpp"
 #include "epx/comm/threads.hpp"
+#include "support/on_ranks.hpp"
 #include "support/sanitizers.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
@@ -22,15 +23,9 @@ using epx::test::layer_case;
 using epx::test::routing_kind;
 using comm_t = epx::threads::communicator;
 
-// Runs `body(comm)` on every rank of a world of the mesh's size; checks each rank's text.
-template <class Body>
-void on_ranks(int world, Body body) {
-  std::vector<std::string> failures(static_cast<std::size_t>(world));
-  epx::threads::run(world, [&](comm_t& comm) { failures[static_cast<std::size_t>(comm.rank())] = body(comm); });
-  for (int r = 0; r < world; ++r) CHECK_MESSAGE(failures[static_cast<std::size_t>(r)].empty(), failures[static_cast<std::size_t>(r)]);
-}
+using epx::test::on_ranks;  // support/on_ranks.hpp
 
-int world_of(const epx::mesh_config& m) { return m.tp * m.fsdp * m.dp_replicate * m.pp; }
+using epx::test::world_of;
 
 template <class T, class Impl = epx::impl::all_to_all>
 void check_case(const layer_case& c) {

@@ -21,6 +21,7 @@
 #include "core/sizes_cases.hpp"
 #include "epx/comm/threads.hpp"
 #include "epx/exec/stream.hpp"
+#include "support/on_ranks.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
 // source, where another file may use the same names.
@@ -34,15 +35,9 @@ using comm_t = epx::threads::communicator;
 namespace ref = epx::ref;
 using namespace epx::test::sizes;
 
-int world_of(const epx::mesh_config& m) { return m.tp * m.fsdp * m.dp_replicate * m.pp; }
+using epx::test::world_of;
 
-template <class Body>
-void on_ranks(int world, Body body) {
-  std::vector<std::string> failures(static_cast<std::size_t>(world));
-  epx::threads::run(world, [&](comm_t& comm) { failures[static_cast<std::size_t>(comm.rank())] = body(comm); });
-  for (int r = 0; r < world; ++r)
-    CHECK_MESSAGE(failures[static_cast<std::size_t>(r)].empty(), failures[static_cast<std::size_t>(r)]);
-}
+using epx::test::on_ranks;  // support/on_ranks.hpp
 
 template <class T, class Impl = epx::impl::all_to_all>
 void check_diag(const layer_case& c) {

@@ -13,6 +13,7 @@
 
 #include "core/split_cases.hpp"
 #include "epx/comm/threads.hpp"
+#include "support/on_ranks.hpp"
 #include "support/throwing_experts.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
@@ -26,14 +27,9 @@ using epx::test::routing_kind;
 using epx::test::split_misuse;
 using comm_t = epx::threads::communicator;
 
-int world_of(const epx::mesh_config& m) { return m.tp * m.fsdp * m.dp_replicate * m.pp; }
+using epx::test::world_of;
 
-template <class Body>
-void on_ranks(int world, Body body) {
-  std::vector<std::string> failures(static_cast<std::size_t>(world));
-  epx::threads::run(world, [&](comm_t& comm) { failures[static_cast<std::size_t>(comm.rank())] = body(comm); });
-  for (int r = 0; r < world; ++r) CHECK_MESSAGE(failures[static_cast<std::size_t>(r)].empty(), failures[static_cast<std::size_t>(r)]);
-}
+using epx::test::on_ranks;  // support/on_ranks.hpp
 
 layer_case make(int tp, int fsdp, int ep, int E, int k, routing_kind r = routing_kind::random, int R = 1) {
   layer_case c;
