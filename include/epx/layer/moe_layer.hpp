@@ -176,14 +176,14 @@ class moe_layer {
                                                        {"out has", out.size(), N, H, "N*H"}});
     set_shape(a, N, msg);
     require_in_step("forward");
-    const std::uint64_t serial = forward_starts_ + 1;
-    if (bound_) forward_starts_ = serial;  // bounded mode counts the calls that raise too (forward_starts_)
+    const std::uint64_t serial = forward_calls_ + 1;
+    if (bound_) forward_calls_ = serial;  // bounded mode counts the calls that raise too (forward_calls_)
     saved_state<T> saved;
     const long long syncs = detail::host_syncs_on_this_thread();
     keeping_stats([&] {
       bounded_call("forward", [&] { impl_->forward(exec_, a, experts, m == mode::train ? &saved : nullptr); });
     });
-    forward_starts_ = serial;
+    forward_calls_ = serial;
     saved.stamp(id_, serial);
     stats_->host_syncs = detail::host_syncs_on_this_thread() - syncs;
     stats_->calls += 1;
@@ -252,7 +252,7 @@ class moe_layer {
     keeping_stats([&] { h.batch_ = impl_->dispatch(exec_, a, h.call_.flight, m == mode::train, false); });
     h.call_.host_syncs = detail::host_syncs_on_this_thread() - syncs;
     h.call_.layer = id_;
-    h.call_.serial = ++forward_starts_;  // counted once it completed (forward_starts_)
+    h.call_.serial = ++forward_calls_;  // counted once it completed (forward_calls_)
     h.call_.tokens = N;
     h.training_ = m == mode::train;
     h.call_.phase = detail::split_phase::dispatching;
@@ -701,7 +701,7 @@ class moe_layer {
   // raise. Bounded mode counts every fused call: one that raises on a rank after its
   // collectives (bad shapes) completes on the peers, and one that leaves them earlier
   // ends the layer on that rank (require_in_step).
-  std::uint64_t forward_starts_ = 0, backward_starts_ = 0;
+  std::uint64_t forward_calls_ = 0, backward_starts_ = 0;
   int rank_ = 0;          // in the world
   std::string out_of_step_;  // bounded mode: why this rank left a call before its last collective ("" if it did not)
 };
