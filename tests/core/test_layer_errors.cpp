@@ -2,12 +2,15 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <functional>
 #include <initializer_list>
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -628,6 +631,112 @@ TEST_CASE("a communicator whose split does not order members by key: the layer a
       CHECK(hooks[r].message.find("; rank 1,5: gradient_hooks: the efsdp communicator does not hold the ranks of the "
                                   "mesh's efsdp group; member 0 is world rank 5 but the mesh puts world rank 1 there") !=
             std::string::npos);
+    }
+  }
+}
+
+// A user's communicator over the threads backend whose `fail_split`-th split (counted on
+// the world communicator: the layer makes ep then tp, the hooks efsdp, fsdp, dp_replicate)
+// makes, on the world ranks of `fail_ranks` (a bit each), a communicator whose all_gather
+// completes and then raises errc::communicator: that group's collective failing on every
+// member, as after its watchdog.
+struct group_failing_comm {
+  comm_t c;
+  int world_rank = 0;
+  int fail_split = -1;
+  unsigned fail_ranks = 0;
+  bool fails = false;
+  std::shared_ptr<int> splits = std::make_shared<int>(0);
+  int rank() const { return c.rank(); }
+  int size() const { return c.size(); }
+  group_failing_comm split(int color, int key) const {
+    const bool f = *splits == fail_split && ((fail_ranks >> world_rank) & 1u) != 0;
+    ++*splits;
+    return {c.split(color, key), world_rank, -1, 0, f};
+  }
+  void all_to_all(const void* s, void* r, std::size_t n, epx::datatype t) { c.all_to_all(s, r, n, t); }
+  void all_to_allv(const void* s, const std::size_t* sc, const std::size_t* sd, void* r, const std::size_t* rc,
+                   const std::size_t* rd, epx::datatype t) {
+    c.all_to_allv(s, sc, sd, r, rc, rd, t);
+  }
+  void all_reduce(const void* s, void* r, std::size_t n, epx::datatype t, double k) { c.all_reduce(s, r, n, t, k); }
+  void reduce_scatter(const void* s, void* r, std::size_t n, epx::datatype t, double k) {
+    c.reduce_scatter(s, r, n, t, k);
+  }
+  void all_gather(const void* s, void* r, std::size_t n, epx::datatype t) {
+    c.all_gather(s, r, n, t);
+    if (fails) throw epx::error(epx::errc::communicator, "injected failure of a group's all_gather", EPX_HERE);
+  }
+  void broadcast(void* d, std::size_t n, epx::datatype t, int root) { c.broadcast(d, n, t, root); }
+  void barrier() { c.barrier(); }
+};
+static_assert(epx::check_communicator<group_failing_comm>());
+
+TEST_CASE("a group's check that fails as a collective reaches every rank of the world at once, not by the watchdog") {
+  using clock = std::chrono::steady_clock;
+  const epx::mesh_config mc{2, 4, 1, 1, 4, 8, 0};  // tp=2, fsdp=4, ep=4: world 8
+  epx::layer_options o;
+  o.hidden = 4;
+  o.top_k = 2;
+  const auto watchdog = std::chrono::milliseconds(3000);
+  struct scenario {
+    const char* name;
+    int fail_split;
+    unsigned fail_ranks;
+    const char* kind;
+    const char* who;
+  };
+  // The layer's ep group {4,5,6,7}; the hooks' efsdp group {1,5}.
+  for (const scenario sc : {scenario{"moe_layer", 0, 0xf0u, "ep", "moe_layer"},
+                            scenario{"gradient_hooks", 0, 0x22u, "efsdp", "gradient_hooks"}}) {
+    CAPTURE(sc.name);
+    std::vector<raised> seen(8);
+    std::vector<double> seconds(8, 0.0);
+    std::atomic<int> answered{0};
+    epx::threads::options opts;
+    opts.timeout = watchdog;
+    const auto t0 = clock::now();
+    const auto since = [t0] { return std::chrono::duration<double>(clock::now() - t0).count(); };
+    epx::threads::run(
+        8,
+        [&](comm_t& comm) {
+          const int r = comm.rank();
+          group_failing_comm world{std::move(comm), r, sc.fail_split, sc.fail_ranks};
+          const epx::mesh m(mc);
+          seen[static_cast<std::size_t>(r)] = epx::test::capture([&] {
+            if (std::string(sc.name) == "moe_layer") epx::moe_layer<group_failing_comm, float> l(m, world, o);
+            else epx::gradient_hooks<group_failing_comm> h(m, world);
+          });
+          seconds[static_cast<std::size_t>(r)] = since();
+          // Stay alive as a process of a job would, calling no collective, until every rank
+          // has its answer (or long after the watchdog).
+          ++answered;
+          while (answered.load() < 8 && since() < 4.0 * watchdog.count() / 1000.0)
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        },
+        opts);
+    for (int r = 0; r < 8; ++r) {
+      const auto& x = seen[static_cast<std::size_t>(r)];
+      CAPTURE(r);
+      CAPTURE(x.message);
+      REQUIRE(x.thrown);
+      CHECK(x.category == epx::errc::communicator);
+      CHECK(x.message.find("watchdog") == std::string::npos);
+      // Long before the watchdog.
+      CHECK(seconds[static_cast<std::size_t>(r)] < watchdog.count() / 1000.0 / 2);
+      if ((sc.fail_ranks >> r) & 1u) {  // the failed group's members: their own error, as thrown
+        CHECK(x.message.find("epx communicator error: injected failure of a group's all_gather [") == 0);
+      } else {
+        const std::string head = std::string(sc.who) +
+                                 ": the check of the communicators that split made from the world communicator "
+                                 "failed on another rank; rank ";
+        CHECK(x.message.find(head) != std::string::npos);
+        for (int b = 0; b < 8; ++b)
+          if ((sc.fail_ranks >> b) & 1u)
+            CHECK(x.message.find("; rank " + std::to_string(b) + " failed: the " + sc.kind +
+                                 " group's check failed: injected failure of a group's all_gather") !=
+                  std::string::npos);
+      }
     }
   }
 }

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -223,32 +224,81 @@ void agree_on_group(Comm& comm, const mesh& m, group_kind g, int world_rank, con
 // a communicator whose split does not (a user's own) would otherwise pair the wrong rows
 // or the wrong blocks: a wrong result, or a hang where nothing checks counts. `who` begins
 // the message.
+//
+// A group's check that fails as a collective (errc::communicator: the collective failed
+// as a whole, e.g. the group's watchdog, calls that disagree, a communicator that failed
+// earlier; or a backend's errc::cuda, nccl, mpi) does not end this rank's part at once:
+// the rank goes on through the other groups and the world's exchange with a status that
+// says so, and the world's other ranks, which the failed group does not reach, raise
+// errc::communicator naming the rank and "the <kind> group's check failed: <message>"
+// instead of waiting in the world's exchange for the watchdog. The ranks where it failed
+// rethrow their own error as it was thrown; so do they where the world's exchange fails
+// as well (the world is then the broken communicator, or a run that aborted). An error of
+// another category (errc::input: agree_on_group passes well-formed buffers, so that is
+// the communicator's own code raising, possibly before this rank entered the collective,
+// as a rank's own exception; errc::internal) and any other exception go on at once, as
+// before: the group's other members may be waiting in that collective for this rank, so
+// the run's abort (threads::run, mpi::run) is what ends it.
 template <class Comm, std::size_t N>
 void agree_on_split(Comm& world, const mesh& m, Comm* const (&groups)[N], const group_kind (&kinds)[N],
                     const char* who) {
-  std::string mine;
+  std::string mine;        // the first group's verdict (errc::configuration) on this rank
+  std::string broke;       // "the <kind> group's check failed: <message>" for the first failure
+  std::exception_ptr own;  // that failure, to rethrow on this rank
   for (std::size_t i = 0; i < N; ++i) {
     try {
       agree_on_group(*groups[i], m, kinds[i], world.rank(), who);
     } catch (const error& e) {
-      // The group's verdict; a failure of the collective itself (the communicator's error,
-      // a rank that raised inside it) goes on as it is.
-      if (e.category() != errc::configuration) throw;
-      if (mine.empty()) mine = e.message();
+      const errc c = e.category();
+      if (c == errc::configuration) {
+        if (mine.empty()) mine = e.message();
+        continue;
+      }
+      if (c != errc::communicator && c != errc::cuda && c != errc::nccl && c != errc::mpi) throw;
+      if (!own) {
+        own = std::current_exception();
+        broke = concat("the ", to_string(kinds[i]), " group's check failed: ", e.message());
+      }
     }
   }
   const auto P = static_cast<std::size_t>(world.size());
-  const std::int64_t status[2] = {world.rank(), mine.empty() ? 0 : 1};
+  // status: 0 nothing, 1 a group's verdict, 2 a group's collective failed.
+  const std::int64_t status[2] = {world.rank(), own ? 2 : mine.empty() ? 0 : 1};
   std::vector<std::int64_t> all(2 * P);
-  all_gather_host(world, status, 2, all.data());
-  bool failed = false;
-  for (std::size_t r = 0; r < P; ++r) failed = failed || all[2 * r + 1] != 0;
-  if (!failed) return;
-  constexpr std::size_t B = 384;  // every rank takes this branch: the second all_gather matches
+  constexpr std::size_t B = 384;  // every rank takes the same branches: the all_gathers match
   std::vector<char> msg(B, '\0'), msgs(B * P, '\0');
-  if (mine.size() > B - 1) mine = mine.substr(0, B - 4) + "...";
-  mine.copy(msg.data(), B - 1);
-  all_gather_host(world, msg.data(), B, msgs.data());
+  bool failed = false, collective_failed = false;
+  try {
+    all_gather_host(world, status, 2, all.data());
+    for (std::size_t r = 0; r < P; ++r) {
+      failed = failed || all[2 * r + 1] != 0;
+      collective_failed = collective_failed || all[2 * r + 1] == 2;
+    }
+    if (!failed) return;
+    std::string text = own ? broke : mine;
+    if (text.size() > B - 1) text = text.substr(0, B - 4) + "...";
+    text.copy(msg.data(), B - 1);
+    all_gather_host(world, msg.data(), B, msgs.data());
+  } catch (const error&) {
+    if (own) std::rethrow_exception(own);  // the world failed too: this rank's own error
+    throw;
+  }
+  if (own) std::rethrow_exception(own);
+  if (collective_failed) {
+    // The ranks whose group's collective failed first (as "rank r failed: ..."), then the
+    // verdicts of the others.
+    std::string why;
+    for (std::size_t r = 0; r < P; ++r)
+      if (all[2 * r + 1] == 2) why += concat("; rank ", all[2 * r], " failed: ", std::string(msgs.data() + r * B));
+    rank_messages verdicts;
+    for (std::size_t r = 0; r < P; ++r)
+      if (all[2 * r + 1] == 1) verdicts.add(all[2 * r], std::string(msgs.data() + r * B));
+    throw error(errc::communicator,
+                concat(who, ": the check of the communicators that split made from the world communicator "
+                            "failed on another rank",
+                       why, verdicts.str()),
+                EPX_HERE);
+  }
   rank_messages why;
   for (std::size_t r = 0; r < P; ++r)
     if (all[2 * r + 1] != 0) why.add(all[2 * r], std::string(msgs.data() + r * B));
