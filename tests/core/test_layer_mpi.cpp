@@ -2,7 +2,9 @@
 // (core/layer_cases.hpp), for the meshes that fit the job's size (np 1, 2, 4, 8).
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <functional>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -333,5 +335,76 @@ TEST_CASE("layer (MPI): ranks that disagree on the options or the template argum
     REQUIRE(r.thrown);
     CHECK(r.category == epx::errc::configuration);
     CHECK(r.message.find("rank " + std::to_string(last) + " has " + c.first) != std::string::npos);
+  }
+}
+
+namespace test_layer_mpi_cpp {
+
+// An MPI communicator whose `fail_split`-th split (counted on the world communicator: the
+// layer makes ep then tp) makes, on the world ranks of `fail_ranks` (a bit each), a
+// communicator whose all_gather completes and then raises errc::communicator: that
+// group's collective failing on every member.
+struct group_failing_comm {
+  comm_t c;
+  int world_rank = 0;
+  int fail_split = -1;
+  unsigned fail_ranks = 0;
+  bool fails = false;
+  std::shared_ptr<int> splits = std::make_shared<int>(0);
+  int rank() const { return c.rank(); }
+  int size() const { return c.size(); }
+  group_failing_comm split(int color, int key) const {
+    const bool f = *splits == fail_split && ((fail_ranks >> world_rank) & 1u) != 0;
+    ++*splits;
+    return {c.split(color, key), world_rank, -1, 0, f};
+  }
+  void all_to_all(const void* s, void* r, std::size_t n, epx::datatype t) { c.all_to_all(s, r, n, t); }
+  void all_to_allv(const void* s, const std::size_t* sc, const std::size_t* sd, void* r, const std::size_t* rc,
+                   const std::size_t* rd, epx::datatype t) {
+    c.all_to_allv(s, sc, sd, r, rc, rd, t);
+  }
+  void all_reduce(const void* s, void* r, std::size_t n, epx::datatype t, double k) { c.all_reduce(s, r, n, t, k); }
+  void reduce_scatter(const void* s, void* r, std::size_t n, epx::datatype t, double k) {
+    c.reduce_scatter(s, r, n, t, k);
+  }
+  void all_gather(const void* s, void* r, std::size_t n, epx::datatype t) {
+    c.all_gather(s, r, n, t);
+    if (fails) throw epx::error(epx::errc::communicator, "injected failure of a group's all_gather", EPX_HERE);
+  }
+  void broadcast(void* d, std::size_t n, epx::datatype t, int root) { c.broadcast(d, n, t, root); }
+  void barrier() { c.barrier(); }
+};
+static_assert(epx::check_communicator<group_failing_comm>());
+
+}  // namespace test_layer_mpi_cpp
+
+TEST_CASE("layer (MPI): a tp group's check that fails as a collective reaches every rank at once, not by the watchdog") {
+  using test_layer_mpi_cpp::group_failing_comm;
+  epx::mpi::options opts;
+  opts.timeout = std::chrono::seconds(6);  // before the fix: the watchdog ends the job here
+  comm_t base = comm_t::world(opts);
+  const int n = base.size(), rank = base.rank();
+  if (n < 4 || n % 2 != 0) return;  // a rank outside the failed tp group is needed
+  const epx::mesh m(epx::mesh_config{2, n / 2, 1, 1, 2, 4, 0});  // tp groups {0,1}, {2,3}, ...
+  const unsigned last_tp = 3u << (n - 2);                       // the last tp group fails
+  epx::layer_options o;
+  o.hidden = 4;
+  o.top_k = 2;
+  group_failing_comm world{std::move(base), rank, 1, last_tp};
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = epx::test::capture([&] { epx::moe_layer<group_failing_comm, float> l(m, world, o); });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CAPTURE(r.message);
+  REQUIRE(r.thrown);
+  CHECK(r.category == epx::errc::communicator);
+  CHECK(seconds < 3.0);
+  if ((last_tp >> rank) & 1u) {
+    CHECK(r.message.find("epx communicator error: injected failure of a group's all_gather [") == 0);
+  } else {
+    CHECK(r.message.find("moe_layer: the check of the communicators that split made from the world communicator "
+                         "failed on another rank; rank " + std::to_string(n - 2) +
+                         " failed: the tp group's check failed: injected failure of a group's all_gather; rank " +
+                         std::to_string(n - 1) + " failed: the tp group's check failed: injected") !=
+          std::string::npos);
   }
 }
