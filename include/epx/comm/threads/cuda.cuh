@@ -35,10 +35,15 @@
 namespace epx::threads {
 
 // Copies `bytes` between any two buffers of the device address space (threads::memory::copy)
-// and returns once the bytes are in place.
+// and returns once the bytes are in place. A failure is returned (the communicator raises
+// it) and cleared from the thread's last CUDA error, which the next kernel launch on this
+// thread checks: left there, it would be raised again as that launch's failure.
 inline bool cuda_device_copy(void* dst, const void* src, std::size_t bytes) noexcept {
-  if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cudaStreamPerThread) != cudaSuccess) return false;
-  return cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess;
+  if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cudaStreamPerThread) == cudaSuccess &&
+      cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess)
+    return true;
+  (void)cudaGetLastError();
+  return false;
 }
 
 // The memory of ranks whose buffers are CUDA device memory (or managed memory).
