@@ -38,6 +38,7 @@ class queued_comm {
   int size() const noexcept { return c_.size(); }
   queued_comm split(int color, int key) const { return queued_comm(c_.split(color, key), q_); }
   emu execution() const { return q_; }
+  void set_queue(const emu& q) { q_ = q; }  // as a CUDA communicator's set_stream
   void all_to_all(const void* s, void* r, std::size_t n, epx::datatype t) { c_.all_to_all(s, r, n, t); }
   void all_to_allv(const void* s, const std::size_t* sc, const std::size_t* sd, void* r, const std::size_t* rc,
                    const std::size_t* rd, epx::datatype t) {
@@ -323,6 +324,74 @@ TEST_CASE("device path: a device communicator on another queue than the policy i
   for (const auto& m : msgs) {
     CAPTURE(m);
     CHECK(m.find("another device queue") != std::string::npos);
+  }
+}
+
+// set_stream on the layer's communicators after construction: each collective call raises
+// before anything is queued, and a call after the queue is set back goes through (the
+// saved state of a refused backward is still there).
+TEST_CASE("device path: a communicator's queue changed after construction is refused at each call") {
+  struct seen {
+    std::string forward, backward, dispatch, check;
+    bool retried = false;
+  };
+  std::vector<seen> got(4);
+  epx::threads::run(4, [&](epx::threads::communicator& world) {
+    const epx::mesh m(epx::mesh_config{1, 4, 1, 1, 4, 8, 0});
+    epx::layer_options o;
+    o.hidden = 4;
+    o.top_k = 1;
+    emu mine;
+    mine.queue = 1;
+    emu other = mine;
+    other.queue = 2;
+    queued_comm comm(std::move(world), mine);
+    epx::moe_layer<queued_comm, float, epx::impl::all_to_all, emu> layer(m, comm, o, mine);
+    auto& r = got[static_cast<std::size_t>(comm.rank())];
+    const std::size_t N = 3, H = 4;
+    std::vector<float> x(N * H, 0.5f), w(N, 1.0f), y(N * H), gx(N * H), gw(N);
+    std::vector<std::int32_t> ids{0, 3, 6};
+    unit_experts e;
+    auto forward = [&](epx::mode md) {
+      return layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                           epx::span<float>(y), e, md);
+    };
+    auto message = [](auto&& call) -> std::string {
+      try {
+        call();
+      } catch (const epx::error& e) {
+        return e.category() == epx::errc::configuration ? e.what() : std::string("another error: ") + e.what();
+      }
+      return "no error";
+    };
+    auto saved = forward(epx::mode::train);
+    layer.ep_communicator().set_queue(other);
+    r.forward = message([&] { (void)forward(epx::mode::inference); });
+    r.backward = message([&] {
+      layer.backward(std::move(saved), epx::span<const float>(y), epx::span<float>(gx), epx::span<float>(gw), e);
+    });
+    layer.ep_communicator().set_queue(mine);
+    layer.tp_communicator().set_queue(other);
+    r.dispatch = message([&] {
+      (void)layer.dispatch_start(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
+                                 epx::span<const float>(w), epx::mode::inference);
+    });
+    layer.tp_communicator().set_queue(mine);
+    layer.backward(std::move(saved), epx::span<const float>(y), epx::span<float>(gx), epx::span<float>(gw), e);
+    r.retried = std::all_of(gx.begin(), gx.end(), [](float v) { return v == 0.5f; });
+  });
+  for (const auto& r : got) {
+    CAPTURE(r.forward);
+    CAPTURE(r.backward);
+    CAPTURE(r.dispatch);
+    CHECK(r.forward.find("moe_layer forward") != std::string::npos);
+    CHECK(r.forward.find("the layer's ep communicator no longer matches") != std::string::npos);
+    CHECK(r.forward.find("another device queue") != std::string::npos);
+    CHECK(r.backward.find("moe_layer backward") != std::string::npos);
+    CHECK(r.backward.find("ep communicator") != std::string::npos);
+    CHECK(r.dispatch.find("moe_layer dispatch_start") != std::string::npos);
+    CHECK(r.dispatch.find("the layer's tp communicator no longer matches") != std::string::npos);
+    CHECK(r.retried);
   }
 }
 

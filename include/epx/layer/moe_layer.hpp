@@ -156,6 +156,7 @@ class moe_layer {
     check_experts_forward<Experts, Exec, T>();
     check_implementation_calls<impl_type, Exec, T, Experts>();
     require_live("forward");
+    require_queues("forward");
     // The same on every rank (agreed options, one Experts type): raised before any row moves.
     if (options_.fp8_dispatch)
       EPX_REQUIRE((has_fp8_forward_v<Experts, Exec, T>), errc::configuration,
@@ -204,6 +205,7 @@ class moe_layer {
                 Experts& experts) {
     check_experts_backward<Experts, Exec, T>();
     require_live("backward");
+    require_queues("backward");
     const std::size_t H = options_.hidden, N = grad_out.size() / H;
     const auto k = static_cast<std::size_t>(options_.top_k);
     backward_args<T> a;
@@ -238,6 +240,7 @@ class moe_layer {
   forward_handle<T> dispatch_start(span<const T> x, span<const std::int32_t> ids, span<const float> weights, mode m) {
     static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
     require_live("dispatch_start");
+    require_queues("dispatch_start");
     const std::size_t H = options_.hidden, N = x.size() / H;
     const auto k = static_cast<std::size_t>(options_.top_k);
     forward_args<T> a;
@@ -272,6 +275,7 @@ class moe_layer {
   void combine_start(forward_handle<T>& h, span<const T> expert_outputs, span<T> out) {
     static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
     require_live("combine_start");
+    require_queues("combine_start");
     errc category = errc::configuration;
     std::string why = phase_error(h.call_, detail::split_phase::dispatched, "combine_start");
     if (why.empty()) {
@@ -313,6 +317,7 @@ class moe_layer {
   backward_handle<T> backward_dispatch_start(saved_state<T>&& saved, span<const T> grad_out, span<float> grad_weights) {
     static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
     require_live("backward_dispatch_start");
+    require_queues("backward_dispatch_start");
     const std::uint64_t serial = ++backward_starts_;
     const std::size_t H = options_.hidden, N = grad_out.size() / H;
     const auto k = static_cast<std::size_t>(options_.top_k);
@@ -347,6 +352,7 @@ class moe_layer {
   void backward_combine_start(backward_handle<T>& h, span<const T> grad_inputs, span<T> grad_x) {
     static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
     require_live("backward_combine_start");
+    require_queues("backward_combine_start");
     errc category = errc::configuration;
     std::string why = phase_error(h.call_, detail::split_phase::dispatched, "backward_combine_start");
     if (why.empty()) {
@@ -394,6 +400,7 @@ class moe_layer {
   bound_report check() {
     require_live("check");
     if (!bound_) return {};
+    require_queues("check");
     require_in_step("check");
     return detail::check_bound(exec_, *ep_, *static_cast<detail::bound_buffers<T, Exec>*>(bound_.get()), rank_);
   }
@@ -405,6 +412,7 @@ class moe_layer {
   bound_report check(Comm& group) {
     require_live("check");
     if (!bound_) return {};
+    require_queues("check");
     require_in_step("check");
     EPX_REQUIRE(group.size() % ep_->size() == 0, errc::configuration, "moe_layer::check(group) (rank ", rank_,
                 "): the group has ", group.size(), " ranks, not a multiple of the EP group's ", ep_->size(),
@@ -520,6 +528,25 @@ class moe_layer {
   void require_live(const char* call) const {
     EPX_REQUIRE(impl_ != nullptr, errc::configuration, "moe_layer ", call, " (rank ", rank_,
                 "): this layer was moved from; its state belongs to the layer it was moved into");
+  }
+
+  // A device communicator's queue can change after construction (set_stream through
+  // ep_communicator() or tp_communicator()), and its collectives would then no longer be
+  // ordered after the policy's work. Each collective call compares the queues again before
+  // anything is queued: errc::configuration on this rank (a rank whose queues still match
+  // goes into the call and waits for it until the communicator's time limit).
+  void require_queues(const char* call) const {
+    if constexpr (detail::is_device_communicator_v<Comm>) {
+      const char* which = "ep";
+      std::string why = queue_check(*ep_, exec_);
+      if (why.empty()) {
+        which = "tp";
+        why = queue_check(*tp_, exec_);
+      }
+      EPX_REQUIRE(why.empty(), errc::configuration, "moe_layer ", call, " (rank ", rank_, "): the layer's ", which,
+                  " communicator no longer matches the policy it was built with: ", why);
+    }
+    (void)call;
   }
 
   // Why a split call's handle cannot take phase `want` here ("" when it can).
