@@ -99,7 +99,7 @@ def check_close(what: str, got: torch.Tensor, want: torch.Tensor, tol: float) ->
         raise AssertionError(f"{what}: shape {tuple(got.shape)} but expected {tuple(want.shape)}")
     e = rel_err(got, want)
     if not e <= tol:
-        raise AssertionError(f"{what}: relative error {e:.3e} above {tol:.0e}")
+        raise AssertionError(f"{what}: relative error {e:.3e} above {tol:.3e}")
     return e
 
 
