@@ -38,7 +38,12 @@ namespace epx::test {
 
 using test_exec = EPX_TEST_EXEC;
 
-enum class routing_kind { random, balanced, uneven, one_expert, first_rank_only };
+// duplicates: random routing where tokens name one expert in several of their k slots
+// (routers that sample with replacement, hash routing): every third token repeats its first
+// expert in its last slot, every fifth (from token 1) puts all k slots on one expert, and
+// every seventh (from token 2) repeats its second expert in its first slot (k >= 2). Each
+// slot is a pair of its own: the expert sees the row once per slot.
+enum class routing_kind { random, balanced, uneven, one_expert, first_rank_only, duplicates };
 
 inline const char* to_string(routing_kind r) {
   switch (r) {
@@ -47,6 +52,7 @@ inline const char* to_string(routing_kind r) {
     case routing_kind::uneven: return "uneven";
     case routing_kind::one_expert: return "one_expert";
     case routing_kind::first_rank_only: return "first_rank_only";
+    case routing_kind::duplicates: return "duplicates";
   }
   return "?";
 }
@@ -112,6 +118,17 @@ batch_data make_batch(const layer_case& c, int b) {
       auto allowed = ref::experts_of_ranks(E, c.topology.ep, {0});
       while (static_cast<int>(allowed.size()) < k) allowed.push_back(static_cast<int>(allowed.size()));
       d.ids = ref::subset_routing(N, k, allowed, s);
+      break;
+    }
+    case routing_kind::duplicates: {
+      d.ids = ref::random_routing(N, E, k, s);
+      const auto kk = static_cast<std::size_t>(k);
+      for (std::size_t t = 0; t < N && k >= 2; ++t) {
+        std::int32_t* row = &d.ids[t * kk];
+        if (t % 5 == 1) std::fill(row, row + kk, row[kk / 2]);
+        else if (t % 3 == 0) row[kk - 1] = row[0];
+        else if (t % 7 == 2) row[0] = row[1];
+      }
       break;
     }
   }
