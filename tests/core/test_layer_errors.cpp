@@ -18,6 +18,7 @@
 #include "epx/comm/threads.hpp"
 #include "epx/exec/emulated.hpp"
 #include "epx/grad/hooks.hpp"
+#include "support/group_failing_comm.hpp"
 #include "support/throwing_experts.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
@@ -635,41 +636,9 @@ TEST_CASE("a communicator whose split does not order members by key: the layer a
   }
 }
 
-// A user's communicator over the threads backend whose `fail_split`-th split (counted on
-// the world communicator: the layer makes ep then tp, the hooks efsdp, fsdp, dp_replicate)
-// makes, on the world ranks of `fail_ranks` (a bit each), a communicator whose all_gather
-// completes and then raises errc::communicator: that group's collective failing on every
-// member, as after its watchdog.
-struct group_failing_comm {
-  comm_t c;
-  int world_rank = 0;
-  int fail_split = -1;
-  unsigned fail_ranks = 0;
-  bool fails = false;
-  std::shared_ptr<int> splits = std::make_shared<int>(0);
-  int rank() const { return c.rank(); }
-  int size() const { return c.size(); }
-  group_failing_comm split(int color, int key) const {
-    const bool f = *splits == fail_split && ((fail_ranks >> world_rank) & 1u) != 0;
-    ++*splits;
-    return {c.split(color, key), world_rank, -1, 0, f};
-  }
-  void all_to_all(const void* s, void* r, std::size_t n, epx::datatype t) { c.all_to_all(s, r, n, t); }
-  void all_to_allv(const void* s, const std::size_t* sc, const std::size_t* sd, void* r, const std::size_t* rc,
-                   const std::size_t* rd, epx::datatype t) {
-    c.all_to_allv(s, sc, sd, r, rc, rd, t);
-  }
-  void all_reduce(const void* s, void* r, std::size_t n, epx::datatype t, double k) { c.all_reduce(s, r, n, t, k); }
-  void reduce_scatter(const void* s, void* r, std::size_t n, epx::datatype t, double k) {
-    c.reduce_scatter(s, r, n, t, k);
-  }
-  void all_gather(const void* s, void* r, std::size_t n, epx::datatype t) {
-    c.all_gather(s, r, n, t);
-    if (fails) throw epx::error(epx::errc::communicator, "injected failure of a group's all_gather", EPX_HERE);
-  }
-  void broadcast(void* d, std::size_t n, epx::datatype t, int root) { c.broadcast(d, n, t, root); }
-  void barrier() { c.barrier(); }
-};
+// The threads backend's communicator whose chosen group's check fails as a collective
+// (tests/support/group_failing_comm.hpp).
+using group_failing_comm = epx::test::group_failing_comm<comm_t>;
 static_assert(epx::check_communicator<group_failing_comm>());
 
 TEST_CASE("a group's check that fails as a collective reaches every rank of the world at once, not by the watchdog") {
