@@ -1343,9 +1343,9 @@ def cases(W: int):
             add(f"bitwise = epx::moe_layer (all_reduce, {name})",
                 lambda dt=dt: bitwise_case(tp=2, ep=2, dtype=dt, path="all_reduce"))
     if W >= 4:
-        add("all_to_all tp2 fsdp2 ep4 (efsdp 1)", lambda: layer_case(tp=2, fsdp=W // 2, ep=4))
-        add("all_to_all tp1 ep2 efsdp2", lambda: layer_case(tp=1, fsdp=W, ep=2))
-        add("transport group: tp2 fsdp2 ep4", lambda: layer_case(tp=2, fsdp=W // 2, ep=4, transport="group"))
+        add(f"all_to_all tp2 fsdp{W // 2} ep4 (efsdp {W // 4})", lambda: layer_case(tp=2, fsdp=W // 2, ep=4))
+        add(f"all_to_all tp1 ep2 efsdp{W // 2}", lambda: layer_case(tp=1, fsdp=W, ep=2))
+        add(f"transport group: tp2 fsdp{W // 2} ep4", lambda: layer_case(tp=2, fsdp=W // 2, ep=4, transport="group"))
         add("all_to_all dp_replicate 2", lambda: layer_case(tp=1, fsdp=W // 2, ep=2, dp_replicate=2))
         add("all_reduce (masked) with dp_replicate 2",
             lambda: layer_case(tp=2, fsdp=W // 4, ep=2, dp_replicate=2, path="all_reduce"))
@@ -1406,7 +1406,8 @@ def emulated_cases(W: int):
                 lambda dt=dt: bitwise_case(tp=2, ep=2, dtype=dt, path="all_reduce", device="emulated"))
     if W >= 4:
         add("all_to_all dp_replicate 2", lambda: layer_case(tp=1, fsdp=W // 2, ep=2, dp_replicate=2, device="emulated"))
-        add("all_to_all tp2 fsdp2 ep4 (efsdp 1)", lambda: layer_case(tp=2, fsdp=W // 2, ep=4, device="emulated"))
+        add(f"all_to_all tp2 fsdp{W // 2} ep4 (efsdp {W // 4})",
+            lambda: layer_case(tp=2, fsdp=W // 2, ep=4, device="emulated"))
     if W >= 8:
         for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
             add(f"all_to_all tp2 fsdp4 ep8 {name}",
