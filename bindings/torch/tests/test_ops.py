@@ -33,6 +33,18 @@ H, F, E_DEFAULT = 16, 8, 8
 # of the slots: output 1.49 u, input gradient 1.78 u, routing-weight gradient 2.86 u), so
 # this comparison cannot tell one from the other: one_rounding_case does. A rounding of a
 # float16 output to bfloat16's precision gives 6 u (float16's).
+# With efsdp > 1 (dp_replicate 1) the expert hook sums the efsdp replicas' 16-bit gradients:
+# in float32 (efsdp - 1 additions, each exact or within 2^-24 of its partial sum), times 1/B
+# (a power of two: exact), rounded once to the layer's type: one rounding more than with
+# efsdp 1 (where the hook's 1/B rounds nothing), at most u of max |ref| (half an ulp at its
+# binade, plus a few 2^-24). The replicas' own errors (the experts' share above) add too, but
+# so do the gradients they are errors of: relative to max |sum| their share grows by
+# sum_i max |g_i| / max |sum_i g_i| (1.2 - 4.3 on the meshes measured) only where their
+# errors align, which independent roundings do not. Measured on 8 ranks (efsdp 2, 4 and 8;
+# tp 1 and 2) and on 4 (efsdp 2): each replica's gradient before the hook at most 1.79 u,
+# after the hook at most 1.69 u in bfloat16 and 2.06 u in float16. So the expert gradients
+# with efsdp > 1 are held to 4 u + u = 5 u (the experts' share and the hook's rounding; above
+# twice the largest); efsdp_sum_case checks the hook's sum alone against its one rounding.
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 4 * 2**-8, torch.float16: 4 * 2**-11}
 
 
@@ -103,6 +115,13 @@ def layer_case(tp=1, fsdp=None, ep=None, dp_replicate=1, E=E_DEFAULT, k=3, N=12,
     B_loc = B[first:first + L].clone().requires_grad_()
     if train:
         layer.register_expert_hooks([A_loc, B_loc])
+    # With efsdp > 1 and 16-bit experts, the gradients the expert hook sums (each replica's),
+    # as they are when the hook reduces them at the end of backward: efsdp_sum_case.
+    efsdp_sum = train and dtype in UNIT and mesh.efsdp > 1 and dp_replicate == 1
+    before_hook = {}
+    if efsdp_sum:
+        for name, p in (("A", A_loc), ("B", B_loc)):
+            p.register_post_accumulate_grad_hook(lambda p, n=name: before_hook.__setitem__(n, p.grad.clone()))
     x, ids, w, G = batch_data(layer.batch, N, k, E, dtype, routing)
     x.requires_grad_(train)
     w.requires_grad_(train)
@@ -140,8 +159,13 @@ def layer_case(tp=1, fsdp=None, ep=None, dp_replicate=1, E=E_DEFAULT, k=3, N=12,
         gB += bb
     gA /= mesh.batches
     gB /= mesh.batches
-    check_close("expert gradient A", A_loc.grad, gA[first:first + L], tol)
-    check_close("expert gradient B", B_loc.grad, gB[first:first + L], tol)
+    # Each of the hook's sums of 16-bit gradients, over efsdp > 1 and over dp_replicate > 1,
+    # rounds once more (efsdp_sum_case): u more each than the experts' share.
+    tol_e = tol + UNIT[dtype] * ((mesh.efsdp > 1) + (mesh.dp_replicate > 1)) if dtype in UNIT else tol
+    check_close("expert gradient A", A_loc.grad, gA[first:first + L], tol_e)
+    check_close("expert gradient B", B_loc.grad, gB[first:first + L], tol_e)
+    if efsdp_sum:
+        efsdp_sum_case(layer, before_hook, {"A": A_loc.grad, "B": B_loc.grad})
 
 
 UNIT = {torch.bfloat16: 2**-8, torch.float16: 2**-11}  # u: half an ulp of 1, relative rounding error <= u
@@ -227,6 +251,45 @@ def one_rounding_case(layer, x, ids, w, G, A_loc, B_loc, out, grad_x, grad_w):
         if not e > 1:
             raise AssertionError(f"{n}: accumulated in {dtype} it is within the one-rounding bound on every rank "
                                  f"(largest error / bound {e:.2f}): the check cannot tell it from epx's")
+
+
+def efsdp_sum_case(layer, before, after):
+    """The expert hook's sum over efsdp (dp_replicate 1) of 16-bit gradients: each rank's
+    expert gradients after the hook (`after`) against the exact (float64) sum, divided by B,
+    of the gradients the hook got on the ranks of its efsdp group (`before`, as torch left
+    them). epx sums them as its host and emulated-device communicators sum (epx/comm/detail/
+    reduce.hpp): in float32 in rank order (efsdp - 1 additions), times 1/B (exact here: B is a
+    power of two; else one float32 rounding more), then one rounding to the layer's type; so
+    the bound is one rounding of a float32 sum of efsdp terms (one_rounding_tol), whatever
+    torch's roundings in the experts. The same sum accumulated in the 16-bit type (each
+    partial sum rounded) must exceed that bound on some rank when efsdp >= 3, so the check
+    tells the two apart; with efsdp 2 they are the same bits (torch adds two 16-bit values
+    in float32 and rounds once, as epx does). A hook that left one replica's gradient out
+    would err by that replica's whole share (layer_case's comparison with the reference
+    already fails it)."""
+    mesh, rank, W = layer.mesh, dist.get_rank(), dist.get_world_size()
+    members, B = mesh.group_members("efsdp", rank), mesh.batches
+    excess = []
+    for n in sorted(before):
+        every = [torch.empty_like(before[n]) for _ in range(W)]
+        dist.all_gather(every, before[n])
+        terms = [every[m] for m in members]  # the group's ranks in its order (the sum's order)
+        dtype, u = terms[0].dtype, UNIT[terms[0].dtype]
+        exact = sum(t.double() for t in terms) / B
+        bound = one_rounding_tol(exact, sum(t.double().abs() for t in terms) / B, len(terms), u)
+        check_close(f"expert gradient {n} against the exact sum of the efsdp replicas' gradients (one rounding)",
+                    after[n], exact, bound)
+        acc = terms[0]
+        for t in terms[1:]:
+            acc = acc + t
+        excess.append(rel_err(acc * (1.0 / B), exact) / bound)
+    if mesh.efsdp < 3:
+        return
+    excess = torch.tensor(excess, dtype=torch.float64)
+    dist.all_reduce(excess, op=dist.ReduceOp.MAX)
+    if not excess.max().item() > 1:
+        raise AssertionError(f"the efsdp sum accumulated in {dtype} is within the one-rounding bound on every rank "
+                             f"(largest error / bound {excess.max().item():.2f}): the check cannot tell it from epx's")
 
 
 def bitwise_case(tp=1, ep=None, dtype=torch.float32, path="all_to_all", N=10, k=3, E=E_DEFAULT, padding=(1, 1),
@@ -1345,6 +1408,9 @@ def cases(W: int):
     if W >= 4:
         add(f"all_to_all tp2 fsdp{W // 2} ep4 (efsdp {W // 4})", lambda: layer_case(tp=2, fsdp=W // 2, ep=4))
         add(f"all_to_all tp1 ep2 efsdp{W // 2}", lambda: layer_case(tp=1, fsdp=W, ep=2))
+        for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
+            add(f"all_to_all tp1 ep2 efsdp{W // 2} {name}: expert gradients summed over efsdp",
+                lambda dt=dt: layer_case(tp=1, fsdp=W, ep=2, dtype=dt))
         add(f"transport group: tp2 fsdp{W // 2} ep4", lambda: layer_case(tp=2, fsdp=W // 2, ep=4, transport="group"))
         add("all_to_all dp_replicate 2", lambda: layer_case(tp=1, fsdp=W // 2, ep=2, dp_replicate=2))
         add("all_reduce (masked) with dp_replicate 2",
@@ -1353,6 +1419,9 @@ def cases(W: int):
         add("all_to_all tp2 fsdp4 ep4 (the seed's mesh) float32", lambda: layer_case(tp=2, fsdp=4, ep=4, dtype=f32))
         for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
             add(f"all_to_all tp2 fsdp4 ep8 efsdp1 {name}", lambda dt=dt: layer_case(tp=2, fsdp=4, ep=8, dtype=dt))
+        for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
+            add(f"all_to_all tp2 fsdp4 ep4 efsdp2 {name}: expert gradients summed over efsdp",
+                lambda dt=dt: layer_case(tp=2, fsdp=4, ep=4, dtype=dt))
         add("bitwise = epx::moe_layer (tp2 ep4, float32)", lambda: bitwise_case(tp=2, ep=4, dtype=f32))
     add("every copy streamed (stream threshold 0), against the reference", streamed_case)
     out.extend(emulated_cases(W))
@@ -1408,6 +1477,8 @@ def emulated_cases(W: int):
         add("all_to_all dp_replicate 2", lambda: layer_case(tp=1, fsdp=W // 2, ep=2, dp_replicate=2, device="emulated"))
         add(f"all_to_all tp2 fsdp{W // 2} ep4 (efsdp {W // 4})",
             lambda: layer_case(tp=2, fsdp=W // 2, ep=4, device="emulated"))
+        add(f"all_to_all tp1 ep2 efsdp{W // 2} bfloat16: expert gradients summed over efsdp",
+            lambda: layer_case(tp=1, fsdp=W, ep=2, dtype=bf16, device="emulated"))
     if W >= 8:
         for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
             add(f"all_to_all tp2 fsdp4 ep8 {name}",
