@@ -13,8 +13,8 @@
 // operation rounds as on the device. GCC's versions also ask for the loop vectoriser with
 // its dynamic cost model: at -O2 GCC 12 keeps the very cheap one, which leaves these loops
 // scalar (the FP8 quantisation ran 8-10 times slower). Tests run each version the CPU
-// supports (tests/core/test_host_isa.cpp; test_core_test_host_isa_O2 at -O2,
-// test_core_test_host_isa_fma built for AVX2 and FMA).
+// supports (tests/core/test_host_isa.cpp, in the suite at -O2; test_core_test_host_isa_O3 at
+// -O3, test_core_test_host_isa_fma built for AVX2 and FMA).
 //
 //   exec::host_isa                    baseline, avx2, avx512
 //   exec::host_isa_supported(isa)     this CPU (and OS) runs it; baseline always
