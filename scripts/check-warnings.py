@@ -5,9 +5,10 @@ A project that builds with -Wconversion, -Wsign-conversion and -Wshadow (often w
 and includes epx's headers without marking them as system headers sees every warning in
 them. The headers are templates: a warning shows only where a template is instantiated. So
 this check compiles the host test sources (-fsyntax-only; GCC and Clang instantiate the
-templates they use there), which instantiate the layer, its routes, policies, routing,
-hooks and communicators, and the emulated device's variants, and fails if a warning points
-into the include directory. Warnings in the tests' own code do not count.
+templates they use there; the files of a unity label as one source, as the build does),
+which instantiate the layer, its routes, policies, routing, hooks and communicators, and
+the emulated device's variants, and fails if a warning points into the include directory.
+Warnings in the tests' own code do not count.
 
     scripts/check-warnings.py --cxx g++ --repo . [--mpi-include DIR]... [--cccl-include DIR] [--jobs N]
     scripts/check-warnings.py --self-test ...   (same arguments)
@@ -28,32 +29,54 @@ FLAGS = ["-std=c++17", "-fsyntax-only", "-fopenmp", "-pthread", "-Wall", "-Wextr
 WARNING = re.compile(r"^(?P<file>[^:\s]+):(?P<line>\d+):(?P<col>\d+): warning: (?P<text>.*)$", re.M)
 
 
+# The folders whose host tests CMake compiles as one unity source (EPX_TEST_UNITY_LABELS:
+# each file's names sit in a namespace of its own), less the files built on their own.
+UNITY = {"core", "comm", "emulated"}
+STANDALONE = {"test_layout.cpp"}
+
+
 def sources(repo: pathlib.Path, mpi: bool):
-    """(source, extra flags) pairs: the host tests of the core, comm, emulated and
-    reliability folders, the MPI ones only with MPI's include directories."""
+    """(sources, extra flags) groups: the host tests of the core, comm, emulated and
+    reliability folders, the MPI ones only with MPI's include directories. A group of
+    several files compiles as one source that includes them (the unity sources of the
+    build): the templates they share are instantiated, and checked, once."""
     emulated = ["-DEPX_TEST_EXEC=::epx::exec::emulated_device", "-DEPX_EMULATE_DEVICE_ALGORITHMS=1"]
     out = []
     for folder in ["core", "comm", "emulated", "reliability"]:
+        extra = emulated if folder == "emulated" else []
+        unity = []
         for src in sorted((repo / "tests" / folder).glob("*.cpp")):
             if src.stem.endswith("_mpi") and not mpi:
                 continue
-            out.append((src, emulated if folder == "emulated" else []))
+            if folder in UNITY and not src.stem.endswith("_mpi") and src.name not in STANDALONE:
+                unity.append(src)
+            else:
+                out.append(([src], extra))
+        if unity:
+            out.insert(0, (unity, extra))  # the longest compiles first
     return out
 
 
 def check(args, include: pathlib.Path, only: str = ""):
     """Warnings located under `include`, one line each, the sources that did not compile, and
-    the number of sources compiled (those whose name is `only`, when given)."""
+    the number of sources compiled (those of the group that holds `only`, when given)."""
     repo = pathlib.Path(args.repo).resolve()
     include = include.resolve()
     common = [f"-I{include}", f"-I{repo / 'tests'}"]
     common += [f"-isystem{d}" for d in args.mpi_include]
     if args.cccl_include:
         common += [f"-isystem{args.cccl_include}", "-DEPX_HAS_CCCL=1"]
-    todo = [t for t in sources(repo, bool(args.mpi_include)) if not only or t[0].name == only]
+    groups = sources(repo, bool(args.mpi_include))
+    if only:  # the group that holds the file (its unity source, or the file alone)
+        groups = [g for g in groups if any(src.name == only for src in g[0])]
+    tmp = tempfile.TemporaryDirectory()
 
     def compile_one(item):
-        src, extra = item
+        files, extra = item
+        src = files[0]
+        if len(files) > 1:
+            src = pathlib.Path(tmp.name) / f"unity_{files[0].parent.name}.cpp"
+            src.write_text("".join(f'#include "{f}"\n' for f in files), encoding="utf-8")
         r = subprocess.run([args.cxx, *FLAGS, *common, *extra, str(src)], capture_output=True, text=True)
         found = []
         for m in WARNING.finditer(r.stderr):
@@ -65,15 +88,17 @@ def check(args, include: pathlib.Path, only: str = ""):
                 continue  # the test's own code, or a system header
             found.append(f"{rel}:{m.group('line')}:{m.group('col')}: {m.group('text')}")
         failed = r.returncode != 0
-        return src, found, (r.stderr if failed else "")
+        name = str(files[0].relative_to(repo)) if len(files) == 1 else \
+            f"the {len(files)} files of tests/{files[0].parent.name} (one unity source)"
+        return name, found, (r.stderr if failed else "")
 
     bad, errors = set(), []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for src, found, err in pool.map(compile_one, todo):
+    with tmp, concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for name, found, err in pool.map(compile_one, groups):
             bad.update(found)
             if err:
-                errors.append(f"{src.relative_to(repo)} does not compile:\n{err[:4000]}")
-    return sorted(bad), errors, len(todo)
+                errors.append(f"{name} does not compile:\n{err[:4000]}")
+    return sorted(bad), errors, sum(len(files) for files, _ in groups)
 
 
 def main() -> int:
@@ -94,8 +119,9 @@ def main() -> int:
             text = victim.read_text(encoding="utf-8")
             plant = "\nnamespace epx::detail {\ninline unsigned long planted_conversion(int i) { return i; }\n}\n"
             victim.write_text(text + plant, encoding="utf-8")
-            bad, errors, n = check(args, copy, only="test_numeric.cpp")  # one source sees it
-            if n != 1:
+            # One source sees it; it compiles in its folder's unity source, as the check does.
+            bad, errors, n = check(args, copy, only="test_numeric.cpp")
+            if n < 1:
                 print("check-warnings self-test: tests/core/test_numeric.cpp is missing")
                 return 1
             if errors:
@@ -105,7 +131,8 @@ def main() -> int:
                 print("check-warnings self-test: FAILED, the planted conversion was not reported; found:", *bad,
                       sep="\n  ")
                 return 1
-            print(f"check-warnings self-test: passed (the planted conversion reported, {n} sources)")
+            print(f"check-warnings self-test: passed (the planted conversion reported, {n} sources compiled "
+                  "as one)")
             return 0
     bad, errors, n = check(args, include)
     for e in errors:
