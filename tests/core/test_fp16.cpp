@@ -656,9 +656,9 @@ TEST_CASE_TEMPLATE("fp16: the gradient hooks sum 16-bit gradients in float: past
     mc.ep = ep;
     mc.experts = E;
     const epx::mesh m(mc);
-    CAPTURE(tp);
-    CAPTURE(fsdp);
-    CAPTURE(R);
+    CAPTURE(mc.tp);  // not the bindings: a lambda captures those only from C++20 (Clang)
+    CAPTURE(mc.fsdp);
+    CAPTURE(mc.dp_replicate);
     on_ranks(m.world(), [&](comm_t& comm) { return check_hooks_16<T>(comm, m); });
   }
 }
