@@ -980,9 +980,10 @@ void bench_route(benchmark::State& state, shape s, route_setup o) {
       p.name = "stages";
       if (!o.backward) {
         p.run = pf;
-        for (const char* nm : epx::bench::gathered() ? staged_pipeline<T>::gathered_forward_stages
-                                                     : staged_pipeline<T>::forward_stages)
-          p.stage_names.push_back(nm);
+        if (epx::bench::gathered())
+          for (const char* nm : staged_pipeline<T>::gathered_forward_stages) p.stage_names.push_back(nm);
+        else
+          for (const char* nm : staged_pipeline<T>::forward_stages) p.stage_names.push_back(nm);
       } else {
         p.prepare = pf;
         p.run = [d, &comm] { d->pipe.backward(comm, d->grad_out.data(), d->grad_x_p.data(), d->grad_w_p.data()); };
