@@ -18,6 +18,7 @@
 #include "epx/comm/threads.hpp"
 #include "epx/exec/emulated.hpp"
 #include "epx/grad/hooks.hpp"
+#include "support/forwarding_comm.hpp"
 #include "support/group_failing_comm.hpp"
 #include "support/throwing_experts.hpp"
 
@@ -571,24 +572,9 @@ TEST_CASE("framework constructor: the caller's ep and tp communicators, checked 
 
 // A user's communicator over the threads backend whose split orders a color's members by
 // descending key (`reversed`), or as the concept asks.
-struct split_comm {
-  comm_t c;
+struct split_comm : epx::test::forwarding_comm<comm_t> {
   bool reversed = false;
-  int rank() const { return c.rank(); }
-  int size() const { return c.size(); }
-  split_comm split(int color, int key) const { return {c.split(color, reversed ? -key : key), reversed}; }
-  void all_to_all(const void* s, void* r, std::size_t n, epx::datatype t) { c.all_to_all(s, r, n, t); }
-  void all_to_allv(const void* s, const std::size_t* sc, const std::size_t* sd, void* r, const std::size_t* rc,
-                   const std::size_t* rd, epx::datatype t) {
-    c.all_to_allv(s, sc, sd, r, rc, rd, t);
-  }
-  void all_reduce(const void* s, void* r, std::size_t n, epx::datatype t, double k) { c.all_reduce(s, r, n, t, k); }
-  void reduce_scatter(const void* s, void* r, std::size_t n, epx::datatype t, double k) {
-    c.reduce_scatter(s, r, n, t, k);
-  }
-  void all_gather(const void* s, void* r, std::size_t n, epx::datatype t) { c.all_gather(s, r, n, t); }
-  void broadcast(void* d, std::size_t n, epx::datatype t, int root) { c.broadcast(d, n, t, root); }
-  void barrier() { c.barrier(); }
+  split_comm split(int color, int key) const { return {{c.split(color, reversed ? -key : key)}, reversed}; }
 };
 static_assert(epx::check_communicator<split_comm>());
 
@@ -601,7 +587,7 @@ TEST_CASE("a communicator whose split does not order members by key: the layer a
     CAPTURE(reversed);
     std::vector<raised> layer(8), hooks(8);
     epx::threads::run(8, [&](comm_t& comm) {
-      split_comm world{std::move(comm), reversed};
+      split_comm world{{std::move(comm)}, reversed};
       const epx::mesh m(mc);
       const auto r = static_cast<std::size_t>(world.rank());
       layer[r] = epx::test::capture([&] { epx::moe_layer<split_comm, float> l(m, world, o); });
@@ -670,7 +656,7 @@ TEST_CASE("a group's check that fails as a collective reaches every rank of the 
         8,
         [&](comm_t& comm) {
           const int r = comm.rank();
-          group_failing_comm world{std::move(comm), r, sc.fail_split, sc.fail_ranks};
+          group_failing_comm world{{std::move(comm)}, r, sc.fail_split, sc.fail_ranks};
           const epx::mesh m(mc);
           seen[static_cast<std::size_t>(r)] = epx::test::capture([&] {
             if (std::string(sc.name) == "moe_layer") epx::moe_layer<group_failing_comm, float> l(m, world, o);

@@ -360,7 +360,7 @@ TEST_CASE("layer (MPI): a tp group's check that fails as a collective reaches ev
   epx::layer_options o;
   o.hidden = 4;
   o.top_k = 2;
-  group_failing_comm world{std::move(base), rank, 1, last_tp};
+  group_failing_comm world{{std::move(base)}, rank, 1, last_tp};
   const auto t0 = std::chrono::steady_clock::now();
   const auto r = epx::test::capture([&] { epx::moe_layer<group_failing_comm, float> l(m, world, o); });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

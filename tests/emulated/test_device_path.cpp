@@ -13,6 +13,7 @@
 
 #include "core/layer_cases.hpp"
 #include "epx/comm/threads.hpp"
+#include "support/forwarding_comm.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
 // source, where another file may use the same names.
@@ -31,29 +32,14 @@ using emu = epx::exec::emulated_device;
 // The threads communicator presented as a device communicator: its collectives count as
 // queued on `queue` of the emulated device (the emulated policy runs eagerly, so work
 // before a collective has finished when the collective starts, as on one CUDA stream).
-class queued_comm {
+class queued_comm : public epx::test::forwarding_comm<epx::threads::communicator> {
  public:
-  queued_comm(epx::threads::communicator c, emu q) : c_(std::move(c)), q_(std::move(q)) {}
-  int rank() const noexcept { return c_.rank(); }
-  int size() const noexcept { return c_.size(); }
-  queued_comm split(int color, int key) const { return queued_comm(c_.split(color, key), q_); }
+  queued_comm(epx::threads::communicator comm, emu q) : forwarding_comm{std::move(comm)}, q_(std::move(q)) {}
+  queued_comm split(int color, int key) const { return queued_comm(c.split(color, key), q_); }
   emu execution() const { return q_; }
   void set_queue(const emu& q) { q_ = q; }  // as a CUDA communicator's set_stream
-  void all_to_all(const void* s, void* r, std::size_t n, epx::datatype t) { c_.all_to_all(s, r, n, t); }
-  void all_to_allv(const void* s, const std::size_t* sc, const std::size_t* sd, void* r, const std::size_t* rc,
-                   const std::size_t* rd, epx::datatype t) {
-    c_.all_to_allv(s, sc, sd, r, rc, rd, t);
-  }
-  void all_reduce(const void* s, void* r, std::size_t n, epx::datatype t, double scale) { c_.all_reduce(s, r, n, t, scale); }
-  void reduce_scatter(const void* s, void* r, std::size_t n, epx::datatype t, double scale) {
-    c_.reduce_scatter(s, r, n, t, scale);
-  }
-  void all_gather(const void* s, void* r, std::size_t n, epx::datatype t) { c_.all_gather(s, r, n, t); }
-  void broadcast(void* d, std::size_t n, epx::datatype t, int root) { c_.broadcast(d, n, t, root); }
-  void barrier() { c_.barrier(); }
 
  private:
-  epx::threads::communicator c_;
   emu q_;
 };
 static_assert(epx::check_communicator<queued_comm>());

@@ -11,39 +11,26 @@
 
 #include "epx/comm/communicator.hpp"
 #include "epx/core/error.hpp"
+#include "support/forwarding_comm.hpp"
 
 namespace epx::test {
 
 template <class Comm>
-struct group_failing_comm {
-  Comm c;
+struct group_failing_comm : forwarding_comm<Comm> {
   int world_rank = 0;
   int fail_split = -1;
   unsigned fail_ranks = 0;
   bool fails = false;
   std::shared_ptr<int> splits = std::make_shared<int>(0);
-  int rank() const { return c.rank(); }
-  int size() const { return c.size(); }
   group_failing_comm split(int color, int key) const {
     const bool f = *splits == fail_split && ((fail_ranks >> world_rank) & 1u) != 0;
     ++*splits;
-    return {c.split(color, key), world_rank, -1, 0, f};
-  }
-  void all_to_all(const void* s, void* r, std::size_t n, epx::datatype t) { c.all_to_all(s, r, n, t); }
-  void all_to_allv(const void* s, const std::size_t* sc, const std::size_t* sd, void* r, const std::size_t* rc,
-                   const std::size_t* rd, epx::datatype t) {
-    c.all_to_allv(s, sc, sd, r, rc, rd, t);
-  }
-  void all_reduce(const void* s, void* r, std::size_t n, epx::datatype t, double k) { c.all_reduce(s, r, n, t, k); }
-  void reduce_scatter(const void* s, void* r, std::size_t n, epx::datatype t, double k) {
-    c.reduce_scatter(s, r, n, t, k);
+    return {{this->c.split(color, key)}, world_rank, -1, 0, f};
   }
   void all_gather(const void* s, void* r, std::size_t n, epx::datatype t) {
-    c.all_gather(s, r, n, t);
+    this->c.all_gather(s, r, n, t);
     if (fails) throw epx::error(epx::errc::communicator, "injected failure of a group's all_gather", EPX_HERE);
   }
-  void broadcast(void* d, std::size_t n, epx::datatype t, int root) { c.broadcast(d, n, t, root); }
-  void barrier() { c.barrier(); }
 };
 
 }  // namespace epx::test
