@@ -452,7 +452,7 @@ TEST_CASE("kernel functors are trivially copyable (device-launchable)") {
   static_assert(std::is_trivially_copyable_v<epx::kernels::row_copy<epx::bf16, epx::kernels::indexed_rows<epx::bf16>>>);
   static_assert(std::is_trivially_copyable_v<epx::kernels::row_copy<float, epx::kernels::row_table<float>>>);
   static_assert(std::is_trivially_copyable_v<epx::kernels::row_combine<float, epx::kernels::dense_rows<float>>>);
-  static_assert(std::is_trivially_copyable_v<epx::kernels::pair_dot<epx::fp16, epx::kernels::row_table<epx::fp16>>>);
+  static_assert(std::is_trivially_copyable_v<epx::kernels::token_dots<epx::fp16, epx::kernels::row_table<epx::fp16>>>);
   static_assert(std::is_trivially_copyable_v<epx::kernels::value_scatter<float>>);
   CHECK(epx::exec::row_shape_v<epx::exec::serial> == epx::exec::row_shape::whole_rows);
   CHECK(epx::exec::row_shape_v<epx::exec::emulated_device> == epx::exec::row_shape::chunks16);

@@ -6,10 +6,21 @@
 // ... in h order, and the lanes are added in lane order at the end. A fixed order, the same
 // on every policy (bitwise reproducible), that a host compiler vectorises without
 // reassociating anything; on the host in its widest version (epx/exec/host_isa.hpp).
+//
+// On the host a call takes one token's k slots (token_dots). Rows read through a row table
+// (the direct route's rows, scattered over the owners' buffers) go through in groups of up
+// to dot_group slots, which share each load of the token's grad_out row and keep dot_group
+// sums in flight: one slot's lanes are one chain of additions (a vector of 16 floats), and
+// its latency bounded the slot-at-a-time loop, so that bf16 rows took as long as float32
+// ones. Dense rows (a token's slots in consecutive rows: send order) go one slot at a time:
+// as one stream through memory they were faster than as dot_group streams a row apart
+// (bench/README.md, "Token-grouped dots"). Each slot's operations are those of one slot
+// alone, so the bits are the same either way.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "epx/core/config.hpp"
 #include "epx/core/numeric.hpp"
@@ -20,7 +31,9 @@ namespace epx::kernels {
 
 namespace detail {
 inline constexpr std::size_t dot_lanes = 16;
+inline constexpr std::size_t dot_group = 8;  // slots of a token summed together (host)
 
+// a . b in dot_lanes lanes.
 template <class A, class T, class U>
 EPX_HOST_DEVICE EPX_HOST_INLINE A dot_in_lanes(const T* a, const U* b, std::size_t n) noexcept {
   A lane[dot_lanes];
@@ -33,11 +46,33 @@ EPX_HOST_DEVICE EPX_HOST_INLINE A dot_in_lanes(const T* a, const U* b, std::size
   for (std::size_t w = 0; w < dot_lanes; ++w) s += lane[w];
   return s;
 }
+
+// s[u] = a[u] . b for u < G (G >= 2), each as dot_in_lanes sums it; the rows a[u] share
+// each load of b. (One row goes through dot_in_lanes: GCC's -O3 vectorises this loop for
+// G = 1 across h, with a shuffle per vector, three times slower.)
+template <std::size_t G, class A, class T, class U>
+EPX_HOST_DEVICE EPX_HOST_INLINE void dots_in_lanes(const T* const* a, const U* b, std::size_t n, A* s) noexcept {
+  A lane[G][dot_lanes];
+  for (std::size_t u = 0; u < G; ++u)
+    for (std::size_t w = 0; w < dot_lanes; ++w) lane[u][w] = A(0);
+  std::size_t h = 0;
+  for (; h + dot_lanes <= n; h += dot_lanes)
+    for (std::size_t u = 0; u < G; ++u)
+      for (std::size_t w = 0; w < dot_lanes; ++w)
+        lane[u][w] = mul_add(lane[u][w], convert<A>(a[u][h + w]), convert<A>(b[h + w]));
+  for (std::size_t u = 0; u < G; ++u)
+    for (std::size_t w = 0; h + w < n; ++w) lane[u][w] = mul_add(lane[u][w], convert<A>(a[u][h + w]), convert<A>(b[h + w]));
+  for (std::size_t u = 0; u < G; ++u) {
+    A sum = A(0);
+    for (std::size_t w = 0; w < dot_lanes; ++w) sum += lane[u][w];
+    s[u] = sum;
+  }
+}
 }  // namespace detail
 
-// Call with i = t*k + j in [0, n*k).
+// Call with t in [0, n): grad_w of token t's k slots.
 template <class T, class Rows>
-struct pair_dot {
+struct token_dots {
   Rows y;                   // dense_rows or row_table, indexed by position
   const T* grad_out;        // [n, H]
   const std::int64_t* pos;  // [n, k]
@@ -45,24 +80,57 @@ struct pair_dot {
   std::size_t hidden;
   int top_k;
 
-  EPX_HOST_DEVICE void operator()(std::size_t i) const { EPX_RUN_WIDEST(i); }
+  EPX_HOST_DEVICE void operator()(std::size_t t) const { EPX_RUN_WIDEST(t); }
 
-  EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t i) const {
-    using A = accum_t<T>;
-    const std::int64_t p = pos[i];
-    if (p < 0) {
-      grad_weights[i] = 0.0f;
-      return;
+  EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t t) const {
+    constexpr std::size_t G = std::is_same_v<Rows, row_table<T>> ? detail::dot_group : 1;
+    const std::size_t k = static_cast<std::size_t>(top_k);
+    const std::int64_t* p = pos + t * k;
+    float* gw = grad_weights + t * k;
+    const T* g = grad_out + t * hidden;
+    if constexpr (G == 1) {
+      for (std::size_t j = 0; j < k; ++j) gw[j] = p[j] < 0 ? 0.0f : one(g, p[j]);
+    } else {
+      std::size_t j = 0;
+      for (;;) {
+        std::size_t slot[G];  // the next slots with a row (at most G)
+        std::size_t m = 0;
+        for (; j < k && m < G; ++j) {
+          if (p[j] < 0) gw[j] = 0.0f;
+          else slot[m++] = j;
+        }
+        if (m == 0) return;
+        std::size_t u = 0;
+        if (m == G) u += group<G>(g, p, gw, slot);
+        if (m - u >= 4) u += group<4>(g, p, gw, slot + u);
+        if (m - u >= 2) u += group<2>(g, p, gw, slot + u);
+        if (m - u >= 1) gw[slot[u]] = one(g, p[slot[u]]);
+      }
     }
-    const T* g = grad_out + (i / static_cast<std::size_t>(top_k)) * hidden;
-    grad_weights[i] = static_cast<float>(detail::dot_in_lanes<A>(row_at(y, static_cast<std::size_t>(p), hidden), g, hidden));
+  }
+
+ private:
+  EPX_HOST_DEVICE EPX_HOST_INLINE float one(const T* g, std::int64_t p) const {
+    return static_cast<float>(detail::dot_in_lanes<accum_t<T>>(row_at(y, static_cast<std::size_t>(p), hidden), g, hidden));
+  }
+
+  template <std::size_t N>
+  EPX_HOST_DEVICE EPX_HOST_INLINE std::size_t group(const T* g, const std::int64_t* p, float* gw,
+                                                    const std::size_t* slot) const {
+    using A = accum_t<T>;
+    const T* a[N];
+    A s[N];
+    for (std::size_t u = 0; u < N; ++u) a[u] = row_at(y, static_cast<std::size_t>(p[slot[u]]), hidden);
+    detail::dots_in_lanes<N>(a, g, hidden, s);
+    for (std::size_t u = 0; u < N; ++u) gw[slot[u]] = static_cast<float>(s[u]);
+    return N;
   }
 };
 
 // The device shape of the same sums (exec::row_shape::chunks16 policies): one call per
 // (pair, lane), so neighbouring threads read neighbouring elements of a row, then one call
 // per pair adds the lanes in lane order. Each lane holds the terms h = w, w + dot_lanes, ...
-// in h order, exactly as dot_in_lanes does: the same bits as pair_dot.
+// in h order, exactly as dots_in_lanes does: the same bits as token_dots.
 // Call with q = i * dot_lanes + w in [0, n*k*dot_lanes).
 template <class T, class Rows>
 struct pair_dot_lanes {
@@ -75,7 +143,7 @@ struct pair_dot_lanes {
 
   // On the host (exec::emulated_device) through the host versions too, which are compiled
   // without contraction: at the build's flags a GCC build for FMA targets (-mfma,
-  // -march=haswell) would fuse mul_add here and differ from pair_dot.
+  // -march=haswell) would fuse mul_add here and differ from token_dots.
   EPX_HOST_DEVICE void operator()(std::size_t q) const { EPX_RUN_WIDEST(q); }
 
   EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t q) const {
