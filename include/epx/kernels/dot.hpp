@@ -7,20 +7,18 @@
 // on every policy (bitwise reproducible), that a host compiler vectorises without
 // reassociating anything; on the host in its widest version (epx/exec/host_isa.hpp).
 //
-// On the host a call takes one token's k slots (token_dots). Rows read through a row table
-// (the direct route's rows, scattered over the owners' buffers) go through in groups of up
-// to dot_group slots, which share each load of the token's grad_out row and keep dot_group
-// sums in flight: one slot's lanes are one chain of additions (a vector of 16 floats), and
-// its latency bounded the slot-at-a-time loop, so that bf16 rows took as long as float32
-// ones. Dense rows (a token's slots in consecutive rows: send order) go one slot at a time:
-// as one stream through memory they were faster than as dot_group streams a row apart
-// (bench/README.md, "Token-grouped dots"). Each slot's operations are those of one slot
-// alone, so the bits are the same either way.
+// On the host a call takes one token's k slots (token_dots), and the slots that have a row
+// go through in groups of up to dot_group, which share each load of the token's grad_out
+// row and keep dot_group sums in flight: one slot's lanes are one chain of additions (a
+// vector of 16 floats), and its latency bounded the slot-at-a-time loop, so that bf16 rows
+// took as long as float32 ones. Each slot's operations are those of one slot alone, so the
+// bits are the same (bench/README.md, "Token-grouped dots"). Every route reads a token's
+// rows far apart; rows in token-major order (a token's k rows one after another) are slower
+// so, up to 1.8x in float32, their streams a row apart.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <type_traits>
 
 #include "epx/core/config.hpp"
 #include "epx/core/numeric.hpp"
@@ -83,29 +81,25 @@ struct token_dots {
   EPX_HOST_DEVICE void operator()(std::size_t t) const { EPX_RUN_WIDEST(t); }
 
   EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t t) const {
-    constexpr std::size_t G = std::is_same_v<Rows, row_table<T>> ? detail::dot_group : 1;
+    constexpr std::size_t G = detail::dot_group;
     const std::size_t k = static_cast<std::size_t>(top_k);
     const std::int64_t* p = pos + t * k;
     float* gw = grad_weights + t * k;
     const T* g = grad_out + t * hidden;
-    if constexpr (G == 1) {
-      for (std::size_t j = 0; j < k; ++j) gw[j] = p[j] < 0 ? 0.0f : one(g, p[j]);
-    } else {
-      std::size_t j = 0;
-      for (;;) {
-        std::size_t slot[G];  // the next slots with a row (at most G)
-        std::size_t m = 0;
-        for (; j < k && m < G; ++j) {
-          if (p[j] < 0) gw[j] = 0.0f;
-          else slot[m++] = j;
-        }
-        if (m == 0) return;
-        std::size_t u = 0;
-        if (m == G) u += group<G>(g, p, gw, slot);
-        if (m - u >= 4) u += group<4>(g, p, gw, slot + u);
-        if (m - u >= 2) u += group<2>(g, p, gw, slot + u);
-        if (m - u >= 1) gw[slot[u]] = one(g, p[slot[u]]);
+    std::size_t j = 0;
+    for (;;) {
+      std::size_t slot[G];  // the next slots with a row (at most G)
+      std::size_t m = 0;
+      for (; j < k && m < G; ++j) {
+        if (p[j] < 0) gw[j] = 0.0f;
+        else slot[m++] = j;
       }
+      if (m == 0) return;
+      std::size_t u = 0;
+      if (m == G) u += group<G>(g, p, gw, slot);
+      if (m - u >= 4) u += group<4>(g, p, gw, slot + u);
+      if (m - u >= 2) u += group<2>(g, p, gw, slot + u);
+      if (m - u >= 1) gw[slot[u]] = one(g, p[slot[u]]);
     }
   }
 
