@@ -7,18 +7,19 @@
 // on every policy (bitwise reproducible), that a host compiler vectorises without
 // reassociating anything; on the host in its widest version (epx/exec/host_isa.hpp).
 //
-// On the host a call takes one token's k slots (token_dots), and the slots that have a row
-// go through in groups of up to dot_group, which share each load of the token's grad_out
-// row and keep dot_group sums in flight: one slot's lanes are one chain of additions (a
-// vector of 16 floats), and its latency bounded the slot-at-a-time loop, so that bf16 rows
-// took as long as float32 ones. Each slot's operations are those of one slot alone, so the
-// bits are the same (bench/README.md, "Token-grouped dots"). Every route reads a token's
-// rows far apart; rows in token-major order (a token's k rows one after another) are slower
-// so, up to 1.8x in float32, their streams a row apart.
+// On the host, rows read through a row table (the direct route) and 16-bit rows go a token
+// per call (token_dots): the slots that have a row go through in groups of up to
+// dot_group, which share each load of the token's grad_out row and keep dot_group sums in
+// flight. One slot's lanes are one chain of additions (a vector of 16 floats), and its
+// latency bounded the slot-at-a-time loop, so that bf16 rows took as long as float32 ones.
+// Dense float32 and float64 rows go a pair per call (pair_dot): grouped, the float32 dots
+// of the PyTorch bindings' backward ran slower. Each slot's operations are those of one
+// slot alone, so the bits are the same either way (bench/README.md, "Token-grouped dots").
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "epx/core/config.hpp"
 #include "epx/core/numeric.hpp"
@@ -67,6 +68,36 @@ EPX_HOST_DEVICE EPX_HOST_INLINE void dots_in_lanes(const T* const* a, const U* b
   }
 }
 }  // namespace detail
+
+// Whether the host takes a token's slots in groups (token_dots) or a pair per call
+// (pair_dot): through a row table, and for 16-bit rows. Dense float32 rows went a pair per
+// call as fast or faster (bench/README.md, "Token-grouped dots").
+template <class T, class Rows>
+inline constexpr bool groups_slots_v = std::is_same_v<Rows, row_table<T>> || sizeof(T) < 4;
+
+// Call with i = t*k + j in [0, n*k).
+template <class T, class Rows>
+struct pair_dot {
+  Rows y;                   // dense_rows or row_table, indexed by position
+  const T* grad_out;        // [n, H]
+  const std::int64_t* pos;  // [n, k]
+  float* grad_weights;      // [n, k]
+  std::size_t hidden;
+  int top_k;
+
+  EPX_HOST_DEVICE void operator()(std::size_t i) const { EPX_RUN_WIDEST(i); }
+
+  EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t i) const {
+    using A = accum_t<T>;
+    const std::int64_t p = pos[i];
+    if (p < 0) {
+      grad_weights[i] = 0.0f;
+      return;
+    }
+    const T* g = grad_out + (i / static_cast<std::size_t>(top_k)) * hidden;
+    grad_weights[i] = static_cast<float>(detail::dot_in_lanes<A>(row_at(y, static_cast<std::size_t>(p), hidden), g, hidden));
+  }
+};
 
 // Call with t in [0, n): grad_w of token t's k slots.
 template <class T, class Rows>
@@ -124,7 +155,7 @@ struct token_dots {
 // The device shape of the same sums (exec::row_shape::chunks16 policies): one call per
 // (pair, lane), so neighbouring threads read neighbouring elements of a row, then one call
 // per pair adds the lanes in lane order. Each lane holds the terms h = w, w + dot_lanes, ...
-// in h order, exactly as dots_in_lanes does: the same bits as token_dots.
+// in h order, exactly as dots_in_lanes does: the same bits as pair_dot and token_dots.
 // Call with q = i * dot_lanes + w in [0, n*k*dot_lanes).
 template <class T, class Rows>
 struct pair_dot_lanes {

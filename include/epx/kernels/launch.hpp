@@ -18,8 +18,9 @@
 //                                                weights[m][q] when weights are given
 //   combine(ex, n, H, k, y, w, pos, out)         out[t] = sum_j w[t,j] * y[pos[t,j]]
 //   reduce(ex, n, H, k, y, pos, out)             out[t] = sum_j y[pos[t,j]]
-//   weight_gradients(ex, n, H, k, y, g, pos, gw) gw[t,j] = y[pos[t,j]] . g[t]   (host: a token per call;
-//                                                device: a (pair, lane) per call, then the lanes)
+//   weight_gradients(ex, n, H, k, y, g, pos, gw) gw[t,j] = y[pos[t,j]] . g[t]   (host: a token per call
+//                                                through a row table or for 16-bit rows, else a
+//                                                pair; device: a (pair, lane) per call, then the lanes)
 //   scatter(ex, n, pos, v, out)                  out[pos[i]] = v[i]               (pos >= 0)
 //   fill(ex, n, v, out)                          out[i] = v
 #pragma once
@@ -112,7 +113,10 @@ void weight_gradients(const Exec& ex, std::size_t n, std::size_t H, int k, Rows 
   const std::size_t pairs = n * static_cast<std::size_t>(k);
   if (pairs == 0) return;
   if constexpr (exec::row_shape_v<Exec> == exec::row_shape::whole_rows) {
-    exec::for_each_n(ex, n, token_dots<T, R>{detail::rows_of(y), grad_out, pos, grad_w, H, k});
+    if constexpr (groups_slots_v<T, R>)
+      exec::for_each_n(ex, n, token_dots<T, R>{detail::rows_of(y), grad_out, pos, grad_w, H, k});
+    else
+      exec::for_each_n(ex, pairs, pair_dot<T, R>{detail::rows_of(y), grad_out, pos, grad_w, H, k});
   } else {
     // Device shape: dot_lanes threads per pair, then the lanes in lane order (same bits).
     using A = accum_t<T>;
