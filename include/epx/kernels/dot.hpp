@@ -75,48 +75,48 @@ EPX_HOST_DEVICE EPX_HOST_INLINE void dots_in_lanes(const T* const* a, const U* b
 template <class T, class Rows>
 inline constexpr bool groups_slots_v = std::is_same_v<Rows, row_table<T>> || sizeof(T) < 4;
 
-// Call with i = t*k + j in [0, n*k).
+// What every weight-gradient dot reads: the rows by position, grad_out and the positions.
 template <class T, class Rows>
-struct pair_dot {
+struct dot_inputs {
   Rows y;                   // dense_rows or row_table, indexed by position
   const T* grad_out;        // [n, H]
   const std::int64_t* pos;  // [n, k]
-  float* grad_weights;      // [n, k]
   std::size_t hidden;
   int top_k;
+
+  // The row at position p (>= 0) . g, as dot_in_lanes sums it.
+  EPX_HOST_DEVICE EPX_HOST_INLINE float slot_dot(const T* g, std::int64_t p) const {
+    return static_cast<float>(detail::dot_in_lanes<accum_t<T>>(row_at(y, static_cast<std::size_t>(p), hidden), g, hidden));
+  }
+};
+
+// Call with i = t*k + j in [0, n*k).
+template <class T, class Rows>
+struct pair_dot : dot_inputs<T, Rows> {
+  float* grad_weights;  // [n, k]
 
   EPX_HOST_DEVICE void operator()(std::size_t i) const { EPX_RUN_WIDEST(i); }
 
   EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t i) const {
-    using A = accum_t<T>;
-    const std::int64_t p = pos[i];
-    if (p < 0) {
-      grad_weights[i] = 0.0f;
-      return;
-    }
-    const T* g = grad_out + (i / static_cast<std::size_t>(top_k)) * hidden;
-    grad_weights[i] = static_cast<float>(detail::dot_in_lanes<A>(row_at(y, static_cast<std::size_t>(p), hidden), g, hidden));
+    const std::int64_t p = this->pos[i];
+    grad_weights[i] =
+        p < 0 ? 0.0f : this->slot_dot(this->grad_out + (i / static_cast<std::size_t>(this->top_k)) * this->hidden, p);
   }
 };
 
 // Call with t in [0, n): grad_w of token t's k slots.
 template <class T, class Rows>
-struct token_dots {
-  Rows y;                   // dense_rows or row_table, indexed by position
-  const T* grad_out;        // [n, H]
-  const std::int64_t* pos;  // [n, k]
-  float* grad_weights;      // [n, k]
-  std::size_t hidden;
-  int top_k;
+struct token_dots : dot_inputs<T, Rows> {
+  float* grad_weights;  // [n, k]
 
   EPX_HOST_DEVICE void operator()(std::size_t t) const { EPX_RUN_WIDEST(t); }
 
   EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t t) const {
     constexpr std::size_t G = detail::dot_group;
-    const std::size_t k = static_cast<std::size_t>(top_k);
-    const std::int64_t* p = pos + t * k;
+    const std::size_t k = static_cast<std::size_t>(this->top_k);
+    const std::int64_t* p = this->pos + t * k;
     float* gw = grad_weights + t * k;
-    const T* g = grad_out + t * hidden;
+    const T* g = this->grad_out + t * this->hidden;
     std::size_t j = 0;
     for (;;) {
       std::size_t slot[G];  // the next slots with a row (at most G)
@@ -130,23 +130,19 @@ struct token_dots {
       if (m == G) u += group<G>(g, p, gw, slot);
       if (m - u >= 4) u += group<4>(g, p, gw, slot + u);
       if (m - u >= 2) u += group<2>(g, p, gw, slot + u);
-      if (m - u >= 1) gw[slot[u]] = one(g, p[slot[u]]);
+      if (m - u >= 1) gw[slot[u]] = this->slot_dot(g, p[slot[u]]);
     }
   }
 
  private:
-  EPX_HOST_DEVICE EPX_HOST_INLINE float one(const T* g, std::int64_t p) const {
-    return static_cast<float>(detail::dot_in_lanes<accum_t<T>>(row_at(y, static_cast<std::size_t>(p), hidden), g, hidden));
-  }
-
   template <std::size_t N>
   EPX_HOST_DEVICE EPX_HOST_INLINE std::size_t group(const T* g, const std::int64_t* p, float* gw,
                                                     const std::size_t* slot) const {
     using A = accum_t<T>;
     const T* a[N];
     A s[N];
-    for (std::size_t u = 0; u < N; ++u) a[u] = row_at(y, static_cast<std::size_t>(p[slot[u]]), hidden);
-    detail::dots_in_lanes<N>(a, g, hidden, s);
+    for (std::size_t u = 0; u < N; ++u) a[u] = row_at(this->y, static_cast<std::size_t>(p[slot[u]]), this->hidden);
+    detail::dots_in_lanes<N>(a, g, this->hidden, s);
     for (std::size_t u = 0; u < N; ++u) gw[slot[u]] = static_cast<float>(s[u]);
     return N;
   }
@@ -158,13 +154,8 @@ struct token_dots {
 // in h order, exactly as dots_in_lanes does: the same bits as pair_dot and token_dots.
 // Call with q = i * dot_lanes + w in [0, n*k*dot_lanes).
 template <class T, class Rows>
-struct pair_dot_lanes {
-  Rows y;
-  const T* grad_out;          // [n, H]
-  const std::int64_t* pos;    // [n, k]
-  accum_t<T>* lanes;          // [n*k, dot_lanes]
-  std::size_t hidden;
-  int top_k;
+struct pair_dot_lanes : dot_inputs<T, Rows> {
+  accum_t<T>* lanes;  // [n*k, dot_lanes]
 
   // On the host (exec::emulated_device) through the host versions too, which are compiled
   // without contraction: at the build's flags a GCC build for FMA targets (-mfma,
@@ -174,12 +165,12 @@ struct pair_dot_lanes {
   EPX_HOST_DEVICE EPX_HOST_INLINE void body(std::size_t q) const {
     using A = accum_t<T>;
     const std::size_t i = q / detail::dot_lanes, w = q % detail::dot_lanes;  // powers of two
-    const std::int64_t p = pos[i];
+    const std::int64_t p = this->pos[i];
     A acc = A(0);
     if (p >= 0) {
-      const T* a = row_at(y, static_cast<std::size_t>(p), hidden);
-      const T* g = grad_out + (i / static_cast<std::size_t>(top_k)) * hidden;
-      for (std::size_t h = w; h < hidden; h += detail::dot_lanes)
+      const T* a = row_at(this->y, static_cast<std::size_t>(p), this->hidden);
+      const T* g = this->grad_out + (i / static_cast<std::size_t>(this->top_k)) * this->hidden;
+      for (std::size_t h = w; h < this->hidden; h += detail::dot_lanes)
         acc = detail::mul_add(acc, convert<A>(a[h]), convert<A>(g[h]));
     }
     lanes[q] = acc;

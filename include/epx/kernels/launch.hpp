@@ -114,15 +114,15 @@ void weight_gradients(const Exec& ex, std::size_t n, std::size_t H, int k, Rows 
   if (pairs == 0) return;
   if constexpr (exec::row_shape_v<Exec> == exec::row_shape::whole_rows) {
     if constexpr (groups_slots_v<T, R>)
-      exec::for_each_n(ex, n, token_dots<T, R>{detail::rows_of(y), grad_out, pos, grad_w, H, k});
+      exec::for_each_n(ex, n, token_dots<T, R>{{detail::rows_of(y), grad_out, pos, H, k}, grad_w});
     else
-      exec::for_each_n(ex, pairs, pair_dot<T, R>{detail::rows_of(y), grad_out, pos, grad_w, H, k});
+      exec::for_each_n(ex, pairs, pair_dot<T, R>{{detail::rows_of(y), grad_out, pos, H, k}, grad_w});
   } else {
     // Device shape: dot_lanes threads per pair, then the lanes in lane order (same bits).
     using A = accum_t<T>;
     auto lanes = exec::make_buffer<A>(ex, pairs * kernels::detail::dot_lanes);
     exec::for_each_n(ex, pairs * kernels::detail::dot_lanes,
-                     pair_dot_lanes<T, R>{detail::rows_of(y), grad_out, pos, lanes.data(), H, k});
+                     pair_dot_lanes<T, R>{{detail::rows_of(y), grad_out, pos, H, k}, lanes.data()});
     exec::for_each_n(ex, pairs, pair_dot_sum<A>{static_cast<const A*>(lanes.data()), pos, grad_w});
   }
 }
