@@ -311,10 +311,10 @@ TEST_CASE("mpi: world communicator, environment guard and wrapping") {
   check_error([] { communicator bad(MPI_COMM_NULL); }, epx::errc::input, "MPI_COMM_NULL");
   epx::mpi::options o;
   o.max_count = 0;
-  check_error([&] { communicator bad(MPI_COMM_WORLD, o); }, epx::errc::input, "max_count (0)");
+  check_error([&] { communicator bad(MPI_COMM_WORLD, o); }, epx::errc::configuration, "max_count (0)");
   o = {};
   o.timeout = std::chrono::milliseconds(-1);
-  check_error([&] { communicator bad(MPI_COMM_WORLD, o); }, epx::errc::input, "timeout (-1 ms) must not be negative");
+  check_error([&] { communicator bad(MPI_COMM_WORLD, o); }, epx::errc::configuration, "timeout (-1 ms) must not be negative");
   // An intercommunicator (even ranks and odd ranks as its two groups) is refused: its
   // collectives pair the two groups (an all_reduce summed the other group's inputs only).
   if (s >= 2) {

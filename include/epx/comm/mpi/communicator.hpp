@@ -103,11 +103,12 @@ class communicator {
   // many timed-out calls still wait for a late rank (their buffers are kept until then).
   const std::string& failure() const noexcept { return s_->failed; }
   std::size_t pending_after_timeout() { return s_->settle_orphans(); }
-  // Options apply to this copy only; all ranks must use the same options.
+  // Options apply to this copy only; all ranks must use the same options. A max_count
+  // outside [1, INT_MAX] or a negative timeout raises errc::configuration (on that rank).
   void set_options(const options& opt) {
-    EPX_REQUIRE(opt.max_count >= 1 && opt.max_count <= static_cast<std::size_t>(INT_MAX), errc::input,
+    EPX_REQUIRE(opt.max_count >= 1 && opt.max_count <= static_cast<std::size_t>(INT_MAX), errc::configuration,
                 "mpi::options::max_count (", opt.max_count, ") must be in [1, ", INT_MAX, "]");
-    EPX_REQUIRE(opt.timeout.count() >= 0, errc::input, "mpi::options::timeout (", opt.timeout.count(),
+    EPX_REQUIRE(opt.timeout.count() >= 0, errc::configuration, "mpi::options::timeout (", opt.timeout.count(),
                 " ms) must not be negative");
     opt_ = opt;
   }
