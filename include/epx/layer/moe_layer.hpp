@@ -273,29 +273,8 @@ class moe_layer {
   // a buffer of the policy's memory that is copied there); out: [N, H], all written by
   // combine_wait.
   void combine_start(forward_handle<T>& h, span<const T> expert_outputs, span<T> out) {
-    static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
-    require_live("combine_start");
-    require_queues("combine_start");
-    errc category = errc::configuration;
-    std::string why = phase_error(h.call_, detail::split_phase::dispatched, "combine_start");
-    if (why.empty()) {
-      category = errc::input;
-      const std::size_t H = options_.hidden, R = h.batch_.in.num_rows, N = h.call_.tokens;
-      if (expert_outputs.size() != R * H)
-        why = detail::concat("combine_start: the expert outputs have ", expert_outputs.size(),
-                             " elements but the dispatched rows need rows*H = ", R, "*", H, " = ", R * H);
-      else if (out.size() != N * H)
-        why = detail::concat("combine_start: out has ", out.size(), " elements but N*H = ", N, "*", H, " = ", N * H);
-    }
-    const long long syncs = detail::host_syncs_on_this_thread();
-    detail::agree_on_phase(*ep_, !why.empty(), category, why, rank_, h.call_.serial, "moe_layer combine_start");
-    if (expert_outputs.size() > 0 && expert_outputs.data() != h.batch_.out)
-      exec::copy_n(exec_, expert_outputs.data(), expert_outputs.size(), h.batch_.out);
-    h.call_.phase = detail::split_phase::combining;  // spent from here, whatever happens below
-    keeping_stats([&] { impl_->combine(exec_, h.call_.flight, out.data(), h.training_ ? &h.saved_ : nullptr); });
-    h.call_.flight.reset();
-    h.batch_ = expert_batch<T>{};
-    h.call_.host_syncs += detail::host_syncs_on_this_thread() - syncs;
+    start_combine(h, "combine_start", "the expert outputs", expert_outputs, h.batch_.out, "out", out.size(),
+                  [&] { impl_->combine(exec_, h.call_.flight, out.data(), h.training_ ? &h.saved_ : nullptr); });
   }
   // out is final; returns what backward needs for mode::train, an empty state otherwise.
   saved_state<T> combine_wait(forward_handle<T>& h) {
@@ -350,31 +329,8 @@ class moe_layer {
   // itself, or a buffer of the policy's memory copied there); grad_x: [N, H], all written
   // by backward_combine_wait.
   void backward_combine_start(backward_handle<T>& h, span<const T> grad_inputs, span<T> grad_x) {
-    static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
-    require_live("backward_combine_start");
-    require_queues("backward_combine_start");
-    errc category = errc::configuration;
-    std::string why = phase_error(h.call_, detail::split_phase::dispatched, "backward_combine_start");
-    if (why.empty()) {
-      category = errc::input;
-      const std::size_t H = options_.hidden, R = h.batch_.in.num_rows, N = h.call_.tokens;
-      if (grad_inputs.size() != R * H)
-        why = detail::concat("backward_combine_start: the experts' input gradients have ", grad_inputs.size(),
-                             " elements but the dispatched rows need rows*H = ", R, "*", H, " = ", R * H);
-      else if (grad_x.size() != N * H)
-        why = detail::concat("backward_combine_start: grad_x has ", grad_x.size(), " elements but N*H = ", N, "*", H,
-                             " = ", N * H);
-    }
-    const long long syncs = detail::host_syncs_on_this_thread();
-    detail::agree_on_phase(*ep_, !why.empty(), category, why, rank_, h.call_.serial,
-                           "moe_layer backward_combine_start");
-    if (grad_inputs.size() > 0 && grad_inputs.data() != h.batch_.grad_in)
-      exec::copy_n(exec_, grad_inputs.data(), grad_inputs.size(), h.batch_.grad_in);
-    h.call_.phase = detail::split_phase::combining;
-    keeping_stats([&] { impl_->backward_combine(exec_, h.call_.flight, grad_x.data()); });
-    h.call_.flight.reset();
-    h.batch_ = expert_grad_batch<T>{};
-    h.call_.host_syncs += detail::host_syncs_on_this_thread() - syncs;
+    start_combine(h, "backward_combine_start", "the experts' input gradients", grad_inputs, h.batch_.grad_in, "grad_x",
+                  grad_x.size(), [&] { impl_->backward_combine(exec_, h.call_.flight, grad_x.data()); });
   }
   void backward_combine_wait(backward_handle<T>& h) {
     wait_for(h.call_, detail::split_phase::combining, "backward_combine_wait");
@@ -550,6 +506,39 @@ class moe_layer {
   }
 
   // Why a split call's handle cannot take phase `want` here ("" when it can).
+  // The start of a split combine, forward or backward (`call`): raises on every rank of the
+  // EP group when a rank's handle is not dispatched, or its experts' rows (`rows`, "<rows_are>
+  // have ...") or its output (`out_size` elements, "<out_is> has ...") have the wrong size;
+  // copies the rows where the route reads them (`route_rows`), runs `combine` and empties
+  // the handle, which is spent from then on.
+  template <class Handle, class Combine>
+  void start_combine(Handle& h, const char* call, const char* rows_are, span<const T> rows, T* route_rows,
+                     const char* out_is, std::size_t out_size, Combine combine) {
+    static_assert(check_split_phase<impl_type, Exec, T>(), "epx::moe_layer: split phase");
+    require_live(call);
+    require_queues(call);
+    errc category = errc::configuration;
+    std::string why = phase_error(h.call_, detail::split_phase::dispatched, call);
+    if (why.empty()) {
+      category = errc::input;
+      const std::size_t H = options_.hidden, R = h.batch_.in.num_rows, N = h.call_.tokens;
+      if (rows.size() != R * H)
+        why = detail::concat(call, ": ", rows_are, " have ", rows.size(), " elements but the dispatched rows need rows*H = ",
+                             R, "*", H, " = ", R * H);
+      else if (out_size != N * H)
+        why = detail::concat(call, ": ", out_is, " has ", out_size, " elements but N*H = ", N, "*", H, " = ", N * H);
+    }
+    const long long syncs = detail::host_syncs_on_this_thread();
+    const std::string what = detail::concat("moe_layer ", call);
+    detail::agree_on_phase(*ep_, !why.empty(), category, why, rank_, h.call_.serial, what.c_str());
+    if (rows.size() > 0 && rows.data() != route_rows) exec::copy_n(exec_, rows.data(), rows.size(), route_rows);
+    h.call_.phase = detail::split_phase::combining;  // spent from here, whatever happens below
+    keeping_stats(combine);
+    h.call_.flight.reset();
+    h.batch_ = {};
+    h.call_.host_syncs += detail::host_syncs_on_this_thread() - syncs;
+  }
+
   std::string phase_error(const detail::split_call<T>& c, detail::split_phase want, const char* call) const {
     if (c.phase == detail::split_phase::empty)
       return detail::concat(call, " got an empty handle (default-constructed, moved from, or never started)");
