@@ -115,9 +115,10 @@ def layer_case(tp=1, fsdp=None, ep=None, dp_replicate=1, E=E_DEFAULT, k=3, N=12,
     B_loc = B[first:first + L].clone().requires_grad_()
     if train:
         layer.register_expert_hooks([A_loc, B_loc])
-    # With efsdp > 1 and 16-bit experts, the gradients the expert hook sums (each replica's),
-    # as they are when the hook reduces them at the end of backward: efsdp_sum_case.
-    efsdp_sum = train and dtype in UNIT and mesh.efsdp > 1 and dp_replicate == 1
+    # With efsdp > 1 or dp_replicate > 1 and 16-bit experts, the gradients the expert hook
+    # sums (each replica's), as they are when the hook reduces them at the end of backward:
+    # efsdp_sum_case (dp_replicate 1), dp_replicate_sum_case.
+    efsdp_sum = train and dtype in UNIT and mesh.efsdp * mesh.dp_replicate > 1
     before_hook = {}
     if efsdp_sum:
         for name, p in (("A", A_loc), ("B", B_loc)):
@@ -160,12 +161,14 @@ def layer_case(tp=1, fsdp=None, ep=None, dp_replicate=1, E=E_DEFAULT, k=3, N=12,
     gA /= mesh.batches
     gB /= mesh.batches
     # Each of the hook's sums of 16-bit gradients, over efsdp > 1 and over dp_replicate > 1,
-    # rounds once more (efsdp_sum_case): u more each than the experts' share.
+    # rounds once more (efsdp_sum_case, dp_replicate_sum_case): u more each than the
+    # experts' share.
     tol_e = tol + UNIT[dtype] * ((mesh.efsdp > 1) + (mesh.dp_replicate > 1)) if dtype in UNIT else tol
     check_close("expert gradient A", A_loc.grad, gA[first:first + L], tol_e)
     check_close("expert gradient B", B_loc.grad, gB[first:first + L], tol_e)
     if efsdp_sum:
-        efsdp_sum_case(layer, before_hook, {"A": A_loc.grad, "B": B_loc.grad})
+        check = efsdp_sum_case if mesh.dp_replicate == 1 else dp_replicate_sum_case
+        check(layer, before_hook, {"A": A_loc.grad, "B": B_loc.grad})
 
 
 UNIT = {torch.bfloat16: 2**-8, torch.float16: 2**-11}  # u: half an ulp of 1, relative rounding error <= u
@@ -290,6 +293,106 @@ def efsdp_sum_case(layer, before, after):
     if not excess.max().item() > 1:
         raise AssertionError(f"the efsdp sum accumulated in {dtype} is within the one-rounding bound on every rank "
                              f"(largest error / bound {excess.max().item():.2f}): the check cannot tell it from epx's")
+
+
+def dp_replicate_sum_case(layer, before, after):
+    """The expert hook's two sums of 16-bit gradients with dp_replicate R > 1 (efsdp E >= 1):
+    epx sums the gradients of the rank's efsdp group as efsdp_sum_case says (in float32 in
+    rank order, times 1/B, rounded once to the layer's type), then those rounded sums of the
+    R replicas over dp_replicate, in float32 in replica order, rounded once more
+    (epx/grad/hooks.hpp, epx/comm/detail/reduce.hpp; the emulated device's rank_order_sum
+    gives the same bits). Each rank's gradients after the hook (`after`) are compared with
+    the exact (float64) sum over the E * R ranks of those groups of the gradients the hook
+    got (`before`), divided by B, element by element within two_roundings_bound.
+
+    The same two sums accumulated in the 16-bit type (each partial sum rounded) must exceed
+    that bound on some rank when E >= 3 or R >= 3. With E = R = 2 (tp 1 ep 1 on 4 ranks)
+    they are epx's bits: each sum is one addition of two 16-bit values, which torch does in
+    float32 and rounds once, as epx does, so no check of the result can tell them apart
+    there. With E = 4 (8 ranks) the 16-bit accumulation exceeds the bound at 73 to 92 of
+    the 1024 elements of each gradient, by up to 4.0 - 9.2 times, and epx's error reaches
+    0.991 - 0.99998 of it on 4 and 8 ranks: the bound is attained but for its float32
+    terms, since a float32 sum of two 16-bit values is often a tie, half an ulp from both
+    16-bit neighbours. In the max-norm (max_k bound_k / max |exact|, 1.27 - 1.61 u here, the
+    form of one_rounding_tol) the 16-bit accumulation stays within the bound in bfloat16
+    (0.74 and 0.96 of it with E = 4; float16 0.78 and 1.06): its extra roundings are
+    mostly those of elements below the largest, hence the comparison element by element.
+
+    A hook that left out the dp_replicate sum would give each replica its own efsdp sum,
+    off by the other replicas' share (0.76 - 0.86 of the largest element on these meshes):
+    layer_case's comparison with the float64 reference fails it first, and this check
+    would too (by 250 - 2000 times the bound)."""
+    mesh, rank, W = layer.mesh, dist.get_rank(), dist.get_world_size()
+    B = mesh.batches
+    # The ranks whose gradients the hook sums, in its order: the efsdp group of each member
+    # of this rank's dp_replicate group, the replicas in order.
+    groups = [mesh.group_members("efsdp", r) for r in mesh.group_members("dp_replicate", rank)]
+    excess = []
+    for n in sorted(before):
+        every = [torch.empty_like(before[n]) for _ in range(W)]
+        dist.all_gather(every, before[n])
+        terms = [[every[m] for m in members] for members in groups]
+        dtype = before[n].dtype
+        exact, bound = two_roundings_bound(terms, B, UNIT[dtype], torch.finfo(dtype).tiny)
+        if after[n].shape != exact.shape:
+            raise AssertionError(f"expert gradient {n}: shape {tuple(after[n].shape)}, expected {tuple(exact.shape)}")
+        e = ((after[n].double() - exact).abs() / bound).max().item()
+        if not e <= 1:
+            raise AssertionError(f"expert gradient {n} against the exact sum of the efsdp and dp_replicate replicas' "
+                                 f"gradients: error / bound {e:.3f} at an element, above 1 (two roundings)")
+        acc = None
+        for ts in terms:
+            part = ts[0]
+            for t in ts[1:]:
+                part = part + t
+            part = part * (1.0 / B)
+            acc = part if acc is None else acc + part
+        excess.append(((acc.double() - exact).abs() / bound).max().item())
+    if mesh.efsdp < 3 and mesh.dp_replicate < 3:
+        return
+    excess = torch.tensor(excess, dtype=torch.float64)
+    dist.all_reduce(excess, op=dist.ReduceOp.MAX)
+    if not excess.max().item() > 1:
+        raise AssertionError(f"the expert hook's two sums accumulated in {dtype} are within the two-rounding bound "
+                             f"on every rank (largest error / bound {excess.max().item():.2f}): the check cannot tell "
+                             f"them from epx's")
+
+
+def two_roundings_bound(terms, B: int, u: float, tiny: float):
+    """(exact, bound): the exact result of the expert hook's two sums (dp_replicate_sum_case)
+    and, element by element, the most that epx's result can differ from it. terms[j] holds
+    the E 16-bit gradients of the efsdp group of replica j (j < R). With X_j = sum_i
+    terms[j][i] / B, X = sum_j X_j (both exact in float64), gamma_n = n 2^-24 / (1 - n 2^-24)
+    and rho(y) = u max(2^floor(log2 y), tiny) (half an ulp at y's binade, or half the
+    spacing of the subnormals below tiny: the most by which rounding a value of magnitude
+    <= y to the 16-bit type errs; rho grows with y):
+      1. S_j, the float32 efsdp sum times 1/B: |S_j - X_j| <= d_j = gamma_n1 sum_i
+         |terms[j][i]| / B, with n1 = E - 1 additions (+ 2 where B is not a power of two:
+         1/B and the product are rounded too);
+      2. r_j = round(S_j): |r_j - S_j| <= rho(|X_j| + d_j), and so |r_j| <= y_j = |X_j| + d_j
+         + rho(|X_j| + d_j);
+      3. T, the float32 sum of the R values r_j: |T - sum_j r_j| <= gamma_{R-1} sum_j y_j;
+      4. so |T - X| <= a = sum_j (d_j + rho(|X_j| + d_j)) + gamma_{R-1} sum_j y_j, and the
+         last rounding errs by at most rho(|X| + a).
+    bound = a + rho(|X| + a): one_rounding_tol's two terms (a float32 sum's error and half an
+    ulp) for each sum, summed, element by element (R + 1 half-ulps: each replica's rounded
+    efsdp sum, then the total)."""
+    E, R = len(terms[0]), len(terms)
+
+    def gamma(n):
+        return n * 2**-24 / (1 - n * 2**-24)
+
+    def rho(y):
+        _, ex = torch.frexp(y)  # y = m 2^ex, m in [0.5, 1): 2^floor(log2 y) = 2^(ex - 1)
+        return u * torch.where(y > 0, torch.ldexp(torch.full_like(y, 0.5), ex), 0.0).clamp(min=tiny)
+
+    n1 = E - 1 + (2 if B & (B - 1) else 0)
+    X = [sum(t.double() for t in ts) / B for ts in terms]
+    d = [gamma(n1) * sum(t.double().abs() for t in ts) / B for ts in terms]
+    y = [x.abs() + dj + rho(x.abs() + dj) for x, dj in zip(X, d)]
+    a = sum(dj + rho(x.abs() + dj) for x, dj in zip(X, d)) + gamma(R - 1) * sum(y)
+    exact = sum(X)
+    return exact, a + rho(exact.abs() + a)
 
 
 def bitwise_case(tp=1, ep=None, dtype=torch.float32, path="all_to_all", N=10, k=3, E=E_DEFAULT, padding=(1, 1),
@@ -1415,6 +1518,9 @@ def cases(W: int):
         add("all_to_all dp_replicate 2", lambda: layer_case(tp=1, fsdp=W // 2, ep=2, dp_replicate=2))
         add("all_reduce (masked) with dp_replicate 2",
             lambda: layer_case(tp=2, fsdp=W // 4, ep=2, dp_replicate=2, path="all_reduce"))
+        for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
+            add(f"all_to_all tp1 ep1 efsdp{W // 2} dp_replicate 2 {name}: expert gradients summed over efsdp and "
+                f"dp_replicate", lambda dt=dt: layer_case(tp=1, fsdp=W // 2, ep=1, dp_replicate=2, dtype=dt))
     if W >= 8:
         add("all_to_all tp2 fsdp4 ep4 (the seed's mesh) float32", lambda: layer_case(tp=2, fsdp=4, ep=4, dtype=f32))
         for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
@@ -1479,6 +1585,8 @@ def emulated_cases(W: int):
             lambda: layer_case(tp=2, fsdp=W // 2, ep=4, device="emulated"))
         add(f"all_to_all tp1 ep2 efsdp{W // 2} bfloat16: expert gradients summed over efsdp",
             lambda: layer_case(tp=1, fsdp=W, ep=2, dtype=bf16, device="emulated"))
+        add(f"all_to_all tp1 ep1 efsdp{W // 2} dp_replicate 2 bfloat16: expert gradients summed over efsdp and "
+            f"dp_replicate", lambda: layer_case(tp=1, fsdp=W // 2, ep=1, dp_replicate=2, dtype=bf16, device="emulated"))
     if W >= 8:
         for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
             add(f"all_to_all tp2 fsdp4 ep8 {name}",
