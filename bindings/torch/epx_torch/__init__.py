@@ -184,6 +184,7 @@ class Layer:
         self.device = device
         self.dtype = dtype
         self.path = path
+        self.transport = transport
         self.hidden = hidden
         self.top_k = top_k
         self.padding = padding

@@ -107,6 +107,11 @@ def layer_case(tp=1, fsdp=None, ep=None, dp_replicate=1, E=E_DEFAULT, k=3, N=12,
     mesh = epx_torch.Mesh(tp=tp, fsdp=fsdp, ep=ep, dp_replicate=dp_replicate, experts=E)
     layer = epx_torch.Layer(mesh, hidden=H, top_k=k, dtype=dtype, padding=padding, path=path, transport=transport,
                             device=device)
+    kept = {"hidden": H, "top_k": k, "dtype": dtype, "padding": padding, "path": path, "transport": transport,
+            "device": device, "mesh": mesh}
+    wrong = [f"layer.{a} is {getattr(layer, a)!r}, not {v!r}" for a, v in kept.items() if getattr(layer, a) != v]
+    if wrong:
+        raise AssertionError("the layer does not keep its arguments: " + "; ".join(wrong))
     if device == "cpu" and transport == "auto" and not layer.shared_memory:
         raise AssertionError("transport='auto' did not take shared memory with every rank on one host")
     A, B = expert_params(E, dtype)
