@@ -1526,6 +1526,8 @@ def cases(W: int):
         for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
             add(f"all_to_all tp1 ep1 efsdp{W // 2} dp_replicate 2 {name}: expert gradients summed over efsdp and "
                 f"dp_replicate", lambda dt=dt: layer_case(tp=1, fsdp=W // 2, ep=1, dp_replicate=2, dtype=dt))
+        add(f"all_to_all tp1 ep{W // 2} efsdp1 dp_replicate 2 bfloat16: expert gradients summed over dp_replicate",
+            lambda: layer_case(tp=1, fsdp=W // 2, ep=W // 2, dp_replicate=2, dtype=bf16))
     if W >= 8:
         add("all_to_all tp2 fsdp4 ep4 (the seed's mesh) float32", lambda: layer_case(tp=2, fsdp=4, ep=4, dtype=f32))
         for dt, name in ((bf16, "bfloat16"), (f16, "float16")):
