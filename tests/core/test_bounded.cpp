@@ -45,30 +45,75 @@ struct doubling_experts {
   }
 };
 
-// Four ranks, ep = 4, 8 experts: tp = 4 and the masked path (every rank holds the same
-// rows) when `masked`, else fsdp = 4 and the all-to-all path; bounded mode with bound cap,
-// hidden 4, top-2. body(layer) runs on this rank's layer.
-template <class Body>
-void on_path(bool masked, comm_t& comm, std::int64_t cap, bool raise_on_overflow, Body body) {
+// A mesh of tp x fsdp ranks, EP groups of ep ranks, `experts` experts.
+epx::mesh_config mesh_of(int tp, int fsdp, int ep, int experts) {
   epx::mesh_config mc;
-  mc.fsdp = masked ? 1 : 4;
-  mc.tp = masked ? 4 : 1;
-  mc.ep = 4;
-  mc.experts = 8;
+  mc.tp = tp;
+  mc.fsdp = fsdp;
+  mc.ep = ep;
+  mc.experts = experts;
+  return mc;
+}
+
+// Bounded mode (counts exchanged on the device) with bound `cap`, rows of `hidden`, top-k.
+epx::layer_options bounded_options(std::size_t hidden, int top_k, std::int64_t cap) {
   epx::layer_options o;
-  o.hidden = 4;
-  o.top_k = 2;
+  o.hidden = hidden;
+  o.top_k = top_k;
   o.counts = epx::count_exchange::device;
   o.bound.cap = cap;
-  o.bound.raise_on_overflow = raise_on_overflow;
+  return o;
+}
+
+// Four ranks, ep = 4, 8 experts: tp = 4 and the masked path (every rank holds the same
+// rows) when `masked`, else fsdp = 4 and the all-to-all path; options o. body(layer) runs on
+// this rank's layer.
+template <class Body>
+void on_path_with(bool masked, comm_t& comm, const epx::layer_options& o, Body body) {
+  const epx::mesh m(masked ? mesh_of(4, 1, 4, 8) : mesh_of(1, 4, 4, 8));
   if (masked) {
-    epx::moe_layer<comm_t, float, epx::impl::all_reduce> layer(epx::mesh(mc), comm, o);
+    epx::moe_layer<comm_t, float, epx::impl::all_reduce> layer(m, comm, o);
     body(layer);
   } else {
-    epx::moe_layer<comm_t, float> layer(epx::mesh(mc), comm, o);
+    epx::moe_layer<comm_t, float> layer(m, comm, o);
     body(layer);
   }
 }
+
+// on_path_with in bounded mode with bound cap, hidden 4, top-2.
+template <class Body>
+void on_path(bool masked, comm_t& comm, std::int64_t cap, bool raise_on_overflow, Body body) {
+  epx::layer_options o = bounded_options(4, 2, cap);
+  o.bound.raise_on_overflow = raise_on_overflow;
+  on_path_with(masked, comm, o, body);
+}
+
+// One call's tensors on this rank (hidden 4, top-2): N rows of x = 1 with weights 0.5 and
+// ids[i] = (i * step) % 8, grad_out = 1 and the gradients on `grad_rows` rows.
+struct call_rows {
+  std::vector<float> x, w, y, g, gx, gw;
+  std::vector<std::int32_t> ids;
+  call_rows(std::size_t N, std::size_t step, std::size_t grad_rows)
+      : x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4), g(grad_rows * 4, 1.0f), gx(grad_rows * 4), gw(grad_rows * 2),
+        ids(N * 2) {
+    for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * step) % 8);
+  }
+  // layer.forward of x, ids and w into `out` (y where not given).
+  template <class Layer, class Experts>
+  auto forward(Layer& layer, Experts& e, epx::mode m, std::vector<float>& out) {
+    return layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                         epx::span<float>(out), e, m);
+  }
+  template <class Layer, class Experts>
+  auto forward(Layer& layer, Experts& e, epx::mode m) {
+    return forward(layer, e, m, y);
+  }
+  // layer.backward of saved state s with grad_out g into gx and gw.
+  template <class Layer, class State, class Experts>
+  void backward(Layer& layer, State&& s, Experts& e) {
+    layer.backward(std::forward<State>(s), epx::span<const float>(g), epx::span<float>(gx), epx::span<float>(gw), e);
+  }
+};
 
 using epx::test::world_of;
 
@@ -207,12 +252,7 @@ struct doubling_rows {
 // (tp = 8: the masked path, Impl all_reduce).
 template <class T, class Impl = epx::impl::all_to_all, class Exec = epx::test::test_exec>
 std::string wide_bitwise(comm_t& comm, std::size_t H, int tp) {
-  epx::mesh_config mc;
-  mc.tp = tp;
-  mc.fsdp = 8 / tp;
-  mc.ep = 8;
-  mc.experts = 32;
-  const epx::mesh m(mc);
+  const epx::mesh m(mesh_of(tp, 8 / tp, 8, 32));
   const std::size_t N = 16, k = 8;
   const int b = m.batch(comm.rank());
   std::vector<T> x(N * H), g(N * H);
@@ -277,23 +317,13 @@ TEST_CASE("bounded: H = 4096 and 7168, ep = 8, top-8 of 32 experts: bitwise the 
 
 TEST_CASE("bounded: a bound below 1, a capacity mode, FP8 on either path: errc::configuration on every rank") {
   const auto expect_bad = [](epx::layer_options o, const std::string& words, bool masked) {
-    epx::mesh_config mc;
-    mc.fsdp = masked ? 1 : 4;
-    mc.tp = masked ? 4 : 1;
-    mc.ep = 4;
-    mc.experts = 8;
-    const epx::mesh m(mc);
     o.hidden = 4;
     o.top_k = 2;
     o.counts = epx::count_exchange::device;
     std::vector<std::string> got(4);
     epx::threads::run(4, [&](comm_t& comm) {
       try {
-        if (masked) {
-          epx::moe_layer<comm_t, float, epx::impl::all_reduce> layer(m, comm, o);
-        } else {
-          epx::moe_layer<comm_t, float> layer(m, comm, o);
-        }
+        on_path_with(masked, comm, o, [](auto&) {});
         got[static_cast<std::size_t>(comm.rank())] = "no error";
       } catch (const epx::error& e) {
         got[static_cast<std::size_t>(comm.rank())] =
@@ -324,19 +354,10 @@ TEST_CASE("bounded: a bound below 1, a capacity mode, FP8 on either path: errc::
 
   // One rank with another bound: every rank raises.
   std::vector<std::string> got(2);
-  epx::mesh_config mc;
-  mc.fsdp = 2;
-  mc.ep = 2;
-  mc.experts = 4;
-  const epx::mesh m(mc);
+  const epx::mesh m(mesh_of(1, 2, 2, 4));
   epx::threads::run(2, [&](comm_t& comm) {
-    epx::layer_options p;
-    p.hidden = 4;
-    p.top_k = 1;
-    p.counts = epx::count_exchange::device;
-    p.bound.cap = comm.rank() == 1 ? 0 : 3;
     try {
-      epx::moe_layer<comm_t, float> layer(m, comm, p);
+      epx::moe_layer<comm_t, float> layer(m, comm, bounded_options(4, 1, comm.rank() == 1 ? 0 : 3));
     } catch (const epx::error& e) {
       got[static_cast<std::size_t>(comm.rank())] = e.category() == epx::errc::configuration ? e.message() : "wrong";
     }
@@ -345,16 +366,8 @@ TEST_CASE("bounded: a bound below 1, a capacity mode, FP8 on either path: errc::
 
   // The automatic implementation takes the all-to-all path in bounded mode on ep == tp.
   epx::threads::run(2, [&](comm_t& comm) {
-    epx::mesh_config a;
-    a.tp = 2;
-    a.ep = 2;
-    a.experts = 4;
-    epx::layer_options p;
-    p.hidden = 4;
-    p.top_k = 1;
-    p.counts = epx::count_exchange::device;
-    p.bound.cap = 8;
-    epx::moe_layer<comm_t, float, epx::impl::automatic> layer(epx::mesh(a), comm, p);
+    epx::moe_layer<comm_t, float, epx::impl::automatic> layer(epx::mesh(mesh_of(2, 1, 2, 4)), comm,
+                                                              bounded_options(4, 1, 8));
     std::vector<float> x(16, 0.5f), w(4, 1.0f), y(16);
     std::vector<std::int32_t> ids = {0, 1, 2, 3};
     doubling_experts e;
@@ -380,16 +393,13 @@ std::vector<outcome> run_errors(bool raise_on_overflow, int bad_rank, Mutate bad
   std::vector<outcome> got(4);
   epx::threads::run(4, [&](comm_t& comm) {
     const int r = comm.rank();
-    std::size_t N = 3;
-    std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4);
-    std::vector<std::int32_t> ids = {0, 1, 2, 3, 4, 5};  // distinct experts: nothing overflows
-    if (r == bad_rank) bad(ids, w, y);
+    call_rows io(3, 1, 3);  // ids 0, 1, 2, 3, 4, 5: distinct experts, nothing overflows
+    if (r == bad_rank) bad(io.ids, io.w, io.y);
     doubling_experts e;
     auto& g = got[static_cast<std::size_t>(r)];
     on_path(masked, comm, 1, raise_on_overflow, [&](auto& layer) {
       try {
-        (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
-                            epx::span<float>(y), e, epx::mode::inference);
+        (void)io.forward(layer, e, epx::mode::inference);
       } catch (const epx::error&) {
         g.call_threw = true;
       }
@@ -453,13 +463,10 @@ TEST_CASE("bounded, masked path: a bad pair in any TP slice counts the call on e
     std::vector<std::string> got(4);
     epx::threads::run(4, [&](comm_t& comm) {
       on_path(true, comm, 4, false, [&](auto& layer) {
-        const std::size_t N = 4;
-        std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4);
-        std::vector<std::int32_t> ids = {0, 1, 2, 3, 4, 5, 6, 7};
-        ids[t * 2 + 1] = 8;
+        call_rows io(4, 1, 4);  // ids 0, 1, ..., 7
+        io.ids[t * 2 + 1] = 8;
         doubling_experts e;
-        (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
-                            epx::span<float>(y), e, epx::mode::inference);
+        (void)io.forward(layer, e, epx::mode::inference);
         const auto r = epx::test::capture([&] { (void)layer.check(); });
         got[static_cast<std::size_t>(comm.rank())] = r.category == epx::errc::input ? r.message : "no input error";
       });
@@ -506,16 +513,12 @@ void check_one_bad_backward(int bad, bool empty_state, const std::string& text) 
     epx::threads::run(4, [&](comm_t& comm) {
       on_path(masked, comm, 4, false, [&](auto& layer) {
         const bool me = comm.rank() == bad;
-        const std::size_t N = 6, n = me && !empty_state ? N - 2 : N;
-        std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4), g(n * 4, 1.0f), gx(n * 4), gw(n * 2);
-        std::vector<std::int32_t> ids(N * 2);
-        for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 3) % 8);
+        call_rows io(6, 3, me && !empty_state ? 4 : 6);
         doubling_experts e;
-        auto s = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
-                               epx::span<float>(y), e, epx::mode::train);
+        auto s = io.forward(layer, e, epx::mode::train);
         if (me && empty_state) s.reset();
         try {
-          layer.backward(std::move(s), epx::span<const float>(g), epx::span<float>(gx), epx::span<float>(gw), e);
+          io.backward(layer, std::move(s), e);
         } catch (const epx::error& ex) {
           threw[static_cast<std::size_t>(comm.rank())] = input_error(ex);
         }
@@ -556,25 +559,15 @@ TEST_CASE("bounded: a forward with bad shapes on one rank, raised there: the nex
     epx::threads::run(4, [&](comm_t& comm) {
       on_path(masked, comm, 4, false, [&](auto& layer) {
         std::string& f = failures[static_cast<std::size_t>(comm.rank())];
-        const std::size_t N = 6;
-        std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4), g(N * 4, 1.0f), gx(N * 4), gw(N * 2);
-        std::vector<float> bad_y(comm.rank() == 3 ? 5 : N * 4);
-        std::vector<std::int32_t> ids(N * 2);
-        for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 3) % 8);
+        call_rows io(6, 3, 6);
+        std::vector<float> bad_y(comm.rank() == 3 ? 5 : 6 * 4);
         doubling_experts e;
-        const auto forward = [&](std::vector<float>& out) {
-          return layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
-                               epx::span<const float>(w), epx::span<float>(out), e, epx::mode::train);
-        };
-        const auto r = epx::test::capture([&] { (void)forward(bad_y); });
+        const auto r = epx::test::capture([&] { (void)io.forward(layer, e, epx::mode::train, bad_y); });
         if (r.thrown != (comm.rank() == 3)) f += "the forward with bad shapes raised '" + r.message + "'; ";
         const auto c1 = epx::test::capture([&] { (void)layer.check(); });
         if (c1.message.find("1 call(s) had bad shapes") == std::string::npos)
           f += "the first check() raised '" + c1.message + "'; ";
-        const auto step = epx::test::capture([&] {
-          auto s = forward(y);
-          layer.backward(std::move(s), epx::span<const float>(g), epx::span<float>(gx), epx::span<float>(gw), e);
-        });
+        const auto step = epx::test::capture([&] { io.backward(layer, io.forward(layer, e, epx::mode::train), e); });
         if (step.thrown) f += "the training step raised '" + step.message + "'; ";
         const auto c2 = epx::test::capture([&] { (void)layer.check(); });
         if (c2.thrown) f += "the check() after the training step raised '" + c2.message + "'; ";
@@ -596,21 +589,14 @@ TEST_CASE("bounded: ranks whose backwards take back different forward calls are 
     std::vector<std::string> threw(4), checked(4);
     epx::threads::run(4, [&](comm_t& comm) {
       on_path(masked, comm, 4, false, [&](auto& layer) {
-        const std::size_t N = 6;
-        std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4), g(N * 4, 1.0f), gx(N * 4), gw(N * 2);
-        std::vector<std::int32_t> ids(N * 2);
-        for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 3) % 8);
+        call_rows io(6, 3, 6);
         doubling_experts e;
-        auto a = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
-                               epx::span<float>(y), e, epx::mode::train);
-        auto b = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
-                               epx::span<float>(y), e, epx::mode::train);
+        auto a = io.forward(layer, e, epx::mode::train);
+        auto b = io.forward(layer, e, epx::mode::train);
         const bool other = swapped && comm.rank() == 2;
         try {
-          layer.backward(std::move(other ? a : b), epx::span<const float>(g), epx::span<float>(gx),
-                         epx::span<float>(gw), e);
-          layer.backward(std::move(other ? b : a), epx::span<const float>(g), epx::span<float>(gx),
-                         epx::span<float>(gw), e);
+          io.backward(layer, std::move(other ? a : b), e);
+          io.backward(layer, std::move(other ? b : a), e);
         } catch (const epx::error& ex) {
           threw[static_cast<std::size_t>(comm.rank())] = ex.message();
         }
@@ -655,12 +641,8 @@ std::pair<std::vector<float>, std::vector<float>> bad_pair_call(Layer& layer, st
                                                                 std::size_t nan_pair) {
   doubling_experts e;
   {
-    const std::size_t N = 6;
-    std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4);
-    std::vector<std::int32_t> warm(N * 2);
-    for (std::size_t i = 0; i < warm.size(); ++i) warm[i] = static_cast<std::int32_t>((i * 3) % 8);
-    (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(warm), epx::span<const float>(w),
-                        epx::span<float>(y), e, epx::mode::inference);
+    call_rows warm(6, 3, 6);
+    (void)warm.forward(layer, e, epx::mode::inference);
     (void)layer.check();
   }
   const std::size_t N = ids.size() / 2;
@@ -688,34 +670,18 @@ TEST_CASE("bounded: a non-finite weight on an expert's pair after a warm call: t
       CAPTURE(peers);
       std::vector<std::string> failures(4);
       epx::threads::run(4, [&](comm_t& comm) {
-        epx::mesh_config mc;
-        mc.fsdp = masked ? 1 : 4;
-        mc.tp = masked ? 4 : 1;
-        mc.ep = 4;
-        mc.experts = 8;
-        epx::layer_options o;
-        o.hidden = 4;
-        o.top_k = 2;
-        o.counts = epx::count_exchange::device;
-        o.bound.cap = 2;
+        epx::layer_options o = bounded_options(4, 2, 2);
         o.peer_access = peers;
         std::pair<std::vector<float>, std::vector<float>> got;
         std::string checked;
-        const auto run = [&](auto& layer) {
+        on_path_with(masked, comm, o, [&](auto& layer) {
           got = bad_pair_call(layer, ids, 4);
           try {
             (void)layer.check();
           } catch (const epx::error& ex) {
             checked = ex.message();
           }
-        };
-        if (masked) {
-          epx::moe_layer<comm_t, float, epx::impl::all_reduce> layer(epx::mesh(mc), comm, o);
-          run(layer);
-        } else {
-          epx::moe_layer<comm_t, float> layer(epx::mesh(mc), comm, o);
-          run(layer);
-        }
+        });
         // Doubling experts, weights 0.5: a kept slot adds x[t] = t + 1.
         const std::vector<float> want_y = {2.0f, 4.0f, masked ? 3.0f : 0.0f};
         // d out / d w = 2 x . grad_out = 8 (t + 1) for a kept slot, 0 for the bad and dropped ones.
@@ -730,14 +696,8 @@ TEST_CASE("bounded: a non-finite weight on an expert's pair after a warm call: t
   // One rank on the masked path, a warm call of 40 rows, then 4 rows (the stale positions of
   // the warm call lie past the new plan).
   epx::threads::run(1, [&](comm_t& comm) {
-    epx::mesh_config mc;
-    mc.experts = 4;
-    epx::layer_options o;
-    o.hidden = 2;
-    o.top_k = 1;
-    o.counts = epx::count_exchange::device;
-    o.bound.cap = 10;
-    epx::moe_layer<comm_t, float, epx::impl::all_reduce> layer(epx::mesh(mc), comm, o);
+    epx::moe_layer<comm_t, float, epx::impl::all_reduce> layer(epx::mesh(mesh_of(1, 1, 1, 4)), comm,
+                                                               bounded_options(2, 1, 10));
     doubling_experts e;
     std::vector<float> x(80, 1.0f), w(40, 0.5f), y(80);
     std::vector<std::int32_t> warm(40);
@@ -762,16 +722,7 @@ TEST_CASE("bounded: a rank whose backward has bad shapes sends its peers zero gr
   // wrong size, so rank 0's experts must receive nothing but zeros.
   std::vector<double> received(2, -1.0);
   epx::threads::run(2, [&](comm_t& comm) {
-    epx::mesh_config mc;
-    mc.fsdp = 2;
-    mc.ep = 2;
-    mc.experts = 2;
-    epx::layer_options o;
-    o.hidden = 4;
-    o.top_k = 1;
-    o.counts = epx::count_exchange::device;
-    o.bound.cap = 4;
-    epx::moe_layer<comm_t, float> layer(epx::mesh(mc), comm, o);
+    epx::moe_layer<comm_t, float> layer(epx::mesh(mesh_of(1, 2, 2, 2)), comm, bounded_options(4, 1, 4));
     grad_recording_experts e;
     const std::size_t N = 3;
     std::vector<float> x(N * 4, 1.0f), w(N, 1.0f), y(N * 4), gw(N);
@@ -800,27 +751,17 @@ TEST_CASE("bounded: a backward of an empty saved state raises on its rank, the o
 
 TEST_CASE("bounded: check() raises in the EP group, check(world) on every rank of the world") {
   // fsdp 4, ep 2: two EP groups. Rank 0 overflows its bound (cap 2) in each of two calls.
+  const epx::mesh m(mesh_of(1, 4, 2, 4));
   std::vector<std::string> group_check(4), world_check(4);
   epx::threads::run(4, [&](comm_t& comm) {
-    epx::mesh_config mc;
-    mc.fsdp = 4;
-    mc.ep = 2;
-    mc.experts = 4;
-    epx::layer_options o;
-    o.hidden = 4;
-    o.top_k = 2;
-    o.counts = epx::count_exchange::device;
-    o.bound.cap = 2;
+    epx::layer_options o = bounded_options(4, 2, 2);
     o.bound.raise_on_overflow = true;
-    epx::moe_layer<comm_t, float> layer(epx::mesh(mc), comm, o);
+    epx::moe_layer<comm_t, float> layer(m, comm, o);
     doubling_experts e;
-    std::vector<float> x(12, 1.0f), w(6, 0.5f), y(12);
-    std::vector<std::int32_t> ids = {0, 1, 2, 3, 0, 2};   // at most 2 pairs per expert
-    if (comm.rank() == 0) ids = {0, 1, 0, 1, 0, 1};     // 3 each for experts 0 and 1
-    const auto call = [&] {
-      (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
-                          epx::span<float>(y), e, epx::mode::inference);
-    };
+    call_rows io(3, 1, 3);
+    io.ids = {0, 1, 2, 3, 0, 2};                          // at most 2 pairs per expert
+    if (comm.rank() == 0) io.ids = {0, 1, 0, 1, 0, 1};  // 3 each for experts 0 and 1
+    const auto call = [&] { (void)io.forward(layer, e, epx::mode::inference); };
     const auto seen = [](auto check) {
       try {
         (void)check();
@@ -834,13 +775,6 @@ TEST_CASE("bounded: check() raises in the EP group, check(world) on every rank o
     call();
     world_check[static_cast<std::size_t>(comm.rank())] = seen([&] { return layer.check(comm); });
   });
-  const epx::mesh m([] {
-    epx::mesh_config mc;
-    mc.fsdp = 4;
-    mc.ep = 2;
-    mc.experts = 4;
-    return mc;
-  }());
   const auto group = m.group_members(epx::group_kind::ep, 0);
   for (int r = 0; r < 4; ++r) {
     CAPTURE(r);
@@ -862,14 +796,11 @@ TEST_CASE("bounded, masked path: a rank with another N makes the all-reduce rais
       [&](comm_t& comm) {
         on_path(true, comm, 4, false, [&](auto& layer) {
           const std::size_t N = comm.rank() == 2 ? 5 : 6;
-          std::vector<float> x(N * 4, 1.0f), w(N * 2, 0.5f), y(N * 4);
-          std::vector<std::int32_t> ids(N * 2);
-          for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>(i % 8);
+          call_rows io(N, 1, N);
           doubling_experts e;
           auto& g = got[static_cast<std::size_t>(comm.rank())];
           try {
-            (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
-                                epx::span<const float>(w), epx::span<float>(y), e, epx::mode::inference);
+            (void)io.forward(layer, e, epx::mode::inference);
             g = "no error";
           } catch (const epx::error& ex) {
             g = ex.category() == epx::errc::communicator ? ex.message() : std::string("wrong category: ") + ex.what();
@@ -881,23 +812,14 @@ TEST_CASE("bounded, masked path: a rank with another N makes the all-reduce rais
 }
 
 TEST_CASE("bounded: the split-phase calls raise errc::configuration on every rank, nothing hangs") {
-  epx::mesh_config mc;
-  mc.fsdp = 4;
-  mc.ep = 4;
-  mc.experts = 8;
-  const epx::mesh m(mc);
+  const epx::mesh m(mesh_of(1, 4, 4, 8));
   std::vector<std::string> got(4);
   epx::threads::options opts;
   opts.timeout = std::chrono::seconds(20);
   epx::threads::run(
       4,
       [&](comm_t& comm) {
-        epx::layer_options o;
-        o.hidden = 8;
-        o.top_k = 2;
-        o.counts = epx::count_exchange::device;
-        o.bound.cap = 4;
-        epx::moe_layer<comm_t, float> layer(m, comm, o);
+        epx::moe_layer<comm_t, float> layer(m, comm, bounded_options(8, 2, 4));
         std::vector<float> x(6 * 8, 0.5f), w(12, 0.5f);
         std::vector<std::int32_t> ids(12);
         for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>(i % 8);
@@ -915,12 +837,8 @@ TEST_CASE("bounded: the split-phase calls raise errc::configuration on every ran
     CHECK_MESSAGE(g.find("the split-phase calls are not available in bounded mode") != std::string::npos, g);
 }
 
-}  // namespace test_bounded_cpp
-
-namespace test_bounded_cpp {
-
 namespace {
-// doubling_experts whose forward throws on rank `thrower` the first time it is called.
+// doubling_experts whose forward throws the first time it is called while armed.
 struct throwing_once_experts : doubling_experts {
   bool armed = false;
   template <class Exec>
@@ -932,63 +850,7 @@ struct throwing_once_experts : doubling_experts {
     doubling_experts::forward(ex, in, out);
   }
 };
-}  // namespace
 
-TEST_CASE("bounded: a rank whose experts throw, caught there, is refused its next call; no call pairs with its peers'") {
-  // Without the refusal rank 1's next forward would pair its all-to-alls (or its sum) with
-  // the combine of its peers' first call: both would return, with each other's rows.
-  for (bool masked : {false, true}) {
-    CAPTURE(masked);
-    std::vector<std::string> first(4), second(4);
-    epx::threads::options opts;
-    opts.timeout = std::chrono::seconds(20);
-    epx::threads::run(
-        4,
-        [&](comm_t& comm) {
-          on_path(masked, comm, 4, false, [&](auto& layer) {
-            const auto r = static_cast<std::size_t>(comm.rank());
-            throwing_once_experts e;
-            e.armed = comm.rank() == 1;
-            std::vector<float> x(6 * 4, 1.0f), w(6 * 2, 0.5f), y(6 * 4);
-            std::vector<std::int32_t> ids(6 * 2);
-            for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>(i % 8);
-            const auto call = [&]() -> std::string {
-              try {
-                (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
-                                    epx::span<const float>(w), epx::span<float>(y), e, epx::mode::inference);
-              } catch (const epx::error& ex) {
-                return ex.what();
-              } catch (const std::bad_alloc&) {
-                return "bad_alloc";
-              }
-              return "no error";
-            };
-            first[r] = call();
-            second[r] = call();
-          });
-        },
-        opts);
-    CHECK(first[1] == "bad_alloc");
-    CHECK_MESSAGE(second[1].find("epx communicator error: moe_layer forward (rank 1): bounded mode: an earlier call "
-                                 "of this layer on this rank failed (its forward ended before its last collective: "
-                                 "std::bad_alloc)") != std::string::npos,
-                  second[1]);
-    // Its peers wait for it in their first call's combine, and hear that it left.
-    for (int p : {0, 2, 3}) {
-      CAPTURE(p);
-      CHECK_MESSAGE(first[static_cast<std::size_t>(p)].find("rank 1") != std::string::npos,
-                    first[static_cast<std::size_t>(p)]);
-      CHECK_MESSAGE(second[static_cast<std::size_t>(p)].find("the layer cannot be used any more") != std::string::npos,
-                    second[static_cast<std::size_t>(p)]);
-    }
-  }
-}
-
-}  // namespace test_bounded_cpp
-
-namespace test_bounded_cpp {
-
-namespace {
 // doubling_experts whose backward throws the first time it is called while armed.
 struct throwing_backward_experts : doubling_experts {
   bool armed = false;
@@ -1001,11 +863,13 @@ struct throwing_backward_experts : doubling_experts {
     doubling_experts::backward(ex, in, g, gi);
   }
 };
-}  // namespace
 
-TEST_CASE("bounded: a rank whose experts throw in backward, caught there, is refused its next call") {
-  // As the forward case above: rank 1 leaves its backward between the two all-to-alls (or
-  // before the sums); its next call would pair with its peers' backward.
+// Four ranks on both paths (on_path, cap 4), each with call_rows(6, 1, 6) and experts of type
+// Experts, armed on rank 1 only: call(layer, e, rows) twice on every rank, each returning
+// what it raised ("no error" where nothing). Rank 1's first call must end with `thrown` and
+// its second be refused with `refused`.
+template <class Experts, class Call>
+void check_refused_after_throw(Call call, const std::string& thrown, const std::string& refused) {
   for (bool masked : {false, true}) {
     CAPTURE(masked);
     std::vector<std::string> first(4), second(4);
@@ -1016,31 +880,17 @@ TEST_CASE("bounded: a rank whose experts throw in backward, caught there, is ref
         [&](comm_t& comm) {
           on_path(masked, comm, 4, false, [&](auto& layer) {
             const auto r = static_cast<std::size_t>(comm.rank());
-            throwing_backward_experts e;
-            std::vector<float> x(6 * 4, 1.0f), w(6 * 2, 0.5f), y(6 * 4), g(6 * 4, 1.0f), gx(6 * 4), gw(6 * 2);
-            std::vector<std::int32_t> ids(6 * 2);
-            for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>(i % 8);
-            const auto step = [&]() -> std::string {
-              try {
-                auto s = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
-                                       epx::span<const float>(w), epx::span<float>(y), e, epx::mode::train);
-                e.armed = comm.rank() == 1 && first[r].empty();
-                layer.backward(std::move(s), epx::span<const float>(g), epx::span<float>(gx), epx::span<float>(gw), e);
-              } catch (const std::exception& ex) {
-                return ex.what();
-              }
-              return "no error";
-            };
-            first[r] = step();
-            second[r] = step();
+            Experts e;
+            e.armed = comm.rank() == 1;
+            call_rows io(6, 1, 6);
+            first[r] = call(layer, e, io);
+            second[r] = call(layer, e, io);
           });
         },
         opts);
-    CHECK(first[1] == "injected: the experts' backward failed");
-    CHECK_MESSAGE(second[1].find("epx communicator error: moe_layer forward (rank 1): bounded mode: an earlier call "
-                                 "of this layer on this rank failed (its backward ended before its last collective: "
-                                 "injected: the experts' backward failed)") != std::string::npos,
-                  second[1]);
+    CHECK(first[1] == thrown);
+    CHECK_MESSAGE(second[1].find(refused) != std::string::npos, second[1]);
+    // Its peers wait for it in their first call's combine, and hear that it left.
     for (int p : {0, 2, 3}) {
       CAPTURE(p);
       CHECK_MESSAGE(first[static_cast<std::size_t>(p)].find("rank 1") != std::string::npos,
@@ -1049,6 +899,43 @@ TEST_CASE("bounded: a rank whose experts throw in backward, caught there, is ref
                     second[static_cast<std::size_t>(p)]);
     }
   }
+}
+}  // namespace
+
+TEST_CASE("bounded: a rank whose experts throw, caught there, is refused its next call; no call pairs with its peers'") {
+  // Without the refusal rank 1's next forward would pair its all-to-alls (or its sum) with
+  // the combine of its peers' first call: both would return, with each other's rows.
+  check_refused_after_throw<throwing_once_experts>(
+      [](auto& layer, throwing_once_experts& e, call_rows& io) -> std::string {
+        try {
+          (void)io.forward(layer, e, epx::mode::inference);
+        } catch (const epx::error& ex) {
+          return ex.what();
+        } catch (const std::bad_alloc&) {
+          return "bad_alloc";
+        }
+        return "no error";
+      },
+      "bad_alloc",
+      "epx communicator error: moe_layer forward (rank 1): bounded mode: an earlier call of this layer on this rank "
+      "failed (its forward ended before its last collective: std::bad_alloc)");
+}
+
+TEST_CASE("bounded: a rank whose experts throw in backward, caught there, is refused its next call") {
+  // As the forward case above: rank 1 leaves its backward between the two all-to-alls (or
+  // before the sums); its next call would pair with its peers' backward.
+  check_refused_after_throw<throwing_backward_experts>(
+      [](auto& layer, throwing_backward_experts& e, call_rows& io) -> std::string {
+        try {
+          io.backward(layer, io.forward(layer, e, epx::mode::train), e);
+        } catch (const std::exception& ex) {
+          return ex.what();
+        }
+        return "no error";
+      },
+      "injected: the experts' backward failed",
+      "epx communicator error: moe_layer forward (rank 1): bounded mode: an earlier call of this layer on this rank "
+      "failed (its backward ended before its last collective: injected: the experts' backward failed)");
 }
 
 }  // namespace test_bounded_cpp
