@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/bounded_cases.hpp"
+#include "core/mpi_cases.hpp"
 #include "epx/comm/mpi.hpp"
 
 namespace {
@@ -17,15 +18,8 @@ using epx::test::layer_case;
 using epx::test::routing_kind;
 using comm_t = epx::mpi::communicator;
 
-layer_case make(int tp, int fsdp, int ep, int E, int k, routing_kind r = routing_kind::random, int R = 1) {
-  layer_case c;
-  c.topology = epx::mesh_config{tp, fsdp, 1, R, ep, E, 0};
-  c.top_k = k;
-  c.routing = r;
-  c.rows = [](int b) { return static_cast<std::size_t>(9 + 2 * b); };
-  c.seed = static_cast<std::uint64_t>(tp * 1000 + fsdp * 100 + ep * 10 + E + k * 7 + R + 5);
-  return c;
-}
+// Routing random where a case names none, 9 + 2b rows in batch b (core/mpi_cases.hpp).
+const epx::test::case_maker make{routing_kind::random, [](int b) { return static_cast<std::size_t>(9 + 2 * b); }, 5};
 
 std::vector<layer_case> cases_for(int n) {
   switch (n) {
