@@ -358,7 +358,59 @@ struct stage_batch {
   epx::span<const float> x() const { return epx::span<const float>(in.x); }
   epx::span<const std::int32_t> ids() const { return epx::span<const std::int32_t>(in.d.ids); }
   epx::span<const float> w() const { return epx::span<const float>(in.w); }
+  // A fused training step on layer l: forward, then the backward of its saved state.
+  template <class Layer>
+  void train(Layer& l) {
+    auto s = l.forward(x(), ids(), w(), epx::span<float>(out), experts, epx::mode::train);
+    l.backward(std::move(s), epx::span<const float>(go), epx::span<float>(gx), epx::span<float>(gw), experts);
+  }
 };
+
+// Whether a and b hold bitwise the same outputs and gradients (with `expert_grads`, the
+// experts' gradients too).
+bool same_results(const stage_batch& a, const stage_batch& b, bool expert_grads) {
+  return a.out == b.out && a.gx == b.gx && a.gw == b.gw && (!expert_grads || a.experts.grads() == b.experts.grads());
+}
+
+using all_to_all_layer = epx::moe_layer<comm_t, float, epx::impl::all_to_all, epx::test::test_exec>;
+
+// Two micro-batches of case c on this rank (c and epx::test::second_micro_batch(c)): `want`
+// what a layer gives each alone, through its fused calls one after the other; `have` for
+// the calls under test.
+struct micro_batches {
+  const epx::mesh m;
+  const int rank;
+  const layer_case c1;
+  stage_batch want[2], have[2];
+  micro_batches(comm_t& comm, const layer_case& c)
+      : m(c.topology),
+        rank(comm.rank()),
+        c1(epx::test::second_micro_batch(c)),
+        want{stage_batch(c, m, rank), stage_batch(c1, m, rank)},
+        have{stage_batch(c, m, rank), stage_batch(c1, m, rank)} {
+    all_to_all_layer l(m, comm, epx::test::options_for(c));
+    for (auto& sb : want) sb.train(l);
+  }
+  // "micro-batch i differs from <than>; " for each micro-batch whose `have` is not `want`
+  // (same_results, with `expert_grads` as given).
+  std::string differences(bool expert_grads, const std::string& than) const {
+    std::string f;
+    for (int i = 0; i < 2; ++i)
+      if (!same_results(have[i], want[i], expert_grads))
+        f += "micro-batch " + std::to_string(i) + " differs from " + than + "; ";
+    return f;
+  }
+};
+
+// check(comm, c) on 4 ranks, with c's peers read directly and through the staged route.
+template <class Check>
+void on_both_routes(layer_case c, Check check) {
+  for (bool direct : {true, false}) {
+    CAPTURE(direct);
+    c.peer_access = direct;
+    on_ranks(4, [&](comm_t& comm) { return check(comm, c); });
+  }
+}
 
 // Two layers of one model on the same world communicator (each with its own groups),
 // called as a pipeline schedule calls them: forward of A, forward of B, backward of B,
@@ -366,25 +418,21 @@ struct stage_batch {
 // layers. Each must give bitwise what each layer gives alone, one after the other, and
 // the expert gradients must be the same.
 std::string two_layers_interleaved(comm_t& comm, const layer_case& ca, const layer_case& cb) {
-  using layer_t = epx::moe_layer<comm_t, float, epx::impl::all_to_all, epx::test::test_exec>;
   const epx::test::test_exec exec{};
   const epx::mesh ma(ca.topology), mb(cb.topology);
   const int rank = comm.rank();
   std::string f;
   const auto same = [&](const stage_batch& have, const stage_batch& want, const char* what) {
-    if (have.out != want.out || have.gx != want.gx || have.gw != want.gw || have.experts.grads() != want.experts.grads())
-      f += std::string(what) + ": the results differ from the layer's alone; ";
+    if (!same_results(have, want, true)) f += std::string(what) + ": the results differ from the layer's alone; ";
   };
   // Alone, one after the other.
   stage_batch a0(ca, ma, rank), b0(cb, mb, rank);
   for (auto* sb : {&a0, &b0}) {
     const bool is_a = sb == &a0;
-    layer_t l(is_a ? ma : mb, comm, epx::test::options_for(is_a ? ca : cb));
-    auto s = l.forward(sb->x(), sb->ids(), sb->w(), epx::span<float>(sb->out), sb->experts, epx::mode::train);
-    l.backward(std::move(s), epx::span<const float>(sb->go), epx::span<float>(sb->gx), epx::span<float>(sb->gw),
-               sb->experts);
+    all_to_all_layer l(is_a ? ma : mb, comm, epx::test::options_for(is_a ? ca : cb));
+    sb->train(l);
   }
-  layer_t la(ma, comm, epx::test::options_for(ca)), lb(mb, comm, epx::test::options_for(cb));
+  all_to_all_layer la(ma, comm, epx::test::options_for(ca)), lb(mb, comm, epx::test::options_for(cb));
   {  // Fused: forward A, forward B, backward B, backward A.
     stage_batch a(ca, ma, rank), b(cb, mb, rank);
     auto sa = la.forward(a.x(), a.ids(), a.w(), epx::span<float>(a.out), a.experts, epx::mode::train);
@@ -423,11 +471,9 @@ std::string two_layers_interleaved(comm_t& comm, const layer_case& ca, const lay
      // (docs/guarantees.md: a rank's different communicators may be used by different
      // threads at once).
     stage_batch a(ca, ma, rank), b(cb, mb, rank);
-    const auto train = [](layer_t& l, stage_batch& sb) {
+    const auto train = [](all_to_all_layer& l, stage_batch& sb) {
       try {
-        auto s = l.forward(sb.x(), sb.ids(), sb.w(), epx::span<float>(sb.out), sb.experts, epx::mode::train);
-        l.backward(std::move(s), epx::span<const float>(sb.go), epx::span<float>(sb.gx), epx::span<float>(sb.gw),
-                   sb.experts);
+        sb.train(l);
         return std::string();
       } catch (const std::exception& e) {
         return std::string(e.what());
@@ -464,23 +510,10 @@ namespace {
 // experts' thread), forward and backward. Bitwise the fused calls of each micro-batch;
 // under ThreadSanitizer (the tsan preset) no race.
 std::string experts_on_a_worker_thread(comm_t& comm, const layer_case& c) {
-  using layer_t = epx::moe_layer<comm_t, float, epx::impl::all_to_all, epx::test::test_exec>;
   const epx::test::test_exec exec{};
-  const epx::mesh m(c.topology);
-  const int rank = comm.rank();
-  const layer_case c1 = epx::test::second_micro_batch(c);
-  std::string f;
-  stage_batch want[2] = {stage_batch(c, m, rank), stage_batch(c1, m, rank)};
-  stage_batch have[2] = {stage_batch(c, m, rank), stage_batch(c1, m, rank)};
-  {
-    layer_t l(m, comm, epx::test::options_for(c));
-    for (auto& sb : want) {
-      auto s = l.forward(sb.x(), sb.ids(), sb.w(), epx::span<float>(sb.out), sb.experts, epx::mode::train);
-      l.backward(std::move(s), epx::span<const float>(sb.go), epx::span<float>(sb.gx), epx::span<float>(sb.gw),
-                 sb.experts);
-    }
-  }
-  layer_t l(m, comm, epx::test::options_for(c));
+  micro_batches mb(comm, c);
+  auto& have = mb.have;
+  all_to_all_layer l(mb.m, comm, epx::test::options_for(c));
   epx::forward_handle<float> h[2];
   h[0] = l.dispatch(have[0].x(), have[0].ids(), have[0].w(), epx::mode::train);
   std::thread worker([&] { have[0].experts.forward(exec, h[0].inputs(), h[0].outputs().data()); });
@@ -506,22 +539,13 @@ std::string experts_on_a_worker_thread(comm_t& comm, const layer_case& c) {
   l.backward_combine_wait(g[0]);
   worker.join();
   l.backward_combine(g[1], g[1].grad_inputs(), epx::span<float>(have[1].gx));
-  for (int i = 0; i < 2; ++i)
-    if (have[i].out != want[i].out || have[i].gx != want[i].gx || have[i].gw != want[i].gw ||
-        have[i].experts.grads() != want[i].experts.grads())
-      f += "micro-batch " + std::to_string(i) + " differs from the fused calls; ";
-  return f;
+  return mb.differences(true, "the fused calls");
 }
 
 }  // namespace
 
 TEST_CASE("split phase: one micro-batch's experts on a worker thread while the next one's phase starts: bitwise the fused calls") {
-  for (bool direct : {true, false}) {
-    CAPTURE(direct);
-    auto c = make(2, 2, 4, 8, 2);
-    c.peer_access = direct;
-    on_ranks(4, [&](comm_t& comm) { return experts_on_a_worker_thread(comm, c); });
-  }
+  on_both_routes(make(2, 2, 4, 8, 2), experts_on_a_worker_thread);
 }
 
 namespace {
@@ -532,42 +556,29 @@ namespace {
 // what the layer gives it alone. Then handles in flight outlive their layer (split.hpp: a
 // handle may outlive its layer): their rows stay readable until the handles go.
 std::string fused_calls_between_split_phases(comm_t& comm, const layer_case& c) {
-  using layer_t = epx::moe_layer<comm_t, float, epx::impl::all_to_all, epx::test::test_exec>;
   const epx::test::test_exec exec{};
-  const epx::mesh m(c.topology);
-  const int rank = comm.rank();
-  const layer_case c1 = epx::test::second_micro_batch(c);
+  micro_batches mb(comm, c);
+  auto& have = mb.have;
   std::string f;
-  stage_batch want[2] = {stage_batch(c, m, rank), stage_batch(c1, m, rank)};
-  stage_batch have[2] = {stage_batch(c, m, rank), stage_batch(c1, m, rank)};
-  const auto fused = [](layer_t& l, stage_batch& sb) {
-    auto s = l.forward(sb.x(), sb.ids(), sb.w(), epx::span<float>(sb.out), sb.experts, epx::mode::train);
-    l.backward(std::move(s), epx::span<const float>(sb.go), epx::span<float>(sb.gx), epx::span<float>(sb.gw),
-               sb.experts);
-  };
-  {
-    layer_t l(m, comm, epx::test::options_for(c));
-    for (auto& sb : want) fused(l, sb);
-  }
   epx::forward_handle<float> late_forward;
   epx::backward_handle<float> late_backward;
   std::vector<float> late_rows;
   {
-    layer_t l(m, comm, epx::test::options_for(c));
+    all_to_all_layer l(mb.m, comm, epx::test::options_for(c));
     stage_batch& a = have[0];
     auto h = l.dispatch(a.x(), a.ids(), a.w(), epx::mode::train);
-    fused(l, have[1]);  // between micro-batch 0's dispatch and its combine
+    have[1].train(l);  // between micro-batch 0's dispatch and its combine
     a.experts.forward(exec, h.inputs(), h.outputs().data());
     auto saved = l.combine(h, h.outputs(), epx::span<float>(a.out));
     auto g = l.backward_dispatch(std::move(saved), epx::span<const float>(a.go), epx::span<float>(a.gw));
-    stage_batch again(c1, m, rank);
-    fused(l, again);  // between its backward dispatch and backward combine
+    stage_batch again(mb.c1, mb.m, mb.rank);
+    again.train(l);  // between its backward dispatch and backward combine
     a.experts.backward(exec, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());
     l.backward_combine(g, g.grad_inputs(), epx::span<float>(a.gx));
-    if (again.out != want[1].out || again.gx != want[1].gx || again.gw != want[1].gw)
+    if (!same_results(again, mb.want[1], false))
       f += "the second fused call of micro-batch 1 differs from the layer's alone; ";
     // Handles left in flight when the layer goes.
-    stage_batch late(c, m, rank);
+    stage_batch late(c, mb.m, mb.rank);
     late_forward = l.dispatch(late.x(), late.ids(), late.w(), epx::mode::train);
     late_rows.assign(late_forward.inputs().num_rows * late_forward.inputs().hidden, 0.0f);
     auto s2 = l.forward(late.x(), late.ids(), late.w(), epx::span<float>(late.out), late.experts, epx::mode::train);
@@ -582,21 +593,13 @@ std::string fused_calls_between_split_phases(comm_t& comm, const layer_case& c) 
   (void)sum;
   late_forward = epx::forward_handle<float>();
   late_backward = epx::backward_handle<float>();
-  for (int i = 0; i < 2; ++i)
-    if (have[i].out != want[i].out || have[i].gx != want[i].gx || have[i].gw != want[i].gw)
-      f += "micro-batch " + std::to_string(i) + " differs from the layer's alone; ";
-  return f;
+  return f + mb.differences(false, "the layer's alone");
 }
 
 }  // namespace
 
 TEST_CASE("split phase: fused calls between a handle's phases, and handles that outlive their layer") {
-  for (bool direct : {true, false}) {
-    CAPTURE(direct);
-    auto c = make(2, 2, 4, 8, 2);
-    c.peer_access = direct;
-    on_ranks(4, [&](comm_t& comm) { return fused_calls_between_split_phases(comm, c); });
-  }
+  on_both_routes(make(2, 2, 4, 8, 2), fused_calls_between_split_phases);
 }
 
 namespace {
@@ -613,11 +616,7 @@ std::string split_and_fused_states_mix(comm_t& comm, const layer_case& c) {
   std::string f;
   stage_batch want(c, m, rank), split_fwd(c, m, rank), split_bwd(c, m, rank);
   layer_t l(m, comm, epx::test::options_for(c));
-  {
-    auto s = l.forward(want.x(), want.ids(), want.w(), epx::span<float>(want.out), want.experts, epx::mode::train);
-    l.backward(std::move(s), epx::span<const float>(want.go), epx::span<float>(want.gx), epx::span<float>(want.gw),
-               want.experts);
-  }
+  want.train(l);
   try {
     stage_batch& a = split_fwd;  // split forward, fused backward
     auto h = l.dispatch(a.x(), a.ids(), a.w(), epx::mode::train);
@@ -637,7 +636,7 @@ std::string split_and_fused_states_mix(comm_t& comm, const layer_case& c) {
     f += std::string("fused forward, split backward raised: ") + e.what() + "; ";
   }
   for (const stage_batch* sb : {&split_fwd, &split_bwd})
-    if (sb->out != want.out || sb->gx != want.gx || sb->gw != want.gw || sb->experts.grads() != want.experts.grads())
+    if (!same_results(*sb, want, true))
       f += std::string(sb == &split_fwd ? "split forward, fused backward" : "fused forward, split backward") +
            " differs from the fused calls; ";
   return f;
@@ -646,14 +645,10 @@ std::string split_and_fused_states_mix(comm_t& comm, const layer_case& c) {
 }  // namespace
 
 TEST_CASE("split phase: a split forward's saved state taken back by the fused backward, and the other way round") {
-  for (bool direct : {true, false}) {
-    CAPTURE(direct);
-    auto c = make(1, 4, 4, 8, 2, routing_kind::uneven);
-    c.peer_access = direct;
-    on_ranks(4, [&](comm_t& comm) { return split_and_fused_states_mix<epx::impl::all_to_all>(comm, c); });
-    c.sends = epx::row_sends::per_rank;
-    on_ranks(4, [&](comm_t& comm) { return split_and_fused_states_mix<epx::impl::all_to_all>(comm, c); });
-  }
+  auto c = make(1, 4, 4, 8, 2, routing_kind::uneven);
+  on_both_routes(c, split_and_fused_states_mix<epx::impl::all_to_all>);
+  c.sends = epx::row_sends::per_rank;
+  on_both_routes(c, split_and_fused_states_mix<epx::impl::all_to_all>);
   const auto masked = make(2, 1, 2, 4, 2);
   on_ranks(2, [&](comm_t& comm) { return split_and_fused_states_mix<epx::impl::all_reduce>(comm, masked); });
   on_ranks(2, [&](comm_t& comm) { return split_and_fused_states_mix<epx::impl::automatic>(comm, masked); });
