@@ -1,5 +1,5 @@
-// tests/core/mpi_cases.hpp: the cases of the MPI layer tests (test_bounded_mpi.cpp,
-// test_capacity_mpi.cpp), one mesh each: case_maker makes a layer_case of a mesh with a seed
+// tests/core/mpi_cases.hpp: the cases of the MPI layer tests (test_layer_mpi.cpp,
+// test_split_mpi.cpp, test_bounded_mpi.cpp, test_capacity_mpi.cpp), one mesh each: case_maker makes a layer_case of a mesh with a seed
 // from its numbers, and holds what a test file sets apart from another: the routing where a
 // case names none, the rows of a batch and an offset of the seed.
 #pragma once

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/layer_cases.hpp"
+#include "core/mpi_cases.hpp"
 #include "epx/comm/mpi.hpp"
 #include "epx/exec/emulated.hpp"
 #include "support/group_failing_comm.hpp"
@@ -22,14 +23,7 @@ using epx::test::layer_case;
 using epx::test::routing_kind;
 using comm_t = epx::mpi::communicator;
 
-layer_case make(int tp, int fsdp, int ep, int E, int k, routing_kind r = routing_kind::random, int R = 1) {
-  layer_case c;
-  c.topology = epx::mesh_config{tp, fsdp, 1, R, ep, E, 0};
-  c.top_k = k;
-  c.routing = r;
-  c.seed = static_cast<std::uint64_t>(tp * 1000 + fsdp * 100 + ep * 10 + E + k * 7 + R);
-  return c;
-}
+const epx::test::case_maker make{};
 
 // Meshes for a world of n ranks.
 std::vector<layer_case> cases_for(int n) {

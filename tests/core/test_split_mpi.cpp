@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/fp8_layer_cases.hpp"
+#include "core/mpi_cases.hpp"
 #include "core/split_cases.hpp"
 #include "epx/comm/mpi.hpp"
 
@@ -17,14 +18,7 @@ using epx::test::routing_kind;
 using epx::test::split_misuse;
 using comm_t = epx::mpi::communicator;
 
-layer_case make(int tp, int fsdp, int ep, int E, int k, routing_kind r = routing_kind::random, int R = 1) {
-  layer_case c;
-  c.topology = epx::mesh_config{tp, fsdp, 1, R, ep, E, 0};
-  c.top_k = k;
-  c.routing = r;
-  c.seed = static_cast<std::uint64_t>(tp * 1000 + fsdp * 100 + ep * 10 + E + k * 7 + R);
-  return c;
-}
+const epx::test::case_maker make{};
 
 std::vector<layer_case> cases_for(int n) {
   switch (n) {
