@@ -505,7 +505,6 @@ class moe_layer {
     (void)call;
   }
 
-  // Why a split call's handle cannot take phase `want` here ("" when it can).
   // The start of a split combine, forward or backward (`call`): raises on every rank of the
   // EP group when a rank's handle is not dispatched, or its experts' rows (`rows`, "<rows_are>
   // have ...") or its output (`out_size` elements, "<out_is> has ...") have the wrong size;
@@ -539,6 +538,7 @@ class moe_layer {
     h.call_.host_syncs += detail::host_syncs_on_this_thread() - syncs;
   }
 
+  // Why a split call's handle cannot take phase `want` here ("" when it can).
   std::string phase_error(const detail::split_call<T>& c, detail::split_phase want, const char* call) const {
     if (c.phase == detail::split_phase::empty)
       return detail::concat(call, " got an empty handle (default-constructed, moved from, or never started)");
