@@ -330,6 +330,10 @@ inline void note_bounded_stats(layer_stats& st, const char* path, bool direct) {
   st.dropped_per_expert.clear();
   st.dropped_pairs = 0;
   st.max_expert_load = st.mean_expert_load = st.max_rank_load = st.mean_rank_load = 0.0;
+  st.max_nodes_per_token = 0;
+  st.mean_nodes_per_token = 0.0;
+  st.indexed_sends = false;
+  st.stage_rounds = 0;
 }
 
 // A bounded call whose shapes failed on this rank raises here, after joining every
