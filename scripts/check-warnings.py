@@ -34,10 +34,11 @@ changed shape.
     scripts/check-warnings.py --self-test ...   (same arguments)
         copies include/, plants an int -> size_t conversion in epx/core/config.hpp and
         passes only if the check reports it through one source of each set of --sources
-        (tests: the unity source that holds tests/core/test_numeric.cpp; mpi-tests:
-        tests/core/test_hooks_mpi.cpp; bench: bench/bench_comm_mpi.cpp, bench_comm.cpp
-        without MPI), then plants an undeclared name there and passes only if the first of
-        those sources (test_numeric.cpp alone) is reported as not compiling; also fails if
+        (tests: tests/core/test_numeric.cpp and test_host_isa.cpp as one unity source, as
+        the check compiles a unity folder; mpi-tests: tests/core/test_hooks_mpi.cpp; bench:
+        bench/bench_comm_mpi.cpp, bench_comm.cpp without MPI), then plants an undeclared
+        name there and passes only if the first of those sources (test_numeric.cpp alone)
+        is reported as not compiling; also fails if
         tests/CMakeLists.txt's two lines no longer parse, or name other standalone targets
         than --standalone
 
@@ -60,9 +61,11 @@ FLAGS = ["-std=c++17", "-fsyntax-only", "-fopenmp", "-pthread", "-Wall", "-Wextr
 SKIPPED = 77  # ctest's SKIP_RETURN_CODE for the checks
 SOURCE_SETS = ("tests", "mpi-tests", "bench")
 TEST_FOLDERS = ("core", "comm", "emulated", "reliability")
-# One source of each set that the self-test compiles (its group: a unity source for tests).
-PROBES = {"tests": "tests/core/test_numeric.cpp", "mpi-tests": "tests/core/test_hooks_mpi.cpp",
-          "bench": "bench/bench_comm_mpi.cpp"}
+# The sources of each set that the self-test compiles: for tests two small files of a unity
+# folder, compiled as one unity source of their own (the check's unity path, in a second
+# rather than the minute and a half of the folder's whole source).
+PROBES = {"tests": ["tests/core/test_numeric.cpp", "tests/core/test_host_isa.cpp"],
+          "mpi-tests": ["tests/core/test_hooks_mpi.cpp"], "bench": ["bench/bench_comm_mpi.cpp"]}
 WARNING = re.compile(r"^(?P<file>[^:\s]+):(?P<line>\d+):(?P<col>\d+): warning: (?P<text>.*)$", re.M)
 
 
@@ -186,7 +189,8 @@ def self_test(args, include: pathlib.Path, repo: pathlib.Path) -> int:
             print(f"check-warnings self-test: --standalone gives {sorted(args.standalone)}, "
                   f"{CMAKE_LISTS} {sorted(read)}")
             return 1
-    probes = [PROBES[s] if s != "bench" or args.mpi_include else "bench/bench_comm.cpp" for s in args.sources]
+    probes = [p for s in args.sources
+              for p in (PROBES[s] if s != "bench" or args.mpi_include else ["bench/bench_comm.cpp"])]
     for probe in probes:
         if not (repo / probe).is_file():
             print(f"check-warnings self-test: {probe} is missing")
@@ -198,8 +202,9 @@ def self_test(args, include: pathlib.Path, repo: pathlib.Path) -> int:
         text = victim.read_text(encoding="utf-8")
         plant = "\nnamespace epx::detail {\ninline unsigned long planted_conversion(int i) { return i; }\n}\n"
         victim.write_text(text + plant, encoding="utf-8")
-        # Each probe's group sees it (a test in its folder's unity source, as the check does).
-        results = check(args, copy, probes)
+        # Each probe's group sees it (the tests' probes as one unity source, as the check
+        # compiles a folder).
+        results = check(args, copy, probes, alone=True)
         for name, found, err in results:
             if err:
                 print(f"check-warnings self-test: {name} did not compile:\n{err[:4000]}")
