@@ -181,6 +181,8 @@ TEST_CASE("split phase: misuse raises on every rank, nothing hangs") {
                  "combine_wait needs a handle whose phase is 'combine started, not waited for'");
     check_misuse(c, split_misuse::inputs_before_wait, all, errc::configuration,
                  "forward_handle::inputs() is only available between dispatch_wait and combine_start");
+    check_misuse(c, split_misuse::inputs_before_wait, all, errc::configuration,
+                 "; this handle's phase is 'dispatch started, not waited for': call dispatch_wait on it first");
     check_misuse(c, split_misuse::backward_wait_without_start, all, errc::configuration,
                  "backward_dispatch_wait got an empty handle");
     // Collective starts: one rank's mistake raises on every rank of the EP group.

@@ -57,6 +57,16 @@ inline const char* to_string(split_phase p) noexcept {
   return "?";
 }
 
+// Why a handle's accessor `what` cannot be used in phase `p`: where it is available (from
+// the wait `from` until the start `until`), the phase, and the wait to call first while
+// the dispatch is under way.
+inline std::string accessor_error(const char* handle, const char* what, const char* from, const char* until,
+                                  split_phase p) {
+  return concat(handle, "::", what, " is only available between ", from, " and ", until,
+                "; this handle's phase is '", to_string(p), "'",
+                p == split_phase::dispatching ? concat(": call ", from, " on it first") : std::string());
+}
+
 // A new layer's id, unique in the process over every layer type (handles name the layer
 // that made them; handles depend on T only, so the ids must not repeat across types) and
 // over the shared libraries that make layers: each library built with hidden visibility
@@ -197,8 +207,8 @@ class forward_handle {
   friend class moe_layer;
 
   void require_dispatched(const char* what) const {
-    EPX_REQUIRE(call_.phase == detail::split_phase::dispatched, errc::configuration, "forward_handle::", what,
-                " is only available between dispatch_wait and combine_start; the handle is ", to_string(call_.phase));
+    EPX_REQUIRE(call_.phase == detail::split_phase::dispatched, errc::configuration,
+                detail::accessor_error("forward_handle", what, "dispatch_wait", "combine_start", call_.phase));
   }
 
   detail::split_call<T> call_;
@@ -238,9 +248,9 @@ class backward_handle {
   friend class moe_layer;
 
   void require_dispatched(const char* what) const {
-    EPX_REQUIRE(call_.phase == detail::split_phase::dispatched, errc::configuration, "backward_handle::", what,
-                " is only available between backward_dispatch_wait and backward_combine_start; the handle is ",
-                to_string(call_.phase));
+    EPX_REQUIRE(call_.phase == detail::split_phase::dispatched, errc::configuration,
+                detail::accessor_error("backward_handle", what, "backward_dispatch_wait", "backward_combine_start",
+                                       call_.phase));
   }
 
   detail::split_call<T> call_;
