@@ -532,9 +532,12 @@ void check_one_bad_backward(int bad, bool empty_state, const std::string& text) 
     for (int r = 0; r < 4; ++r) {
       CAPTURE(r);
       const auto& t = threw[static_cast<std::size_t>(r)];
-      if (r == bad)
+      if (r == bad) {
         CHECK_MESSAGE(t.find(text) != std::string::npos, t);
-      else
+        CHECK_MESSAGE(t.find("; every rank of the EP group, this one included, raises it at its next "
+                             "moe_layer::check(), a collective this rank must still make)") != std::string::npos,
+                      t);
+      } else
         CHECK_MESSAGE(t.empty(), t);
       CHECK_MESSAGE(checked[static_cast<std::size_t>(r)].find("1 call(s) had bad shapes") != std::string::npos,
                     checked[static_cast<std::size_t>(r)]);

@@ -337,11 +337,13 @@ inline void note_bounded_stats(layer_stats& st, const char* path, bool direct) {
 }
 
 // A bounded call whose shapes failed on this rank raises here, after joining every
-// collective of the call.
+// collective of the call. The call is counted: the next check() raises it on every rank of
+// the group, this one included, and this rank must make that collective too.
 inline void raise_bounded_shape(int status, const char* message) {
   EPX_REQUIRE(status == 0, errc::input, message,
-              " (bounded mode: this rank joined the call with nothing to send; the other ranks of the EP group "
-              "raise at their next moe_layer::check())");
+              " (bounded mode: this rank joined the call with nothing to send and counted it; every rank of the "
+              "EP group, this one included, raises it at its next moe_layer::check(), a collective this rank "
+              "must still make)");
 }
 
 // The group's sum of `count` values at `data` (in place); a rank with bad shapes passes null

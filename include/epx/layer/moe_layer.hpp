@@ -199,7 +199,8 @@ class moe_layer {
   // different forward calls; in the normal mode, bounded mode counting different calls for
   // check()): then the states stay, and the call may be made again. An empty or foreign
   // state (another implementation's or another layer's) on one rank raises errc::input on
-  // every rank of the group (bounded mode: on that rank; the others at their next check()).
+  // every rank of the group (bounded mode: on that rank, then on every rank at the next
+  // check()).
   template <class Experts>
   void backward(saved_state<T>&& saved, span<const T> grad_out, span<T> grad_x, span<float> grad_weights,
                 Experts& experts) {
