@@ -1137,6 +1137,33 @@ TEST_CASE("tensor sizes whose N*k would wrap raise errc::input on every rank of 
   }
 }
 
+TEST_CASE("ids and weights made for another k than layer_options.top_k: the message names the option") {
+  // top_k left at its default 1, ids and weights of 2 slots per token.
+  epx::layer_options o;
+  o.hidden = 2;
+  for (bool split : {false, true}) {
+    CAPTURE(split);
+    std::vector<raised> r(2);
+    epx::threads::run(2, [&](comm_t& comm) {
+      const epx::mesh m({1, 2, 1, 1, 2, 4, 0});
+      epx::moe_layer<comm_t, float> layer(m, comm, o);
+      scale_experts experts;
+      std::vector<float> x(8), w(8), out(8);
+      std::vector<std::int32_t> ids(8, 0);
+      r[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
+        if (split)
+          (void)layer.dispatch_start(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
+                                     epx::span<const float>(w), epx::mode::inference);
+        else
+          (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
+                              epx::span<const float>(w), epx::span<float>(out), experts, epx::mode::inference);
+      });
+    });
+    require_every_rank_raised(r, epx::errc::input,
+                              {"expert ids have 8 elements but N*k = 4*1 = 4 (k is layer_options.top_k)"});
+  }
+}
+
 namespace {
 
 using epx::test::throwing_experts;  // support/throwing_experts.hpp

@@ -579,6 +579,8 @@ class moe_layer {
   };
   // The first shape mismatch of a call as a sentence ("" when the shapes fit): `first`
   // holds whole rows of H; every rule's tensor holds rows*cols elements (cols: H or k, >= 1).
+  // k is named as the option it comes from: tensors made for another k than the layer's
+  // (top_k left at its default 1) fail here.
   std::string shape_error(const char* first, std::size_t first_size, std::initializer_list<size_rule> rules) const {
     const std::size_t H = options_.hidden;
     if (first_size % H != 0)
@@ -589,7 +591,8 @@ class moe_layer {
       if (r.have % r.cols != 0 || r.have / r.cols != r.rows)
         return detail::concat(r.what, " ", r.have, " elements but ", r.product, " = ", r.rows, "*", r.cols, " = ",
                               r.rows > SIZE_MAX / r.cols ? std::string("more than SIZE_MAX")
-                                                         : std::to_string(r.rows * r.cols));
+                                                         : std::to_string(r.rows * r.cols),
+                              std::string(r.product) == "N*k" ? " (k is layer_options.top_k)" : "");
     return {};
   }
 
