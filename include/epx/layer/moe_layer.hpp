@@ -218,9 +218,12 @@ class moe_layer {
     set_shape(a, N, msg);
     require_in_step("backward");
     const long long syncs = detail::host_syncs_on_this_thread();
-    keeping_stats([&] {
-      consume(saved, [&] { bounded_call("backward", [&] { impl_->backward(exec_, a, experts, saved); }); });
-    });
+    // Experts without a backward get the static_assert above alone, not the errors of the
+    // implementation's calls after it.
+    if constexpr (detail::has_expert_backward<Experts, Exec, T>::value)
+      keeping_stats([&] {
+        consume(saved, [&] { bounded_call("backward", [&] { impl_->backward(exec_, a, experts, saved); }); });
+      });
     stats_->host_syncs = detail::host_syncs_on_this_thread() - syncs;
   }
 
