@@ -281,6 +281,57 @@ TEST_CASE("balance: bad inputs and parameters") {
                        doctest::Contains("load of expert 1 is negative (-1)"), epx::error);
 }
 
+TEST_CASE("balance: a missing buffer, E or k below 1 and a negative load are errc::input naming the values") {
+  const epx::exec::serial ex;
+  std::vector<float> l(12, 0.5f), g(12, -7.0f), bias(4, 0.0f);
+  const std::vector<std::int32_t> ids = {0, 1, 2, 3, 0, 1};
+  const std::vector<std::int64_t> load = {1, 1, 1, 1};
+  const float* no_logits = nullptr;
+  // Each call raises errc::input holding `words`.
+  const auto input_error = [](auto call, const std::string& words) {
+    std::string got = "no error";
+    try {
+      call();
+    } catch (const epx::error& e) {
+      got = e.category() == epx::errc::input ? e.message() : std::string("wrong category: ") + e.what();
+    }
+    CHECK_MESSAGE(got.find(words) != std::string::npos, got, " (wanted: ", words, ")");
+  };
+  input_error([&] { (void)routing::aux_loss(ex, no_logits, 3, 4, epx::make_span(load), 0.1); },
+              "aux_loss: null logits for N = 3 tokens");
+  input_error([&] { (void)routing::z_loss(ex, no_logits, 2, 4, 0.1); }, "z_loss: null logits for N = 2 tokens");
+  input_error([&] { (void)routing::z_loss(ex, l.data(), 3, 0, 0.1); }, "z_loss: number of experts E (0) must be at least 1");
+  input_error([&] { routing::aux_loss_backward(ex, l.data(), 3, 4, epx::make_span(load), 0.1, 1.0f, nullptr); },
+              "aux_loss_backward: null grad_logits for N = 3");
+  input_error([&] { routing::z_loss_backward(ex, l.data(), 3, 4, 0.1, 1.0f, nullptr); },
+              "z_loss_backward: null grad_logits for N = 3");
+  input_error([&] { (void)routing::sequence_balance_loss(ex, l.data(), nullptr, 3, 4, 2, 1, 0.1); },
+              "sequence_balance_loss: null ids for N = 3 tokens");
+  input_error([&] { (void)routing::sequence_balance_loss(ex, l.data(), ids.data(), 3, 4, 5, 1, 0.1); },
+              "sequence_balance_loss: top_k (5) must be in [1, E] with E = 4");
+  input_error(
+      [&] { routing::sequence_balance_loss_backward(ex, l.data(), ids.data(), 3, 4, 0, 1, 0.1, 1.0f, g.data()); },
+      "sequence_balance_loss_backward: top_k (0) must be in [1, E] with E = 4");
+  input_error([&] { (void)routing::sequence_balance_loss(ex, l.data(), ids.data(), 3, 4, 2, 0, 0.1); },
+              "N (3) must be a multiple of the sequence length T (0)");
+  const std::vector<std::int64_t> negative = {1, 1, -2, 1};
+  input_error([&] { (void)routing::aux_loss(ex, l.data(), 3, 4, epx::make_span(negative), 0.1); },
+              "aux_loss: load of expert 2 is negative (-2)");
+  input_error([&] { routing::aux_loss_backward(ex, l.data(), 3, 4, epx::make_span(negative), 0.1, 1.0f, g.data()); },
+              "aux_loss_backward: load of expert 2 is negative (-2)");
+  input_error([&] { (void)routing::expert_load(ex, ids.data(), 3, 2, 0); }, "expert_load: E (0) and k (2) must be at least 1");
+  input_error([&] { (void)routing::expert_load(ex, ids.data(), 3, 0, 4); }, "expert_load: E (4) and k (0) must be at least 1");
+  input_error([&] { (void)routing::expert_load(ex, static_cast<const std::int32_t*>(nullptr), 3, 2, 4); },
+              "expert_load: null ids for N = 3 tokens");
+  input_error([&] { routing::update_bias(ex, nullptr, epx::make_span(load), 0.1f); }, "update_bias: null bias for E = 4");
+  // No gradient was written by the refused _backward calls.
+  for (float x : g) CHECK(x == -7.0f);
+  // Zero tokens need no buffers, and no expert needs no bias.
+  CHECK(routing::z_loss(ex, no_logits, 0, 4, 0.1) == 0.0);
+  CHECK(routing::expert_load(ex, static_cast<const std::int32_t*>(nullptr), 0, 2, 4) == std::vector<std::int64_t>(4, 0));
+  routing::update_bias(ex, nullptr, epx::span<const std::int64_t>(), 0.1f);
+}
+
 // A finite coefficient whose scaled value is beyond float32's range would make the float32
 // coefficient of the gradient infinite: the loss and its _backward refuse it
 // (errc::configuration), before any gradient is written; a grad_loss that takes the
