@@ -324,6 +324,35 @@ TEST_CASE("node limit: bad limits raise errc::configuration naming the values") 
                        epx::error);
   CHECK_THROWS_WITH_AS(routing::node_limit_of(m, 4, 3), doctest::Contains("max_nodes (3) must be in [0, nodes]"),
                        epx::error);
+  // node_limit_of's other refusals, each errc::configuration naming the values.
+  const auto limit_error = [](const epx::mesh& mesh, int rpn, int max_nodes) {
+    try {
+      (void)routing::node_limit_of(mesh, rpn, max_nodes);
+    } catch (const epx::error& e) {
+      CHECK(e.category() == epx::errc::configuration);
+      return e.message();
+    }
+    return std::string("no error");
+  };
+  CHECK(limit_error(m, 0, 1).find("ranks_per_node (0) must be >= 1 and divide ep (8)") != std::string::npos);
+  CHECK(limit_error(m, -2, 1).find("ranks_per_node (-2) must be >= 1 and divide ep (8)") != std::string::npos);
+  CHECK(limit_error(m, 2, -1).find("max_nodes (-1) must be in [0, nodes] with nodes = ep / ranks_per_node = 8 / 2 = 4") !=
+        std::string::npos);
+  // More nodes than a limit's 64-bit masks hold: refused with a limit, fine without one.
+  epx::mesh_config wide;
+  wide.fsdp = 128;
+  wide.ep = 128;
+  wide.experts = 128;
+  const epx::mesh w(wide);
+  CHECK(limit_error(w, 1, 1).find("a node limit supports at most 64 nodes, not 128") != std::string::npos);
+  CHECK(limit_error(w, 2, 64).find("no error") != std::string::npos);  // 64 nodes: the most a limit takes
+  const auto none = routing::node_limit_of(w, 1, 0);
+  CHECK(none.nodes == 128);
+  CHECK_FALSE(none.active());
+  // route() refuses a limit over more than 64 nodes, or over no node, as it does nodes not dividing E.
+  CHECK(route_error({128, 1}, 128, 2).find("node_limit.nodes (128) must divide E (128) and be in [1, 64]") !=
+        std::string::npos);
+  CHECK(route_error({0, 1}, 16, 2).find("node_limit.nodes (0) must divide E (16) and be in [1, 64]") != std::string::npos);
 }
 
 TEST_CASE("node limit: the layer's limit routes every token onto at most M nodes (statistics)") {
