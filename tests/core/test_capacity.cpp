@@ -295,7 +295,15 @@ TEST_CASE("capacity: bad options raise errc::configuration on every rank, naming
   expect_bad(o, "capacity.rows (-3) must be >= 0");
   o.capacity = cap(static_cast<epx::capacity_mode>(7), 1.0);
   expect_bad(o, "capacity.mode (7)");
+  o.capacity = cap(epx::capacity_mode::local, 1.0, 0, static_cast<epx::drop_priority>(2));
+  expect_bad(o, "capacity.priority (2) must be position or score");
   o.capacity = {};
+  o.ranks_per_node = -2;
+  expect_bad(o, "layer_options.ranks_per_node (-2) must be >= 0 (0: not given)");
+  o.ranks_per_node = 2;
+  o.max_nodes = -1;
+  expect_bad(o, "layer_options.max_nodes (-1) must be >= 0 (0: no limit)");
+  o.max_nodes = 0;
   o.ranks_per_node = 3;
   expect_bad(o, "ranks_per_node (3) must divide ep (4)");
   o.ranks_per_node = 2;
@@ -329,6 +337,34 @@ TEST_CASE("capacity: bad options raise errc::configuration on every rank, naming
                            "experts = 1 * 1 * 2 = 2") != std::string::npos,
                     g);
   }
+}
+
+TEST_CASE("capacity: a node limit over more than 64 nodes is errc::configuration, checked against the mesh alone") {
+  // 128 ep ranks are too many threads for a test: the layer's check of its options, which
+  // every rank makes before the ranks compare them, on a mesh without communicators.
+  epx::mesh_config mc;
+  mc.fsdp = 128;
+  mc.ep = 128;
+  mc.experts = 128;
+  const epx::mesh m(mc);
+  epx::layer_options o;
+  o.hidden = 4;
+  o.top_k = 2;
+  o.ranks_per_node = 1;
+  o.max_nodes = 2;
+  std::string got = "no error";
+  try {
+    epx::detail::validate_limits(m, o);
+  } catch (const epx::error& e) {
+    got = e.category() == epx::errc::configuration ? e.message() : std::string("wrong category: ") + e.what();
+  }
+  CHECK_MESSAGE(got.find("a node limit supports at most 64 nodes, not ep / ranks_per_node = 128") != std::string::npos,
+                got);
+  o.ranks_per_node = 2;  // 64 nodes: the most a limit takes
+  epx::detail::validate_limits(m, o);
+  o.ranks_per_node = 1;
+  o.max_nodes = 0;  // no limit: any number of nodes
+  epx::detail::validate_limits(m, o);
 }
 
 TEST_CASE("capacity: ranks that disagree on the capacity raise on every rank") {
