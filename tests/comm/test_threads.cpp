@@ -1507,4 +1507,102 @@ TEST_CASE("threads: reduce_scatter and all_gather refuse spans whose size times 
                      });
 }
 
+TEST_CASE("threads: run refuses no ranks and a watchdog timeout that is not positive, before any rank starts") {
+  std::atomic<int> ran{0};
+  const auto refused = [&](int n, const epx::threads::options& o) {
+    try {
+      epx::threads::run(n, [&](epx::threads::communicator&) { ++ran; }, o);
+    } catch (const epx::error& e) {
+      CHECK(e.category() == epx::errc::configuration);
+      return e.message();
+    }
+    return std::string("no error");
+  };
+  CHECK(contains(refused(0, normal_options()), "threads::run: number of ranks (0) must be at least 1"));
+  CHECK(contains(refused(-3, normal_options()), "threads::run: number of ranks (-3) must be at least 1"));
+  epx::threads::options o;
+  o.timeout = milliseconds(0);
+  CHECK(contains(refused(2, o), "threads::run: watchdog timeout (0 ms) must be positive"));
+  o.timeout = milliseconds(-5);
+  CHECK(contains(refused(2, o), "threads::run: watchdog timeout (-5 ms) must be positive"));
+  CHECK(ran.load() == 0);
+}
+
+// The typed collectives of epx/comm/collectives.hpp check their spans on the calling rank,
+// before the collective: every rank that passes spans that do not fit raises errc::input,
+// nothing moves, and the communicator goes on.
+TEST_CASE("threads: the typed collectives refuse spans that do not fit the communicator") {
+  using sizes = std::vector<std::size_t>;
+  SUBCASE("all_to_all: a send that is not a multiple of the size, a recv of another size") {
+    every_rank_refuses(2, "all_to_all: send (5) and recv (5) must hold the same multiple of the communicator size (2)",
+                       [](epx::threads::communicator& comm) {
+                         std::vector<float> send(5, 1.0f), recv(5);
+                         epx::all_to_all(comm, epx::span<const float>(send), epx::span<float>(recv));
+                       });
+    every_rank_refuses(3, "all_to_all: send (6) and recv (3) must hold the same multiple of the communicator size (3)",
+                       [](epx::threads::communicator& comm) {
+                         std::vector<float> send(6, 1.0f), recv(3);
+                         epx::all_to_all(comm, epx::span<const float>(send), epx::span<float>(recv));
+                       });
+  }
+  SUBCASE("all_to_allv and all_to_allv_rows: counts that are not one per peer") {
+    every_rank_refuses(3, "all_to_allv: counts and displacements need one entry per peer (3)",
+                       [](epx::threads::communicator& comm) {
+                         std::vector<int> send(6, 1), recv(6);
+                         const sizes c = {2, 2, 2}, d = {0, 2, 4}, short_d = {0, 2};
+                         epx::all_to_allv(comm, send.data(), epx::span<const std::size_t>(c),
+                                          epx::span<const std::size_t>(d), recv.data(), epx::span<const std::size_t>(c),
+                                          epx::span<const std::size_t>(short_d));
+                       });
+    every_rank_refuses(2, "all_to_allv_rows: counts and offsets need one entry per peer (2)",
+                       [](epx::threads::communicator& comm) {
+                         std::vector<double> send(8, 1.0), recv(8);
+                         const sizes c = {1, 1}, d = {0, 1}, long_c = {1, 1, 0};
+                         epx::all_to_allv_rows(comm, send.data(), epx::span<const std::size_t>(long_c),
+                                               epx::span<const std::size_t>(d), recv.data(),
+                                               epx::span<const std::size_t>(c), epx::span<const std::size_t>(d), 4);
+                       });
+  }
+  SUBCASE("all_to_allv_segments and all_to_allv_indexed: arrays that are not peers * nseg") {
+    every_rank_refuses(2, "all_to_allv_segments: counts and displacements need peers*nseg (2*2 = 4) entries",
+                       [](epx::threads::communicator& comm) {
+                         std::vector<float> send(8, 1.0f), recv(8);
+                         const sizes four = {1, 1, 1, 1}, d = {0, 1, 2, 3}, three = {1, 1, 1};
+                         epx::all_to_allv_segments(comm, send.data(), epx::span<const std::size_t>(four),
+                                                   epx::span<const std::size_t>(d), recv.data(),
+                                                   epx::span<const std::size_t>(three),
+                                                   epx::span<const std::size_t>(d), 2, 2);
+                       });
+    every_rank_refuses(2, "all_to_allv_indexed: counts and displacements need peers*nseg (2*1 = 2) entries",
+                       [](epx::threads::communicator& comm) {
+                         std::vector<float> src(8, 1.0f), recv(8);
+                         const std::vector<std::int64_t> rows = {0, 1};
+                         const sizes c = {1, 1}, d = {0, 1}, one = {0};
+                         epx::all_to_allv_indexed(comm, epx::span<const float>(src),
+                                                  epx::span<const std::int64_t>(rows), epx::span<const std::size_t>(c),
+                                                  epx::span<const std::size_t>(one), recv.data(),
+                                                  epx::span<const std::size_t>(c), epx::span<const std::size_t>(d), 1, 4);
+                       });
+  }
+  SUBCASE("all_to_allv_indexed: a src that is not whole rows") {
+    every_rank_refuses(2, "all_to_allv_indexed: src holds 10 elements, not a whole number of rows of 4",
+                       [](epx::threads::communicator& comm) {
+                         std::vector<float> src(10, 1.0f), recv(8);
+                         const std::vector<std::int64_t> rows = {0, 1};
+                         const sizes c = {1, 1}, d = {0, 1};
+                         epx::all_to_allv_indexed(comm, epx::span<const float>(src),
+                                                  epx::span<const std::int64_t>(rows), epx::span<const std::size_t>(c),
+                                                  epx::span<const std::size_t>(d), recv.data(),
+                                                  epx::span<const std::size_t>(c), epx::span<const std::size_t>(d), 1, 4);
+                       });
+  }
+  SUBCASE("all_reduce: send and recv of different sizes") {
+    every_rank_refuses(3, "all_reduce: send (4) and recv (3) sizes differ", [](epx::threads::communicator& comm) {
+      std::vector<float> send(4, 1.0f), recv(3, -1.0f);
+      epx::all_reduce(comm, epx::span<const float>(send), epx::span<float>(recv));
+      FAIL("the all_reduce ran");
+    });
+  }
+}
+
 }  // namespace test_threads_cpp
