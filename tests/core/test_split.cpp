@@ -217,6 +217,59 @@ TEST_CASE("split phase: misuse raises on every rank, nothing hangs") {
   }
 }
 
+TEST_CASE("split phase: a handle's accessors outside their phase, and the FP8 rows of a layer that dispatches T") {
+  // Local calls: errc::configuration on the rank that makes them, naming the accessor and
+  // the handle's phase; the call then goes on to the fused result's end.
+  const auto c = make(1, 2, 2, 4, 2);
+  on_ranks(2, [&](comm_t& comm) {
+    using T = float;
+    using exec_t = epx::test::test_exec;
+    const epx::mesh m(c.topology);
+    const exec_t policy{};
+    epx::test::micro_batch<T> mb(c, m.batch(comm.rank()));
+    epx::moe_layer<comm_t, T, epx::impl::all_to_all, exec_t> layer(m, comm, epx::test::options_for(c), policy);
+    const auto global = epx::ref::linear_experts::random(c.topology.experts, c.hidden, c.seed ^ 0x51ull);
+    epx::ref::test_linear_experts<T> experts(global, m.ep_rank(comm.rank()), m.local_experts());
+    std::string f;
+    const auto refused = [&f](auto call, const std::string& words) {
+      const auto r = epx::test::capture(call);
+      if (!r.thrown)
+        f += "no error for '" + words + "'; ";
+      else if (r.category != epx::errc::configuration || r.message.find(words) == std::string::npos)
+        f += "'" + r.message + "' (wanted errc::configuration, '" + words + "'); ";
+    };
+    const std::string fwd_phase = " is only available between dispatch_wait and combine_start; the handle is ";
+    const std::string bwd_phase =
+        " is only available between backward_dispatch_wait and backward_combine_start; the handle is ";
+    auto h = layer.dispatch_start(epx::span<const T>(mb.x), epx::span<const std::int32_t>(mb.d.ids),
+                                  epx::span<const float>(mb.w), epx::mode::train);
+    refused([&] { (void)h.outputs(); }, "forward_handle::outputs()" + fwd_phase + "dispatch started, not waited for");
+    layer.dispatch_wait(h);
+    if (h.fp8()) f += "fp8() is true without fp8_dispatch; ";
+    refused([&] { (void)h.fp8_inputs(); },
+            "forward_handle::fp8_inputs(): the layer dispatches rows in T (layer_options::fp8_dispatch is off)");
+    refused([&] { (void)h.scales(); },
+            "forward_handle::scales(): the layer dispatches rows in T (layer_options::fp8_dispatch is off)");
+    experts.forward(policy, h.inputs(), h.outputs().data());
+    layer.combine_start(h, epx::span<const T>(h.outputs().data(), h.outputs().size()), epx::span<T>(mb.out));
+    refused([&] { (void)h.inputs(); }, "forward_handle::inputs()" + fwd_phase + "combine started, not waited for");
+    auto saved = layer.combine_wait(h);
+    refused([&] { (void)h.scales(); }, "forward_handle::scales()" + fwd_phase + "already combined");
+    epx::backward_handle<T> none;
+    refused([&] { (void)none.inputs(); }, "backward_handle::inputs()" + bwd_phase + "empty (default-constructed or moved from)");
+    auto g = layer.backward_dispatch_start(std::move(saved), epx::span<const T>(mb.go), epx::span<float>(mb.gw));
+    refused([&] { (void)g.grad_outputs(); }, "backward_handle::grad_outputs()" + bwd_phase + "dispatch started, not waited for");
+    layer.backward_dispatch_wait(g);
+    experts.backward(policy, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());
+    layer.backward_combine_start(g, epx::span<const T>(g.grad_inputs().data(), g.grad_inputs().size()),
+                                 epx::span<T>(mb.gx));
+    refused([&] { (void)g.grad_inputs(); }, "backward_handle::grad_inputs()" + bwd_phase + "combine started, not waited for");
+    layer.backward_combine_wait(g);
+    refused([&] { (void)g.inputs(); }, "backward_handle::inputs()" + bwd_phase + "already combined");
+    return f;
+  });
+}
+
 TEST_CASE("split phase: bad input in dispatch_start raises on every rank of the EP group") {
   auto c = make(1, 4, 4, 8, 2);
   std::vector<epx::test::raised> r(4);
