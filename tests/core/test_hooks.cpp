@@ -120,6 +120,46 @@ TEST_CASE("hooks: communicators that do not match the mesh raise") {
   CHECK(true);
 }
 
+TEST_CASE("hooks: each hook names itself and both sizes when its communicators do not match the mesh") {
+  epx::mesh_config mc;
+  mc.fsdp = 2;
+  mc.ep = 1;
+  mc.experts = 2;  // efsdp = fsdp * tp / ep = 2, dp_replicate = 1
+  const epx::mesh m(mc);
+  std::vector<std::string> got(2);
+  epx::threads::run(2, [&](comm_t& comm) {
+    comm_t self = comm.split(comm.rank(), 0);  // one rank: too small for efsdp and fsdp
+    std::vector<float> g(4, 1.0f), shard(2, -1.0f);
+    std::string& mine = got[static_cast<std::size_t>(comm.rank())];
+    const auto seen = [&mine](auto call) {
+      try {
+        call();
+        mine += "[no error]";
+      } catch (const epx::error& e) {
+        mine += e.category() == epx::errc::configuration ? "[" + e.message() + "]" : "[wrong category]";
+      }
+    };
+    seen([&] { epx::reduce_expert_gradients(self, self, m, epx::span<float>(g)); });
+    seen([&] {
+      epx::reduce_scatter_expert_gradients(comm, comm, m, epx::span<const float>(g), epx::span<float>(shard));
+    });
+    seen([&] { epx::reduce_dense_gradients(self, comm, m, epx::span<float>(g)); });
+    // Nothing was reduced: the gradients are as they were.
+    for (float x : g)
+      if (x != 1.0f) mine += "[a gradient changed]";
+    for (float x : shard)
+      if (x != -1.0f) mine += "[the shard was written]";
+  });
+  for (const auto& x : got)
+    CHECK(x ==
+          "[reduce_expert_gradients: communicator sizes (efsdp 1, dp_replicate 1) do not match the mesh (efsdp 2, "
+          "dp_replicate 1)]"
+          "[reduce_scatter_expert_gradients: communicator sizes (efsdp 2, dp_replicate 2) do not match the mesh "
+          "(efsdp 2, dp_replicate 1)]"
+          "[reduce_dense_gradients: communicator sizes (fsdp 1, dp_replicate 2) do not match the mesh (fsdp 2, "
+          "dp_replicate 1)]");
+}
+
 namespace {
 
 struct hook_outcome {
