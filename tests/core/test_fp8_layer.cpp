@@ -142,4 +142,34 @@ TEST_CASE("fp8 dispatch: refused configurations raise errc::configuration on eve
   }
 }
 
+TEST_CASE("fp8 dispatch: experts that take only FP8 rows, without fp8_dispatch and in bounded mode, raise errc::configuration on every rank") {
+  const auto fp8_only_forward = [](auto& layer, const epx::mesh& m, int rank) {
+    std::vector<float> x(2 * 128, 0.5f), w(4, 0.5f), out(2 * 128, 7.0f);
+    std::vector<std::int32_t> ids = {0, 1, 2, 3};
+    epx::test::fp8_scale_experts<float> e{m.expert_begin(rank)};
+    layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                  epx::span<float>(out), e, epx::mode::inference);
+  };
+  epx::layer_options o;
+  o.hidden = 128;
+  o.top_k = 2;
+  for (const auto& r : on_four<epx::impl::all_to_all>(o, fp8_only_forward)) {
+    CAPTURE(r.message);
+    REQUIRE(r.thrown);
+    CHECK(r.category == epx::errc::configuration);
+    CHECK(r.message.find("these experts take only FP8 rows: set layer_options::fp8_dispatch") != std::string::npos);
+  }
+  // Bounded mode refuses fp8_dispatch, so the message must not send the caller there.
+  o.counts = epx::count_exchange::device;
+  o.bound.cap = 4;
+  for (const auto& r : on_four<epx::impl::all_to_all>(o, fp8_only_forward)) {
+    CAPTURE(r.message);
+    REQUIRE(r.thrown);
+    CHECK(r.category == epx::errc::configuration);
+    CHECK(r.message.find("bounded mode needs experts with `forward(const Exec&, const epx::expert_rows<const T>&, T* "
+                         "out)`: these experts take only FP8 rows, and layer_options::fp8_dispatch is not available in "
+                         "bounded mode") != std::string::npos);
+  }
+}
+
 }  // namespace test_fp8_layer_cpp

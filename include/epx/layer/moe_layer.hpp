@@ -162,6 +162,10 @@ class moe_layer {
       EPX_REQUIRE((has_fp8_forward_v<Experts, Exec, T>), errc::configuration,
                   "layer_options::fp8_dispatch needs experts with `forward(const Exec&, const "
                   "epx::expert_rows<const epx::fp8_e4m3>&, const float* scales, T* out)` (epx/impl/experts.hpp)");
+    else if (options_.counts == count_exchange::device)  // bounded mode, which refuses fp8_dispatch
+      EPX_REQUIRE((detail::has_expert_forward<Experts, Exec, T>::value), errc::configuration,
+                  "bounded mode needs experts with `forward(const Exec&, const epx::expert_rows<const T>&, T* out)`: "
+                  "these experts take only FP8 rows, and layer_options::fp8_dispatch is not available in bounded mode");
     else
       EPX_REQUIRE((detail::has_expert_forward<Experts, Exec, T>::value), errc::configuration,
                   "these experts take only FP8 rows: set layer_options::fp8_dispatch");
