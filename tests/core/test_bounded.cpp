@@ -790,6 +790,36 @@ TEST_CASE("bounded: check() raises in the EP group, check(world) on every rank o
   }
 }
 
+TEST_CASE("bounded: check(group) over a group that is not made of whole EP groups raises on every rank, and keeps the counters") {
+  // fsdp 4, ep 2. Groups {0, 1, 2} and {3} (3 and 1 ranks), then each rank alone: every
+  // member raises errc::configuration before the collective, and the counters stay for the
+  // check over the world.
+  const epx::mesh m(mesh_of(1, 4, 2, 4));
+  on_ranks(4, [&](comm_t& comm) {
+    epx::moe_layer<comm_t, float> layer(m, comm, bounded_options(4, 2, 2));
+    doubling_experts e;
+    call_rows io(3, 1, 3);
+    io.ids = {0, 1, 2, 3, 0, 2};
+    if (comm.rank() == 0) io.ids = {0, 1, 0, 1, 0, 1};  // 2 pairs over the bound of 2
+    (void)io.forward(layer, e, epx::mode::inference);
+    std::string f;
+    for (const bool alone : {false, true}) {
+      comm_t group = comm.split(alone ? comm.rank() : (comm.rank() == 3 ? 1 : 0), comm.rank());
+      const std::string words = "moe_layer::check(group) (rank " + std::to_string(comm.rank()) + "): the group has " +
+                                std::to_string(group.size()) +
+                                " ranks, not a multiple of the EP group's 2: it must be made of whole EP groups";
+      const auto r = epx::test::capture([&] { (void)layer.check(group); });
+      if (!r.thrown || r.category != epx::errc::configuration || r.message.find(words) == std::string::npos)
+        f += "check(group of " + std::to_string(group.size()) + ") gave '" + r.message + "'; ";
+    }
+    const auto report = layer.check(comm);
+    if (report.overflow_pairs != 2 || report.calls != 4)
+      f += "check(world) after the refused checks: " + std::to_string(report.overflow_pairs) + " overflowed pairs in " +
+           std::to_string(report.calls) + " rank-calls, not 2 in 4; ";
+    return f;
+  });
+}
+
 TEST_CASE("bounded, masked path: a rank with another N makes the all-reduce raise errc::communicator everywhere") {
   std::vector<std::string> got(4);
   epx::threads::options opts;
