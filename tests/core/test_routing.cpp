@@ -619,6 +619,49 @@ TEST_CASE("route_backward: bad ids, gradients and shapes") {
   CHECK(has(m, "top_k (7)"));
 }
 
+TEST_CASE("route: null buffers for N > 0 and route_backward's spans of other sizes than N * k") {
+  const epx::exec::serial ex;
+  const std::size_t N = 3;
+  const int E = 4, k = 2;
+  std::vector<float> l(N * E, 0.25f), w(N * k), gw(N * k, 1.0f), gl(N * E, -7.0f);
+  std::vector<std::int32_t> ids(N * k);
+  auto m = error_of([&] { routing::route(routing::softmax_topk{}, ex, l.data(), N, E, k, nullptr, w.data()); },
+                    epx::errc::input);
+  CHECK(has(m, "route(softmax_topk): null logits, ids or weights for N = 3 tokens"));
+  m = error_of([&] {
+    routing::route(routing::sigmoid_bias{}, ex, static_cast<const float*>(nullptr), N, E, k, ids.data(), w.data());
+  }, epx::errc::input);
+  CHECK(has(m, "route(sigmoid_bias): null logits, ids or weights for N = 3 tokens"));
+  routing::route(routing::topk_softmax{}, ex, l.data(), N, E, k, ids.data(), w.data());
+  m = error_of([&] {
+    routing::route_backward(routing::topk_softmax{}, ex, l.data(), N, E, k, ids.data(), nullptr, gw.data(), nullptr);
+  }, epx::errc::input);
+  CHECK(has(m, "route_backward(topk_softmax): null logits, ids, grad_weights or grad_logits for N = 3 tokens"));
+  m = error_of([&] {
+    routing::route_backward(routing::topk_softmax{}, ex, l.data(), N, E, k, ids.data(), nullptr, nullptr, gl.data());
+  }, epx::errc::input);
+  CHECK(has(m, "null logits, ids, grad_weights or grad_logits"));
+  for (float g : gl) CHECK(g == -7.0f);  // nothing written
+  // The span form: ids, weights (when given) and grad_weights must each hold N * k values.
+  const auto backward = [&](std::size_t nids, std::size_t nw, std::size_t ngw) {
+    routing::route_backward(routing::topk_softmax{}, ex, epx::span<const float>(l), E, k,
+                            epx::span<const std::int32_t>(ids.data(), nids), epx::span<const float>(w.data(), nw),
+                            epx::span<const float>(gw.data(), ngw), epx::make_span(gl));
+  };
+  m = error_of([&] { backward(5, 6, 6); }, epx::errc::input);
+  CHECK(has(m, "route_backward: ids (5), weights (6) and grad_weights (6) must hold N * k = 3 * 2 values"));
+  m = error_of([&] { backward(6, 4, 6); }, epx::errc::input);
+  CHECK(has(m, "route_backward: ids (6), weights (4) and grad_weights (6) must hold N * k = 3 * 2 values"));
+  m = error_of([&] { backward(6, 0, 5); }, epx::errc::input);
+  CHECK(has(m, "route_backward: ids (6), weights (0) and grad_weights (5) must hold N * k = 3 * 2 values"));
+  backward(6, 0, 6);  // no weights: fine
+  m = error_of([&] {
+    routing::route(routing::topk_softmax{}, ex, epx::span<const float>(l), E, k, epx::span<std::int32_t>(ids.data(), 4),
+                   epx::make_span(w));
+  }, epx::errc::input);
+  CHECK(has(m, "route: ids (4) and weights (6) must hold N * k = 3 * 2 values"));
+}
+
 TEST_CASE("route: the span forms name a bad k or E before the sizes") {
   const epx::exec::serial ex;
   std::vector<float> l(32, 0.0f), w(8), gw(8), gl(32);
