@@ -124,6 +124,29 @@ TEST_CASE("layout: bad ids and non-finite weights are reported with the first ba
   }
 }
 
+TEST_CASE("layout: build_plan refuses E or k below 1 (errc::input naming both), on the host and on the emulated device") {
+  const std::vector<std::int32_t> ids = {0, 1, 1, 0};
+  const std::vector<float> w(4, 0.5f);
+  const auto refused = [&](auto ex, int k, int E) {
+    try {
+      (void)epx::layout::build_plan(ex, ids.data(), w.data(), 2, k, E);
+    } catch (const epx::error& e) {
+      CHECK(e.category() == epx::errc::input);
+      return e.message();
+    }
+    return std::string("no error");
+  };
+  for (int i = 0; i < 2; ++i) {
+    CAPTURE(i);
+    const auto call = [&](int k, int E) {
+      return i == 0 ? refused(epx::exec::serial{}, k, E) : refused(epx::exec::emulated_device{}, k, E);
+    };
+    CHECK(call(2, 0) == "build_plan: num_experts (0) and top_k (2) must be at least 1");
+    CHECK(call(0, 2) == "build_plan: num_experts (2) and top_k (0) must be at least 1");
+    CHECK(call(-1, -4) == "build_plan: num_experts (-4) and top_k (-1) must be at least 1");
+  }
+}
+
 TEST_CASE("layout: which layout plan the emulated device runs") {
   // Printed for the ctest that names the plan (tests/CMakeLists.txt).
   std::printf("layout plan on exec::emulated_device: %s\n",
@@ -240,6 +263,19 @@ TEST_CASE("slicing: floor bounds, uneven and empty slices, 64-bit") {
   const std::size_t big = std::size_t{1} << 40;
   CHECK(epx::slice_bounds(big, 8, 7).begin == big / 8 * 7);
   CHECK_THROWS_AS(epx::slice_bounds(4, 2, 2), epx::error);
+  // errc::input naming the rank and the range, for a rank past the end, a negative one, or no rank at all.
+  for (const auto& bad : {std::make_pair(2, 2), std::make_pair(2, -1), std::make_pair(0, 0)}) {
+    CAPTURE(bad.first);
+    CAPTURE(bad.second);
+    std::string got = "no error";
+    try {
+      (void)epx::slice_bounds(4, bad.first, bad.second);
+    } catch (const epx::error& e) {
+      got = e.category() == epx::errc::input ? e.message() : std::string("wrong category");
+    }
+    CHECK(got == "slice_bounds: tp rank (" + std::to_string(bad.second) + ") out of range [0, " +
+                     std::to_string(bad.first) + ")");
+  }
 }
 
 TEST_CASE("slicing: slice_of_row names the slice holding a row, slice_begin its first row") {
