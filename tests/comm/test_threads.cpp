@@ -1596,6 +1596,38 @@ TEST_CASE("threads: the typed collectives refuse spans that do not fit the commu
                                                   epx::span<const std::size_t>(c), epx::span<const std::size_t>(d), 1, 4);
                        });
   }
+  SUBCASE("one rank's spans alone: it raises errc::input, its peers errc::communicator once it calls on") {
+    // The check is the calling rank's (docs/errors.md): the peers wait in the collective
+    // until that rank's next collective shows the calls differ, not for the watchdog.
+    const int n = 3;
+    seen_errors first(n);
+    const auto t0 = clock_type::now();
+    epx::threads::run(n, [&](epx::threads::communicator& comm) {
+      std::vector<float> send(comm.rank() == 1 ? 5 : 6, 1.0f), recv(6);
+      try {
+        epx::all_to_all(comm, epx::span<const float>(send), epx::span<float>(recv));
+      } catch (const epx::error& e) {
+        first.record(comm.rank(), e);
+      }
+      try {
+        (void)still_works(comm);  // rank 1's next collective: the calls differ, on every rank
+      } catch (const epx::error&) {
+      }
+    }, normal_options());
+    CHECK(clock_type::now() - t0 < std::chrono::seconds(10));  // well before the 30 s watchdog
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      const auto& m = first.messages[static_cast<std::size_t>(r)];
+      CAPTURE(m);
+      if (r == 1) {
+        CHECK(first.categories[1] == epx::errc::input);
+        CHECK(contains(m, "all_to_all: send (5) and recv (6) must hold the same multiple of the communicator size (3)"));
+      } else {
+        CHECK(first.categories[static_cast<std::size_t>(r)] == epx::errc::communicator);
+        CHECK(contains(m, "mismatched collectives"));
+      }
+    }
+  }
   SUBCASE("all_reduce: send and recv of different sizes") {
     every_rank_refuses(3, "all_reduce: send (4) and recv (3) sizes differ", [](epx::threads::communicator& comm) {
       std::vector<float> send(4, 1.0f), recv(3, -1.0f);
