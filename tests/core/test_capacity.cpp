@@ -265,6 +265,54 @@ TEST_CASE("capacity: layout level, ties by score go to the lower position, every
   }
 }
 
+TEST_CASE("capacity: C and the kept counts by the contract's formulas, worked out here by hand") {
+  // local: C = ceil(factor * n * k / E) per sender, n its rows; global: C = ceil(factor * P /
+  // E), ranks filling it in ep-rank order, rank q keeping min(count[q][e], max(0, C - sum of
+  // the counts of the ranks before it)); `rows` gives C itself. Each number below is worked
+  // out from those formulas, not from the reference.
+  CHECK(cap(epx::capacity_mode::local, 1.25).limit(10 * 2, 4) == 7);  // ceil(6.25)
+  CHECK(cap(epx::capacity_mode::local, 1.25).limit(3 * 2, 4) == 2);   // ceil(1.875)
+  CHECK(cap(epx::capacity_mode::local, 1.0).limit(8 * 2, 4) == 4);    // exactly 4: no rounding up
+  CHECK(cap(epx::capacity_mode::local, 1e-9).limit(1, 64) == 1);      // any pair leaves room for one
+  CHECK(cap(epx::capacity_mode::local, 2.0).limit(0, 8) == 0);        // an empty slice: no room
+  CHECK(cap(epx::capacity_mode::local, 0.5, 5).limit(1000, 8) == 5);  // rows instead of the factor
+  CHECK(cap(epx::capacity_mode::global, 0.5, 5).limit(0, 8) == 5);
+  // The double expression as written (docs/semantics.md): 1.1 * 100 rounds above 110.
+  CHECK(cap(epx::capacity_mode::global, 1.1).limit(100, 10) == 12);
+  CHECK(cap(epx::capacity_mode::global, 3.7).limit(160, 16) == 37);
+
+  // Three senders, two experts: counts [3, 1], [2, 5], [4, 0]; pairs 4, 7, 4 (P = 15).
+  const std::int64_t counts[] = {3, 1, 2, 5, 4, 0};
+  const std::int64_t pairs[] = {4, 7, 4};
+  std::int64_t dropped[2] = {-1, -1};
+  // global, factor 0.5: C = ceil(0.5 * 15 / 2) = 4 per expert. Expert 0: 3, then min(2, 4 -
+  // 3) = 1, then min(4, max(0, 4 - 5)) = 0. Expert 1: 1, then min(5, 4 - 1) = 3, then 0.
+  auto kept = epx::layout::keep_counts(cap(epx::capacity_mode::global, 0.5), 3, 2, counts, pairs, dropped);
+  CHECK(kept == std::vector<std::int64_t>{3, 1, 1, 3, 0, 0});
+  CHECK(dropped[0] == 9 - 4);
+  CHECK(dropped[1] == 6 - 4);
+  // local, factor 0.5: C = ceil(0.5 * 4 / 2) = 1, ceil(0.5 * 7 / 2) = 2, ceil(0.5 * 4 / 2) = 1.
+  kept = epx::layout::keep_counts(cap(epx::capacity_mode::local, 0.5), 3, 2, counts, pairs, dropped);
+  CHECK(kept == std::vector<std::int64_t>{1, 1, 2, 2, 1, 0});
+  CHECK(dropped[0] == 9 - 4);
+  CHECK(dropped[1] == 6 - 3);
+  // Exactly at the limit keeps everything; one more drops one. rows = 3: local C = 3 per
+  // sender; global C = 3 per expert over the senders.
+  const std::int64_t at_limit[] = {3, 3, 0, 2};
+  const std::int64_t pairs2[] = {6, 2};
+  kept = epx::layout::keep_counts(cap(epx::capacity_mode::local, 1.0, 3), 2, 2, at_limit, pairs2, dropped);
+  CHECK(kept == std::vector<std::int64_t>{3, 3, 0, 2});
+  CHECK((dropped[0] == 0 && dropped[1] == 0));
+  kept = epx::layout::keep_counts(cap(epx::capacity_mode::global, 1.0, 3), 2, 2, at_limit, pairs2, dropped);
+  CHECK(kept == std::vector<std::int64_t>{3, 3, 0, 0});
+  CHECK((dropped[0] == 0 && dropped[1] == 2));
+  const std::int64_t over[] = {4, 3, 0, 0};
+  const std::int64_t pairs3[] = {7, 0};
+  kept = epx::layout::keep_counts(cap(epx::capacity_mode::local, 1.0, 3), 2, 2, over, pairs3, dropped);
+  CHECK(kept == std::vector<std::int64_t>{3, 3, 0, 0});
+  CHECK((dropped[0] == 1 && dropped[1] == 0));
+}
+
 TEST_CASE("capacity: bad options raise errc::configuration on every rank, naming the values") {
   const auto expect_bad = [](epx::layer_options o, const std::string& words) {
     epx::mesh_config mc;
