@@ -294,6 +294,97 @@ TEST_CASE("layer: per-rank sends (spec section 14) against float64 and against p
   }
 }
 
+namespace {
+
+// Experts that return their rows (forward) and their gradient rows (backward) unchanged.
+struct per_rank_identity_experts {
+  template <class Exec>
+  void forward(const Exec& ex, const epx::expert_rows<const float>& in, float* out) {
+    epx::exec::copy_n(ex, in.rows, in.num_rows * in.hidden, out);
+  }
+  template <class Exec>
+  void backward(const Exec& ex, const epx::expert_rows<const float>& in, const float* g, float* gi) {
+    epx::exec::copy_n(ex, g, in.num_rows * in.hidden, gi);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("layer: per-rank sends sum a token's slots on each owner in slot order, then the owners in the order of their first slots, bitwise") {
+  // ep = 4 ranks of 2 experts (rank q owns 2q, 2q+1), top-3, x = 1 and grad_out = 1, experts
+  // that return their rows: slot j contributes w[t, j] exactly, to out and to grad_x alike.
+  // With weights 1 and 2^-24 the order of the float32 sums shows in the bits: 1 + 2^-24
+  // rounds back to 1, 2^-24 + 2^-24 + 1 does not. The expected values follow section 14
+  // step by step here; each token also differs from the per-slot order or from the ep-rank
+  // order of the owners, so a sum in either of those orders fails.
+  constexpr int E = 8, k = 3, L = 2;
+  constexpr std::size_t H = 4;
+  const float u = std::ldexp(1.0f, -24);
+  const std::vector<std::int32_t> ids = {6, 0, 2,   // owners 3, 0, 1
+                                         2, 0, 3,   // owners 1, 0, 1: rank 1 sums slots 0 and 2
+                                         1, 7, 4,   // owners 0, 3, 2
+                                         5, 0, 4,   // owners 2, 0, 2: rank 2 sums slots 0 and 2
+                                         3, 6, 1};  // owners 1, 3, 0
+  const std::vector<float> w = {1, u, u, u, 1, u, u, u, 1, u, 1, u, u, u, 1};
+  const std::size_t N = ids.size() / k;
+  // Section 14: each owner's sum in float32 over the token's slots there, in slot order;
+  // the source adds those sums in the order of each owner's first slot.
+  std::vector<float> want(N), per_slot(N), by_rank(N);
+  for (std::size_t t = 0; t < N; ++t) {
+    float owner_sum[E / L] = {};
+    bool seen[E / L] = {};
+    std::vector<int> order;
+    float s = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      const int d = ids[t * k + j] / L;
+      owner_sum[d] += w[t * k + j];
+      if (!seen[d]) order.push_back(d);
+      seen[d] = true;
+      s += w[t * k + j];
+    }
+    per_slot[t] = s;
+    float acc = 0.0f;
+    for (int d : order) acc += owner_sum[d];
+    want[t] = acc;
+    float r = 0.0f;
+    for (int d = 0; d < E / L; ++d) r += owner_sum[d];
+    by_rank[t] = r;
+    CAPTURE(t);
+    CHECK((want[t] != per_slot[t] || want[t] != by_rank[t]));  // the token tells the orders apart
+  }
+  epx::mesh_config mc;
+  mc.fsdp = 4;
+  mc.ep = 4;
+  mc.experts = E;
+  const epx::mesh m(mc);
+  on_ranks(4, [&](comm_t& comm) {
+    epx::layer_options o;
+    o.hidden = H;
+    o.top_k = k;
+    o.sends = epx::row_sends::per_rank;
+    epx::moe_layer<comm_t, float, epx::impl::all_to_all, epx::test::test_exec> layer(m, comm, o);
+    per_rank_identity_experts experts;
+    const std::vector<float> x(N * H, 1.0f), g(N * H, 1.0f);
+    std::vector<float> out(N * H, 7.0f), gx(N * H, 7.0f), gw(N * k, 7.0f);
+    auto saved = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
+                               epx::span<const float>(w), epx::span<float>(out), experts, epx::mode::train);
+    layer.backward(std::move(saved), epx::span<const float>(g), epx::span<float>(gx), epx::span<float>(gw), experts);
+    std::string f;
+    for (std::size_t t = 0; t < N; ++t)
+      for (std::size_t h = 0; h < H; ++h) {
+        if (std::memcmp(&out[t * H + h], &want[t], sizeof(float)) != 0)
+          f += epx::detail::concat("rank ", comm.rank(), " token ", t, ": out ", out[t * H + h], " - 1 = ",
+                                   out[t * H + h] - 1.0f, ", want ", want[t], " - 1 = ", want[t] - 1.0f, "\n");
+        if (std::memcmp(&gx[t * H + h], &want[t], sizeof(float)) != 0)
+          f += epx::detail::concat("rank ", comm.rank(), " token ", t, ": grad_x ", gx[t * H + h], " - 1 = ",
+                                   gx[t * H + h] - 1.0f, ", want ", want[t], " - 1 = ", want[t] - 1.0f, "\n");
+      }
+    for (std::size_t i = 0; i < N * k; ++i)  // <y, grad_out> = H ones
+      if (gw[i] != static_cast<float>(H)) f += epx::detail::concat("rank ", comm.rank(), " grad_weights[", i, "] ", gw[i], "\n");
+    return f;
+  });
+}
+
 TEST_CASE("layer: experts that allow it run in place in inference (both routes, and the masked path)") {
   for (bool direct : {true, false}) {
     for (auto c : {make(2, 4, 4, 16, 2, routing_kind::uneven), make(1, 4, 4, 8, 8, routing_kind::first_rank_only)}) {
