@@ -1,7 +1,7 @@
 // The layer with FP8 dispatch (spec section 12) on the threads backend: against float64
 // through the quantised rows and within the E4M3 bound of the unquantised output, meshes
 // with tp > 1, float32 and bf16 (double and fp16 on two meshes), H up to 4096, the split-phase calls bitwise the fused
-// ones; and the configurations it refuses on every rank.
+// ones, with a capacity's drops; and the configurations it refuses on every rank.
 #include <doctest/doctest.h>
 
 #include <string>
@@ -78,6 +78,23 @@ TEST_CASE_TEMPLATE("fp8 dispatch: against float64 and the E4M3 bound, split phas
 TEST_CASE_TEMPLATE("fp8 dispatch: double and fp16 layers against float64 and the E4M3 bound", T, double, epx::fp16) {
   check<T>(make(1, 4, 4, 8, 2, 256));
   check<T>(make(2, 2, 4, 8, 2, 384, routing_kind::uneven));
+}
+
+TEST_CASE_TEMPLATE("fp8 dispatch: with a capacity, local and global, by position and by score: the pairs float64 drops", T,
+                   float, epx::bf16) {
+  for (auto mode : {epx::capacity_mode::local, epx::capacity_mode::global})
+    for (auto prio : {epx::drop_priority::position, epx::drop_priority::score}) {
+      CAPTURE(static_cast<int>(mode));
+      CAPTURE(static_cast<int>(prio));
+      for (auto c : {make(1, 4, 4, 8, 2, 128, routing_kind::uneven), make(2, 2, 4, 8, 4, 256),
+                     make(2, 4, 4, 16, 2, 128, routing_kind::first_rank_only)}) {
+        c.capacity.mode = mode;
+        c.capacity.priority = prio;
+        c.capacity.factor = 0.75;
+        c.rows = [](int b) { return static_cast<std::size_t>(14 + 3 * b); };
+        check<T>(c);
+      }
+    }
 }
 
 namespace {
