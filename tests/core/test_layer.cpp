@@ -1,6 +1,7 @@
 // The MoE layer on the threads backend against the float64 reference (spec sections 3-7).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <array>
 #include <limits>
 #include <cstring>
@@ -311,47 +312,55 @@ struct per_rank_identity_experts {
 }  // namespace
 
 TEST_CASE("layer: per-rank sends sum a token's slots on each owner in slot order, then the owners in the order of their first slots, bitwise") {
-  // ep = 4 ranks of 2 experts (rank q owns 2q, 2q+1), top-3, x = 1 and grad_out = 1, experts
+  // ep = 4 ranks of 2 experts (rank q owns 2q, 2q+1), top-4, x = 1 and grad_out = 1, experts
   // that return their rows: slot j contributes w[t, j] exactly, to out and to grad_x alike.
-  // With weights 1 and 2^-24 the order of the float32 sums shows in the bits: 1 + 2^-24
+  // With weights 1, 2^-24 and 0 the order of the float32 sums shows in the bits: 1 + 2^-24
   // rounds back to 1, 2^-24 + 2^-24 + 1 does not. The expected values follow section 14
-  // step by step here; each token also differs from the per-slot order or from the ep-rank
-  // order of the owners, so a sum in either of those orders fails.
-  constexpr int E = 8, k = 3, L = 2;
+  // step by step here; the tokens are chosen so that summing in slot order (per-slot
+  // sends), the owners in ep-rank order, or the owners in the order of their last slots
+  // gives other bits for some token.
+  constexpr int E = 8, k = 4, L = 2, ep = 4;
   constexpr std::size_t H = 4;
   const float u = std::ldexp(1.0f, -24);
-  const std::vector<std::int32_t> ids = {6, 0, 2,   // owners 3, 0, 1
-                                         2, 0, 3,   // owners 1, 0, 1: rank 1 sums slots 0 and 2
-                                         1, 7, 4,   // owners 0, 3, 2
-                                         5, 0, 4,   // owners 2, 0, 2: rank 2 sums slots 0 and 2
-                                         3, 6, 1};  // owners 1, 3, 0
-  const std::vector<float> w = {1, u, u, u, 1, u, u, u, 1, u, 1, u, u, u, 1};
+  const std::vector<std::int32_t> ids = {6, 0, 2, 1,   // owners 3, 0, 1, 0
+                                         2, 0, 3, 4,   // owners 1, 0, 1, 2
+                                         1, 7, 4, 5,   // owners 0, 3, 2, 2
+                                         2, 0, 4, 3,   // owners 1, 0, 2, 1
+                                         3, 6, 1, 7};  // owners 1, 3, 0, 3
+  const std::vector<float> w = {1, u, u, 0, u, 1, u, 0, u, u, 1, 0, u, u, 1, 0, u, u, 1, 0};
   const std::size_t N = ids.size() / k;
   // Section 14: each owner's sum in float32 over the token's slots there, in slot order;
   // the source adds those sums in the order of each owner's first slot.
-  std::vector<float> want(N), per_slot(N), by_rank(N);
+  std::vector<float> want(N);
+  int per_slot_differs = 0, by_rank_differs = 0, by_last_differs = 0;
   for (std::size_t t = 0; t < N; ++t) {
-    float owner_sum[E / L] = {};
-    bool seen[E / L] = {};
-    std::vector<int> order;
-    float s = 0.0f;
+    float owner_sum[ep] = {}, per_slot = 0.0f;
+    int first[ep], last[ep];
+    std::fill(first, first + ep, k);
+    std::fill(last, last + ep, -1);
     for (int j = 0; j < k; ++j) {
       const int d = ids[t * k + j] / L;
       owner_sum[d] += w[t * k + j];
-      if (!seen[d]) order.push_back(d);
-      seen[d] = true;
-      s += w[t * k + j];
+      first[d] = std::min(first[d], j);
+      last[d] = j;
+      per_slot += w[t * k + j];
     }
-    per_slot[t] = s;
-    float acc = 0.0f;
-    for (int d : order) acc += owner_sum[d];
-    want[t] = acc;
-    float r = 0.0f;
-    for (int d = 0; d < E / L; ++d) r += owner_sum[d];
-    by_rank[t] = r;
-    CAPTURE(t);
-    CHECK((want[t] != per_slot[t] || want[t] != by_rank[t]));  // the token tells the orders apart
+    const auto in_order = [&](const int* slot_of) {  // the owners' sums by ascending slot_of
+      float acc = 0.0f;
+      for (int j = 0; j < k; ++j)
+        for (int d = 0; d < ep; ++d)
+          if (last[d] >= 0 && slot_of[d] == j) acc += owner_sum[d];
+      return acc;
+    };
+    const int rank_order[ep] = {0, 1, 2, 3};
+    want[t] = in_order(first);
+    per_slot_differs += per_slot != want[t];
+    by_rank_differs += in_order(rank_order) != want[t];
+    by_last_differs += in_order(last) != want[t];
   }
+  CHECK(per_slot_differs > 0);
+  CHECK(by_rank_differs > 0);
+  CHECK(by_last_differs > 0);
   epx::mesh_config mc;
   mc.fsdp = 4;
   mc.ep = 4;
