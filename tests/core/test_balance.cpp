@@ -422,4 +422,68 @@ TEST_CASE("balance: z-loss gradient of extreme finite logits is finite where the
   CHECK(grad[7] == 0.0f);
 }
 
+TEST_CASE("balance: the edge cases worked out by hand: every pair to one expert, k = E, equal logits") {
+  // Each loss and gradient below is worked out from section 9's formulas in the test.
+  const epx::exec::serial ex;
+  const std::size_t N = 6;
+  const int E = 4;
+  const double alpha = 0.3, beta = 0.2;
+  const auto l = ref::round_through<float>(ref::random_logits(N, E, 77));
+  const auto lf = ref::from_double<float>(l);
+  std::vector<double> p(N * E), s(N * E);
+  for (std::size_t t = 0; t < N; ++t) {
+    double z = 0;
+    for (int e = 0; e < E; ++e) z += std::exp(l[t * E + e]);
+    for (int e = 0; e < E; ++e) {
+      p[t * E + e] = std::exp(l[t * E + e]) / z;
+      s[t * E + e] = 1.0 / (1.0 + std::exp(-l[t * E + e]));
+    }
+  }
+  std::vector<float> grad(N * E, -7.0f);
+
+  // Every pair to expert 2: f = (0, 0, 1, 0), so L = alpha E P_2 and dL/dl[t, e] =
+  // alpha E / N * p[t, 2] (1[e = 2] - p[t, e]).
+  const std::vector<std::int64_t> one = {0, 0, static_cast<std::int64_t>(2 * N), 0};
+  double P2 = 0;
+  for (std::size_t t = 0; t < N; ++t) P2 += p[t * E + 2] / static_cast<double>(N);
+  const double aux = routing::aux_loss(ex, lf.data(), N, E, epx::make_span(one), alpha);
+  CHECK(std::abs(aux - alpha * E * P2) <= 1e-6 * alpha * E * P2);
+  routing::aux_loss_backward(ex, lf.data(), N, E, epx::make_span(one), alpha, 1.0f, grad.data());
+  for (std::size_t t = 0; t < N; ++t)
+    for (int e = 0; e < E; ++e) {
+      const double want = alpha * E / static_cast<double>(N) * p[t * E + 2] * ((e == 2 ? 1.0 : 0.0) - p[t * E + e]);
+      CHECK(std::abs(grad[t * E + static_cast<std::size_t>(e)] - want) <= 1e-6 * alpha + 1e-6 * std::abs(want));
+    }
+
+  // k = E: every token selects every expert, f'_e = E / (E T) * T = 1, so each token adds
+  // sum_e s_e / S_t = 1 (up to the 1e-20 in S_t) and L = alpha; the gradient
+  // alpha / N * (1 - sum_e' r_e') * s_e (1 - s_e) / S_t is 0 up to float32 rounding.
+  std::vector<std::int32_t> all(N * E);
+  for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::int32_t>(i % E);
+  const double seq = routing::sequence_balance_loss(ex, lf.data(), all.data(), N, E, E, 3, alpha);
+  CHECK(std::abs(seq - alpha) <= 1e-6 * alpha);
+  routing::sequence_balance_loss_backward(ex, lf.data(), all.data(), N, E, E, 3, alpha, 1.0f, grad.data());
+  for (float g : grad) CHECK(std::abs(g) <= 1e-6 * alpha);
+  // One expert per token, the same in the whole sequence (T = 3): f' = (E / T * T = 4, 0, 0,
+  // 0) for expert 1, L = alpha * mean over the sequences of 4 * mean_t r[t, 1].
+  const std::vector<std::int32_t> same = {1, 1, 1, 1, 1, 1};
+  double want_seq = 0;
+  for (std::size_t t = 0; t < N; ++t) {
+    double S = 0;
+    for (int e = 0; e < E; ++e) S += s[t * E + e];
+    want_seq += alpha * 4.0 * s[t * E + 1] / S / static_cast<double>(N);
+  }
+  const double seq1 = routing::sequence_balance_loss(ex, lf.data(), same.data(), N, E, 1, 3, alpha);
+  CHECK(std::abs(seq1 - want_seq) <= 1e-6 * want_seq);
+
+  // Equal logits c: lse = c + log E, p = 1 / E, L = beta (c + log E)^2, dL/dl = beta * 2 / N *
+  // lse / E.
+  const float c = 1.5f;
+  const std::vector<float> flat(N * E, c);
+  const double lse = c + std::log(static_cast<double>(E));
+  CHECK(std::abs(routing::z_loss(ex, flat.data(), N, E, beta) - beta * lse * lse) <= 1e-6 * beta * lse * lse);
+  routing::z_loss_backward(ex, flat.data(), N, E, beta, 1.0f, grad.data());
+  for (float g : grad) CHECK(std::abs(g - beta * 2.0 / N * lse / E) <= 1e-6 * beta * lse / N);
+}
+
 }  // namespace test_balance_cpp
