@@ -454,6 +454,36 @@ TEST_CASE("bounded: overflow counter and check(), raising on overflow when asked
   }
 }
 
+TEST_CASE("bounded: no count reaches the host, so the load figures stay empty, nodes per token included") {
+  // ranks_per_node = 2 would make the normal mode report nodes per token (section 10); in
+  // bounded mode (section 11) no count is read back: the figures stay 0 and empty, on both
+  // paths, after a training and an inference call.
+  for (bool masked : {false, true}) {
+    CAPTURE(masked);
+    epx::layer_options o = bounded_options(4, 2, 8);
+    o.ranks_per_node = 2;
+    on_ranks(4, [&](comm_t& comm) {
+      std::string f;
+      on_path_with(masked, comm, o, [&](auto& layer) {
+        doubling_experts e;
+        call_rows io(6, 3, 6);
+        for (auto md : {epx::mode::train, epx::mode::inference}) {
+          (void)io.forward(layer, e, md);
+          const epx::layer_stats& st = layer.stats();
+          if (!st.bounded) f += "stats.bounded is false\n";
+          if (st.max_nodes_per_token != 0 || st.mean_nodes_per_token != 0.0)
+            f += epx::detail::concat("nodes per token ", st.max_nodes_per_token, " / ", st.mean_nodes_per_token, "\n");
+          if (!st.tokens_per_expert.empty() || !st.tokens_per_local_expert.empty() || !st.dropped_per_expert.empty() ||
+              st.dropped_pairs != 0 || st.max_expert_load != 0.0 || st.max_rank_load != 0.0)
+            f += "load figures reported in bounded mode\n";
+        }
+        (void)layer.check();
+      });
+      return f;
+    });
+  }
+}
+
 TEST_CASE("bounded, masked path: a bad pair in any TP slice counts the call on every rank") {
   // tp = ep = 4: every rank holds the same 4 rows, one per TP slice; token t slot 1 gets id 8
   // (out of range), t = 0..3 in turn. Each rank counts its call as one with bad input,
