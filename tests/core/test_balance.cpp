@@ -422,7 +422,7 @@ TEST_CASE("balance: z-loss gradient of extreme finite logits is finite where the
   CHECK(grad[7] == 0.0f);
 }
 
-TEST_CASE("balance: the edge cases worked out by hand: every pair to one expert, k = E, equal logits") {
+TEST_CASE("balance: the edge cases worked out by hand: every pair to one expert, no pair, k = E, equal logits") {
   // Each loss and gradient below is worked out from section 9's formulas in the test.
   const epx::exec::serial ex;
   const std::size_t N = 6;
@@ -454,6 +454,12 @@ TEST_CASE("balance: the edge cases worked out by hand: every pair to one expert,
       const double want = alpha * E / static_cast<double>(N) * p[t * E + 2] * ((e == 2 ? 1.0 : 0.0) - p[t * E + e]);
       CHECK(std::abs(grad[t * E + static_cast<std::size_t>(e)] - want) <= 1e-6 * alpha + 1e-6 * std::abs(want));
     }
+
+  // No pair routed (a load of zeros): f = 0, so L = 0 and the gradient is 0.
+  const std::vector<std::int64_t> none(static_cast<std::size_t>(E), 0);
+  CHECK(routing::aux_loss(ex, lf.data(), N, E, epx::make_span(none), alpha) == 0.0);
+  routing::aux_loss_backward(ex, lf.data(), N, E, epx::make_span(none), alpha, 1.0f, grad.data());
+  for (float g : grad) CHECK(g == 0.0f);
 
   // k = E: every token selects every expert, f'_e = E / (E T) * T = 1, so each token adds
   // sum_e s_e / S_t = 1 (up to the 1e-20 in S_t) and L = alpha; the gradient
