@@ -238,12 +238,12 @@ TEST_CASE("split phase: a handle's accessors outside their phase, and the FP8 ro
       else if (r.category != epx::errc::configuration || r.message.find(words) == std::string::npos)
         f += "'" + r.message + "' (wanted errc::configuration, '" + words + "'); ";
     };
-    const std::string fwd_phase = " is only available between dispatch_wait and combine_start; the handle is ";
+    const std::string fwd_phase = " is only available between dispatch_wait and combine_start; this handle's phase is '";
     const std::string bwd_phase =
-        " is only available between backward_dispatch_wait and backward_combine_start; the handle is ";
+        " is only available between backward_dispatch_wait and backward_combine_start; this handle's phase is '";
     auto h = layer.dispatch_start(epx::span<const T>(mb.x), epx::span<const std::int32_t>(mb.d.ids),
                                   epx::span<const float>(mb.w), epx::mode::train);
-    refused([&] { (void)h.outputs(); }, "forward_handle::outputs()" + fwd_phase + "dispatch started, not waited for");
+    refused([&] { (void)h.outputs(); }, "forward_handle::outputs()" + fwd_phase + "dispatch started, not waited for': call dispatch_wait on it first");
     layer.dispatch_wait(h);
     if (h.fp8()) f += "fp8() is true without fp8_dispatch; ";
     refused([&] { (void)h.fp8_inputs(); },
@@ -252,20 +252,20 @@ TEST_CASE("split phase: a handle's accessors outside their phase, and the FP8 ro
             "forward_handle::scales(): the layer dispatches rows in T (layer_options::fp8_dispatch is off)");
     experts.forward(policy, h.inputs(), h.outputs().data());
     layer.combine_start(h, epx::span<const T>(h.outputs().data(), h.outputs().size()), epx::span<T>(mb.out));
-    refused([&] { (void)h.inputs(); }, "forward_handle::inputs()" + fwd_phase + "combine started, not waited for");
+    refused([&] { (void)h.inputs(); }, "forward_handle::inputs()" + fwd_phase + "combine started, not waited for'");
     auto saved = layer.combine_wait(h);
-    refused([&] { (void)h.scales(); }, "forward_handle::scales()" + fwd_phase + "already combined");
+    refused([&] { (void)h.scales(); }, "forward_handle::scales()" + fwd_phase + "already combined'");
     epx::backward_handle<T> none;
-    refused([&] { (void)none.inputs(); }, "backward_handle::inputs()" + bwd_phase + "empty (default-constructed or moved from)");
+    refused([&] { (void)none.inputs(); }, "backward_handle::inputs()" + bwd_phase + "empty (default-constructed or moved from)'");
     auto g = layer.backward_dispatch_start(std::move(saved), epx::span<const T>(mb.go), epx::span<float>(mb.gw));
-    refused([&] { (void)g.grad_outputs(); }, "backward_handle::grad_outputs()" + bwd_phase + "dispatch started, not waited for");
+    refused([&] { (void)g.grad_outputs(); }, "backward_handle::grad_outputs()" + bwd_phase + "dispatch started, not waited for': call backward_dispatch_wait on it first");
     layer.backward_dispatch_wait(g);
     experts.backward(policy, g.inputs(), g.grad_outputs().data(), g.grad_inputs().data());
     layer.backward_combine_start(g, epx::span<const T>(g.grad_inputs().data(), g.grad_inputs().size()),
                                  epx::span<T>(mb.gx));
-    refused([&] { (void)g.grad_inputs(); }, "backward_handle::grad_inputs()" + bwd_phase + "combine started, not waited for");
+    refused([&] { (void)g.grad_inputs(); }, "backward_handle::grad_inputs()" + bwd_phase + "combine started, not waited for'");
     layer.backward_combine_wait(g);
-    refused([&] { (void)g.inputs(); }, "backward_handle::inputs()" + bwd_phase + "already combined");
+    refused([&] { (void)g.inputs(); }, "backward_handle::inputs()" + bwd_phase + "already combined'");
     return f;
   });
 }
