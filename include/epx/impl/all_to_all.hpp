@@ -43,8 +43,9 @@
 // epx/layout/per_rank.hpp) the staged route moves one row per (token, destination rank):
 //   gather the unique rows, all-to-all them with their slot entries (expert-major row and
 //   weight of each slot at that owner), the owner copies each into its slots' rows; back,
-//   the owner sums w * y over each unique row's slots (float32, slot order, rounded once to
-//   T) and the source adds the returned rows in the order of each owner's first slot.
+//   the owner sums w * y over each unique row's slots (accum_t<T>: double for double rows,
+//   float32 otherwise; slot order, rounded once to T) and the source adds the returned rows
+//   in the order of each owner's first slot.
 //   Expert rows and grad_weights are bitwise the per-slot mode's; out and grad_x differ by
 //   that rounding. It takes the staged route even where peer access is available.
 // Before every call of a host communicator (threads, MPI) over a device policy's buffers
@@ -453,7 +454,7 @@ class all_to_all_impl {
       s.send = make_rows<T>(ws_, ex, (in_rounds ? s.rounds.stage_rows() : S) * H);
     }
     if (s.per_rank) {
-      // 6: the owner sums w * y over each received row's slots (float32, slot order) and
+      // 6: the owner sums w * y over each received row's slots (accum_t<T>, slot order) and
       // returns one row per (token, rank); 7: the source adds them in the order of each
       // owner's first slot.
       const std::size_t Ur = s.ranks.received();
@@ -641,7 +642,7 @@ class all_to_all_impl {
       }
     }
     if (s.per_rank) {
-      // The owner sums the input gradients of each received row's slots (float32, slot
+      // The owner sums the input gradients of each received row's slots (accum_t<T>, slot
       // order); the source adds the returned rows in the order of each owner's first slot.
       const std::size_t Ur = s.ranks.received();
       kernels::reduce(ex, Ur, H, s.top_k, static_cast<const T*>(b.grad_in.data()),
