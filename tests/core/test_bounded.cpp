@@ -501,10 +501,14 @@ TEST_CASE("bounded, masked path: a bad pair in any TP slice counts the call on e
         got[static_cast<std::size_t>(comm.rank())] = r.category == epx::errc::input ? r.message : "no input error";
       });
     });
-    for (const auto& m : got)
+    for (const auto& m : got) {
       CHECK_MESSAGE(m.find("since the last check, 4 call(s) of the EP group had an expert id out of range") !=
                         std::string::npos,
                     m);
+      CHECK_MESSAGE(m.find("; counted on rank 0 (1 with bad ids or weights), rank 1 (1 with bad ids or weights), "
+                           "rank 2 (1 with bad ids or weights), rank 3 (1 with bad ids or weights)") != std::string::npos,
+                    m);
+    }
   }
 }
 
@@ -598,7 +602,8 @@ TEST_CASE("bounded: a forward with bad shapes on one rank, raised there: the nex
         const auto r = epx::test::capture([&] { (void)io.forward(layer, e, epx::mode::train, bad_y); });
         if (r.thrown != (comm.rank() == 3)) f += "the forward with bad shapes raised '" + r.message + "'; ";
         const auto c1 = epx::test::capture([&] { (void)layer.check(); });
-        if (c1.message.find("1 call(s) had bad shapes") == std::string::npos)
+        if (c1.message.find("1 call(s) had bad shapes") == std::string::npos ||
+            c1.message.find("; counted on rank 3 (1 with bad shapes)") == std::string::npos)
           f += "the first check() raised '" + c1.message + "'; ";
         const auto step = epx::test::capture([&] { io.backward(layer, io.forward(layer, e, epx::mode::train), e); });
         if (step.thrown) f += "the training step raised '" + step.message + "'; ";

@@ -717,25 +717,41 @@ template <class Comm, class T, class Exec>
 bound_report check_bound(const Exec& ex, Comm& group, bound_buffers<T, Exec>& b, int rank,
                          const char* group_name = "the EP group") {
   const std::size_t E = static_cast<std::size_t>(b.shape.experts()), n = layout::bound_counter_fields + E;
-  auto sum = exec::make_buffer<std::int64_t>(ex, n);
+  // [0, n): the group's sums; [n, 2n): this rank's own counters (read for the message).
+  auto sum = exec::make_buffer<std::int64_t>(ex, 2 * n);
   exec::copy_n(ex, static_cast<const std::int64_t*>(b.counters.data()), n, sum.data());
+  exec::copy_n(ex, static_cast<const std::int64_t*>(b.counters.data()), n, sum.data() + n);
   exec::fill_zero(ex, b.counters.data(), n);
   order_before_collective(ex, group);
   all_reduce(group, span<std::int64_t>(sum.data(), n));
-  std::vector<std::int64_t> h(n);
-  read_back(ex, group, static_cast<const std::int64_t*>(sum.data()), n, h.data());
+  std::vector<std::int64_t> h(2 * n);
+  read_back(ex, group, static_cast<const std::int64_t*>(sum.data()), 2 * n, h.data());
   bound_report r;
   r.overflow_pairs = h[layout::bound_overflow];
   r.bad_input_calls = h[layout::bound_bad_input];
   r.shape_error_calls = h[layout::bound_shape_error];
   r.calls = h[layout::bound_calls];
-  r.dropped_per_expert.assign(h.begin() + layout::bound_counter_fields, h.end());
-  EPX_REQUIRE(r.bad_input_calls == 0 && r.shape_error_calls == 0, errc::input, "moe_layer::check (rank ", rank,
-              "): bounded mode: since the last check, ", r.bad_input_calls,
-              " call(s) of ", group_name, " had an expert id out of range or a non-finite routing weight (those pairs "
-              "did not travel) and ",
-              r.shape_error_calls, " call(s) had bad shapes or were backwards whose ranks took back different "
-              "forward calls");
+  r.dropped_per_expert.assign(h.begin() + layout::bound_counter_fields, h.begin() + static_cast<std::ptrdiff_t>(n));
+  if (r.bad_input_calls != 0 || r.shape_error_calls != 0) {
+    // Every rank of the group takes this branch (the sums agree): one more collective
+    // names the ranks whose calls were counted.
+    const std::int64_t mine[3] = {rank, h[n + layout::bound_bad_input], h[n + layout::bound_shape_error]};
+    std::vector<std::int64_t> all(3 * static_cast<std::size_t>(group.size()));
+    all_gather_host(group, mine, 3, all.data());
+    std::string where;
+    for (std::size_t i = 0; i < all.size(); i += 3)
+      if (all[i + 1] != 0 || all[i + 2] != 0)
+        where += concat(where.empty() ? "" : ", ", "rank ", all[i], " (",
+                        all[i + 1] != 0 ? concat(all[i + 1], " with bad ids or weights") : std::string(),
+                        all[i + 1] != 0 && all[i + 2] != 0 ? ", " : "",
+                        all[i + 2] != 0 ? concat(all[i + 2], " with bad shapes") : std::string(), ")");
+    EPX_REQUIRE(false, errc::input, "moe_layer::check (rank ", rank, "): bounded mode: since the last check, ",
+                r.bad_input_calls, " call(s) of ", group_name,
+                " had an expert id out of range or a non-finite routing weight (those pairs did not travel) and ",
+                r.shape_error_calls,
+                " call(s) had bad shapes or were backwards whose ranks took back different forward calls; counted on ",
+                where);
+  }
   if (b.raise_on_overflow && r.overflow_pairs > 0) {
     const auto most = std::max_element(r.dropped_per_expert.begin(), r.dropped_per_expert.end());
     EPX_REQUIRE(false, errc::input, "moe_layer::check (rank ", rank, "): bounded mode: ", r.overflow_pairs,
