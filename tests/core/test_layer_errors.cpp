@@ -713,6 +713,30 @@ TEST_CASE("can_implement: the masked path's rule lives in its implementation") {
   CHECK(epx::can_implement<plain>(ep_gt_tp, o).empty());
 }
 
+TEST_CASE("layer agreement: every rank gets each rank's own configuration error whole, however long") {
+  // A rank's local reason (its mesh against its communicator, an implementation's
+  // can_implement) travels to every rank of the communicator; a long one is not cut.
+  const epx::mesh m(epx::mesh_config{1, 3, 1, 1, 3, 6, 0});
+  epx::layer_options o;
+  o.hidden = 4;
+  o.top_k = 2;
+  std::string long_reason = "rank 1's reason:";
+  while (long_reason.size() < 900) long_reason += " a clause of a long can_implement explanation,";
+  long_reason += " and its end";
+  std::vector<std::string> got(3);
+  epx::threads::run(3, [&](comm_t& comm) {
+    const int r = comm.rank();
+    const std::string mine = r == 1 ? long_reason : r == 2 ? "rank 2's short reason" : "";
+    got[static_cast<std::size_t>(r)] = epx::test::capture([&] {
+      epx::detail::agree_on_layer(comm, m, o, r, "test", mine);
+    }).message;
+  });
+  for (const auto& g : got) {
+    CHECK_MESSAGE(g.find(long_reason) != std::string::npos, g);
+    CHECK_MESSAGE(g.find("rank 2's short reason") != std::string::npos, g);
+  }
+}
+
 TEST_CASE("saved state: state types that two translation units could name alike are told apart") {
   // The type key is a hash of the type's name, the same in every shared library; local
   // types (and types in anonymous namespaces) fall back to an address, since another

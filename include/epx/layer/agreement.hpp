@@ -10,6 +10,7 @@
 // ranks and the values, on every rank (they all see the same records).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -165,7 +166,7 @@ template <class Comm>
 void agree_on_layer(Comm& comm, const mesh& m, const layer_options& o, int world_rank, const char* where,
                     const std::string& local_error = {}, const layer_types& types = {}) {
   auto fields = layer_record(m, o, world_rank, types);
-  fields.push_back({"status", local_error.empty() ? 0 : 1});
+  fields.push_back({"status", static_cast<std::int64_t>(local_error.size())});  // 0: no local error
   const std::size_t F = fields.size();
   const auto P = static_cast<std::size_t>(comm.size());
   std::vector<std::int64_t> mine(F), all(F * P);
@@ -173,8 +174,9 @@ void agree_on_layer(Comm& comm, const mesh& m, const layer_options& o, int world
   all_gather_host(comm, mine.data(), F, all.data());
   bool failed = false;
   for (std::size_t r = 0; r < P; ++r) failed = failed || all[r * F + F - 1] != 0;
-  if (failed) {  // every rank takes this branch: the second all_gather matches
-    constexpr std::size_t B = 256;
+  if (failed) {  // every rank takes this branch, with the same B: the second all_gather matches
+    std::size_t B = 1;  // the longest message, whole, and its terminator
+    for (std::size_t r = 0; r < P; ++r) B = std::max(B, static_cast<std::size_t>(all[r * F + F - 1]) + 1);
     std::vector<char> msg(B, '\0'), msgs(B * P, '\0');
     local_error.copy(msg.data(), B - 1);
     all_gather_host(comm, msg.data(), B, msgs.data());
