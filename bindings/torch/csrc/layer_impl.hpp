@@ -192,6 +192,11 @@ std::tuple<at::Tensor, at::Tensor, std::shared_ptr<dispatch_state>> basic_torch_
   std::string why = not_tensors;
   if (why.empty()) why = check_tensor("x", x, scalar_type_of(dtype_), -1, H);
   const std::int64_t N = x.defined() && x.dim() == 2 ? x.size(0) : 0;
+  // The wrapper converts int64, int16, int8 and uint8 ids to int32 (epx_torch._ids32): any
+  // other dtype here is not one the call takes.
+  if (why.empty() && ids.defined() && ids.device() == device() && ids.scalar_type() != at::kInt)
+    why = layer_detail::concat("expert ids has dtype ", c10::toString(ids.scalar_type()),
+                               " but must be an integer type (int64, int32, int16, int8 or uint8)");
   if (why.empty()) why = check_tensor("expert ids", ids, at::kInt, N, k);
   if (why.empty()) why = check_tensor("routing weights", weights, at::kFloat, N, k);
   return with_type(dtype_, [&](auto t) {

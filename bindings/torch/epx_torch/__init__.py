@@ -560,11 +560,11 @@ def _not_tensors(**args) -> str:
 def dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: Layer):
     """Sends each (token, slot) pair's row to the owner of its expert.
 
-    x [N, H] (layer.dtype, on the layer's device), ids [N, k] global expert ids (int32 or int64), weights
-    [N, k] routing weights (float32; other float dtypes are converted). Collective over the
-    layer's EP group (and its TP group). Returns (rows [R, H] expert-major, offsets [L+1]
-    int64, handle). Differentiable with respect to x; the weights' gradient comes from
-    combine.
+    x [N, H] (layer.dtype, on the layer's device), ids [N, k] global expert ids (int64 or
+    int32; int16, int8 and uint8 too), weights [N, k] routing weights (float32; other float
+    dtypes are converted). Collective over the layer's EP group (and its TP group). Returns
+    (rows [R, H] expert-major, offsets [L+1] int64, handle). Differentiable with respect to
+    x; the weights' gradient comes from combine.
     """
     # The call keeps what backward needs where gradients are enabled, and also under
     # torch.no_grad where x or the weights require grad: that is the forward of a reentrant

@@ -470,7 +470,8 @@ def error_cases(W: int):
         x, ids, w = data()
         if rank == bad:
             ids = ids.float()
-        expect_error(lambda: epx_torch.dispatch(x, ids, w, layer), f"rank {bad}", "expert ids has dtype Float")
+        expect_error(lambda: epx_torch.dispatch(x, ids, w, layer), f"rank {bad}", "expert ids has dtype Float",
+                     "must be an integer type (int64, int32, int16, int8 or uint8)")
 
     def wrong_device():
         x, ids, w = data()
