@@ -547,6 +547,9 @@ inline std::string unreducible(const at::Tensor& g, const at::Device& d) {
   if (!g.defined())
     return "the gradient is None or not a tensor (a parameter without a gradient on this rank, one whose experts "
            "received no rows say, reduces torch.zeros_like(param) there)";
+  if (g.is_leaf() && g.requires_grad())
+    return "the gradient is a leaf tensor that requires grad (a parameter itself, say, where its .grad goes), "
+           "which cannot be changed in place";
   if (g.device() != d || !g.is_contiguous())
     return concat("the gradient must be a contiguous tensor on ", d.str());
   switch (g.scalar_type()) {

@@ -400,8 +400,8 @@ def _in_place(reduce, grad: torch.Tensor) -> torch.Tensor:
     if not isinstance(grad, torch.Tensor):
         reduce(None)
         raise EpxError("epx_torch: the gradient to reduce is None or not a tensor")  # reduce(None) raised already
-    if grad.is_contiguous():
-        reduce(grad)
+    if grad.is_contiguous() or (grad.is_leaf and grad.requires_grad):
+        reduce(grad)  # a leaf that requires grad goes as it is: the reduction refuses it on every rank
     else:
         dense = grad.contiguous()
         reduce(dense)

@@ -652,6 +652,16 @@ def error_cases(W: int):
             expect_error(lambda: reduce(None if rank == bad else torch.ones(4)), hook,
                          f"rank {bad} of the {group} group (world rank {bad}) cannot reduce its gradient: the gradient is None",
                          "torch.zeros_like(param)")
+        # A parameter itself where its gradient goes (a leaf that requires grad): refused on
+        # every rank, and left as it was, instead of changed in place behind autograd.
+        p = torch.nn.Parameter(torch.ones(4))
+        for reduce, hook, group in ((lay.reduce_expert_gradients, "reduce_expert_gradients", "efsdp"),
+                                    (lay.reduce_dense_gradients, "reduce_dense_gradients", "fsdp")):
+            for q in (p, torch.nn.Parameter(torch.ones(2, 2).t())):  # contiguous or not
+                expect_error(lambda: reduce(q if rank == bad else torch.ones(q.shape)), hook,
+                             f"rank {bad} of the {group} group (world rank {bad}) cannot reduce its gradient: the "
+                             "gradient is a leaf tensor that requires grad", ".grad")
+        check_equal("a parameter handed to a reduction", p.detach(), torch.ones(4))
         g = torch.ones(4)
         expect_error(lambda: lay._impl.reduce_expert_gradients(g[::2] if rank == bad else g[:2]),
                      "reduce_expert_gradients", f"rank {bad} of the efsdp group (world rank {bad}) cannot reduce its gradient: "
