@@ -271,7 +271,7 @@ class Layer:
         Collective over the fsdp and dp_replicate groups."""
         return _in_place(self._impl.reduce_dense_gradients, grad)
 
-    def register_expert_hooks(self, params: Iterable[torch.nn.Parameter]) -> list:
+    def register_expert_hooks(self, params: Iterable[torch.nn.Parameter] | torch.nn.Parameter) -> list:
         """Reduces each parameter's gradient with reduce_expert_gradients at the end of every
         backward that runs this layer's combine or accumulates a gradient into one of them,
         on every rank: a parameter that got no gradient on a rank in that backward (its
@@ -282,10 +282,12 @@ class Layer:
         experts, or dispatch with or without the experts, the gradients are those without it
         (docs/pytorch.md; around combine alone it raises): a backward nested in another
         leaves its reductions to the enclosing one where that one has some queued.
-        Returns one handle per parameter; handle.remove() undoes it."""
+        Takes the parameters (or one): leaf tensors that require grad, each hooked at most
+        once on the layer, by either kind (ValueError otherwise: hooked twice, a gradient
+        would be reduced twice). Returns one handle per parameter; handle.remove() undoes it."""
         return self._register("expert", params)
 
-    def register_dense_hooks(self, params: Iterable[torch.nn.Parameter]) -> list:
+    def register_dense_hooks(self, params: Iterable[torch.nn.Parameter] | torch.nn.Parameter) -> list:
         """As register_expert_hooks, with reduce_dense_gradients."""
         return self._register("dense", params)
 
@@ -293,6 +295,23 @@ class Layer:
         def hook(p):
             _queue_reductions(self, kind)
 
+        # One tensor stands for itself (iterating it would give its rows), as in
+        # torch.nn.utils.clip_grad_norm_.
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        hooked = {id(e[0]): k for k in ("expert", "dense") for e in self._hooked[k]}
+        seen = set()
+        for i, p in enumerate(params):
+            what = f"register_{kind}_hooks: parameter {i}"
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"{what} is a {type(p).__name__}, not a tensor")
+            if not (p.is_leaf and p.requires_grad):
+                raise ValueError(f"{what} must be a leaf tensor that requires grad (a torch.nn.Parameter): "
+                                 "its gradient is reduced where autograd accumulates it")
+            if id(p) in hooked or id(p) in seen:
+                again = hooked.get(id(p), kind)
+                raise ValueError(f"{what} is already hooked on this layer (register_{again}_hooks): its gradient "
+                                 "would be reduced twice in every backward")
+            seen.add(id(p))
         handles = []
         for p in params:
             entry = [p]

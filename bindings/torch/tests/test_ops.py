@@ -1441,6 +1441,50 @@ def removed_hook_case():
     check_equal("the gradient of a parameter still hooked", hb, layer.reduce_expert_gradients(gb.clone()))
 
 
+def hook_arguments_case():
+    """register_*_hooks take the parameters or one of them; a parameter already hooked on the
+    layer (by either kind: its gradient would be reduced twice), a tensor that is not a leaf
+    requiring grad, or another object raises at once, before the call hooks anything: after
+    the refused calls a parameter hooked once holds its reduction, one never hooked its own
+    gradient."""
+    W = dist.get_world_size()
+    mesh = epx_torch.Mesh(tp=1, fsdp=W, ep=W, experts=E_DEFAULT)
+    layer = epx_torch.Layer(mesh, hidden=H, top_k=2, dtype=torch.float64)
+    L = layer.local_experts
+    x, ids, w, G = batch_data(layer.batch, 6, 2, E_DEFAULT, torch.float64)
+
+    def refused(a, b):
+        handles = layer.register_expert_hooks(a)  # one parameter, not a list
+        assert len(handles) == 1, handles
+        for again in (layer.register_expert_hooks, layer.register_dense_hooks):
+            expect_error(lambda: again([b, a]), "parameter 1 is already hooked on this layer (register_expert_hooks)",
+                         "reduced twice", error=ValueError)
+        expect_error(lambda: layer.register_dense_hooks([b, b]), "register_dense_hooks: parameter 1 is already hooked",
+                     error=ValueError)
+        for t in (b * 2, torch.ones(L, dtype=torch.float64)):
+            expect_error(lambda: layer.register_expert_hooks([t]),
+                         "register_expert_hooks: parameter 0 must be a leaf tensor that requires grad", error=ValueError)
+        expect_error(lambda: layer.register_expert_hooks([None]), "parameter 0 is a NoneType, not a tensor",
+                     error=TypeError)
+        return handles
+
+    def step(hook):
+        a = torch.nn.Parameter(torch.linspace(0.5, 1.5, L, dtype=torch.float64))
+        b = torch.nn.Parameter(torch.linspace(2.0, 1.0, L, dtype=torch.float64))
+        handles = hook(a, b)
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        le = h.local_expert_ids()
+        epx_torch.combine(rows * (a[le] * b[le])[:, None], h).backward(G)
+        for hd in handles:
+            hd.remove()
+        return a.grad, b.grad
+
+    ga, gb = step(lambda a, b: [])
+    ha, hb = step(refused)
+    check_equal("a parameter hooked once, then refused twice", ha, layer.reduce_expert_gradients(ga.clone()))
+    check_equal("a parameter that only refused calls named", hb, gb)
+
+
 def cases(W: int):
     out = []
     f64, f32, bf16, f16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
@@ -1459,6 +1503,7 @@ def cases(W: int):
     add("a call's rows, output and gradients, held, survive the next call", held_tensors_case)
     add("dense gradient hook", dense_hook_case)
     add("a removed expert hook no longer reduces its parameter's gradient", removed_hook_case)
+    add("hooks refuse a parameter hooked twice, a non-leaf, and take one parameter", hook_arguments_case)
     add("hooks on gradients that are not contiguous", noncontiguous_hook_case)
     # The process group's own all-to-all (transport='group') instead of shared memory.
     add("transport group: all_to_all float64", lambda: layer_case(transport="group"))
