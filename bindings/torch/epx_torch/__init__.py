@@ -153,6 +153,8 @@ class Layer:
         # collectives until the group's timeout.
         problem = None
         try:
+            if not isinstance(mesh, Mesh):
+                raise TypeError(f"mesh must be an epx_torch.Mesh, not {type(mesh).__name__}")
             if dtype not in _DTYPES:
                 raise ValueError(f"dtype must be one of {list(_DTYPES)}, not {dtype}")
             if path not in _PATHS:
@@ -592,6 +594,8 @@ def dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: L
     # and its backward on this call's state, while the segment's recomputation dispatches
     # again for the experts' and dispatch's backward. The weights' conversion to float32 is
     # recorded for the same reason: combine's routing-weight gradient reaches the caller's.
+    if not isinstance(layer, Layer):
+        raise TypeError(f"epx_torch dispatch: layer must be an epx_torch.Layer, not {type(layer).__name__}")
     grads = not torch.is_inference_mode_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (x, weights))
     training = torch.is_grad_enabled() or grads
@@ -620,6 +624,9 @@ def combine(expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
     differentiable once (a gradient taken with create_graph=True cannot be differentiated
     again: doing so raises). Dispatch's backward runs wherever combine's does, also on a
     rank whose experts' output does not depend on the rows."""
+    if not isinstance(handle, Handle):
+        raise TypeError("epx_torch combine: handle must be the Handle that dispatch returned (the third of rows, "
+                        f"offsets, handle), not {type(handle).__name__}")
     if why := _not_tensors(**{"expert output": expert_out}):  # raises EpxError on every rank of the group
         handle.layer._impl.combine(handle.state, None, handle.weights.detach(), False, why)
         raise EpxError(f"epx_torch combine: {why}")

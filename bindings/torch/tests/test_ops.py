@@ -554,6 +554,26 @@ def error_cases(W: int):
         rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
         check_close("combine after the errors", epx_torch.combine(rows * 2, h), 2 * w.sum(1, keepdim=True) * x, 1e-5)
 
+    def not_a_layer_or_handle():
+        # Another object for the layer, the handle or the mesh: a TypeError naming what was
+        # passed. A Layer's argument check is collective: a rank whose mesh is not a Mesh
+        # raises TypeError, the others EpxError naming it.
+        x, ids, w = data()
+        for wrong in (mesh, None):
+            expect_error(lambda: epx_torch.dispatch(x, ids, w, wrong), "epx_torch dispatch: layer must be an "
+                         f"epx_torch.Layer, not {type(wrong).__name__}", error=TypeError)
+        rows, offsets, h = epx_torch.dispatch(x, ids, w, layer)
+        for wrong in ((rows, offsets, h), offsets, None):
+            expect_error(lambda: epx_torch.combine(rows, wrong), "epx_torch combine: handle must be the Handle that "
+                         "dispatch returned", f"not {type(wrong).__name__}", error=TypeError)
+        check_close("combine after the errors", epx_torch.combine(rows * 2, h), 2 * w.sum(1, keepdim=True) * x, 1e-5)
+        if rank == bad:
+            expect_error(lambda: epx_torch.Layer(None, hidden=H, top_k=2), "mesh must be an epx_torch.Mesh, not NoneType",
+                         error=TypeError)
+        else:
+            expect_error(lambda: epx_torch.Layer(mesh, hidden=H, top_k=2), "arguments of other ranks",
+                         f"rank {bad}: TypeError: mesh must be an epx_torch.Mesh, not NoneType")
+
     def copy_or_pickle():
         # A module that holds the layer: deepcopy and pickling say what to do instead; a deep
         # copy that shares the layer (memo) computes what the original does.
@@ -850,6 +870,7 @@ def error_cases(W: int):
             ("error: NaN routing weight", nan_weight), ("error: combine with a wrong expert output", combine_shape),
             ("error: a handle combined twice", combine_twice),
             ("error: None or another object for a tensor on one rank", not_a_tensor),
+            ("error: another object for the layer, the handle or the mesh", not_a_layer_or_handle),
             ("error: a layer is neither deep-copied nor pickled; a copy may share it", copy_or_pickle),
             ("error: process group size disagrees with the mesh", group_size_disagrees),
             ("error: sub-group size disagrees with the mesh", subgroup_size_disagrees),
