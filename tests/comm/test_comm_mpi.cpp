@@ -340,6 +340,42 @@ TEST_CASE("mpi: world communicator, environment guard and wrapping") {
                 "MPI was started by the caller with a lower level");
 }
 
+TEST_CASE("mpi: below MPI_THREAD_SERIALIZED, a collective from another thread than MPI's main one raises before any MPI call") {
+  int level = MPI_THREAD_MULTIPLE;
+  MPI_Query_thread(&level);
+  communicator w = communicator::world();  // made on the main thread, used on a worker
+  std::string caught;
+  epx::errc category = epx::errc::internal;
+  bool raised = false;
+  std::thread worker([&] {
+    try {
+      float v = 1.0f;
+      w.all_reduce(&v, &v, 1, epx::datatype::float32, 1.0);
+    } catch (const epx::error& e) {
+      raised = true;
+      category = e.category();
+      caught = e.message();
+    }
+  });
+  worker.join();
+  if (level >= MPI_THREAD_SERIALIZED) {
+    CHECK_FALSE(raised);  // every rank took part in the sum on its worker
+    return;
+  }
+  // Every rank raised on its own worker: no rank entered the sum, none waits in it.
+  REQUIRE(raised);
+  CHECK(category == epx::errc::configuration);
+  CHECK(caught.find("MPI all_reduce on rank " + std::to_string(w.rank()) +
+                    ": called from a thread other than the one that initialised MPI, which MPI's thread level " +
+                    (level == MPI_THREAD_SINGLE ? "MPI_THREAD_SINGLE" : "MPI_THREAD_FUNNELED") +
+                    " does not allow (nothing was sent)") == 0);
+  CHECK(caught.find("MPI_THREAD_MULTIPLE") != std::string::npos);
+  // The communicator was not touched: the main thread goes on with it.
+  double d = 1.0;
+  w.all_reduce(&d, &d, 1, epx::datatype::float64, 1.0);
+  CHECK(d == w.size());
+}
+
 TEST_CASE("mpi: the watchdog lets a late rank through, and is off with a zero timeout") {
   for (long long ms : {5000LL, 0LL}) {
     CAPTURE(ms);

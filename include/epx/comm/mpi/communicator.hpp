@@ -579,6 +579,7 @@ class communicator {
     EPX_MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
     EPX_MPI_CHECK(MPI_Comm_rank(comm, &s_->rank));
     EPX_MPI_CHECK(MPI_Comm_size(comm, &s_->size));
+    EPX_MPI_CHECK(MPI_Query_thread(&s_->thread_level));
     set_options(opt);
   }
 

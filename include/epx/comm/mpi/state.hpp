@@ -109,6 +109,7 @@ struct mpi_state {
   std::size_t chunked_rounds = 0;
   const char* op = "";   // the collective in progress (watchdog messages)
   std::string failed;    // set by a watchdog timeout: why the communicator cannot be used
+  int thread_level = MPI_THREAD_MULTIPLE;  // MPI_Query_thread at construction (mpi_enter's check)
   std::vector<mpi_orphan> orphans;
   mpi_peer_window peer;   // the copies of access_peers
   // peer_buffer: blocks made in place, published without a copy. Shared with the blocks'

@@ -82,9 +82,23 @@ class mpi_keep {
   int n_ = 0;
 };
 
-// Raises when an earlier watchdog timeout left this communicator failed; else names `op`
-// as the collective in progress.
+// Raises when an earlier watchdog timeout left this communicator failed, or when a thread
+// other than MPI's main thread calls where MPI provides less than MPI_THREAD_SERIALIZED
+// (MPI would crash or corrupt its state, not report it); else names `op` as the collective
+// in progress.
 inline void mpi_enter(mpi_state& s, const char* op) {
+  if (s.thread_level < MPI_THREAD_SERIALIZED) {
+    int main_thread = 1;
+    if (MPI_Is_thread_main(&main_thread) == MPI_SUCCESS && !main_thread)
+      throw error(errc::configuration,
+                  concat("MPI ", op, " on rank ", s.rank, ": called from a thread other than the one that initialised MPI, "
+                         "which MPI's thread level ",
+                         s.thread_level == MPI_THREAD_SINGLE ? "MPI_THREAD_SINGLE" : "MPI_THREAD_FUNNELED",
+                         " does not allow (nothing was sent); initialise MPI with MPI_THREAD_SERIALIZED (one thread "
+                         "in MPI at a time) or MPI_THREAD_MULTIPLE (threads on different communicators at once), "
+                         "e.g. MPI_Init_thread or epx::mpi::environment(argc, argv, MPI_THREAD_MULTIPLE)"),
+                  EPX_HERE);
+  }
   if (!s.failed.empty())
     throw error(errc::communicator,
                 concat("MPI ", op, " on rank ", s.rank, ": this communicator failed earlier and cannot be used (",
