@@ -337,7 +337,9 @@ TEST_CASE("mpi: world communicator, environment guard and wrapping") {
   // A guard that needs a higher thread level than MPI was started with raises.
   if (env.thread_level() < MPI_THREAD_MULTIPLE)
     check_error([] { epx::mpi::environment more(nullptr, nullptr, MPI_THREAD_MULTIPLE); }, epx::errc::configuration,
-                "MPI was started by the caller with a lower level");
+                "MPI was started by the caller with a lower level: a program that initialises MPI itself needs no "
+                "guard (wrap its communicators: epx::mpi::communicator(MPI_COMM_WORLD)), or ask for the level it "
+                "started MPI with (a third argument)");
 }
 
 TEST_CASE("mpi: below MPI_THREAD_SERIALIZED, a collective from another thread than MPI's main one raises before any MPI call") {

@@ -30,7 +30,10 @@ class environment {
       if (owns_) MPI_Finalize();
       EPX_REQUIRE(false, errc::configuration, "epx::mpi::environment: MPI provides thread level ", provided_,
                   " but ", required, " is required (MPI_THREAD_SINGLE 0 ... MPI_THREAD_MULTIPLE 3)",
-                  owns_ ? "" : "; MPI was started by the caller with a lower level");
+                  owns_ ? ""
+                        : "; MPI was started by the caller with a lower level: a program that initialises MPI "
+                          "itself needs no guard (wrap its communicators: epx::mpi::communicator(MPI_COMM_WORLD)), "
+                          "or ask for the level it started MPI with (a third argument)");
     }
   }
   environment(int& argc, char**& argv, int required = MPI_THREAD_FUNNELED)
