@@ -15,7 +15,8 @@ struct options {
   // segmented and indexed exchanges that the counts each rank sends match what the
   // receivers expect. Costs one small MPI_Allreduce per call (with check_counts, barrier is
   // that reduction). Without it, all_to_allv runs as point-to-point messages with no extra
-  // synchronization, and ranks in different collectives wait for the watchdog.
+  // synchronization, and ranks in different collectives get what MPI makes of them (not
+  // defined: a wrong result, an MPI error, or a wait the watchdog ends).
   // (epx/comm/mpi/agreement.hpp)
   bool check_counts = true;
   // Largest count or displacement, in elements, handed to one MPI call. Larger transfers go
