@@ -496,7 +496,7 @@ TEST_CASE("framework constructor: the caller's ep and tp communicators, checked 
     for (int r = 0; r < 4; ++r) CHECK(a[static_cast<std::size_t>(r)] == b[static_cast<std::size_t>(r)]);
   }
   SUBCASE("communicators that do not match the mesh raise on every rank") {
-    for (int variant = 0; variant < 3; ++variant) {
+    for (int variant = 0; variant < 4; ++variant) {
       CAPTURE(variant);
       std::vector<raised> seen(4);
       epx::threads::options opts;
@@ -515,8 +515,11 @@ TEST_CASE("framework constructor: the caller's ep and tp communicators, checked 
                 // The ep group in the wrong order (reversed ranks).
                 comm_t rev = comm.split(0, 3 - comm.rank());
                 epx::moe_layer<comm_t, float> l(m, comm.rank(), std::move(rev), std::move(tp), o);
-              } else {
+              } else if (variant == 2) {
                 epx::moe_layer<comm_t, float> l(m, (comm.rank() + 1) % 4, std::move(ep), std::move(tp), o);  // wrong world rank
+              } else {
+                // A rank of a larger job (this world as ranks 4 to 7 of 8) instead of the rank in the mesh's world.
+                epx::moe_layer<comm_t, float> l(m, comm.rank() + 4, std::move(ep), std::move(tp), o);
               }
             });
             seen[static_cast<std::size_t>(comm.rank())] = x;
@@ -528,6 +531,10 @@ TEST_CASE("framework constructor: the caller's ep and tp communicators, checked 
         CHECK(x.category == epx::errc::configuration);
       }
       if (variant == 0) CHECK(seen[0].message.find("the ep communicator has 2 ranks but the mesh has ep=4") != std::string::npos);
+      if (variant == 3)
+        CHECK(seen[0].message.find("world rank (4) out of range [0, 4): the layer's world_rank is this rank's rank "
+                                   "in the mesh's world (the communicator whose ranks the mesh numbers), not in a larger "
+                                   "job that holds it") != std::string::npos);
     }
   }
   SUBCASE("a tp communicator across two ep groups, one of which raises: the other group's ranks hear why") {

@@ -636,7 +636,9 @@ class moe_layer {
   // The caller's communicators against the mesh, as a sentence ("" when they fit).
   static std::string group_check(const mesh& m, int world_rank, int ep_size, int ep_rank, int tp_size, int tp_rank) {
     if (world_rank < 0 || world_rank >= m.world())
-      return detail::concat("world rank (", world_rank, ") out of range [0, ", m.world(), ")");
+      return detail::concat("world rank (", world_rank, ") out of range [0, ", m.world(),
+                            "): the layer's world_rank is this rank's rank in the mesh's world (the communicator whose "
+                            "ranks the mesh numbers), not in a larger job that holds it");
     if (ep_size != m.ep())
       return detail::concat("the ep communicator has ", ep_size, " ranks but the mesh has ep=", m.ep());
     if (tp_size != m.tp())
