@@ -160,7 +160,9 @@ inline void mpi_wait_bounded(mpi_state& s, const mpi::options& opt, MPI_Request*
       if (std::chrono::steady_clock::now() >= deadline) {
         std::string msg = concat("watchdog: MPI ", s.op, " on rank ", s.rank, " of a communicator of ", s.size,
                                  " ranks still waits after ", opt.timeout.count(),
-                                 " ms: a rank stalled, died, or returned without calling it");
+                                 " ms: a rank stalled, died, or returned without calling it (one that caught an "
+                                 "exception and went on leaves its peers here until this limit: epx::mpi::run, or "
+                                 "epx::mpi::abort_job where it catches, ends the job at once)");
         if (kind == mpi_buffers::caller)
           mpi_end_job(msg + " (the job ends: the pending call still reads or writes the caller's buffers)");
         if (kind == mpi_buffers::gate)
