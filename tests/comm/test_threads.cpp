@@ -1329,6 +1329,74 @@ TEST_CASE("threads: an unknown datatype and NaN scales") {
   }, short_options());
 }
 
+// docs/guarantees.md, "What you see on failure": every pending and later collective of
+// every rank throws `rank R failed: <message> (collective aborted on rank Q)`, the message
+// an epx::error's message(), another exception's what(), or "unknown exception" for one
+// not derived from std::exception, Q the world rank of the rank that raises it, also in a
+// sub-communicator; threads::run rethrows the first exception as it was thrown.
+TEST_CASE("threads: the abort message names the failed rank, its message or \"unknown exception\", and the aborted rank") {
+  struct not_std {
+    int code;
+  };
+  const int n = 4;
+  for (int kind = 0; kind < 3; ++kind) {
+    CAPTURE(kind);
+    const std::string what = kind == 0 ? "unknown exception" : kind == 1 ? "bad id on rank three" : "plain what";
+    std::vector<std::string> pending(n), later(n);
+    std::vector<epx::errc> categories(n, epx::errc::internal);
+    bool rethrown = false;
+    try {
+      epx::threads::run(n, [&](epx::threads::communicator& comm) {
+        const int r = comm.rank();
+        auto sub = comm.split(r % 2, r);  // {0, 2} and {1, 3}
+        if (r == 3) {
+          std::this_thread::sleep_for(milliseconds(50));  // the others wait by now
+          if (kind == 0) throw not_std{7};
+          if (kind == 1) EPX_THROW(epx::errc::input, "bad id on rank three");
+          throw std::logic_error("plain what");
+        }
+        // Pending when rank 3 fails: rank 1's barrier of {1, 3}, ranks 0 and 2's of the
+        // world after one of {0, 2} that completes; later: the other one.
+        if (r != 1) sub.barrier();
+        epx::threads::communicator& first = r == 1 ? sub : comm;
+        epx::threads::communicator& second = r == 1 ? comm : sub;
+        try {
+          first.barrier();
+        } catch (const epx::error& e) {
+          pending[static_cast<std::size_t>(r)] = e.message();
+          categories[static_cast<std::size_t>(r)] = e.category();
+        }
+        try {
+          second.barrier();
+        } catch (const epx::error& e) {
+          later[static_cast<std::size_t>(r)] = e.message();
+          throw;
+        }
+      }, short_options());
+    } catch (const not_std& e) {
+      rethrown = kind == 0 && e.code == 7;
+    } catch (const epx::error& e) {
+      rethrown = kind == 1 && e.category() == epx::errc::input && e.message() == "bad id on rank three";
+    } catch (const std::logic_error& e) {
+      rethrown = kind == 2 && std::string(e.what()) == "plain what";
+    }
+    CHECK(rethrown);
+    for (int r = 0; r < 3; ++r) {
+      CAPTURE(r);
+      const std::string want = "rank 3 failed: " + what + " (collective aborted on rank " + std::to_string(r) + ")";
+      CHECK(categories[static_cast<std::size_t>(r)] == epx::errc::communicator);
+      CHECK(pending[static_cast<std::size_t>(r)] == want);
+      CHECK(later[static_cast<std::size_t>(r)] == want);
+    }
+  }
+  check_next_run_works(n);
+}
+
+// docs/guarantees.md, "Timeouts": the threads watchdog waits 60 s unless told otherwise.
+TEST_CASE("threads: the watchdog's default timeout is 60 s") {
+  CHECK(epx::threads::options{}.timeout == std::chrono::seconds(60));
+}
+
 TEST_CASE("threads: a timeout too long for the clock never fires") {
   epx::threads::options o;
   o.timeout = milliseconds::max();
