@@ -378,6 +378,15 @@ TEST_CASE("mpi: below MPI_THREAD_SERIALIZED, a collective from another thread th
   CHECK(d == w.size());
 }
 
+// docs/guarantees.md: the count check is on unless turned off, and the watchdog waits 10
+// minutes ("Timeouts").
+TEST_CASE("mpi: the defaults: check_counts on, a watchdog of 10 minutes, shared memory") {
+  const epx::mpi::options o;
+  CHECK(o.check_counts);
+  CHECK(o.timeout == std::chrono::minutes(10));
+  CHECK(o.shared_memory);
+}
+
 TEST_CASE("mpi: the watchdog lets a late rank through, and is off with a zero timeout") {
   for (long long ms : {5000LL, 0LL}) {
     CAPTURE(ms);
