@@ -101,6 +101,30 @@ struct scale_experts {
   }
 };
 
+// fp8_scale_experts that also keep an expert gradient [L, H] as scale_experts do: grad_out
+// * the rows backward hands them (the forward's x' in T), in double, in row order, so the
+// FP8 runs compare the expert gradients after the hook too.
+template <class T>
+struct fp8_grad_experts : epx::test::fp8_scale_experts<T> {
+  int L = 1;
+  std::vector<double> grads;  // [L, H]
+
+  fp8_grad_experts(int first_expert, int local) : epx::test::fp8_scale_experts<T>{first_expert}, L(local) {}
+
+  template <class Exec>
+  void backward(const Exec& ex, const epx::expert_rows<const T>& in, const T* grad_out, T* grad_in) {
+    epx::test::fp8_scale_experts<T>::backward(ex, in, grad_out, grad_in);
+    const std::size_t H = in.hidden;
+    grads.resize(static_cast<std::size_t>(L) * H, 0.0);
+    for (int l = 0; l < in.num_local; ++l) {
+      double* g = grads.data() + static_cast<std::size_t>(l) * H;
+      for (std::size_t r = in.begin(l); r < in.begin(l) + in.count(l); ++r)
+        for (std::size_t h = 0; h < H; ++h)
+          g[h] += epx::convert<double>(grad_out[r * H + h]) * epx::convert<double>(in.rows[r * H + h]);
+    }
+  }
+};
+
 // A training forward, backward and the expert hook, then an inference forward with fresh
 // experts, on this rank's batch of case c, with the options o.
 template <class Comm, class T, class Exec, class Impl = epx::impl::all_to_all>
@@ -114,12 +138,16 @@ run_bits<T> run_one(Comm& world, const layer_case& c, const epx::layer_options& 
   r.inference_out.assign(N * H, epx::convert<T>(7.0f));
   epx::gradient_hooks<Comm> hooks(m, world);
   if (o.fp8_dispatch) {
-    epx::test::fp8_scale_experts<T> experts{m.expert_begin(rank)}, inf{m.expert_begin(rank)};
+    fp8_grad_experts<T> experts(m.expert_begin(rank), m.local_experts());
+    epx::test::fp8_scale_experts<T> inf{m.expert_begin(rank)};
     auto saved = layer.forward(epx::span<const T>(mb.x), epx::span<const std::int32_t>(mb.d.ids),
                                epx::span<const float>(mb.w), epx::span<T>(mb.out), experts, epx::mode::train);
     r.peer_access = layer.stats().peer_access;
     r.path = layer.stats().path;
     layer.backward(std::move(saved), epx::span<const T>(mb.go), epx::span<T>(mb.gx), epx::span<float>(mb.gw), experts);
+    r.expert_grads = experts.grads;
+    r.expert_grads.resize(static_cast<std::size_t>(m.local_experts()) * H, 0.0);
+    hooks.reduce_expert(epx::span<double>(r.expert_grads));
     layer.forward(epx::span<const T>(mb.x), epx::span<const std::int32_t>(mb.d.ids), epx::span<const float>(mb.w),
                   epx::span<T>(r.inference_out), inf, epx::mode::inference);
   } else {

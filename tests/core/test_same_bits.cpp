@@ -18,7 +18,8 @@
 // differs. (tests/core/test_same_bits_mpi.cpp compares the MPI backend with these runs.)
 //
 // Experts: scale_experts of core/same_bits_cases.hpp (elementwise, cheap at any H) and, with FP8 dispatch,
-// fp8_scale_experts of core/fp8_layer_cases.hpp; neither depends on the policy.
+// fp8_grad_experts there (fp8_scale_experts of core/fp8_layer_cases.hpp with an expert
+// gradient of the rows backward gets); neither depends on the policy.
 // tests/emulated/test_same_bits.cpp reruns this file with the device's algorithm variants
 // (EPX_EMULATE_DEVICE_ALGORITHMS), where exec::emulated_device plans with Thrust's stable
 // sort when the CCCL headers are there, against the host policies' counting sort.
