@@ -107,3 +107,31 @@ TEST_CASE("bounded (MPI): a bound below 1 on the last rank, and a bad expert id,
   }
   CHECK_MESSAGE(msg.find("1 call(s) of the EP group had an expert id out of range") != std::string::npos, msg);
 }
+
+// docs/guarantees.md: on bounded mode's masked path a rank whose N differs makes the sums'
+// own count check raise errc::communicator at the call, on every rank (MPI as on threads).
+TEST_CASE("bounded (MPI), masked path: a rank with another N makes the all-reduce raise errc::communicator everywhere") {
+  comm_t world = comm_t::world();
+  const int n = world.size();
+  if (n < 2) return;
+  const epx::mesh m(epx::mesh_config{n, 1, 1, 1, n, 2 * n, 0});
+  epx::layer_options o;
+  o.hidden = 4;
+  o.top_k = 1;
+  o.counts = epx::count_exchange::device;
+  o.bound.cap = 4;
+  epx::moe_layer<comm_t, float, epx::impl::all_reduce> layer(m, world, o);
+  const std::size_t N = world.rank() == n - 1 ? 3 : 4;
+  std::vector<float> x(N * 4, 1.0f), w(N, 1.0f), y(N * 4);
+  std::vector<std::int32_t> ids(N, 0);
+  unit_experts e;
+  std::string msg = "no error";
+  try {
+    (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                        epx::span<float>(y), e, epx::mode::inference);
+  } catch (const epx::error& err) {
+    msg = err.category() == epx::errc::communicator ? err.message() : std::string("wrong category: ") + err.what();
+  }
+  CHECK_MESSAGE(msg.find("all_reduce") != std::string::npos, msg);
+  CHECK_MESSAGE(msg.find("wrong category") == std::string::npos, msg);
+}
