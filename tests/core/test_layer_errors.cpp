@@ -193,6 +193,8 @@ TEST_CASE("bad configuration raises on every rank, together, before rows move") 
   SUBCASE("padding") {
     o.pad.align = 0;
     expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, "padding.align (0)");
+    o.pad = {-1, 1};
+    expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, "padding.rows_per_expert (-1) must be >= 0");
   }
   SUBCASE("hidden size whose row bytes would wrap") {
     o.hidden = static_cast<std::size_t>(-1);  // a negative size converted: hidden * sizeof(float) wraps
@@ -213,6 +215,14 @@ TEST_CASE("bad configuration raises on every rank, together, before rows move") 
                                "layer_options.chunks (4611686018427387904) is too large in bounded mode");
     expect_configuration_error<epx::impl::all_reduce>(4, {4, 1, 1, 1, 4, 4, 0}, o,
                                                       "layer_options.chunks (4611686018427387904) is too large");
+  }
+  SUBCASE("bounded mode with slabs of 9e15 elements or more") {
+    o.counts = epx::count_exchange::device;
+    o.hidden = std::size_t{1} << 20;
+    o.bound.cap = 1 << 30;  // ep * L * cap * hidden = 2 * 4 * 2^30 * 2^20 = 2^53, just above 9e15
+    const std::string words = "layer_options.bound.cap (1073741824) is too large: ep * L * cap * hidden = ";
+    expect_configuration_error(2, {1, 2, 1, 1, 2, 8, 0}, o, words);
+    expect_configuration_error<epx::impl::all_reduce>(2, {2, 1, 1, 1, 2, 8, 0}, o, words);
   }
   SUBCASE("bounded mode with padding whose expert-major buffers would wrap") {
     o.counts = epx::count_exchange::device;
