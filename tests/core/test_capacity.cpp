@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -337,6 +338,10 @@ TEST_CASE("capacity: bad options raise errc::configuration on every rank, naming
   epx::layer_options o;
   o.capacity = cap(epx::capacity_mode::local, -0.5);
   expect_bad(o, "capacity.factor (-0.5) must be a finite number >= 0");
+  o.capacity = cap(epx::capacity_mode::local, std::numeric_limits<double>::quiet_NaN());
+  expect_bad(o, "capacity.factor (nan) must be a finite number >= 0");
+  o.capacity = cap(epx::capacity_mode::global, std::numeric_limits<double>::infinity(), 4);
+  expect_bad(o, "capacity.factor (inf) must be a finite number >= 0");
   o.capacity = cap(epx::capacity_mode::global, 0.0);
   expect_bad(o, "capacity.factor (0) must be > 0 for capacity mode global");
   o.capacity = cap(epx::capacity_mode::local, 1.0, -3);
