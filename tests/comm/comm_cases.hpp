@@ -391,11 +391,13 @@ void case_large(Comm& c, std::size_t bytes = std::size_t{64} << 20) {
 // --- reductions ----------------------------------------------------------------------------
 
 // Checks `got` (on every rank) against scale * (sum over ranks of value(seed, r, 0, i))
-// computed in float64, and that every rank holds bitwise rank 0's result.
+// computed in float64, bitwise against the summation rule of the host backends
+// (epx/comm/communicator.hpp: summed in rank order in the accumulation type, scaled, rounded
+// once; worked out here), and that every rank holds bitwise rank 0's result.
 template <class T, class Comm>
 void check_sum(Comm& c, const std::vector<T>& got, std::uint64_t seed, std::size_t first_index, double scale, const std::string& what) {
   const int n = c.size(), me = c.rank();
-  std::size_t bad = 0;
+  std::size_t bad = 0, not_rule = 0;
   double worst = 0.0;
   for (std::size_t i = 0; i < got.size(); ++i) {
     const std::size_t idx = first_index + i;
@@ -419,11 +421,19 @@ void check_sum(Comm& c, const std::vector<T>& got, std::uint64_t seed, std::size
         ++bad;
         worst = std::max(worst, err);
       }
+      using A = epx::accum_t<T>;
+      A acc = epx::convert<A>(value<T>(seed, 0, 0, idx));
+      for (int r = 1; r < n; ++r) acc += epx::convert<A>(value<T>(seed, r, 0, idx));
+      if (scale != 1.0) acc *= static_cast<A>(scale);
+      not_rule += !same_bits(got[i], epx::convert<T>(acc));
     }
   }
   CHECK_MESSAGE(bad == 0, what << "<" << type_name<T>() << "> of " << got.size() << " elements, scale " << scale
                                << ", on " << n << " ranks: " << bad << " elements off the float64 reference on rank "
                                << me << " (worst error " << worst << ")");
+  CHECK_MESSAGE(not_rule == 0, what << "<" << type_name<T>() << "> of " << got.size() << " elements, scale " << scale
+                                    << ", on " << n << " ranks: " << not_rule
+                                    << " elements are not the rank-order sum in the accumulation type on rank " << me);
 }
 
 template <class T, class Comm>
