@@ -814,6 +814,14 @@ TEST_CASE("mpi: split by color and key") {
   check_all_to_allv<double>(subsub, 2);
   check_error([&] { (void)w.split(me == n - 1 ? -3 : 0, 0); }, epx::errc::input,
               "split: color (-3) on rank " + std::to_string(n - 1));
+  // docs/guarantees.md: split agrees even without check_counts, so the last rank's bad
+  // color raises on every rank there too, and the communicator goes on.
+  epx::mpi::options unchecked;
+  unchecked.check_counts = false;
+  communicator u = communicator::world(unchecked);
+  check_error([&] { (void)u.split(me == n - 1 ? -3 : 0, 0); }, epx::errc::input,
+              "split: color (-3) on rank " + std::to_string(n - 1));
+  CHECK(u.split(me % 2, me).size() == (n - me % 2 + 1) / 2);
 }
 
 TEST_CASE("mpi: mismatched counts are reported on every rank") {
