@@ -653,6 +653,21 @@ TEST_CASE("mpi: all_reduce by gathering and by blocks give the same bits") {
     epx::all_reduce(b, epx::span<const bf16>(h.data(), count), epx::span<bf16>(hb.data(), count), 0.5);
     CHECK(std::memcmp(yg.data(), yb.data(), count * sizeof(float)) == 0);
     CHECK(std::memcmp(hg.data(), hb.data(), count * sizeof(bf16)) == 0);
+    // Both the summation rule, worked out here: the ranks in order in float, scaled, rounded once.
+    std::size_t not_rule = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+      float a = value_of<float>(key(600 + count, 0, 0, i));
+      float c = static_cast<float>(value_of<bf16>(key(700 + count, 0, 0, i)));
+      for (int r = 1; r < g.size(); ++r) {
+        a += value_of<float>(key(600 + count, static_cast<std::uint64_t>(r), 0, i));
+        c += static_cast<float>(value_of<bf16>(key(700 + count, static_cast<std::uint64_t>(r), 0, i)));
+      }
+      a *= 0.3f;
+      c *= 0.5f;
+      not_rule += !same_bits(yg[i], a);
+      not_rule += !same_bits(hg[i], epx::convert<bf16>(c));
+    }
+    CHECK_MESSAGE(not_rule == 0, not_rule, " of ", 2 * count, " elements are not the rank-order sum");
   }
   check_all_reduce<fp16>(g, 333, 0.25, true, 601);
   check_all_reduce<fp16>(b, 333, 0.25, true, 602);
