@@ -81,7 +81,7 @@ template <class T>
 std::vector<float> model_dots(std::size_t n, std::size_t H, std::size_t k, const std::vector<T>& y,
                               const std::vector<T>& g, const std::vector<std::int64_t>& pos) {
   using A = epx::accum_t<T>;
-  constexpr std::size_t L = epx::kernels::detail::dot_lanes;
+  constexpr std::size_t L = 16;  // docs/semantics.md and docs/guarantees.md: 16 interleaved lanes
   std::vector<float> out(n * k);
   for (std::size_t i = 0; i < n * k; ++i) {
     if (pos[i] < 0) {
