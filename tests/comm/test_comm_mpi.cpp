@@ -1455,6 +1455,24 @@ TEST_CASE("mpi: injected failure inside run aborts every rank" * doctest::skip()
   });
 }
 
+// Run only by the ctest test_comm_mpi_unknown_exception_np2 (--no-skip): the last rank
+// throws something not derived from std::exception; run() must print "unknown exception"
+// for it and end the job.
+TEST_CASE("mpi: an exception not derived from std::exception inside run aborts every rank" * doctest::skip()) {
+  struct not_std {
+    int code;
+  };
+  int argc = 1;
+  char name[] = "test";
+  char* args[] = {name, nullptr};
+  char** argv = args;
+  epx::mpi::run(argc, argv, [](communicator& w) {
+    if (w.rank() == w.size() - 1) throw not_std{7};
+    std::vector<float> x(4, 1.0f);
+    epx::all_reduce(w, epx::make_span(x));  // never completes: the last rank is gone
+  });
+}
+
 // Run only by the ctest test_comm_mpi_watchdog_np2 (--no-skip): the last rank stalls for
 // longer than the watchdog before an all_reduce; the others' wait turns into an error and
 // epx::mpi::run ends the job with it (instead of a hang).
