@@ -230,13 +230,19 @@ TEST_CASE("hooks: a rank that passes another size or element type raises errc::i
   const epx::mesh_config mc{1, 2, 1, 2, 1, 2, 0};
   double seconds = 0.0;
   SUBCASE("reduce_expert: one rank of one efsdp group passes one element more") {
-    const auto seen = run_hooks(mc, [](int rank, epx::gradient_hooks<comm_t>& h) {
-      std::vector<double> g(kLen + (rank == 1 ? 1 : 0), 1.0);
+    // Each rank's own values, kept: nothing is reduced on any rank, the other efsdp group's
+    // included (docs/guarantees.md: the error comes before anything is reduced).
+    const auto mine = [](int rank) { return std::vector<double>(kLen + (rank == 1 ? 1 : 0), 1.0 + rank); };
+    std::vector<std::vector<double>> grads(4);
+    const auto seen = run_hooks(mc, [&](int rank, epx::gradient_hooks<comm_t>& h) {
+      auto& g = grads[static_cast<std::size_t>(rank)];
+      g = mine(rank);
       h.reduce_expert(epx::span<double>(g));
     }, seconds);
     expect_refused(seen, seconds, "reduce_expert_gradients",
                    "rank 1 of the efsdp group (world rank 1) passes a gradient of 7 elements but rank 0 (world rank 0) "
                    "passes 6");
+    for (int r = 0; r < 4; ++r) CHECK_MESSAGE(grads[static_cast<std::size_t>(r)] == mine(r), "rank ", r, "'s gradient changed");
     // The other efsdp group agreed within itself and learns why through dp_replicate.
     CHECK(seen[2].message.find("in the efsdp group of rank 0 of the dp_replicate group (world rank 0): rank 1 of "
                                "the efsdp group (world rank 1) passes") != std::string::npos);
