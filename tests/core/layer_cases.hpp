@@ -577,6 +577,7 @@ struct raised {
   bool thrown = false;
   errc category = errc::internal;
   std::string message;
+  std::string moved;  // run_bad_input: what the failed call did before it raised ("" when nothing)
 };
 
 // Runs f and returns what it raised (an epx::error), or nothing.
@@ -656,6 +657,16 @@ raised run_bad_input(Comm& world, const layer_case& c, bad_input kind, int bad_r
       case bad_input::mode_differs: break;  // below
     }
   }
+  // The outputs hold 7 until the layer writes them: a call that raises must not have
+  // written them, nor run the experts (the error comes before any row moves).
+  const T seven = convert<T>(7.0f);
+  std::fill(out.begin(), out.end(), seven);
+  std::fill(gx.begin(), gx.end(), seven);
+  std::fill(gw.begin(), gw.end(), 7.0f);
+  const auto untouched = [](const auto& v, auto s) {
+    return std::all_of(v.begin(), v.end(), [s](auto e) { return std::memcmp(&e, &s, sizeof e) == 0; });
+  };
+  bool in_backward = false;
   try {
     moe_layer<Comm, T, Impl, test_exec> layer(m, world, o);
     const mode md = me && kind == bad_input::mode_differs ? mode::inference : mode::train;
@@ -663,12 +674,18 @@ raised run_bad_input(Comm& world, const layer_case& c, bad_input kind, int bad_r
                                experts, md);
     if (md == mode::inference) return raised{};
     if (me && kind == bad_input::empty_state) saved.reset();
+    in_backward = true;
     layer.backward(std::move(saved), span<const T>(go), span<T>(gx), span<float>(gw), experts);
   } catch (const error& e) {
     raised r;
     r.thrown = true;
     r.category = e.category();
     r.message = e.what();
+    if (!in_backward && experts.forward_calls() != 0) r.moved += "the experts' forward ran; ";
+    if (!in_backward && !untouched(out, seven)) r.moved += "out was written; ";
+    if (in_backward && experts.backward_calls() != 0) r.moved += "the experts' backward ran; ";
+    if (in_backward && !untouched(gx, seven)) r.moved += "grad_x was written; ";
+    if (in_backward && !untouched(gw, 7.0f)) r.moved += "grad_weights was written; ";
     return r;
   }
   return raised{};

@@ -89,6 +89,7 @@ void expect_everyone_raises(const layer_case& c, bad_input kind, int bad_rank) {
     }
     REQUIRE(s.thrown);
     CHECK(s.category == (config ? epx::errc::configuration : epx::errc::input));
+    CHECK_MESSAGE(s.moved.empty(), s.moved);
     CHECK(s.message.find("rank " + std::to_string(bad_rank)) != std::string::npos);
     if (config) CHECK(s.message.find(kind == bad_input::hidden_differs ? "hidden=" : "top_k=") != std::string::npos);
     if (kind == bad_input::mode_differs) CHECK(s.message.find("must pass the same mode") != std::string::npos);

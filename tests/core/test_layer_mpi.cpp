@@ -149,6 +149,7 @@ TEST_CASE("layer (MPI): bad input on the last rank raises on every rank of its E
     CAPTURE(r.message);
     REQUIRE(r.thrown);
     CHECK(r.category == epx::errc::input);
+    CHECK_MESSAGE(r.moved.empty(), r.moved);  // raised before any row moved
     CHECK(r.message.find("rank " + std::to_string(n - 1)) != std::string::npos);
   }
 }
