@@ -1133,6 +1133,28 @@ TEST_CASE("mpi: peer_memory buffers are published without a copy") {
   check_error([&] { (void)off.peer_memory(8); }, epx::errc::configuration, "no peer access");
 }
 
+// docs/guarantees.md: a peer_buffer call takes the rank's smallest free block that fits,
+// and makes a window only when some rank has none.
+TEST_CASE("mpi: peer_buffer takes the smallest free block that fits") {
+  communicator c = communicator::world();
+  REQUIRE(c.peer_access_available());
+  // The larger block made first and handed back last: first fit in either order would take it.
+  auto big = c.peer_buffer(std::size_t{1} << 16);
+  auto small = c.peer_buffer(2048);
+  REQUIRE((small != nullptr && big != nullptr));
+  const void* s = small.get();
+  const void* b = big.get();
+  small.reset();
+  big.reset();
+  auto x = c.peer_buffer(1024);
+  CHECK(x.get() == s);
+  auto y = c.peer_buffer(1024);  // the one free block left that fits
+  CHECK(y.get() == b);
+  auto z = c.peer_buffer(std::size_t{1} << 16);  // none free: a new window
+  REQUIRE(z != nullptr);
+  CHECK((z.get() != s && z.get() != b));
+}
+
 // Communicators over one MPI_Comm, each with its shared windows, destroyed in opposite
 // orders on even and odd ranks: the frees must not pair one communicator's window with the
 // other's (they hung in MPI_Win_free), and the MPI_Comm stays usable afterwards.
