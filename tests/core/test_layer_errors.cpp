@@ -133,6 +133,75 @@ TEST_CASE("bad input on the masked all-reduce path") {
   for (int bad : {0, 3}) expect_everyone_raises<epx::impl::automatic>(c, bad_input::empty_state, bad);
 }
 
+namespace {
+
+// Counts a rank's all_gathers, over the communicator and the ones its split made.
+struct gather_counting_comm : epx::test::forwarding_comm<comm_t> {
+  int* gathers = nullptr;
+  gather_counting_comm split(int color, int key) const { return {{c.split(color, key)}, gathers}; }
+  void all_gather(const void* s, void* r, std::size_t n, epx::datatype t) {
+    ++*gathers;
+    c.all_gather(s, r, n, t);
+  }
+};
+
+// Experts that hand their rows back.
+struct copy_experts {
+  template <class Exec>
+  void forward(const Exec&, const epx::expert_rows<const float>& in, float* out) {
+    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i) out[i] = in.rows[i];
+  }
+  template <class Exec>
+  void backward(const Exec&, const epx::expert_rows<const float>&, const float*, float*) {}
+};
+
+}  // namespace
+
+// docs/guarantees.md: the input check rides on the count exchange's record, one small
+// all-gather per call; a second one, carrying the failing ranks' messages, only on the
+// error path, on every rank of the EP group.
+TEST_CASE("the input check adds no collective: one all_gather per forward call, a second only when it fails") {
+  for (const int tp : {1, 2}) {
+    CAPTURE(tp);
+    std::vector<int> clean(4, -1), failed(4, -1), after(4, -1);
+    std::vector<raised> seen(4);
+    epx::threads::run(4, [&](comm_t& comm) {
+      const auto r = static_cast<std::size_t>(comm.rank());
+      int gathers = 0;
+      gather_counting_comm world{{std::move(comm)}, &gathers};
+      const epx::mesh m(epx::mesh_config{tp, 4 / tp, 1, 1, 4, 8, 0});  // one EP group of 4
+      epx::layer_options o;
+      o.hidden = 4;
+      o.top_k = 2;
+      epx::moe_layer<gather_counting_comm, float> layer(m, world, o);
+      std::vector<float> x(3 * 4, 1.0f), y(3 * 4), w(6, 0.5f);
+      std::vector<std::int32_t> ids = {0, 1, 2, 3, 4, 5}, bad = ids;
+      if (r == 1) bad[3] = 8;
+      copy_experts experts;
+      const auto call = [&](const std::vector<std::int32_t>& i) {
+        gathers = 0;
+        (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(i), epx::span<const float>(w),
+                            epx::span<float>(y), experts, epx::mode::inference);
+      };
+      call(ids);
+      clean[r] = gathers;
+      seen[r] = epx::test::capture([&] { call(bad); });
+      failed[r] = gathers;
+      call(ids);
+      after[r] = gathers;
+    });
+    for (std::size_t r = 0; r < 4; ++r) {
+      CAPTURE(r);
+      CAPTURE(seen[r].message);
+      CHECK(seen[r].thrown);
+      CHECK(seen[r].category == epx::errc::input);
+      CHECK(clean[r] == 1);
+      CHECK(failed[r] == 2);
+      CHECK(after[r] == 1);
+    }
+  }
+}
+
 TEST_CASE("the error message names the token, slot and value") {
   const auto c = small(1, 2, 2);
   std::vector<raised> seen(2);
