@@ -202,6 +202,43 @@ TEST_CASE("the input check adds no collective: one all_gather per forward call, 
   }
 }
 
+// docs/guarantees.md: in bounded mode there is no per-call exchange on the host; bad ids
+// are counted and raised by check().
+TEST_CASE("bounded mode's calls all-gather nothing; a bad id is raised by check() on every rank") {
+  std::vector<int> calls(4, -1);
+  std::vector<raised> seen(4);
+  epx::threads::run(4, [&](comm_t& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    int gathers = 0;
+    gather_counting_comm world{{std::move(comm)}, &gathers};
+    const epx::mesh m(epx::mesh_config{1, 4, 1, 1, 4, 8, 0});
+    epx::layer_options o;
+    o.hidden = 4;
+    o.top_k = 2;
+    o.counts = epx::count_exchange::device;
+    o.bound.cap = 4;
+    epx::moe_layer<gather_counting_comm, float> layer(m, world, o);
+    std::vector<float> x(3 * 4, 1.0f), y(3 * 4), w(6, 0.5f);
+    std::vector<std::int32_t> ids = {0, 1, 2, 3, 4, 5};
+    if (r == 1) ids[3] = 8;
+    copy_experts experts;
+    gathers = 0;
+    for (int i = 0; i < 2; ++i)
+      (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
+                          epx::span<float>(y), experts, epx::mode::inference);
+    calls[r] = gathers;
+    seen[r] = epx::test::capture([&] { (void)layer.check(); });
+  });
+  for (std::size_t r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    CAPTURE(seen[r].message);
+    CHECK(calls[r] == 0);
+    CHECK(seen[r].thrown);
+    CHECK(seen[r].category == epx::errc::input);
+    CHECK(seen[r].message.find("expert id out of range") != std::string::npos);
+  }
+}
+
 TEST_CASE("the error message names the token, slot and value") {
   const auto c = small(1, 2, 2);
   std::vector<raised> seen(2);
