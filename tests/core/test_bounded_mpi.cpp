@@ -11,6 +11,7 @@
 #include "core/bounded_cases.hpp"
 #include "core/mpi_cases.hpp"
 #include "epx/comm/mpi.hpp"
+#include "support/copy_experts.hpp"
 
 namespace {
 
@@ -30,15 +31,6 @@ std::vector<layer_case> cases_for(int n) {
     default: return {};
   }
 }
-
-struct unit_experts {
-  template <class Exec>
-  void forward(const Exec&, const epx::expert_rows<const float>& in, float* out) {
-    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i) out[i] = in.rows[i];
-  }
-  template <class Exec>
-  void backward(const Exec&, const epx::expert_rows<const float>&, const float*, float*) {}
-};
 
 }  // namespace
 
@@ -96,7 +88,7 @@ TEST_CASE("bounded (MPI): a bound below 1 on the last rank, and a bad expert id,
   epx::moe_layer<comm_t, float> layer(m, world, o);
   std::vector<float> x(8, 1.0f), w(2, 1.0f), y(8);
   std::vector<std::int32_t> ids = {0, world.rank() == n - 1 ? 2 * n : 1};
-  unit_experts e;
+  epx::test::copy_experts e;
   (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
                       epx::span<float>(y), e, epx::mode::inference);
   msg.clear();
@@ -124,7 +116,7 @@ TEST_CASE("bounded (MPI), masked path: a rank with another N makes the all-reduc
   const std::size_t N = world.rank() == n - 1 ? 3 : 4;
   std::vector<float> x(N * 4, 1.0f), w(N, 1.0f), y(N * 4);
   std::vector<std::int32_t> ids(N, 0);
-  unit_experts e;
+  epx::test::copy_experts e;
   std::string msg = "no error";
   try {
     (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),

@@ -18,6 +18,7 @@
 #include "epx/comm/threads.hpp"
 #include "epx/exec/emulated.hpp"
 #include "epx/grad/hooks.hpp"
+#include "support/copy_experts.hpp"
 #include "support/forwarding_comm.hpp"
 #include "support/group_failing_comm.hpp"
 #include "support/throwing_experts.hpp"
@@ -145,16 +146,6 @@ struct gather_counting_comm : epx::test::forwarding_comm<comm_t> {
   }
 };
 
-// Experts that hand their rows back.
-struct copy_experts {
-  template <class Exec>
-  void forward(const Exec&, const epx::expert_rows<const float>& in, float* out) {
-    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i) out[i] = in.rows[i];
-  }
-  template <class Exec>
-  void backward(const Exec&, const epx::expert_rows<const float>&, const float*, float*) {}
-};
-
 }  // namespace
 
 // docs/guarantees.md: the input check rides on the count exchange's record, one small
@@ -177,7 +168,7 @@ TEST_CASE("the input check adds no collective: one all_gather per forward call, 
       std::vector<float> x(3 * 4, 1.0f), y(3 * 4), w(6, 0.5f);
       std::vector<std::int32_t> ids = {0, 1, 2, 3, 4, 5}, bad = ids;
       if (r == 1) bad[3] = 8;
-      copy_experts experts;
+      epx::test::copy_experts experts;
       const auto call = [&](const std::vector<std::int32_t>& i) {
         gathers = 0;
         (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(i), epx::span<const float>(w),
@@ -221,7 +212,7 @@ TEST_CASE("bounded mode's calls all-gather nothing; a bad id is raised by check(
     std::vector<float> x(3 * 4, 1.0f), y(3 * 4), w(6, 0.5f);
     std::vector<std::int32_t> ids = {0, 1, 2, 3, 4, 5};
     if (r == 1) ids[3] = 8;
-    copy_experts experts;
+    epx::test::copy_experts experts;
     gathers = 0;
     for (int i = 0; i < 2; ++i)
       (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),

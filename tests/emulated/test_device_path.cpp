@@ -13,6 +13,7 @@
 
 #include "core/layer_cases.hpp"
 #include "epx/comm/threads.hpp"
+#include "support/copy_experts.hpp"
 #include "support/forwarding_comm.hpp"
 
 // The file's names in a namespace of its own: the tests of a label compile as one unity
@@ -46,17 +47,6 @@ static_assert(epx::check_communicator<queued_comm>());
 static_assert(epx::detail::is_device_communicator_v<queued_comm>);
 static_assert(!epx::detail::is_device_communicator_v<epx::threads::communicator>);
 
-struct unit_experts {
-  template <class Exec>
-  void forward(const Exec&, const epx::expert_rows<const float>& in, float* out) {
-    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i) out[i] = in.rows[i];
-  }
-  template <class Exec>
-  void backward(const Exec&, const epx::expert_rows<const float>& in, const float* g, float* gi) {
-    for (std::size_t i = 0; i < in.num_rows * in.hidden; ++i) gi[i] = g[i];
-  }
-};
-
 struct syncs {
   long long forward = -1, backward = -1, inference = -1;
   epx::bound_report report;
@@ -84,7 +74,7 @@ std::vector<syncs> count_syncs(const epx::mesh_config& mc, Make make_comm, epx::
     std::vector<float> x(N * H, 0.5f), w(N * 2, 0.25f), y(N * H), gx(N * H), gw(N * 2);
     std::vector<std::int32_t> ids(N * 2);
     for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 5 + 1) % (used > 0 ? used : bound > 0 ? 4 : 8));
-    unit_experts e;
+    epx::test::copy_experts e;
     auto s = layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
                            epx::span<float>(y), e, epx::mode::train);
     auto& r = out[static_cast<std::size_t>(comm.rank())];
@@ -257,7 +247,7 @@ std::vector<std::string> bad_id_messages(const epx::mesh_config& mc, int bad) {
         for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 5 + 1) % 8);
         if (comm.rank() == bad)  // slot 1 of every token, so the rank's own TP slice holds one
           for (std::size_t t = 0; t < N; ++t) ids[2 * t + 1] = 8;
-        unit_experts e;
+        epx::test::copy_experts e;
         try {
           layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
                         epx::span<float>(y), e, epx::mode::train);
@@ -337,7 +327,7 @@ TEST_CASE("device path: a communicator's queue changed after construction is ref
     const std::size_t N = 3, H = 4;
     std::vector<float> x(N * H, 0.5f), w(N, 1.0f), y(N * H), gx(N * H), gw(N);
     std::vector<std::int32_t> ids{0, 3, 6};
-    unit_experts e;
+    epx::test::copy_experts e;
     auto forward = [&](epx::mode md) {
       return layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids), epx::span<const float>(w),
                            epx::span<float>(y), e, md);
