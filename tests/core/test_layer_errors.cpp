@@ -1249,6 +1249,28 @@ TEST_CASE("a call whose expert-major buffers would wrap rows * H raises errc::in
   SUBCASE("masked all-reduce path") { run(epx::impl::all_reduce{}, {2, 1, 1, 1, 2, 2, 0}); }
 }
 
+namespace {
+
+// forward and dispatch_start of a layer with options `o` over 2 ranks of mesh `mc`, each
+// raising errc::input with `text` on every rank; `call(layer, experts, split)` makes the
+// call (split: dispatch_start).
+template <class Call>
+void both_entries_refuse(const epx::layer_options& o, const epx::mesh_config& mc, const char* text, Call call) {
+  for (bool split : {false, true}) {
+    CAPTURE(split);
+    std::vector<raised> r(2);
+    epx::threads::run(2, [&](comm_t& comm) {
+      const epx::mesh m(mc);
+      epx::moe_layer<comm_t, float> layer(m, comm, o);
+      scale_experts experts;
+      r[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] { call(layer, experts, split); });
+    });
+    require_every_rank_raised(r, epx::errc::input, {text});
+  }
+}
+
+}  // namespace
+
 TEST_CASE("tensor sizes whose N*k would wrap raise errc::input on every rank of the EP group") {
   // x of 2^61 rows of H = 1 (a size no buffer has: the call must refuse it before reading)
   // and k = 8: N*k = 2^64 wraps to 0, which empty ids and weights used to match.
@@ -1256,51 +1278,35 @@ TEST_CASE("tensor sizes whose N*k would wrap raise errc::input on every rank of 
   o.hidden = 1;
   o.top_k = 8;
   const std::size_t N = std::size_t{1} << 61;
-  for (bool split : {false, true}) {
-    CAPTURE(split);
-    std::vector<raised> r(2);
-    epx::threads::run(2, [&](comm_t& comm) {
-      const epx::mesh m({1, 2, 1, 1, 2, 8, 0});
-      epx::moe_layer<comm_t, float> layer(m, comm, o);
-      scale_experts experts;
-      std::vector<float> x(8), out(8);
-      r[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
-        const epx::span<const float> xs(x.data(), N), w;
-        const epx::span<const std::int32_t> ids;
-        if (split) (void)layer.dispatch_start(xs, ids, w, epx::mode::inference);
-        else (void)layer.forward(xs, ids, w, epx::span<float>(out.data(), N), experts, epx::mode::inference);
-      });
-    });
-    require_every_rank_raised(r, epx::errc::input,
-                              {"expert ids have 0 elements but N*k = 2305843009213693952*8 = more than SIZE_MAX"});
-  }
+  both_entries_refuse(o, {1, 2, 1, 1, 2, 8, 0},
+                      "expert ids have 0 elements but N*k = 2305843009213693952*8 = more than SIZE_MAX",
+                      [N](auto& layer, auto& experts, bool split) {
+                        std::vector<float> x(8), out(8);
+                        const epx::span<const float> xs(x.data(), N), w;
+                        const epx::span<const std::int32_t> ids;
+                        if (split) (void)layer.dispatch_start(xs, ids, w, epx::mode::inference);
+                        else
+                          (void)layer.forward(xs, ids, w, epx::span<float>(out.data(), N), experts,
+                                              epx::mode::inference);
+                      });
 }
 
 TEST_CASE("ids and weights made for another k than layer_options.top_k: the message names the option") {
   // top_k left at its default 1, ids and weights of 2 slots per token.
   epx::layer_options o;
   o.hidden = 2;
-  for (bool split : {false, true}) {
-    CAPTURE(split);
-    std::vector<raised> r(2);
-    epx::threads::run(2, [&](comm_t& comm) {
-      const epx::mesh m({1, 2, 1, 1, 2, 4, 0});
-      epx::moe_layer<comm_t, float> layer(m, comm, o);
-      scale_experts experts;
-      std::vector<float> x(8), w(8), out(8);
-      std::vector<std::int32_t> ids(8, 0);
-      r[static_cast<std::size_t>(comm.rank())] = epx::test::capture([&] {
-        if (split)
-          (void)layer.dispatch_start(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
-                                     epx::span<const float>(w), epx::mode::inference);
-        else
-          (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
-                              epx::span<const float>(w), epx::span<float>(out), experts, epx::mode::inference);
-      });
-    });
-    require_every_rank_raised(r, epx::errc::input,
-                              {"expert ids have 8 elements but N*k = 4*1 = 4 (k is layer_options.top_k)"});
-  }
+  both_entries_refuse(o, {1, 2, 1, 1, 2, 4, 0}, "expert ids have 8 elements but N*k = 4*1 = 4 (k is layer_options.top_k)",
+                      [](auto& layer, auto& experts, bool split) {
+                        std::vector<float> x(8), w(8), out(8);
+                        std::vector<std::int32_t> ids(8, 0);
+                        if (split)
+                          (void)layer.dispatch_start(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
+                                                     epx::span<const float>(w), epx::mode::inference);
+                        else
+                          (void)layer.forward(epx::span<const float>(x), epx::span<const std::int32_t>(ids),
+                                              epx::span<const float>(w), epx::span<float>(out), experts,
+                                              epx::mode::inference);
+                      });
 }
 
 namespace {
